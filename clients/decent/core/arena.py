@@ -1,0 +1,87 @@
+"""The worker's side of the shared-memory arena: attach once, allocate slots for requests."""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import threading
+import time
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from decent.core.errors import DecentError
+from decent.v1 import decent_pb2 as pb
+
+ALIGN = 64
+PAGE = 4096
+
+
+class ClientArena:
+    """A mapped arena plus a first-fit allocator; ``alloc`` blocks while the arena is full."""
+
+    def __init__(self, name: str, nbytes: int) -> None:
+        self._shm = shared_memory.SharedMemory(name=name)
+        # the daemon owns the segment; keep the stdlib tracker from unlinking it at our exit
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self.nbytes = nbytes
+        self.buf = self._shm.buf
+        int(np.frombuffer(self.buf, np.uint8)[::PAGE].sum())  # map every page now
+        self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted by offset
+        self._cond = threading.Condition()
+
+    def alloc(self, nbytes: int, what: str, timeout: float | None = None) -> int:
+        """Offset of a free slot of ``nbytes``; waits for space (DecentError if it never fits)."""
+        size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        if size > self.nbytes:
+            raise DecentError(
+                pb.ARENA_ERROR,
+                f"{what} needs {nbytes} bytes but the shared-memory arena holds {self.nbytes}; "
+                "raise memory.arena_bytes in the daemon's config",
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for i, (off, free) in enumerate(self._free):
+                    if free >= size:
+                        if free == size:
+                            del self._free[i]
+                        else:
+                            self._free[i] = (off + size, free - size)
+                        return off
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise DecentError(pb.ARENA_ERROR, f"{what}: no room in the arena for "
+                                      f"{nbytes} bytes after {timeout}s (too much in flight)")
+                self._cond.wait(left)
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Return a slot, merging it with free neighbors."""
+        size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        with self._cond:
+            i = bisect.bisect(self._free, (offset, 0))
+            start, end = offset, offset + size
+            if i < len(self._free) and self._free[i][0] == end:
+                end += self._free.pop(i)[1]
+            if i > 0 and sum(self._free[i - 1]) == start:
+                i -= 1
+                start = self._free.pop(i)[0]
+            self._free.insert(i, (start, end - start))
+            self._cond.notify_all()
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """Bytes ``[offset, offset + nbytes)`` of the arena."""
+        return self.buf[offset:offset + nbytes]
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not allocated right now."""
+        with self._cond:
+            return sum(size for _, size in self._free)
+
+    def close(self) -> None:
+        """Unmap (views still held elsewhere keep it mapped until they go)."""
+        self.buf = memoryview(b"")
+        with contextlib.suppress(BufferError):
+            self._shm.close()

@@ -1,0 +1,430 @@
+"""The framework-agnostic client: one connection to the local daemon, shared by every op.
+
+A request is: allocate a slot in the shared-memory arena, let the framework codec copy the tensor
+into it, send a small Submit (offsets, dtype, shape, weights) without waiting for the answer, and
+hand back a :class:`Handle`. One background thread reads the daemon's completion stream and wakes
+the handles; ``Handle.wait()`` blocks on an event, it never polls. Framework adapters
+(``decent.torch``, ``decent.tf``) supply a :class:`TensorCodec`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import grpc
+
+from decent.core.arena import ClientArena
+from decent.core.errors import DecentError
+from decent.v1 import decent_pb2 as pb
+from decent.v1 import decent_pb2_grpc as pb_grpc
+
+PROTOCOL_VERSION = 1
+ITEMSIZE = {pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.FLOAT32: 4, pb.FLOAT64: 8, pb.INT32: 4, pb.INT64: 8}
+
+T = TypeVar("T")
+
+
+class TensorCodec(Protocol[T]):
+    """How a framework's tensors go into and come out of the arena."""
+
+    framework: str
+
+    def describe(self, tensor: T) -> tuple[int, tuple[int, ...]]:
+        """(wire dtype, shape) of ``tensor``; raise TypeError for an unsupported dtype."""
+
+    def write(self, tensor: T, dst: memoryview) -> None:
+        """Copy ``tensor``'s bytes into ``dst`` (exactly its size), finished on return."""
+
+    def read(self, src: memoryview, dtype: int, shape: tuple[int, ...], like: T) -> T:
+        """A new tensor of ``dtype``/``shape`` from ``src``, on ``like``'s device."""
+
+    def attach(self, arena: ClientArena) -> None:
+        """Called once the arena is mapped (e.g. to pin it for GPU copies)."""
+
+
+def default_address() -> str:
+    """$DECENT_DAEMON, else the daemon's default socket."""
+    env = os.environ.get("DECENT_DAEMON")
+    if env:
+        return env if "://" in env or ":" in env else f"unix://{env}"
+    return f"unix://{os.path.join(tempfile.gettempdir(), 'decentd.sock')}"
+
+
+@dataclass
+class _Pending:
+    request_id: int
+    label: str
+    slots: list[tuple[int, int]]
+    dtype: int
+    like: Any
+    event: threading.Event = field(default_factory=threading.Event)
+    completion: pb.Completion | None = None
+    error: DecentError | None = None
+    abandoned: bool = False
+    freed: bool = False
+
+
+class Handle(Generic[T]):
+    """The future result of one asynchronous op."""
+
+    def __init__(self, client: Client[T], pending: _Pending) -> None:
+        self._client = client
+        self._pending = pending
+        self._result: T | None = None
+        self._done_reading = False
+        weakref.finalize(self, client._abandon, pending)
+
+    @property
+    def name(self) -> str:
+        """The op's label (op, name, round)."""
+        return self._pending.label
+
+    def done(self) -> bool:
+        """True once the daemon reported the op finished (successfully or not)."""
+        return self._pending.event.is_set()
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block until the op finishes; its result, or DecentError with the daemon's reason."""
+        p = self._pending
+        if not p.event.wait(timeout):
+            raise TimeoutError(f"{p.label}: not finished after {timeout}s (still running)")
+        if p.error is not None:
+            self._client._release(p)
+            raise p.error
+        if not self._done_reading:
+            assert p.completion is not None
+            c = p.completion
+            off = p.slots[-1][0]
+            view = self._client.arena.view(off, int(c.out_nbytes))
+            self._result = self._client.codec.read(view, p.dtype, tuple(c.out_meta.shape), p.like)
+            del view
+            self._done_reading = True
+            self._client._release(p)
+        return self._result  # type: ignore[return-value]
+
+    @property
+    def src_ranks(self) -> list[int]:
+        """For allgather: the ranks whose tensors are stacked in the result, in order."""
+        self._pending.event.wait()
+        c = self._pending.completion
+        return list(c.src_ranks) if c is not None else []
+
+
+WeightsArg = Mapping[int, float] | Iterable[int] | None
+
+
+def _weights(arg: WeightsArg) -> dict[int, float] | None:
+    if arg is None:
+        return None
+    if isinstance(arg, Mapping):
+        return {int(k): float(v) for k, v in arg.items()}
+    return {int(k): 1.0 for k in arg}
+
+
+class Client(Generic[T]):
+    """A worker's connection to its daemon. Thread-safe; one per process is typical."""
+
+    def __init__(
+        self,
+        codec: TensorCodec[T],
+        address: str | None = None,
+        connect_timeout: float = 120.0,
+    ) -> None:
+        self.codec = codec
+        self.address = address or default_address()
+        self._channel = grpc.insecure_channel(
+            self.address,
+            options=[("grpc.max_receive_message_length", 64 << 20),
+                     ("grpc.max_send_message_length", 64 << 20)],
+        )
+        self._stub = pb_grpc.WorkerStub(self._channel)
+        try:
+            reply = self._stub.Register(
+                pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, pid=os.getpid(),
+                                   framework=codec.framework),
+                timeout=connect_timeout, wait_for_ready=True,
+            )
+        except grpc.RpcError as exc:
+            self._channel.close()
+            raise DecentError(pb.PEER_UNAVAILABLE,
+                              f"cannot reach the daemon at {self.address}: {exc.details()}"
+                              ) from None
+        if reply.error.code != pb.OK:
+            self._channel.close()
+            raise DecentError.from_pb(reply.error)
+        self.worker_id = reply.worker_id
+        self.rank = int(reply.rank)
+        self.size = int(reply.size)
+        self.cluster_id = reply.cluster_id
+        self.topology = reply.topology
+        self.default_timeout = reply.default_timeout_s
+        self.arena = ClientArena(reply.arena_name, reply.arena_bytes)
+        codec.attach(self.arena)
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._rounds: dict[str, int] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._closed = False
+        self._lost: DecentError | None = None
+        self._stream = self._stub.Completions(pb.CompletionsRequest(worker_id=self.worker_id))
+        self._reader = threading.Thread(target=self._read_completions, daemon=True,
+                                        name=f"decent-completions-{self.rank}")
+        self._reader.start()
+
+    # ------------------------------------------------------------------ completions
+
+    def _read_completions(self) -> None:
+        try:
+            for completion in self._stream:
+                self._finish(completion.request_id, completion)
+            reason = "the daemon closed the completion stream (shutting down)"
+        except grpc.RpcError as exc:
+            reason = f"lost the daemon at {self.address}: {exc.code().name}"
+        lost = DecentError(pb.SHUTTING_DOWN, reason)
+        with self._lock:
+            self._lost = lost
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for p in pending:
+            self._settle(p, None, lost)
+
+    def _finish(self, request_id: int, completion: pb.Completion) -> None:
+        with self._lock:
+            p = self._pending.pop(request_id, None)
+        if p is None:
+            return
+        error = DecentError.from_pb(completion.error) if completion.error.code != pb.OK else None
+        self._settle(p, completion, error)
+
+    def _settle(self, p: _Pending, completion: pb.Completion | None,
+                error: DecentError | None) -> None:
+        p.completion = completion
+        p.error = error
+        p.event.set()
+        if p.abandoned:
+            self._release(p)
+
+    def _abandon(self, p: _Pending) -> None:
+        p.abandoned = True
+        if p.event.is_set():
+            self._release(p)
+
+    def _release(self, p: _Pending) -> None:
+        with self._lock:
+            if p.freed:
+                return
+            p.freed = True
+        if not self._closed:
+            for off, n in p.slots:
+                self.arena.free(off, n)
+
+    # ------------------------------------------------------------------ submission
+
+    def _next_round(self, name: str) -> int:
+        with self._lock:
+            r = self._rounds.get(name, 0)
+            self._rounds[name] = r + 1
+            return r
+
+    def _submit(
+        self,
+        op: int,
+        tensor: T | None,
+        name: str | None,
+        timeout: float | None,
+        out_factor: int = 1,
+        **fields: Any,
+    ) -> Handle[T]:
+        if self._closed:
+            raise DecentError(pb.SHUTTING_DOWN, "client is closed")
+        if self._lost is not None:
+            raise self._lost
+        label = str(pb.OpType.Name(op)).lower()  # type: ignore[arg-type]
+        name = name or f"{label}.unnamed"
+        round_ = self._next_round(name)
+        if tensor is None:
+            dtype, shape = pb.FLOAT32, (0,)
+        else:
+            try:
+                dtype, shape = self.codec.describe(tensor)
+            except TypeError as exc:
+                raise TypeError(f"tensor '{name}': {exc}") from None
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        what = f"{label} '{name}' round {round_}"
+        slots = [(self.arena.alloc(nbytes, f"tensor '{name}'"), nbytes)]
+        if out_factor != 1:
+            out_bytes = nbytes * out_factor
+            try:
+                slots.append((self.arena.alloc(out_bytes, f"tensor '{name}' output"), out_bytes))
+            except BaseException:
+                self.arena.free(*slots[0])
+                raise
+        in_off = slots[0][0]
+        out_off, out_cap = slots[-1]
+        try:
+            if tensor is not None and nbytes:
+                self.codec.write(tensor, self.arena.view(in_off, nbytes))
+        except BaseException:
+            for s in slots:
+                self.arena.free(*s)
+            raise
+        rid = next(self._ids)
+        p = _Pending(rid, what, slots, dtype, tensor)
+        req = pb.SubmitRequest(
+            worker_id=self.worker_id, request_id=rid, op=op, name=name,  # type: ignore[arg-type]
+            round=round_, meta=pb.TensorMeta(dtype=dtype, shape=shape),  # type: ignore[arg-type]
+            offset=in_off, nbytes=nbytes, out_offset=out_off, out_capacity=out_cap,
+            timeout_s=timeout or 0.0, **fields,
+        )
+        with self._lock:
+            self._pending[rid] = p
+        future = self._stub.Submit.future(req)
+        future.add_done_callback(lambda f: self._on_submitted(rid, f))
+        return Handle(self, p)
+
+    def _on_submitted(self, rid: int, future: Any) -> None:
+        try:
+            reply = future.result()
+        except grpc.RpcError as exc:
+            error = DecentError(pb.PEER_UNAVAILABLE, f"submit failed: {exc.code().name}")
+        else:
+            if reply.error.code == pb.OK:
+                return
+            error = DecentError.from_pb(reply.error)
+        with self._lock:
+            p = self._pending.pop(rid, None)
+        if p is not None:
+            self._settle(p, None, error)
+
+    # ------------------------------------------------------------------ public ops
+
+    def neighbor_allreduce_async(
+        self,
+        tensor: T,
+        name: str | None = None,
+        self_weight: float | None = None,
+        src_weights: Mapping[int, float] | None = None,
+        dst_weights: WeightsArg = None,
+        timeout: float | None = None,
+    ) -> Handle[T]:
+        """Start ``self_weight*x + sum_j src_weights[j] * d_j * x_j``; returns at once.
+
+        No weights: the topology's at this step. ``dst_weights`` (dict or list of ranks) makes the
+        call dynamic: it sends to exactly those ranks and receives from the ``src_weights`` keys.
+        """
+        src = _weights(src_weights)
+        dst = _weights(dst_weights)
+        return self._submit(
+            pb.NEIGHBOR_ALLREDUCE, tensor, name, timeout,
+            has_self_weight=self_weight is not None, self_weight=self_weight or 0.0,
+            has_src_weights=src is not None, src_weights=src or {},
+            has_dst_weights=dst is not None, dst_weights=dst or {},
+        )
+
+    def neighbor_allreduce(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking :meth:`neighbor_allreduce_async`."""
+        return self.neighbor_allreduce_async(tensor, **kwargs).wait()
+
+    def neighbor_allgather_async(
+        self,
+        tensor: T,
+        name: str | None = None,
+        src_ranks: Iterable[int] | None = None,
+        dst_ranks: Iterable[int] | None = None,
+        timeout: float | None = None,
+    ) -> Handle[T]:
+        """Start gathering the in-neighbors' tensors, stacked on a new leading dim (rank order)."""
+        src = _weights(src_ranks)
+        dst = _weights(dst_ranks)
+        if src is not None:
+            factor = len(src)
+        else:
+            factor = max(1, self.size - 1)
+        return self._submit(
+            pb.NEIGHBOR_ALLGATHER, tensor, name, timeout, out_factor=max(1, factor),
+            has_src_weights=src is not None, src_weights=src or {},
+            has_dst_weights=dst is not None, dst_weights=dst or {},
+        )
+
+    def neighbor_allgather(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking :meth:`neighbor_allgather_async`."""
+        return self.neighbor_allgather_async(tensor, **kwargs).wait()
+
+    def allreduce_async(
+        self, tensor: T, op: str = "average", name: str | None = None,
+        timeout: float | None = None,
+    ) -> Handle[T]:
+        """Start an average (or ``op="sum"``) over all ranks."""
+        if op not in ("average", "sum"):
+            raise ValueError(f"allreduce op must be 'average' or 'sum', not {op!r}")
+        reduce_op = pb.AVERAGE if op == "average" else pb.SUM
+        return self._submit(pb.ALLREDUCE, tensor, name, timeout, reduce_op=reduce_op)
+
+    def allreduce(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking :meth:`allreduce_async`."""
+        return self.allreduce_async(tensor, **kwargs).wait()
+
+    def broadcast_async(
+        self, tensor: T, root: int = 0, name: str | None = None, timeout: float | None = None
+    ) -> Handle[T]:
+        """Start copying ``root``'s tensor to every rank."""
+        return self._submit(pb.BROADCAST, tensor, name, timeout, root=root)
+
+    def broadcast(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking :meth:`broadcast_async`."""
+        return self.broadcast_async(tensor, **kwargs).wait()
+
+    def barrier(self, name: str | None = None, timeout: float | None = None) -> None:
+        """Return once every rank has reached a barrier of the same name and round."""
+        h = self._submit(pb.BARRIER, None, name, timeout)
+        p = h._pending
+        p.event.wait()
+        self._release(p)
+        if p.error is not None:
+            raise p.error
+
+    # ------------------------------------------------------------------ queries
+
+    def topology_at(self, name: str | None = None) -> pb.TopologyInfo:
+        """Neighbors and weights at the step the next call of op ``name`` will use."""
+        round_ = self._rounds.get(name, 0) if name else 0
+        info: pb.TopologyInfo = self._stub.Topology(pb.TopologyRequest(name=name or "",
+                                                                       round=round_))
+        return info
+
+    def in_neighbors(self, name: str | None = None) -> list[int]:
+        """Ranks this worker receives from (at the next step of ``name``)."""
+        return list(self.topology_at(name).in_neighbors)
+
+    def out_neighbors(self, name: str | None = None) -> list[int]:
+        """Ranks this worker sends to (at the next step of ``name``)."""
+        return list(self.topology_at(name).out_neighbors)
+
+    def status(self) -> pb.StatusReply:
+        """The daemon's counters and peer health."""
+        reply: pb.StatusReply = self._stub.Status(pb.StatusRequest())
+        return reply
+
+    def close(self) -> None:
+        """Disconnect; the daemon fails this worker's in-flight ops and frees its arena."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stream.cancel()
+        self._reader.join(timeout=5)
+        self._channel.close()
+        self.arena.close()
+
+    def __enter__(self) -> Client[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,43 @@
+"""A codec for plain numpy arrays (no bfloat16: numpy has none)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from decent.core.arena import ClientArena
+from decent.v1 import decent_pb2 as pb
+
+_TO_WIRE = {
+    np.dtype(np.float16): pb.FLOAT16,
+    np.dtype(np.float32): pb.FLOAT32,
+    np.dtype(np.float64): pb.FLOAT64,
+    np.dtype(np.int32): pb.INT32,
+    np.dtype(np.int64): pb.INT64,
+}
+_FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
+
+
+class NumpyCodec:
+    """Moves ``numpy.ndarray`` in and out of the arena."""
+
+    framework = "numpy"
+
+    def describe(self, tensor: np.ndarray) -> tuple[int, tuple[int, ...]]:
+        """Wire dtype and shape."""
+        try:
+            return _TO_WIRE[tensor.dtype], tuple(tensor.shape)
+        except KeyError:
+            raise TypeError(f"dtype {tensor.dtype} is not supported "
+                            f"(use one of {', '.join(str(d) for d in _TO_WIRE)})") from None
+
+    def write(self, tensor: np.ndarray, dst: memoryview) -> None:
+        """Copy the array's bytes into ``dst``."""
+        np.frombuffer(dst, tensor.dtype).reshape(tensor.shape)[...] = tensor
+
+    def read(self, src: memoryview, dtype: int, shape: tuple[int, ...],
+             like: np.ndarray) -> np.ndarray:
+        """A new array from ``src``."""
+        return np.frombuffer(src, _FROM_WIRE[dtype]).reshape(shape).copy()
+
+    def attach(self, arena: ClientArena) -> None:
+        """Nothing to do for host memory."""

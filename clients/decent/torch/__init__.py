@@ -1,0 +1,148 @@
+"""PyTorch client of decent.
+
+    import decent.torch as dt
+    client = dt.connect()                      # $DECENT_DAEMON, else the default socket
+    h = client.neighbor_allreduce_async(t)     # returns at once
+    t_avg = h.wait()                           # same shape, dtype and device as t
+
+Module-level shortcuts (``dt.init()``, ``dt.neighbor_allreduce_async(t)``, ...) use one default
+client per process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from decent.core import Client, DecentError, Handle
+from decent.torch.codec import TorchCodec
+
+__all__ = [
+    "Client",
+    "DecentError",
+    "Handle",
+    "allreduce",
+    "allreduce_async",
+    "barrier",
+    "broadcast",
+    "broadcast_async",
+    "connect",
+    "in_neighbors",
+    "init",
+    "neighbor_allgather",
+    "neighbor_allgather_async",
+    "neighbor_allreduce",
+    "neighbor_allreduce_async",
+    "out_neighbors",
+    "rank",
+    "shutdown",
+    "size",
+]
+
+TorchClient = Client[torch.Tensor]
+_default: TorchClient | None = None
+
+
+def connect(address: str | None = None, connect_timeout: float = 120.0) -> TorchClient:
+    """A new client of the local daemon (address: $DECENT_DAEMON, else the default socket)."""
+    return Client(TorchCodec(), address, connect_timeout)
+
+
+def init(address: str | None = None) -> TorchClient:
+    """Create (once) the default client the module-level functions use, and return it."""
+    global _default
+    if _default is None:
+        _default = connect(address)
+    return _default
+
+
+def _client() -> TorchClient:
+    if _default is None:
+        raise RuntimeError("decent.torch is not initialized: call decent.torch.init() first")
+    return _default
+
+
+def shutdown() -> None:
+    """Close the default client."""
+    global _default
+    if _default is not None:
+        _default.close()
+        _default = None
+
+
+def rank() -> int:
+    """This worker's rank."""
+    return _client().rank
+
+
+def size() -> int:
+    """Number of workers."""
+    return _client().size
+
+
+def neighbor_allreduce_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    self_weight: float | None = None,
+    src_weights: Mapping[int, float] | None = None,
+    dst_weights: Mapping[int, float] | Iterable[int] | None = None,
+    timeout: float | None = None,
+) -> Handle[torch.Tensor]:
+    """See :meth:`decent.core.Client.neighbor_allreduce_async`."""
+    return _client().neighbor_allreduce_async(
+        tensor, name=name, self_weight=self_weight, src_weights=src_weights,
+        dst_weights=dst_weights, timeout=timeout,
+    )
+
+
+def neighbor_allreduce(tensor: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Blocking neighbor averaging."""
+    return _client().neighbor_allreduce(tensor, **kwargs)
+
+
+def neighbor_allgather_async(tensor: torch.Tensor, **kwargs: Any) -> Handle[torch.Tensor]:
+    """See :meth:`decent.core.Client.neighbor_allgather_async`."""
+    return _client().neighbor_allgather_async(tensor, **kwargs)
+
+
+def neighbor_allgather(tensor: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Blocking neighbor allgather."""
+    return _client().neighbor_allgather(tensor, **kwargs)
+
+
+def allreduce_async(tensor: torch.Tensor, op: str = "average", **kwargs: Any
+                    ) -> Handle[torch.Tensor]:
+    """See :meth:`decent.core.Client.allreduce_async`."""
+    return _client().allreduce_async(tensor, op=op, **kwargs)
+
+
+def allreduce(tensor: torch.Tensor, op: str = "average", **kwargs: Any) -> torch.Tensor:
+    """Blocking allreduce."""
+    return _client().allreduce(tensor, op=op, **kwargs)
+
+
+def broadcast_async(tensor: torch.Tensor, root: int = 0, **kwargs: Any) -> Handle[torch.Tensor]:
+    """See :meth:`decent.core.Client.broadcast_async`."""
+    return _client().broadcast_async(tensor, root=root, **kwargs)
+
+
+def broadcast(tensor: torch.Tensor, root: int = 0, **kwargs: Any) -> torch.Tensor:
+    """Blocking broadcast."""
+    return _client().broadcast(tensor, root=root, **kwargs)
+
+
+def barrier(name: str | None = None, timeout: float | None = None) -> None:
+    """Wait for every rank."""
+    _client().barrier(name=name, timeout=timeout)
+
+
+def in_neighbors(name: str | None = None) -> list[int]:
+    """Ranks this worker receives from."""
+    return _client().in_neighbors(name)
+
+
+def out_neighbors(name: str | None = None) -> list[int]:
+    """Ranks this worker sends to."""
+    return _client().out_neighbors(name)

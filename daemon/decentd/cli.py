@@ -1,0 +1,83 @@
+"""``decentd --config node.yaml``: run one node's daemon (flags override the file)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from decentd.config import load_config, parse_set
+from decentd.errors import StartupError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The decentd command line."""
+    p = argparse.ArgumentParser(prog="decentd", description=__doc__)
+    p.add_argument("--config", help="node.yaml (optional: every key has a default)")
+    p.add_argument("--rank", help="this node's rank, or 'auto'")
+    p.add_argument("--peers", help="comma-separated host:port of every rank, in rank order")
+    p.add_argument("--listen", help="host:port to listen on for peers")
+    p.add_argument("--socket", help="Unix socket path for local workers")
+    p.add_argument("--topology", help="topology kind (ring, exponential, hypercube, ...)")
+    p.add_argument("--cluster-id", help="cluster id peers must share")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config key, e.g. --set timeouts.op=30")
+    return p
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
+    """Dotted config overrides from the flags that were given."""
+    out: dict[str, Any] = {}
+    if args.rank is not None:
+        out["rank"] = int(args.rank) if args.rank.lstrip("-").isdigit() else args.rank
+    if args.peers is not None:
+        out["peers"] = [p.strip() for p in args.peers.split(",") if p.strip()]
+    for key in ("listen", "socket", "log_level", "cluster_id"):
+        if getattr(args, key) is not None:
+            out[key] = getattr(args, key)
+    if args.topology is not None:
+        out["topology.kind"] = args.topology
+    out.update(parse_set(args.set))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``decentd`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, overrides_from(args))
+        rank = cfg.resolved_rank()
+    except StartupError as exc:
+        print(f"decentd: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format=f"%(asctime)s decentd[{rank}] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    from decentd.server import Daemon  # after logging: grpc import is slow-ish
+
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - non-Linux
+        runner = asyncio.run
+
+    async def serve() -> None:
+        await Daemon(cfg).run()
+
+    try:
+        runner(serve())
+    except StartupError as exc:
+        logging.getLogger("decentd").error("%s", exc)
+        print(f"decentd: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""The request engine: validates worker requests, runs each as a task, times out, aborts, reports.
+
+Every request is keyed by (name, round) and involves only the peers its op needs. A failure
+(mismatch, timeout, a peer gone) fails the op here and is sent as ABORT to the op's other
+participants, so both sides of a disagreement fail with the same message instead of one of them
+hanging. A stall inspector logs the ranks an op is still waiting for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from decentd import dtypes
+from decentd.errors import OpError
+from decentd.topology import Step, Topology
+from decentd.transport import Transport
+from decentd.wire import pb
+
+if TYPE_CHECKING:
+    from decentd.arena import Arena
+
+log = logging.getLogger("decentd.engine")
+
+
+@dataclass
+class WorkerSession:
+    """One registered local worker: its arena and its completion stream."""
+
+    worker_id: str
+    pid: int
+    framework: str
+    arena: Arena
+    completions: asyncio.Queue[pb.Completion | None] = field(default_factory=asyncio.Queue)
+    in_flight: set[tuple[str, int]] = field(default_factory=set)
+
+    def complete(self, completion: pb.Completion) -> None:
+        """Queue a completion for the worker's stream."""
+        self.completions.put_nowait(completion)
+
+
+@dataclass
+class OpResult:
+    """What an op wrote to the worker's output region."""
+
+    out_nbytes: int
+    shape: tuple[int, ...]
+    src_ranks: list[int] = field(default_factory=list)
+
+
+def op_label(op: int) -> str:
+    """``neighbor_allreduce`` style name of an op type."""
+    return str(pb.OpType.Name(op)).lower()  # type: ignore[arg-type]
+
+
+class OpContext:
+    """Everything one running op needs: its request, peers, and send/recv with validation."""
+
+    def __init__(self, engine: Engine, session: WorkerSession, req: pb.SubmitRequest) -> None:
+        self.engine = engine
+        self.session = session
+        self.req = req
+        self.rank = engine.rank
+        self.size = engine.size
+        self.name = req.name
+        self.round = int(req.round)
+        self.op = int(req.op)
+        self.dtype = int(req.meta.dtype)
+        self.shape = tuple(int(s) for s in req.meta.shape)
+        self.waiting: set[int] = set()
+        self.participants: set[int] = set()
+        self.started = time.monotonic()
+        self.warned_at = 0.0
+        self.task: asyncio.Task[None] | None = None
+        self.failure: OpError | None = None
+        self.aborted_by = -1
+
+    @property
+    def transport(self) -> Transport:
+        """The daemon's peer transport."""
+        return self.engine.transport
+
+    @property
+    def label(self) -> str:
+        """``neighbor_allreduce 'w' round 3`` for messages."""
+        return f"{op_label(self.op)} '{self.name}' round {self.round}"
+
+    def topology_step(self) -> Step:
+        """This rank's neighbors and weights at this op's step (= its round)."""
+        return self.engine.topology.step(self.rank, self.round)
+
+    async def send(
+        self, dst: int, tag: int, payload: memoryview, weight: float = 1.0, ack: bool = False
+    ) -> None:
+        """Send ``payload`` as this op's tensor to ``dst``; with ``ack``, wait until it is matched."""
+        fut = self.transport.expect_ack(dst, self.name, self.round, tag) if ack else None
+        await self.transport.send_data(
+            dst, self.name, self.round, tag, self.op, self.dtype, self.shape, payload, weight
+        )
+        if fut is not None:
+            self.waiting.add(dst)
+            await fut
+            self.waiting.discard(dst)
+
+    async def recv(
+        self, src: int, tag: int, ack: bool = False, shape: tuple[int, ...] | None = None
+    ) -> tuple[np.ndarray, float]:
+        """Receive this op's tensor from ``src``: (storage array, sender's dst weight).
+
+        A message whose op, dtype or shape differs from ours fails the op with MISMATCH.
+        """
+        link = self.transport.links.get(src)
+        if link is None or not link.connected:
+            raise OpError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} is not connected")
+        self.waiting.add(src)
+        arrival = await self.transport.expect(src, self.name, self.round, tag)
+        self.waiting.discard(src)
+        want = self.shape if shape is None else shape
+        problem = None
+        if arrival.op != self.op:
+            problem = (f"rank {self.rank} submitted {op_label(self.op)} but rank {src} "
+                       f"submitted {op_label(arrival.op)}")
+        elif arrival.dtype != self.dtype or arrival.shape != want:
+            problem = (f"rank {self.rank} has {dtypes.describe(self.dtype, want)} but rank {src} "
+                       f"sent {dtypes.describe(arrival.dtype, arrival.shape)}")
+        if problem is not None:
+            raise OpError(pb.MISMATCH, f"tensor '{self.name}' round {self.round}: {problem}")
+        if ack:
+            await self.transport.send_control(src, pb.ACK, self.name, self.round, tag)
+        storage = dtypes.STORAGE[self.dtype]
+        return arrival.data.view(storage), arrival.weight
+
+    def fail(self, error: OpError) -> None:
+        """Fail this op from outside (an ABORT from a peer, shutdown)."""
+        if self.failure is None:
+            self.failure = error
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+OpFn = Callable[[OpContext, np.ndarray, memoryview], Awaitable[OpResult]]
+
+
+class Engine:
+    """Runs requests; one per daemon."""
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        topology: Topology,
+        transport: Transport,
+        default_timeout: float,
+        stall_warning: float,
+        ring_threshold: int,
+        ops: Mapping[int, OpFn],
+    ) -> None:
+        self.ops = ops
+        self.rank = rank
+        self.size = size
+        self.topology = topology
+        self.transport = transport
+        self.default_timeout = default_timeout
+        self.stall_warning = stall_warning
+        self.ring_threshold = ring_threshold
+        self.running: dict[tuple[str, int], OpContext] = {}
+        self._early_aborts: collections.OrderedDict[tuple[str, int], tuple[int, pb.Error]] = (
+            collections.OrderedDict()
+        )
+        self.completed = 0
+        self.failed = 0
+        self.closing = False
+
+    # ------------------------------------------------------------------ submission
+
+    def submit(self, session: WorkerSession, req: pb.SubmitRequest) -> None:
+        """Validate and start one request; OpError when it is refused outright."""
+        if self.closing:
+            raise OpError(pb.SHUTTING_DOWN, f"daemon rank {self.rank} is shutting down")
+        fn = self.ops.get(int(req.op))
+        if fn is None:
+            raise OpError(pb.INVALID_ARGUMENT, f"unknown op type {req.op}")
+        key = (req.name, int(req.round))
+        if not req.name:
+            raise OpError(pb.INVALID_ARGUMENT, "request has an empty name")
+        if key in self.running:
+            raise OpError(
+                pb.INVALID_ARGUMENT,
+                f"'{req.name}' round {req.round} is already in flight on rank {self.rank}",
+            )
+        if req.meta.dtype not in dtypes.STORAGE:
+            raise OpError(pb.INVALID_ARGUMENT, f"tensor '{req.name}': unsupported dtype "
+                          f"{req.meta.dtype}")
+        if any(s < 0 for s in req.meta.shape):
+            raise OpError(pb.INVALID_ARGUMENT, f"tensor '{req.name}': negative dimension in "
+                          f"shape {list(req.meta.shape)}")
+        want = math.prod(req.meta.shape) * dtypes.itemsize(req.meta.dtype)
+        if want != req.nbytes:
+            raise OpError(
+                pb.INVALID_ARGUMENT,
+                f"tensor '{req.name}': {dtypes.describe(req.meta.dtype, req.meta.shape)} is "
+                f"{want} bytes but the request says {req.nbytes}",
+            )
+        x_bytes = session.arena.view(req.offset, req.nbytes, f"tensor '{req.name}' input")
+        out_bytes = session.arena.view(
+            req.out_offset, req.out_capacity, f"tensor '{req.name}' output"
+        )
+        ctx = OpContext(self, session, req)
+        x = np.frombuffer(x_bytes, dtypes.STORAGE[ctx.dtype]).reshape(ctx.shape)
+        self.running[key] = ctx
+        session.in_flight.add(key)
+        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, fn, x, out_bytes))
+        early = self._early_aborts.pop(key, None)
+        if early is not None:
+            self._abort_from(ctx, *early)
+
+    async def _run(self, ctx: OpContext, fn: OpFn, x: np.ndarray, out: memoryview) -> None:
+        timeout = ctx.req.timeout_s or self.default_timeout
+        completion = pb.Completion(request_id=ctx.req.request_id)
+        try:
+            result = await asyncio.wait_for(fn(ctx, x, out), timeout)
+        except asyncio.CancelledError:
+            err = ctx.failure or OpError(pb.SHUTTING_DOWN, f"{ctx.label} was cancelled")
+            self._fail(ctx, err, completion)
+        except TimeoutError:
+            waiting = sorted(ctx.waiting)
+            err = OpError(
+                pb.TIMEOUT,
+                f"{ctx.label} timed out after {timeout:g}s on rank {self.rank}; "
+                f"still waiting for rank(s) {waiting}" if waiting else
+                f"{ctx.label} timed out after {timeout:g}s on rank {self.rank}",
+            )
+            self._fail(ctx, err, completion)
+        except OpError as err:
+            if not err.message.startswith(ctx.label) and ctx.name not in err.message:
+                err = OpError(err.code, f"{ctx.label}: {err.message}")
+            self._fail(ctx, err, completion)
+        except Exception as exc:  # a bug: fail this request, keep the daemon
+            log.exception("internal error in %s", ctx.label)
+            self._fail(ctx, OpError(pb.INTERNAL, f"{ctx.label}: internal error: {exc!r}"),
+                       completion)
+        else:
+            self.completed += 1
+            completion.out_nbytes = result.out_nbytes
+            completion.out_meta.dtype = ctx.dtype  # type: ignore[assignment]
+            completion.out_meta.shape.extend(result.shape)
+            completion.src_ranks.extend(result.src_ranks)
+        finally:
+            self.running.pop((ctx.name, ctx.round), None)
+            ctx.session.in_flight.discard((ctx.name, ctx.round))
+            self.transport.close_op(ctx.name, ctx.round)
+            del x, out
+        ctx.session.complete(completion)
+
+    def _fail(self, ctx: OpContext, err: OpError, completion: pb.Completion) -> None:
+        self.failed += 1
+        completion.error.CopyFrom(err.to_pb())
+        if err.code != pb.SHUTTING_DOWN or ctx.failure is None:
+            log.warning("%s failed: %s", ctx.label, err)
+        notify = ctx.participants - {ctx.aborted_by}
+        for peer in notify:
+            asyncio.get_running_loop().create_task(
+                self.transport.send_control(peer, pb.ABORT, ctx.name, ctx.round, 0, err.to_pb())
+            )
+
+    # ------------------------------------------------------------------ from peers
+
+    def on_abort(self, src: int, name: str, round_: int, error: pb.Error) -> None:
+        """A peer failed (name, round) and told us."""
+        ctx = self.running.get((name, round_))
+        if ctx is None:
+            self._early_aborts[(name, round_)] = (src, error)
+            while len(self._early_aborts) > 4096:
+                self._early_aborts.popitem(last=False)
+            return
+        self._abort_from(ctx, src, error)
+
+    def _abort_from(self, ctx: OpContext, src: int, error: pb.Error) -> None:
+        ctx.aborted_by = src
+        message = error.message
+        if f"rank {src}" not in message:
+            message = f"rank {src} failed {ctx.label}: {message}"
+        ctx.fail(OpError(error.code or pb.ABORTED, message))
+
+    def on_peer_down(self, src: int, reason: str) -> None:
+        """The connection from ``src`` is gone (waiters were already failed by the transport)."""
+        log.warning("rank %d disconnected: %s", src, reason)
+
+    # ------------------------------------------------------------------ housekeeping
+
+    async def stall_inspector(self) -> None:
+        """Every second, warn about ops that have waited longer than ``stall_warning``."""
+        while True:
+            await asyncio.sleep(min(1.0, self.stall_warning))
+            now = time.monotonic()
+            for ctx in list(self.running.values()):
+                age = now - ctx.started
+                if age >= self.stall_warning and now - ctx.warned_at >= self.stall_warning:
+                    ctx.warned_at = now
+                    log.warning(
+                        "stall: %s on rank %d has waited %.1fs; still waiting for rank(s) %s",
+                        ctx.label, self.rank, age, sorted(ctx.waiting) or "(none: local work)",
+                    )
+
+    async def shutdown(self, reason: str) -> None:
+        """Fail every in-flight op with SHUTTING_DOWN and wait for their completions."""
+        self.closing = True
+        tasks = []
+        for ctx in list(self.running.values()):
+            ctx.fail(OpError(pb.SHUTTING_DOWN, f"{ctx.label}: daemon rank {self.rank} is "
+                                               f"shutting down ({reason})"))
+            if ctx.task is not None:
+                tasks.append(ctx.task)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+

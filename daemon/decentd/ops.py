@@ -1,0 +1,222 @@
+"""The communication ops the daemon runs for its workers.
+
+Each op reads the worker's input tensor ``x`` (a storage-dtype view of the arena), talks to exactly
+the peers it involves through an :class:`~decentd.engine.OpContext`, and writes its result into the
+worker's output region. Sums are taken in ascending rank order, so results are deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from decentd import dtypes
+from decentd.engine import OpContext, OpFn, OpResult
+from decentd.errors import OpError
+from decentd.wire import pb
+
+
+def _write(out: memoryview, values: np.ndarray, what: str) -> int:
+    raw = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+    if raw.size > len(out):
+        raise OpError(pb.ARENA_ERROR, f"{what}: result of {raw.size} bytes does not fit the "
+                                      f"{len(out)}-byte output region")
+    np.frombuffer(out, np.uint8, count=raw.size)[...] = raw
+    return int(raw.size)
+
+
+def _payload(x: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+
+
+def _check_ranks(ctx: OpContext, ranks: list[int], what: str) -> None:
+    for r in ranks:
+        if not 0 <= r < ctx.size:
+            raise OpError(pb.INVALID_ARGUMENT, f"{ctx.label}: {what} names rank {r}, but ranks "
+                                               f"are 0..{ctx.size - 1}")
+        if r == ctx.rank:
+            raise OpError(pb.INVALID_ARGUMENT, f"{ctx.label}: {what} names this rank ({r}) "
+                                               "itself; use self_weight for the own share")
+
+
+def neighbor_plan(ctx: OpContext) -> tuple[float, dict[int, float], dict[int, float]]:
+    """(self weight, {src: weight} to receive from, {dst: dst weight} to send to).
+
+    No weights: the topology's at this step. ``src_weights`` (with ``self_weight``) reweights the
+    topology's in-neighbors (those left out get weight 0). ``dst_weights`` makes the call dynamic:
+    send to exactly those ranks, receive from exactly the ``src_weights`` keys.
+    """
+    req = ctx.req
+    step = ctx.topology_step()
+    if req.has_src_weights and not req.has_self_weight:
+        raise OpError(pb.INVALID_ARGUMENT,
+                      f"{ctx.label}: src_weights given without self_weight; pass both")
+    if req.has_dst_weights:
+        if not req.has_src_weights:
+            raise OpError(pb.INVALID_ARGUMENT,
+                          f"{ctx.label}: dst_weights given without src_weights; a dynamic call "
+                          "names both the ranks it sends to and those it receives from")
+        recv = {int(k): float(v) for k, v in req.src_weights.items()}
+        send = {int(k): float(v) for k, v in req.dst_weights.items()}
+    elif req.has_src_weights:
+        unknown = sorted(set(req.src_weights) - set(step.src_weights))
+        if unknown:
+            raise OpError(pb.INVALID_ARGUMENT,
+                          f"{ctx.label}: src_weights names rank(s) {unknown}, which are not "
+                          f"in-neighbors of rank {ctx.rank} at this step "
+                          f"({step.in_neighbors}); pass dst_weights for a dynamic call")
+        recv = {j: float(req.src_weights.get(j, 0.0)) for j in step.src_weights}
+        send = {d: 1.0 for d in step.dst_ranks}
+    else:
+        recv = dict(step.src_weights)
+        send = {d: 1.0 for d in step.dst_ranks}
+    _check_ranks(ctx, list(recv), "src_weights")
+    _check_ranks(ctx, list(send), "dst_weights")
+    self_weight = float(req.self_weight) if req.has_self_weight else step.self_weight
+    return self_weight, recv, send
+
+
+async def neighbor_allreduce(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
+    """``out = self_w * x + sum_j src_w[j] * d_j * x_j`` over this step's in-neighbors."""
+    self_weight, recv, send = neighbor_plan(ctx)
+    ctx.participants = set(recv) | set(send)
+    payload = _payload(x)
+    sends = [ctx.send(d, 0, payload, weight=w, ack=True) for d, w in send.items()]
+    srcs = sorted(recv)
+    got = await asyncio.gather(*(ctx.recv(j, 0, ack=True) for j in srcs), *sends)
+    acc = dtypes.to_compute(x.reshape(-1), ctx.dtype) * self_weight
+    for j, (arr, d) in zip(srcs, got[: len(srcs)], strict=True):
+        acc += dtypes.to_compute(arr, ctx.dtype) * (recv[j] * d)
+    n = _write(out, dtypes.from_compute(acc, ctx.dtype), ctx.label)
+    return OpResult(n, ctx.shape)
+
+
+async def neighbor_allgather(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
+    """Stack the in-neighbors' tensors (ascending rank) on a new leading dimension."""
+    req = ctx.req
+    step = ctx.topology_step()
+    if req.has_dst_weights != req.has_src_weights:
+        raise OpError(pb.INVALID_ARGUMENT, f"{ctx.label}: a dynamic allgather names both "
+                                           "src_ranks and dst_ranks")
+    srcs = sorted(req.src_weights) if req.has_src_weights else step.in_neighbors
+    dsts = sorted(req.dst_weights) if req.has_dst_weights else step.out_neighbors
+    _check_ranks(ctx, srcs, "src_ranks")
+    _check_ranks(ctx, dsts, "dst_ranks")
+    ctx.participants = set(srcs) | set(dsts)
+    payload = _payload(x)
+    sends = [ctx.send(d, 0, payload, ack=True) for d in dsts]
+    got = await asyncio.gather(*(ctx.recv(j, 0, ack=True) for j in srcs), *sends)
+    parts = [arr for arr, _ in got[: len(srcs)]]
+    stacked = np.stack(parts) if parts else np.empty((0, *ctx.shape), x.dtype)
+    n = _write(out, stacked, ctx.label)
+    return OpResult(n, (len(srcs), *ctx.shape), srcs)
+
+
+async def _allreduce_direct(ctx: OpContext, flat: np.ndarray) -> np.ndarray:
+    others = [r for r in range(ctx.size) if r != ctx.rank]
+    ctx.participants = set(others)
+    payload = _payload(flat)
+    got = await asyncio.gather(
+        *(ctx.recv(r, 0) for r in others), *(ctx.send(r, 0, payload) for r in others)
+    )
+    parts = dict(zip(others, (arr for arr, _ in got[: len(others)]), strict=True))
+    parts[ctx.rank] = flat
+    acc = parts[0].copy()
+    for r in range(1, ctx.size):
+        dtypes.add_into(acc, parts[r], ctx.dtype)
+    return acc
+
+
+async def _allreduce_ring(ctx: OpContext, flat: np.ndarray) -> np.ndarray:
+    """Bandwidth-optimal ring: reduce-scatter then allgather, 2(n-1) steps of 1/n each."""
+    n, r = ctx.size, ctx.rank
+    ctx.participants = {(r + 1) % n, (r - 1) % n}
+    right, left = (r + 1) % n, (r - 1) % n
+    work = flat.copy()
+    bounds = np.linspace(0, work.size, n + 1).astype(np.int64)
+
+    def chunk(i: int) -> np.ndarray:
+        i %= n
+        return work[bounds[i]:bounds[i + 1]]
+
+    for s in range(n - 1):
+        mine = chunk(r - s)
+        (arr, _), _ = await asyncio.gather(
+            ctx.recv(left, 1 + s),
+            _send_chunk(ctx, right, 1 + s, mine),
+        )
+        dtypes.add_into(chunk(r - s - 1), arr, ctx.dtype)
+    for s in range(n - 1):
+        tag = n + s
+        (arr, _), _ = await asyncio.gather(
+            ctx.recv(left, tag),
+            _send_chunk(ctx, right, tag, chunk(r + 1 - s)),
+        )
+        chunk(r - s)[...] = arr
+    return work
+
+
+async def _send_chunk(ctx: OpContext, dst: int, tag: int, part: np.ndarray) -> None:
+    """Send one ring chunk; the header carries the whole tensor's meta, so mismatches show."""
+    await ctx.transport.send_data(
+        dst, ctx.name, ctx.round, tag, ctx.op, ctx.dtype, ctx.shape, _payload(part)
+    )
+
+
+async def allreduce(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
+    """Sum or average over all ranks (ring for large tensors, direct exchange for small)."""
+    flat = x.reshape(-1)
+    if ctx.size == 1:
+        total = flat.copy()
+    elif flat.nbytes >= ctx.engine.ring_threshold and flat.size >= ctx.size:
+        total = await _allreduce_ring(ctx, flat)
+    else:
+        total = await _allreduce_direct(ctx, flat)
+    if ctx.req.reduce_op == pb.AVERAGE and ctx.size > 1:
+        dtypes.scale_into(total, 1.0 / ctx.size, ctx.dtype)
+    return OpResult(_write(out, total, ctx.label), ctx.shape)
+
+
+async def broadcast(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
+    """Every rank gets ``root``'s tensor."""
+    root = int(ctx.req.root)
+    if not 0 <= root < ctx.size:
+        raise OpError(pb.INVALID_ARGUMENT, f"{ctx.label}: root {root} is not a rank "
+                                           f"(0..{ctx.size - 1})")
+    if ctx.rank == root:
+        others = [r for r in range(ctx.size) if r != root]
+        ctx.participants = set(others)
+        payload = _payload(x)
+        await asyncio.gather(*(ctx.send(r, 0, payload, ack=True) for r in others))
+        value = x
+    else:
+        ctx.participants = {root}
+        value, _ = await ctx.recv(root, 0, ack=True)
+    return OpResult(_write(out, value, ctx.label), ctx.shape)
+
+
+async def barrier(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
+    """Dissemination barrier: ceil(log2 n) rounds, in round k send to r+2^k, hear from r-2^k."""
+    n, r = ctx.size, ctx.rank
+    empty = memoryview(b"")
+    ctx.participants = {(r + (1 << k)) % n for k in range(n.bit_length()) if (1 << k) < n}
+    k = 0
+    while (1 << k) < n:
+        hop = 1 << k
+        await asyncio.gather(
+            ctx.recv((r - hop) % n, k, shape=()),
+            ctx.transport.send_data((r + hop) % n, ctx.name, ctx.round, k, ctx.op, ctx.dtype,
+                                    (), empty),
+        )
+        k += 1
+    return OpResult(0, ())
+
+
+OPS: dict[int, OpFn] = {
+    pb.NEIGHBOR_ALLREDUCE: neighbor_allreduce,
+    pb.NEIGHBOR_ALLGATHER: neighbor_allgather,
+    pb.ALLREDUCE: allreduce,
+    pb.BROADCAST: broadcast,
+    pb.BARRIER: barrier,
+}

@@ -1,0 +1,302 @@
+"""The daemon process: gRPC services for local workers (Unix socket) and peers (TCP)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from decentd import PROTOCOL_VERSION
+from decentd.arena import Arena
+from decentd.config import NodeConfig
+from decentd.engine import Engine, WorkerSession
+from decentd.errors import OpError, StartupError
+from decentd.ops import OPS
+from decentd.topology import Topology, TopologyError, build_topology
+from decentd.transport import CLUSTER_HEADER, GRPC_OPTIONS, RANK_HEADER, Transport
+from decentd.wire import pb, pb_grpc
+
+log = logging.getLogger("decentd")
+
+#: /dev/shm names of all arenas start with this (tests and the before-stop hook look for it)
+SHM_PREFIX = "decent"
+
+
+def topology_info(topology: Topology, rank: int, step: int) -> pb.TopologyInfo:
+    """The wire form of ``rank``'s view of ``topology`` at ``step``."""
+    s = topology.step(rank, step)
+    return pb.TopologyInfo(
+        kind=topology.kind,
+        dynamic=topology.dynamic,
+        step=step % topology.period,
+        in_neighbors=s.in_neighbors,
+        out_neighbors=s.out_neighbors,
+        self_weight=s.self_weight,
+        src_weights=dict(s.src_weights),
+    )
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    """Local workers: register, submit, stream completions, query."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+
+    async def Register(  # noqa: N802 (gRPC method name)
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterReply:
+        """Create the worker's arena once the cluster is up."""
+        d = self.d
+        if request.protocol_version != PROTOCOL_VERSION:
+            return pb.RegisterReply(error=pb.Error(
+                code=pb.VERSION_MISMATCH,
+                message=f"worker speaks protocol {request.protocol_version}, daemon rank "
+                f"{d.rank} speaks {PROTOCOL_VERSION}"))
+        await d.ready.wait()
+        worker_id = secrets.token_hex(8)
+        arena = Arena(d.cfg.memory.arena_bytes, f"{SHM_PREFIX}-{d.rank}-{os.getpid()}")
+        d.sessions[worker_id] = WorkerSession(worker_id, request.pid, request.framework, arena)
+        log.info("worker %s (pid %d, %s) registered", worker_id, request.pid, request.framework)
+        return pb.RegisterReply(
+            worker_id=worker_id,
+            rank=d.rank,
+            size=d.size,
+            arena_name=arena.name,
+            arena_bytes=arena.nbytes,
+            cluster_id=d.cfg.cluster_id,
+            protocol_version=PROTOCOL_VERSION,
+            topology=topology_info(d.topology, d.rank, 0),
+            default_timeout_s=d.cfg.timeouts.op,
+        )
+
+    async def Submit(  # noqa: N802
+        self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SubmitReply:
+        """Start one request; refusals come back here, failures later as completions."""
+        session = self.d.sessions.get(request.worker_id)
+        if session is None:
+            return pb.SubmitReply(error=pb.Error(
+                code=pb.UNKNOWN_WORKER, message=f"unknown worker id {request.worker_id!r}"))
+        try:
+            self.d.engine.submit(session, request)
+        except OpError as err:
+            return pb.SubmitReply(error=err.to_pb())
+        return pb.SubmitReply()
+
+    async def Completions(  # noqa: N802
+        self, request: pb.CompletionsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.Completion]:
+        """The worker's one long-lived completion stream; it ends when the worker goes."""
+        session = self.d.sessions.get(request.worker_id)
+        if session is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {request.worker_id}")
+            return
+        session.arena.unlink()  # the worker has attached: nothing needs the name any more
+        try:
+            while True:
+                item = await session.completions.get()
+                if item is None:
+                    break
+                yield item
+        finally:
+            self.d.drop_session(session)
+
+    async def Status(  # noqa: N802
+        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatusReply:
+        """Counters and peer health."""
+        d = self.d
+        now = time.monotonic()
+        return pb.StatusReply(
+            rank=d.rank,
+            size=d.size,
+            cluster_id=d.cfg.cluster_id,
+            workers=len(d.sessions),
+            ops_in_flight=len(d.engine.running),
+            ops_completed=d.engine.completed,
+            ops_failed=d.engine.failed,
+            topology_kind=d.topology.kind,
+            early_arrival_bytes=d.transport.early_bytes,
+            peers=[
+                pb.PeerStatus(
+                    rank=link.rank,
+                    address=link.address,
+                    connected=link.connected,
+                    last_heartbeat_age_s=now - link.last_heartbeat if link.last_heartbeat else -1,
+                    bytes_sent=link.bytes_sent,
+                    bytes_received=link.bytes_received,
+                )
+                for link in d.transport.links.values()
+            ],
+        )
+
+    async def Topology(  # noqa: N802
+        self, request: pb.TopologyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TopologyInfo:
+        """This rank's neighbors at the step that round ``round`` of an op uses."""
+        return topology_info(self.d.topology, self.d.rank, int(request.round))
+
+
+class PeerService(pb_grpc.PeerServicer):
+    """Other daemons: handshake, frame stream, heartbeat."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+
+    async def Handshake(  # noqa: N802
+        self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HandshakeReply:
+        """Check cluster id, protocol version and that the caller reached the rank it meant."""
+        error = self.d.transport.check_handshake(request)
+        if error is not None:
+            log.error("refused handshake: %s", error.message)
+            return pb.HandshakeReply(error=error, rank=self.d.rank)
+        return pb.HandshakeReply(rank=self.d.rank)
+
+    async def Exchange(  # noqa: N802
+        self, request_iterator: AsyncIterator[pb.Frame], context: grpc.aio.ServicerContext
+    ) -> pb.ExchangeSummary:
+        """Read one peer's frames until it closes the stream."""
+        meta = dict(context.invocation_metadata() or ())
+        try:
+            src = int(meta.get(RANK_HEADER, "-1"))
+        except ValueError:
+            src = -1
+        if meta.get(CLUSTER_HEADER) != self.d.cfg.cluster_id or src not in self.d.transport.links:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "stream without a valid rank and cluster id")
+        frames = 0
+        reason = "stream closed"
+        try:
+            async for frame in request_iterator:
+                frames += 1
+                await self.d.transport.on_frame(src, frame)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            reason = type(exc).__name__
+        finally:
+            if not self.d.stopping.is_set():
+                self.d.transport.peer_down(src, reason)
+        return pb.ExchangeSummary(frames=frames)
+
+    async def Heartbeat(  # noqa: N802
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatReply:
+        """Liveness."""
+        link = self.d.transport.links.get(request.from_rank)
+        if link is not None:
+            link.last_heartbeat = time.monotonic()
+        return pb.HeartbeatReply(rank=self.d.rank, uptime_s=time.monotonic() - self.d.started)
+
+
+class Daemon:
+    """One decentd: owns the servers, the transport, the engine and the worker sessions."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.rank = cfg.resolved_rank()
+        self.size = cfg.size
+        if cfg.peers and not 0 <= self.rank < self.size:
+            raise StartupError(f"config error: rank: {self.rank} is outside peers "
+                               f"(there are {self.size})")
+        try:
+            self.topology = build_topology(cfg.topology.kind, self.size, cfg.topology.weights)
+        except TopologyError as exc:
+            raise StartupError(f"config error: topology: {exc}") from None
+        self.started = time.monotonic()
+        self.ready = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.sessions: dict[str, WorkerSession] = {}
+        self.transport = Transport(
+            self.rank, cfg.peers or ["local"], cfg.cluster_id, cfg.transport.chunk_bytes,
+            cfg.memory.early_arrival_bytes, self._on_abort, self._on_peer_down,
+        )
+        self.engine = Engine(
+            self.rank, self.size, self.topology, self.transport, cfg.timeouts.op,
+            cfg.timeouts.stall_warning, cfg.transport.ring_threshold_bytes, OPS,
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+        self.peer_port = 0
+
+    def _on_abort(self, src: int, name: str, round_: int, error: pb.Error) -> None:
+        self.engine.on_abort(src, name, round_, error)
+
+    def _on_peer_down(self, src: int, reason: str) -> None:
+        self.engine.on_peer_down(src, reason)
+
+    def drop_session(self, session: WorkerSession) -> None:
+        """Forget a worker: fail its in-flight ops and release its arena."""
+        if self.sessions.pop(session.worker_id, None) is None:
+            return
+        for key in list(session.in_flight):
+            ctx = self.engine.running.get(key)
+            if ctx is not None:
+                ctx.fail(OpError(pb.ABORTED, f"{ctx.label}: its worker went away"))
+        session.arena.close()
+        log.info("worker %s left", session.worker_id)
+
+    async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT, then shut down cleanly."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        peer_server = grpc.aio.server(options=GRPC_OPTIONS)
+        pb_grpc.add_PeerServicer_to_server(PeerService(self), peer_server)
+        worker_server = grpc.aio.server(options=GRPC_OPTIONS)
+        pb_grpc.add_WorkerServicer_to_server(WorkerService(self), worker_server)
+        sock = self.cfg.socket
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(sock)
+        try:
+            if self.cfg.peers:
+                self.peer_port = peer_server.add_insecure_port(self.cfg.listen_address())
+                if self.peer_port == 0:
+                    raise StartupError(f"cannot listen for peers on {self.cfg.listen_address()}")
+            worker_server.add_insecure_port(f"unix://{sock}")
+        except RuntimeError as exc:
+            raise StartupError(f"cannot bind: {exc}") from None
+        await peer_server.start()
+        await worker_server.start()
+        log.info("rank %d/%d listening for peers on %s, workers on %s (topology %s)",
+                 self.rank, self.size, self.cfg.listen_address(), sock, self.topology.kind)
+        try:
+            connect = asyncio.ensure_future(self.transport.connect_all(self.cfg.timeouts.start))
+            stop = asyncio.ensure_future(self.stopping.wait())
+            await asyncio.wait({connect, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not connect.done():
+                connect.cancel()
+                raise StartupError("stopped before all peers were reachable")
+            stop.cancel()
+            connect.result()
+            self.ready.set()
+            log.info("rank %d: all %d peers connected; ready", self.rank, self.size - 1)
+            self._tasks = [
+                loop.create_task(self.engine.stall_inspector()),
+                loop.create_task(self.transport.heartbeat_loop(self.cfg.timeouts.heartbeat)),
+            ]
+            await self.stopping.wait()
+            log.info("rank %d: shutting down", self.rank)
+        finally:
+            await self._shutdown(peer_server, worker_server)
+
+    async def _shutdown(self, peer_server: grpc.aio.Server, worker_server: grpc.aio.Server) -> None:
+        self.stopping.set()
+        for task in self._tasks:
+            task.cancel()
+        await self.engine.shutdown("SIGTERM")
+        for session in list(self.sessions.values()):
+            session.completions.put_nowait(None)
+        await worker_server.stop(grace=self.cfg.timeouts.shutdown)
+        await self.transport.close()
+        await peer_server.stop(grace=0.5)
+        for session in list(self.sessions.values()):
+            self.drop_session(session)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.cfg.socket)
+        log.info("rank %d: stopped", self.rank)

@@ -1,0 +1,423 @@
+"""Daemon-to-daemon transport: handshake, one framed stream per direction, matching of arrivals.
+
+Each daemon opens one gRPC ``Exchange`` stream to every peer and writes frames on it: a DATA message
+is a header frame (meta, total size, first chunk) followed by CHUNK frames; ACK and ABORT are small
+control frames. Incoming frames are reassembled per (sender, message id) and handed to whoever
+waits for ``(sender, name, round, tag)``; arrivals nobody waits for yet are buffered up to a byte
+bound, past which the receiving stream stops reading (gRPC flow control then slows the sender).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from decentd import PROTOCOL_VERSION
+from decentd.errors import OpError, StartupError
+from decentd.wire import pb, pb_grpc
+
+log = logging.getLogger("decentd.transport")
+
+#: (sender or receiver rank, op name, round, tag)
+Key = tuple[int, str, int, int]
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 128 << 20),
+    ("grpc.max_receive_message_length", 128 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+RANK_HEADER = "x-decent-rank"
+CLUSTER_HEADER = "x-decent-cluster"
+
+
+@dataclass
+class Arrival:
+    """One complete DATA message from a peer."""
+
+    src: int
+    op: int
+    dtype: int
+    shape: tuple[int, ...]
+    weight: float
+    data: np.ndarray  # uint8, exactly the message bytes
+
+
+@dataclass
+class _Assembly:
+    key: Key
+    frame: pb.Frame
+    buf: np.ndarray
+    filled: int
+
+
+@dataclass
+class PeerLink:
+    """The outgoing side of the connection to one peer."""
+
+    rank: int
+    address: str
+    channel: grpc.aio.Channel | None = None
+    stub: pb_grpc.PeerStub | None = None
+    call: grpc.aio.StreamUnaryCall | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    connected: bool = False
+    last_heartbeat: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    next_message_id: int = 0
+
+
+class Transport:
+    """All peer links of one daemon plus the matching of incoming messages to waiting ops."""
+
+    def __init__(
+        self,
+        rank: int,
+        addresses: list[str],
+        cluster_id: str,
+        chunk_bytes: int,
+        early_limit: int,
+        on_abort: Callable[[int, str, int, pb.Error], None],
+        on_peer_down: Callable[[int, str], None],
+    ) -> None:
+        self.rank = rank
+        self.cluster_id = cluster_id
+        self.chunk_bytes = chunk_bytes
+        self.early_limit = early_limit
+        self._on_abort = on_abort
+        self._on_peer_down = on_peer_down
+        self.links = {r: PeerLink(r, a) for r, a in enumerate(addresses) if r != rank}
+        self._waiters: dict[Key, asyncio.Future[Arrival]] = {}
+        self._early: dict[Key, Arrival] = {}
+        self._acks: dict[Key, asyncio.Future[None]] = {}
+        self._assembling: dict[tuple[int, int], _Assembly] = {}
+        self._closed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        self.early_bytes = 0
+        self._room = asyncio.Condition()
+
+    # ------------------------------------------------------------------ connection setup
+
+    async def connect_all(self, timeout: float) -> None:
+        """Handshake with every peer, retrying with backoff; StartupError names missing ranks."""
+        deadline = time.monotonic() + timeout
+        results = await asyncio.gather(
+            *(self._connect(link, deadline) for link in self.links.values()),
+            return_exceptions=True,
+        )
+        fatal = [r for r in results if isinstance(r, StartupError)]
+        if fatal:
+            raise fatal[0]
+        missing = sorted(link.rank for link in self.links.values() if not link.connected)
+        if missing:
+            where = ", ".join(f"{r} ({self.links[r].address})" for r in missing)
+            raise StartupError(
+                f"peers not reachable after {timeout:.0f}s start timeout: rank(s) {where}"
+            )
+
+    async def _connect(self, link: PeerLink, deadline: float) -> None:
+        delay = 0.05
+        link.channel = grpc.aio.insecure_channel(link.address, options=GRPC_OPTIONS)
+        link.stub = pb_grpc.PeerStub(link.channel)
+        while True:
+            try:
+                reply = await link.stub.Handshake(
+                    pb.HandshakeRequest(
+                        cluster_id=self.cluster_id,
+                        protocol_version=PROTOCOL_VERSION,
+                        from_rank=self.rank,
+                        to_rank=link.rank,
+                    ),
+                    timeout=max(0.1, min(2.0, deadline - time.monotonic())),
+                )
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() + delay >= deadline:
+                    log.error("rank %d at %s: %s", link.rank, link.address, exc.code().name)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.25)
+                continue
+            if reply.error.code != pb.OK:
+                raise StartupError(
+                    f"handshake with rank {link.rank} at {link.address} refused: "
+                    f"{pb.ErrorCode.Name(reply.error.code)}: {reply.error.message}"
+                )
+            break
+        metadata = ((RANK_HEADER, str(self.rank)), (CLUSTER_HEADER, self.cluster_id))
+        link.call = link.stub.Exchange(metadata=metadata)
+        link.connected = True
+        link.last_heartbeat = time.monotonic()
+        log.debug("connected to rank %d at %s", link.rank, link.address)
+
+    def check_handshake(self, request: pb.HandshakeRequest) -> pb.Error | None:
+        """Validate a peer's handshake; an Error to send back when it must be refused."""
+        if request.cluster_id != self.cluster_id:
+            return pb.Error(
+                code=pb.CLUSTER_MISMATCH,
+                message=f"rank {request.from_rank} is in cluster {request.cluster_id!r}, "
+                f"this daemon (rank {self.rank}) is in {self.cluster_id!r}",
+            )
+        if request.protocol_version != PROTOCOL_VERSION:
+            return pb.Error(
+                code=pb.VERSION_MISMATCH,
+                message=f"rank {request.from_rank} speaks protocol {request.protocol_version}, "
+                f"rank {self.rank} speaks {PROTOCOL_VERSION}",
+            )
+        if request.to_rank != self.rank:
+            return pb.Error(
+                code=pb.RANK_MISMATCH,
+                message=f"rank {request.from_rank} expected rank {request.to_rank} here, "
+                f"but this daemon is rank {self.rank}",
+            )
+        if request.from_rank not in self.links:
+            return pb.Error(
+                code=pb.RANK_MISMATCH,
+                message=f"rank {request.from_rank} is not a peer of rank {self.rank}",
+            )
+        return None
+
+    async def heartbeat_loop(self, interval: float) -> None:
+        """Ping every peer each ``interval`` seconds; record when each last answered."""
+        while True:
+            await asyncio.sleep(interval)
+            for link in self.links.values():
+                if link.stub is None:
+                    continue
+                try:
+                    await link.stub.Heartbeat(
+                        pb.HeartbeatRequest(from_rank=self.rank), timeout=interval
+                    )
+                    link.last_heartbeat = time.monotonic()
+                except grpc.aio.AioRpcError:
+                    log.debug("heartbeat to rank %d failed", link.rank)
+
+    async def close(self) -> None:
+        """Close every outgoing stream and channel."""
+        for link in self.links.values():
+            if link.call is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(link.call.done_writing(), 1.0)
+                link.call.cancel()
+            if link.channel is not None:
+                await link.channel.close(grace=None)
+            link.connected = False
+
+    # ------------------------------------------------------------------ sending
+
+    def _link(self, dst: int, name: str) -> PeerLink:
+        link = self.links.get(dst)
+        if link is None or link.call is None or not link.connected:
+            raise OpError(
+                pb.PEER_UNAVAILABLE,
+                f"op '{name}': rank {dst} is not connected to rank {self.rank}",
+            )
+        return link
+
+    async def _write(self, link: PeerLink, frames: Iterator[pb.Frame], name: str) -> None:
+        async with link.lock:
+            try:
+                assert link.call is not None
+                for frame in frames:
+                    await link.call.write(frame)
+                    link.bytes_sent += len(frame.data)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+                link.connected = False
+                raise OpError(
+                    pb.PEER_UNAVAILABLE,
+                    f"op '{name}': sending to rank {link.rank} failed ({exc})",
+                ) from None
+
+    def _data_frames(
+        self, link: PeerLink, header: pb.Frame, payload: memoryview
+    ) -> Iterator[pb.Frame]:
+        link.next_message_id += 1
+        mid = link.next_message_id
+        chunk = self.chunk_bytes
+        header.kind = pb.DATA
+        header.message_id = mid
+        header.total_bytes = len(payload)
+        header.data = bytes(payload[:chunk])
+        yield header
+        for start in range(chunk, len(payload), chunk):
+            yield pb.Frame(kind=pb.CHUNK, message_id=mid, data=bytes(payload[start:start + chunk]))
+
+    async def send_data(
+        self,
+        dst: int,
+        name: str,
+        round_: int,
+        tag: int,
+        op: int,
+        dtype: int,
+        shape: tuple[int, ...],
+        payload: memoryview,
+        weight: float = 1.0,
+    ) -> None:
+        """Send one tensor to ``dst``; returns once every frame is written to the stream."""
+        link = self._link(dst, name)
+        header = pb.Frame(
+            name=name, round=round_, tag=tag, op=op,  # type: ignore[arg-type]
+            meta=pb.TensorMeta(dtype=dtype, shape=shape),  # type: ignore[arg-type]
+            weight=weight,
+        )
+        await self._write(link, self._data_frames(link, header, payload), name)
+
+    async def send_control(
+        self, dst: int, kind: int, name: str, round_: int, tag: int = 0,
+        error: pb.Error | None = None,
+    ) -> None:
+        """Send an ACK or ABORT frame (best effort: a dead peer is ignored)."""
+        link = self.links.get(dst)
+        if link is None or link.call is None or not link.connected:
+            return
+        frame = pb.Frame(kind=kind, name=name, round=round_, tag=tag, error=error)  # type: ignore[arg-type]
+        with contextlib.suppress(OpError):
+            await self._write(link, iter([frame]), name)
+
+    # ------------------------------------------------------------------ receiving
+
+    def expect(self, src: int, name: str, round_: int, tag: int) -> asyncio.Future[Arrival]:
+        """A future for the DATA message ``(name, round, tag)`` from ``src``."""
+        key = (src, name, round_, tag)
+        fut: asyncio.Future[Arrival] = asyncio.get_running_loop().create_future()
+        early = self._early.pop(key, None)
+        if early is not None:
+            self._release(early.data.nbytes)
+            fut.set_result(early)
+        else:
+            self._waiters[key] = fut
+        return fut
+
+    def expect_ack(self, dst: int, name: str, round_: int, tag: int) -> asyncio.Future[None]:
+        """A future resolved when ``dst`` acknowledges our message ``(name, round, tag)``."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._acks[(dst, name, round_, tag)] = fut
+        return fut
+
+    def close_op(self, name: str, round_: int) -> None:
+        """Forget everything about a finished op; later arrivals for it are dropped."""
+        self._closed[(name, round_)] = None
+        while len(self._closed) > 65536:
+            self._closed.popitem(last=False)
+        for table in (self._waiters, self._acks):
+            for key in [k for k in table if k[1] == name and k[2] == round_]:
+                fut = table.pop(key)
+                if not fut.done():
+                    fut.cancel()
+        for key in [k for k in self._early if k[1] == name and k[2] == round_]:
+            self._release(self._early.pop(key).data.nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        self.early_bytes -= nbytes
+
+        async def notify() -> None:
+            async with self._room:
+                self._room.notify_all()
+
+        asyncio.get_running_loop().create_task(notify())
+
+    async def _reserve(self, key: Key, nbytes: int) -> None:
+        if key in self._waiters or nbytes == 0:
+            return
+        warned = False
+        async with self._room:
+            while self.early_bytes > 0 and self.early_bytes + nbytes > self.early_limit:
+                if key in self._waiters:
+                    return
+                if not warned:
+                    log.warning(
+                        "early-arrival buffer full (%d bytes); pausing rank %d's stream",
+                        self.early_bytes, key[0],
+                    )
+                    warned = True
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), timeout=0.2)
+
+    def _deliver(self, key: Key, arrival: Arrival) -> None:
+        if key[1:3] in self._closed:
+            return
+        fut = self._waiters.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(arrival)
+            return
+        self._early[key] = arrival
+        self.early_bytes += arrival.data.nbytes
+
+    async def on_frame(self, src: int, frame: pb.Frame) -> None:
+        """Handle one incoming frame from ``src`` (called by the Exchange servicer)."""
+        link = self.links.get(src)
+        if link is not None:
+            link.bytes_received += len(frame.data)
+            link.last_heartbeat = time.monotonic()
+        kind = frame.kind
+        if kind == pb.CHUNK:
+            asm = self._assembling.get((src, frame.message_id))
+            if asm is None:
+                log.warning("rank %d sent a chunk of unknown message %d", src, frame.message_id)
+                return
+            data = frame.data
+            asm.buf[asm.filled:asm.filled + len(data)] = np.frombuffer(data, np.uint8)
+            asm.filled += len(data)
+            if asm.filled >= asm.buf.size:
+                del self._assembling[(src, frame.message_id)]
+                self._deliver(asm.key, self._arrival(src, asm.frame, asm.buf))
+        elif kind == pb.DATA:
+            key = (src, frame.name, frame.round, frame.tag)
+            total = frame.total_bytes
+            await self._reserve(key, total)
+            first = np.frombuffer(frame.data, np.uint8)
+            if first.size >= total:
+                self._deliver(key, self._arrival(src, frame, first.copy()))
+            else:
+                buf = np.empty(total, np.uint8)
+                buf[:first.size] = first
+                header = pb.Frame()
+                header.CopyFrom(frame)
+                header.ClearField("data")
+                self._assembling[(src, frame.message_id)] = _Assembly(key, header, buf, first.size)
+        elif kind == pb.ACK:
+            fut = self._acks.pop((src, frame.name, frame.round, frame.tag), None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        elif kind == pb.ABORT:
+            if (frame.name, frame.round) not in self._closed:
+                self._on_abort(src, frame.name, frame.round, frame.error)
+        else:
+            log.warning("rank %d sent a frame of unknown kind %d; ignored", src, kind)
+
+    @staticmethod
+    def _arrival(src: int, frame: pb.Frame, data: np.ndarray) -> Arrival:
+        return Arrival(
+            src=src,
+            op=frame.op,
+            dtype=frame.meta.dtype,
+            shape=tuple(frame.meta.shape),
+            weight=frame.weight,
+            data=data,
+        )
+
+    def peer_down(self, src: int, reason: str) -> None:
+        """The stream from ``src`` ended: fail everything waiting on it."""
+        link = self.links.get(src)
+        if link is not None:
+            link.connected = False
+        for key in [k for k in self._assembling if k[0] == src]:
+            del self._assembling[key]
+        err = OpError(pb.PEER_UNAVAILABLE, f"rank {src} disconnected ({reason})")
+        for table in (self._waiters, self._acks):
+            for key in [k for k in table if k[0] == src]:
+                fut = table.pop(key)
+                if not fut.done():
+                    fut.set_exception(err)
+        self._on_peer_down(src, reason)
