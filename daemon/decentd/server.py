@@ -100,6 +100,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             return
         session.arena.unlink()  # the worker has attached: nothing needs the name any more
         try:
+            yield pb.Completion(request_id=0)  # request ids start at 1: this says "attached"
             while True:
                 item = await session.completions.get()
                 if item is None:

@@ -71,7 +71,9 @@ class PeerLink:
     channel: grpc.aio.Channel | None = None
     stub: pb_grpc.PeerStub | None = None
     call: grpc.aio.StreamUnaryCall | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    queue: asyncio.Queue[tuple[Iterator[pb.Frame], asyncio.Future[None], str]] = field(
+        default_factory=asyncio.Queue)
+    writer: asyncio.Task[None] | None = None
     connected: bool = False
     last_heartbeat: float = 0.0
     bytes_sent: int = 0
@@ -156,6 +158,7 @@ class Transport:
             break
         metadata = ((RANK_HEADER, str(self.rank)), (CLUSTER_HEADER, self.cluster_id))
         link.call = link.stub.Exchange(metadata=metadata)
+        link.writer = asyncio.get_running_loop().create_task(self.writer_loop(link))
         link.connected = True
         link.last_heartbeat = time.monotonic()
         log.debug("connected to rank %d at %s", link.rank, link.address)
@@ -205,6 +208,8 @@ class Transport:
     async def close(self) -> None:
         """Close every outgoing stream and channel."""
         for link in self.links.values():
+            if link.writer is not None:
+                link.writer.cancel()
             if link.call is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(link.call.done_writing(), 1.0)
@@ -225,18 +230,43 @@ class Transport:
         return link
 
     async def _write(self, link: PeerLink, frames: Iterator[pb.Frame], name: str) -> None:
-        async with link.lock:
+        """Queue a message on the link's writer and wait until it is written.
+
+        A write is never abandoned half-way: cancelling the caller waits for the message to finish
+        (a torn message would break the stream, and its bytes may live in a worker's arena slot).
+        """
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        link.queue.put_nowait((frames, fut, name))
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await fut
+            raise
+
+    async def writer_loop(self, link: PeerLink) -> None:
+        """Write queued messages to ``link``'s stream, one whole message at a time."""
+        while True:
+            frames, fut, name = await link.queue.get()
             try:
-                assert link.call is not None
+                if link.call is None or not link.connected:
+                    raise OpError(pb.PEER_UNAVAILABLE,
+                                  f"op '{name}': rank {link.rank} is not connected")
                 for frame in frames:
                     await link.call.write(frame)
                     link.bytes_sent += len(frame.data)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            except OpError as err:
+                if not fut.done():
+                    fut.set_exception(err)
+            except Exception as exc:  # the stream broke
                 link.connected = False
-                raise OpError(
-                    pb.PEER_UNAVAILABLE,
-                    f"op '{name}': sending to rank {link.rank} failed ({exc})",
-                ) from None
+                if not fut.done():
+                    fut.set_exception(OpError(
+                        pb.PEER_UNAVAILABLE,
+                        f"op '{name}': sending to rank {link.rank} failed ({type(exc).__name__})"))
+            else:
+                if not fut.done():
+                    fut.set_result(None)
 
     def _data_frames(
         self, link: PeerLink, header: pb.Frame, payload: memoryview

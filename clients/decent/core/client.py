@@ -177,13 +177,21 @@ class Client(Generic[T]):
         self._stream = self._stub.Completions(pb.CompletionsRequest(worker_id=self.worker_id))
         self._reader = threading.Thread(target=self._read_completions, daemon=True,
                                         name=f"decent-completions-{self.rank}")
+        self._attached = threading.Event()
         self._reader.start()
+        if not self._attached.wait(connect_timeout):
+            self.close()
+            raise DecentError(pb.PEER_UNAVAILABLE, f"daemon at {self.address} did not open the "
+                              "completion stream")
 
     # ------------------------------------------------------------------ completions
 
     def _read_completions(self) -> None:
         try:
             for completion in self._stream:
+                if completion.request_id == 0:
+                    self._attached.set()
+                    continue
                 self._finish(completion.request_id, completion)
             reason = "the daemon closed the completion stream (shutting down)"
         except grpc.RpcError as exc:

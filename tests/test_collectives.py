@@ -1,0 +1,105 @@
+"""allgather, allreduce (direct and ring), broadcast and barrier through real daemons."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ClusterFactory
+
+
+def test_neighbor_allgather_ring(cluster: ClusterFactory) -> None:
+    c = cluster(4, "ring")
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        h = cl.neighbor_allgather_async(torch.full((2, 3), float(cl.rank)), name="ag")
+        return h.wait(), h.src_ranks
+
+    for i, (out, srcs) in enumerate(c.run(work)):
+        want_srcs = sorted({(i - 1) % 4, (i + 1) % 4})
+        assert srcs == want_srcs
+        assert out.shape == (2, 2, 3)
+        for k, j in enumerate(want_srcs):
+            assert torch.all(out[k] == j)
+
+
+def test_neighbor_allgather_dynamic(cluster: ClusterFactory) -> None:
+    c = cluster(4, "ring")
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        r = cl.rank
+        t = torch.arange(3, dtype=torch.int64) + 100 * r
+        return cl.neighbor_allgather(t, name="agd", src_ranks=[(r + 2) % 4, (r + 3) % 4],
+                                     dst_ranks=[(r + 2) % 4, (r + 1) % 4])
+
+    for i, out in enumerate(c.run(work)):
+        srcs = sorted([(i + 2) % 4, (i + 3) % 4])
+        want = torch.stack([torch.arange(3) + 100 * j for j in srcs])
+        assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("numel", [1, 5, 1000, 300_000])  # 300k floats: above the ring threshold
+@pytest.mark.parametrize("n", [4, 5])
+def test_allreduce_average_and_sum(cluster: ClusterFactory, n: int, numel: int) -> None:
+    c = cluster(n, "ring")
+    rng = np.random.default_rng(numel + n)
+    xs = [rng.integers(-1000, 1000, numel).astype(np.float64) for _ in range(n)]
+    total = np.sum(xs, axis=0)
+    avg = c.run(lambda cl: cl.allreduce(torch.from_numpy(xs[cl.rank]), name=f"ar{numel}"))
+    sums = c.run(lambda cl: cl.allreduce(torch.from_numpy(xs[cl.rank]), op="sum",
+                                         name=f"ars{numel}"))
+    for i in range(n):
+        np.testing.assert_array_equal(sums[i].numpy(), total)  # integers in float64: exact
+        np.testing.assert_allclose(avg[i].numpy(), total / n, rtol=1e-15)
+        assert torch.equal(avg[i], avg[0]), "every rank must get bit-identical results"
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float16, torch.bfloat16])
+def test_allreduce_sum_dtypes(cluster: ClusterFactory, dtype: torch.dtype) -> None:
+    c = cluster(4, "ring")
+    for numel in (10, 200_000):  # direct and ring
+        got = c.run(lambda cl, m=numel: cl.allreduce(torch.full((m,), cl.rank + 1, dtype=dtype),
+                                                     op="sum", name=f"ard{dtype}{m}"))
+        for out in got:
+            assert out.dtype == dtype and torch.all(out.double() == 10)
+
+
+def test_broadcast(cluster: ClusterFactory) -> None:
+    c = cluster(5, "ring")
+    for root in (0, 3):
+        got = c.run(lambda cl, r=root: cl.broadcast(
+            torch.arange(12, dtype=torch.float32).reshape(3, 4) * (cl.rank + 1), root=r,
+            name="bc"))
+        for out in got:
+            assert torch.equal(out, torch.arange(12, dtype=torch.float32).reshape(3, 4)
+                               * (root + 1))
+
+
+def test_barrier_waits_for_everyone(cluster: ClusterFactory) -> None:
+    c = cluster(4, "ring")
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        if cl.rank == 2:
+            time.sleep(0.5)
+        start = time.monotonic()
+        cl.barrier(name="bar")
+        return time.monotonic(), start
+
+    got = c.run(work)
+    released = [r for r, _ in got]
+    slow_arrival = got[2][1]
+    assert min(released) >= slow_arrival, "a rank left the barrier before rank 2 arrived"
+
+
+def test_single_rank_cluster(cluster: ClusterFactory) -> None:
+    c = cluster(1, "ring")
+    t = torch.arange(4, dtype=torch.float64)
+    cl = c.clients[0]
+    assert (cl.rank, cl.size) == (0, 1)
+    assert torch.equal(cl.neighbor_allreduce(t), t)
+    assert torch.equal(cl.allreduce(t), t)
+    assert torch.equal(cl.broadcast(t), t)
+    cl.barrier()

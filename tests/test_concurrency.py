@@ -1,0 +1,71 @@
+"""Many ops in flight, submitted in different orders on different ranks."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from conftest import ClusterFactory
+from test_neighbor_allreduce import expected_matrix
+
+
+def test_many_concurrent_named_ops(cluster: ClusterFactory) -> None:
+    n, k = 4, 64
+    c = cluster(n, "exponential")
+    w = expected_matrix("exponential", n)
+    rng = np.random.default_rng(7)
+    xs = rng.standard_normal((n, k, 33))
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        handles = [cl.neighbor_allreduce_async(torch.from_numpy(xs[cl.rank, t]), name=f"m{t}")
+                   for t in range(k)]
+        return [h.wait(timeout=60).numpy() for h in handles]
+
+    got = c.run(work)
+    for i in range(n):
+        for t in range(k):
+            np.testing.assert_allclose(got[i][t], w[i] @ xs[:, t], rtol=1e-12, atol=1e-12)
+
+
+def test_ranks_submit_in_different_orders(cluster: ClusterFactory) -> None:
+    n, k = 5, 24
+    c = cluster(n, "ring")
+    w = expected_matrix("ring", n)
+    xs = np.random.default_rng(8).standard_normal((n, k, 4))
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        order = list(range(k))
+        random.Random(cl.rank).shuffle(order)
+        ops = {}
+        for t in order:  # mix op types too: neighbor_allreduce and allreduce interleaved
+            x = torch.from_numpy(xs[cl.rank, t])
+            if t % 3 == 0:
+                ops[t] = cl.allreduce_async(x, name=f"o{t}")
+            else:
+                ops[t] = cl.neighbor_allreduce_async(x, name=f"o{t}")
+        return {t: h.wait(timeout=60).numpy() for t, h in ops.items()}
+
+    got = c.run(work)
+    for i in range(n):
+        for t in range(k):
+            want = xs[:, t].mean(axis=0) if t % 3 == 0 else w[i] @ xs[:, t]
+            np.testing.assert_allclose(got[i][t], want, rtol=1e-12, atol=1e-12)
+
+
+def test_repeated_rounds_of_one_name(cluster: ClusterFactory) -> None:
+    n = 4
+    c = cluster(n, "ring")
+    w = expected_matrix("ring", n)
+    x0 = np.random.default_rng(9).standard_normal((n, 8))
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        t = torch.from_numpy(x0[cl.rank])
+        for _ in range(20):
+            t = cl.neighbor_allreduce(t, name="iter")
+        return t.numpy()
+
+    got = np.stack(c.run(work))
+    want = np.linalg.matrix_power(w, 20) @ x0
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)

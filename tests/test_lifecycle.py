@@ -1,0 +1,158 @@
+"""Daemon start, configuration errors, clean shutdown, and the decentrun launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster import Cluster, free_ports
+from decent.core import DecentError
+
+
+def decentd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "decentd.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def shm_names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("decent")}
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "expected"),
+    [
+        ("topology:\n  kind: rng\n", ["topology.kind", "rng"]),
+        ("timeouts:\n  op: -3\n", ["timeouts.op", "-3"]),
+        ("bogus_key: 1\n", ["bogus_key", "unknown key"]),
+        ("peers: [127.0.0.1:1, 127.0.0.1:2]\nrank: 5\n", ["rank 5", "peers"]),
+        ("peers: [not-an-address]\n", ["peers", "not-an-address"]),
+        ("memory:\n  arena_bytes: lots\n", ["memory.arena_bytes", "lots"]),
+        ("topology: [1, 2\n", ["not valid YAML"]),
+    ],
+)
+def test_config_errors_name_key_and_value(tmp_path: Path, yaml_text: str,
+                                          expected: list[str]) -> None:
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text(yaml_text)
+    proc = decentd("--config", str(cfg))
+    assert proc.returncode == 2, proc.stderr
+    assert "config error" in proc.stderr
+    for word in expected:
+        assert word in proc.stderr, (word, proc.stderr)
+
+
+def test_flags_override_file(tmp_path: Path) -> None:
+    from decentd.cli import build_parser, overrides_from
+    from decentd.config import load_config
+
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text("topology:\n  kind: ring\ntimeouts:\n  op: 5\n")
+    args = build_parser().parse_args(["--config", str(cfg), "--topology", "full",
+                                      "--set", "timeouts.op=7.5"])
+    conf = load_config(args.config, overrides_from(args))
+    assert conf.topology.kind == "full" and conf.timeouts.op == 7.5
+    assert load_config(None).topology.kind == "ring"  # defaults need no file
+
+
+def test_missing_peers_named_after_start_timeout() -> None:
+    ports = free_ports(3)
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    proc = decentd("--rank", "0", "--peers", peers, "--set", "timeouts.start=1.5",
+                   "--socket", f"/tmp/decent-test-missing-{os.getpid()}.sock")
+    assert proc.returncode == 1
+    assert "rank(s) 1 (127.0.0.1:" in proc.stderr and f"2 (127.0.0.1:{ports[2]})" in proc.stderr
+
+
+def test_cluster_id_mismatch_refused(tmp_path: Path) -> None:
+    ports = free_ports(2)
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "decentd.cli", "--rank", str(i), "--peers", peers,
+         "--cluster-id", f"cluster-{i}", "--socket", str(tmp_path / f"{i}.sock"),
+         "--set", "timeouts.start=5"],
+        stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=60)[1] for p in procs]
+    assert [p.returncode for p in procs] == [1, 1]
+    # whichever daemon handshakes first is refused and says why; the other may instead find
+    # its peer gone by then, and says which rank is missing
+    refused = [err for err in outs if "CLUSTER_MISMATCH" in err]
+    assert refused, outs
+    assert all("cluster-0" in err and "cluster-1" in err for err in refused)
+    assert all("CLUSTER_MISMATCH" in err or "rank(s)" in err for err in outs)
+
+
+def test_sigterm_fails_in_flight_and_releases_shared_memory() -> None:
+    before = shm_names()
+    c = Cluster(2, "ring")
+    c.connect()
+    pid = c.procs[0].pid
+    assert not {n for n in shm_names() - before if f"-{pid}-" in n}, "arena name left linked"
+    # rank 1 never joins this op, so it is still in flight when rank 0's daemon is stopped
+    h = c.clients[0].neighbor_allreduce_async(torch.zeros(10), name="inflight", timeout=60)
+    time.sleep(0.3)
+    c.procs[0].send_signal(signal.SIGTERM)
+    with pytest.raises(DecentError) as info:
+        h.wait(timeout=30)
+    assert info.value.code_name == "SHUTTING_DOWN"
+    assert "'inflight'" in info.value.message and "shutting down" in info.value.message
+    assert c.procs[0].wait(timeout=30) == 0
+    assert not os.path.exists(c.sockets[0])
+    codes = c.stop()
+    assert codes == [0, 0]
+    assert shm_names() - before == set()
+
+
+def test_sigkill_of_daemon_leaves_no_shared_memory() -> None:
+    before = shm_names()
+    c = Cluster(2, "ring")
+    c.connect()
+    for p in c.procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    time.sleep(0.2)
+    assert shm_names() - before == set()
+    c.stop()
+
+
+RUN = [sys.executable, "-m", "decentd.launcher"]
+
+
+def test_decentrun_runs_workers_with_rank_prefix(tmp_path: Path) -> None:
+    script = tmp_path / "w.py"
+    script.write_text(textwrap.dedent("""
+        import torch, decent.torch as dt
+        c = dt.init()
+        out = dt.allreduce(torch.tensor([float(c.rank)]), op="sum")
+        print(f"rank={c.rank} size={c.size} sum={out.item()}")
+        dt.shutdown()
+    """))
+    proc = subprocess.run([*RUN, "-np", "3", "--topology", "exponential", "--", sys.executable,
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(3):
+        assert f"[{r}] rank={r} size=3 sum=3.0" in proc.stdout
+
+
+def test_decentrun_fails_when_a_worker_fails(tmp_path: Path) -> None:
+    script = tmp_path / "w.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time, decent.torch as dt
+        c = dt.init()
+        if c.rank == 1:
+            sys.exit(3)
+        time.sleep(120)  # the launcher must tear this down
+    """))
+    start = time.monotonic()
+    proc = subprocess.run([*RUN, "-np", "2", sys.executable, str(script)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 3
+    assert "worker 1 exited with code 3" in proc.stderr
+    assert time.monotonic() - start < 60
