@@ -17,7 +17,7 @@ def generate_protos() -> None:
     out = ROOT / "clients"
     protos = sorted(str(p.relative_to(ROOT / "proto")) for p in (ROOT / "proto").rglob("*.proto"))
     args = [sys.executable, "-m", "grpc_tools.protoc", "-Iproto", f"--python_out={out}",
-            f"--grpc_python_out={out}", f"--pyi_out={out}", *protos]
+            f"--grpc_python_out={out}", *protos]
     subprocess.run(args, cwd=ROOT, check=True)
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import decent.torch as dt
@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
     p.add_argument("--momentum", type=float, default=0.9,
                    help="SGD momentum, local to each worker (default 0.9; 0 for plain SGD)")
+    p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
+                   help="learning-rate schedule over all iterations (default cosine, to 0)")
     p.add_argument("--batch-size", type=int, default=32,
                    help="minibatch size per worker (default 32)")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS),
@@ -251,15 +253,21 @@ def train(client: TorchClient, algo: str, init: dict[str, torch.Tensor], data: D
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     step = STEPS[algo]
     total = args.epochs * data.steps_per_epoch
+    sched: torch.optim.lr_scheduler.LRScheduler | None = None
+    if args.schedule == "cosine":
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total)
     bar = tqdm(total=total, desc=f"{algo:>9}", unit="it", disable=client.rank != 0,
                mininterval=0.5, dynamic_ncols=False, ncols=90)
     client.barrier(name=f"start.{algo}")
     t0 = time.perf_counter()
     last_epoch_loss = float("nan")
     for epoch in range(args.epochs):
-        losses = [step(client, model, opt, xb, yb)
-                  for xb, yb in _tick(batches(data, args.batch_size, args.seed, client.rank,
-                                              epoch), bar)]
+        losses = []
+        for xb, yb in batches(data, args.batch_size, args.seed, client.rank, epoch):
+            losses.append(step(client, model, opt, xb, yb))
+            if sched is not None:
+                sched.step()
+            bar.update(1)
         last_epoch_loss = float(np.mean(losses))
         bar.set_postfix(epoch=epoch + 1, loss=f"{last_epoch_loss:.4f}", refresh=False)
     wall = time.perf_counter() - t0
@@ -267,18 +275,11 @@ def train(client: TorchClient, algo: str, init: dict[str, torch.Tensor], data: D
     return evaluate(client, algo, model, data, last_epoch_loss, wall, total)
 
 
-def _tick(items: list[tuple[torch.Tensor, torch.Tensor]], bar: tqdm
-          ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield ``items``, advancing the progress bar after each."""
-    for item in items:
-        yield item
-        bar.update(1)
-
-
 def report(results: list[Result], args: argparse.Namespace, size: int, topology: str) -> None:
     """Rank 0's final table."""
     table = Table(title=f"digits, {size} workers, topology {topology}, {args.epochs} epochs, "
-                        f"lr {args.lr}, momentum {args.momentum}, batch {args.batch_size}/worker")
+                        f"lr {args.lr} ({args.schedule}), momentum {args.momentum}, "
+                        f"batch {args.batch_size}/worker")
     table.add_column("algorithm")
     table.add_column("worker accuracies (%)")
     table.add_column("mean", justify="right")

@@ -6,9 +6,9 @@ import random
 
 import numpy as np
 import torch
+from test_neighbor_allreduce import expected_matrix
 
 from conftest import ClusterFactory
-from test_neighbor_allreduce import expected_matrix
 
 
 def test_many_concurrent_named_ops(cluster: ClusterFactory) -> None:

@@ -84,7 +84,7 @@ def test_invalid_requests_fail_only_that_request(cluster: ClusterFactory) -> Non
                               dst_weights=[1])
     with pytest.raises(DecentError, match="root 7"):
         cl.broadcast(torch.zeros(2), root=7, name="bad4")
-    with pytest.raises(TypeError, match="'cplx'.*complex64"):
+    with pytest.raises(TypeError, match=r"'cplx'.*complex64"):
         cl.neighbor_allreduce(torch.zeros(2, dtype=torch.complex64), name="cplx")
     with pytest.raises(DecentError, match="arena") as big:
         cl.neighbor_allreduce(torch.zeros(cl.arena.nbytes // 4 + 1), name="huge")

@@ -47,7 +47,7 @@ def test_explicit_weights_override() -> None:
 
 
 def test_errors_say_what_to_use() -> None:
-    with pytest.raises(TopologyError, match="power-of-two.*use 'exponential'"):
+    with pytest.raises(TopologyError, match=r"power-of-two.*use 'exponential'"):
         build_topology("hypercube", 6)
     with pytest.raises(TopologyError, match="unknown topology 'torus3d'"):
         build_topology("torus3d", 4)

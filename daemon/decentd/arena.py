@@ -27,7 +27,9 @@ class Arena:
         # the stdlib resource tracker stays registered: if this process is killed, it unlinks
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=nbytes)
         self.nbytes = nbytes
-        self.buf = self._shm.buf
+        buf = self._shm.buf
+        assert buf is not None
+        self.buf: memoryview = buf
         pages = np.frombuffer(self.buf, np.uint8)
         pages[::PAGE] = 0  # first touch now, not on the hot path
         del pages

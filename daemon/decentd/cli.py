@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from decentd.config import load_config, parse_set
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from decentd.server import Daemon  # after logging: grpc import is slow-ish
 
+    runner: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from decentd import topology
 from decentd.errors import StartupError
 
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -173,7 +174,8 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise StartupError(f"config error: {path} must hold a mapping, not {type(loaded).__name__}")
+            kind = type(loaded).__name__
+            raise StartupError(f"config error: {path} must hold a mapping, not a {kind}")
         data = loaded
     for key, value in (overrides or {}).items():
         _set_path(data, key, value)

@@ -35,7 +35,7 @@ INTEGER = frozenset({pb.INT32, pb.INT64})
 
 def dtype_name(dtype: int) -> str:
     """Human name of a wire dtype, e.g. ``float32``."""
-    return str(pb.DType.Name(dtype)).lower()  # type: ignore[arg-type]
+    return str(pb.DType.Name(dtype)).lower()
 
 
 def describe(dtype: int, shape: tuple[int, ...] | list[int]) -> str:

@@ -58,7 +58,7 @@ class OpResult:
 
 def op_label(op: int) -> str:
     """``neighbor_allreduce`` style name of an op type."""
-    return str(pb.OpType.Name(op)).lower()  # type: ignore[arg-type]
+    return str(pb.OpType.Name(op)).lower()
 
 
 class OpContext:
@@ -100,7 +100,7 @@ class OpContext:
     async def send(
         self, dst: int, tag: int, payload: memoryview, weight: float = 1.0, ack: bool = False
     ) -> None:
-        """Send ``payload`` as this op's tensor to ``dst``; with ``ack``, wait until it is matched."""
+        """Send ``payload`` as this op's tensor to ``dst``; ``ack``: wait until it is matched."""
         fut = self.transport.expect_ack(dst, self.name, self.round, tag) if ack else None
         await self.transport.send_data(
             dst, self.name, self.round, tag, self.op, self.dtype, self.shape, payload, weight
@@ -206,7 +206,7 @@ class Engine:
         if want != req.nbytes:
             raise OpError(
                 pb.INVALID_ARGUMENT,
-                f"tensor '{req.name}': {dtypes.describe(req.meta.dtype, req.meta.shape)} is "
+                f"tensor '{req.name}': {dtypes.describe(req.meta.dtype, list(req.meta.shape))} is "
                 f"{want} bytes but the request says {req.nbytes}",
             )
         x_bytes = session.arena.view(req.offset, req.nbytes, f"tensor '{req.name}' input")
@@ -250,7 +250,7 @@ class Engine:
         else:
             self.completed += 1
             completion.out_nbytes = result.out_nbytes
-            completion.out_meta.dtype = ctx.dtype  # type: ignore[assignment]
+            completion.out_meta.dtype = ctx.dtype
             completion.out_meta.shape.extend(result.shape)
             completion.src_ranks.extend(result.src_ranks)
         finally:

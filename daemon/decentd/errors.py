@@ -6,7 +6,7 @@ from decentd.wire import pb
 
 
 class OpError(Exception):
-    """A request failed; ``code`` is a ``decent.v1.ErrorCode`` value, ``message`` names the cause."""
+    """A request failed: ``code`` is a ``decent.v1.ErrorCode``, ``message`` names the cause."""
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
@@ -15,10 +15,10 @@ class OpError(Exception):
 
     def to_pb(self) -> pb.Error:
         """The wire form of this error."""
-        return pb.Error(code=self.code, message=self.message)  # type: ignore[arg-type]
+        return pb.Error(code=self.code, message=self.message)
 
     def __str__(self) -> str:
-        return f"{pb.ErrorCode.Name(self.code)}: {self.message}"  # type: ignore[arg-type]
+        return f"{pb.ErrorCode.Name(self.code)}: {self.message}"
 
 
 class StartupError(Exception):

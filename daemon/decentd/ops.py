@@ -27,7 +27,7 @@ def _write(out: memoryview, values: np.ndarray, what: str) -> int:
 
 
 def _payload(x: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8).data
 
 
 def _check_ranks(ctx: OpContext, ranks: list[int], what: str) -> None:

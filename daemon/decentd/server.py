@@ -49,7 +49,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
 
-    async def Register(  # noqa: N802 (gRPC method name)
+    async def Register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterReply:
         """Create the worker's arena once the cluster is up."""
@@ -76,7 +76,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             default_timeout_s=d.cfg.timeouts.op,
         )
 
-    async def Submit(  # noqa: N802
+    async def Submit(
         self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> pb.SubmitReply:
         """Start one request; refusals come back here, failures later as completions."""
@@ -90,7 +90,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             return pb.SubmitReply(error=err.to_pb())
         return pb.SubmitReply()
 
-    async def Completions(  # noqa: N802
+    async def Completions(
         self, request: pb.CompletionsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.Completion]:
         """The worker's one long-lived completion stream; it ends when the worker goes."""
@@ -109,7 +109,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         finally:
             self.d.drop_session(session)
 
-    async def Status(  # noqa: N802
+    async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusReply:
         """Counters and peer health."""
@@ -138,7 +138,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             ],
         )
 
-    async def Topology(  # noqa: N802
+    async def Topology(
         self, request: pb.TopologyRequest, context: grpc.aio.ServicerContext
     ) -> pb.TopologyInfo:
         """This rank's neighbors at the step that round ``round`` of an op uses."""
@@ -151,7 +151,7 @@ class PeerService(pb_grpc.PeerServicer):
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
 
-    async def Handshake(  # noqa: N802
+    async def Handshake(
         self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext
     ) -> pb.HandshakeReply:
         """Check cluster id, protocol version and that the caller reached the rank it meant."""
@@ -161,7 +161,7 @@ class PeerService(pb_grpc.PeerServicer):
             return pb.HandshakeReply(error=error, rank=self.d.rank)
         return pb.HandshakeReply(rank=self.d.rank)
 
-    async def Exchange(  # noqa: N802
+    async def Exchange(
         self, request_iterator: AsyncIterator[pb.Frame], context: grpc.aio.ServicerContext
     ) -> pb.ExchangeSummary:
         """Read one peer's frames until it closes the stream."""
@@ -186,7 +186,7 @@ class PeerService(pb_grpc.PeerServicer):
                 self.d.transport.peer_down(src, reason)
         return pb.ExchangeSummary(frames=frames)
 
-    async def Heartbeat(  # noqa: N802
+    async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatReply:
         """Liveness."""

@@ -125,7 +125,7 @@ class Topology:
 
 
 def _edges(size: int, pairs: list[tuple[int, int]]) -> nx.DiGraph:
-    g = nx.DiGraph()
+    g: nx.DiGraph = nx.DiGraph()
     g.add_nodes_from(range(size))
     g.add_edges_from((a % size, b % size) for a, b in pairs if a % size != b % size)
     return g

@@ -297,8 +297,8 @@ class Transport:
         """Send one tensor to ``dst``; returns once every frame is written to the stream."""
         link = self._link(dst, name)
         header = pb.Frame(
-            name=name, round=round_, tag=tag, op=op,  # type: ignore[arg-type]
-            meta=pb.TensorMeta(dtype=dtype, shape=shape),  # type: ignore[arg-type]
+            name=name, round=round_, tag=tag, op=op,
+            meta=pb.TensorMeta(dtype=dtype, shape=shape),
             weight=weight,
         )
         await self._write(link, self._data_frames(link, header, payload), name)
@@ -311,7 +311,7 @@ class Transport:
         link = self.links.get(dst)
         if link is None or link.call is None or not link.connected:
             return
-        frame = pb.Frame(kind=kind, name=name, round=round_, tag=tag, error=error)  # type: ignore[arg-type]
+        frame = pb.Frame(kind=kind, name=name, round=round_, tag=tag, error=error)
         with contextlib.suppress(OpError):
             await self._write(link, iter([frame]), name)
 
@@ -442,8 +442,8 @@ class Transport:
         link = self.links.get(src)
         if link is not None:
             link.connected = False
-        for key in [k for k in self._assembling if k[0] == src]:
-            del self._assembling[key]
+        for asm_key in [k for k in self._assembling if k[0] == src]:
+            del self._assembling[asm_key]
         err = OpError(pb.PEER_UNAVAILABLE, f"rank {src} disconnected ({reason})")
         for table in (self._waiters, self._acks):
             for key in [k for k in table if k[0] == src]:

@@ -26,7 +26,9 @@ class ClientArena:
         with contextlib.suppress(Exception):
             resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
         self.nbytes = nbytes
-        self.buf = self._shm.buf
+        buf = self._shm.buf
+        assert buf is not None
+        self.buf: memoryview = buf
         int(np.frombuffer(self.buf, np.uint8)[::PAGE].sum())  # map every page now
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted by offset
         self._cond = threading.Condition()

@@ -255,9 +255,11 @@ class Client(Generic[T]):
             raise DecentError(pb.SHUTTING_DOWN, "client is closed")
         if self._lost is not None:
             raise self._lost
-        label = str(pb.OpType.Name(op)).lower()  # type: ignore[arg-type]
+        label = str(pb.OpType.Name(op)).lower()
         name = name or f"{label}.unnamed"
         round_ = self._next_round(name)
+        dtype: int
+        shape: tuple[int, ...]
         if tensor is None:
             dtype, shape = pb.FLOAT32, (0,)
         else:
@@ -287,8 +289,8 @@ class Client(Generic[T]):
         rid = next(self._ids)
         p = _Pending(rid, what, slots, dtype, tensor)
         req = pb.SubmitRequest(
-            worker_id=self.worker_id, request_id=rid, op=op, name=name,  # type: ignore[arg-type]
-            round=round_, meta=pb.TensorMeta(dtype=dtype, shape=shape),  # type: ignore[arg-type]
+            worker_id=self.worker_id, request_id=rid, op=op, name=name,
+            round=round_, meta=pb.TensorMeta(dtype=dtype, shape=shape),
             offset=in_off, nbytes=nbytes, out_offset=out_off, out_capacity=out_cap,
             timeout_s=timeout or 0.0, **fields,
         )
@@ -352,10 +354,7 @@ class Client(Generic[T]):
         """Start gathering the in-neighbors' tensors, stacked on a new leading dim (rank order)."""
         src = _weights(src_ranks)
         dst = _weights(dst_ranks)
-        if src is not None:
-            factor = len(src)
-        else:
-            factor = max(1, self.size - 1)
+        factor = len(src) if src is not None else max(1, self.size - 1)
         return self._submit(
             pb.NEIGHBOR_ALLGATHER, tensor, name, timeout, out_factor=max(1, factor),
             has_src_weights=src is not None, src_weights=src or {},

@@ -16,7 +16,7 @@ class DecentError(RuntimeError):
     @property
     def code_name(self) -> str:
         """``MISMATCH``, ``TIMEOUT``, ..."""
-        return str(pb.ErrorCode.Name(self.code))  # type: ignore[arg-type]
+        return str(pb.ErrorCode.Name(self.code))
 
     def __str__(self) -> str:
         return f"[{self.code_name}] {self.message}"

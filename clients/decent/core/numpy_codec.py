@@ -7,14 +7,14 @@ import numpy as np
 from decent.core.arena import ClientArena
 from decent.v1 import decent_pb2 as pb
 
-_TO_WIRE = {
+_TO_WIRE: dict[np.dtype, int] = {
     np.dtype(np.float16): pb.FLOAT16,
     np.dtype(np.float32): pb.FLOAT32,
     np.dtype(np.float64): pb.FLOAT64,
     np.dtype(np.int32): pb.INT32,
     np.dtype(np.int64): pb.INT64,
 }
-_FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
+_FROM_WIRE: dict[int, np.dtype] = {v: k for k, v in _TO_WIRE.items()}
 
 
 class NumpyCodec:

@@ -1,0 +1,26 @@
+# The two commands of the README: `make run` (set up, then the main job) and `make test`.
+VENV := .venv/bin
+
+.PHONY: setup run test lint bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+## the main job: decentralized training on the digits dataset with 4 local workers
+run: setup
+	$(VENV)/decentrun -np 4 --topology exponential -- $(VENV)/python examples/train_digits.py
+
+## lint (ruff, mypy) and the whole test suite against real daemons
+test: setup lint
+	$(VENV)/python -m pytest
+
+lint: setup
+	$(VENV)/ruff check daemon clients tests benchmarks examples setup.py
+	$(VENV)/mypy daemon/decentd clients/decent
+
+## neighbor_allreduce vs torch.distributed gloo, 4 KiB to 64 MiB, 2 daemons
+bench: setup
+	$(VENV)/decentrun -np 2 -- $(VENV)/python benchmarks/p2p_vs_gloo.py
+
+clean:
+	rm -rf .venv build *.egg-info clients/decent/v1/*_pb2*.py clients/decent/v1/*_pb2*.pyi
