@@ -40,7 +40,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import decent.torch as dt
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -50,6 +49,8 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 from tqdm import tqdm
+
+import decent.torch as dt
 
 ALGORITHMS = ("dsgd", "allreduce")
 TorchClient = dt.Client[torch.Tensor]

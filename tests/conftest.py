@@ -10,21 +10,31 @@ from cluster import Cluster
 
 ClusterFactory = Callable[..., Cluster]
 
+#: clusters kept running at once, and each worker's arena size (tests use small tensors)
+KEEP = 3
+ARENA_BYTES = 32 << 20
+
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[ClusterFactory]:
     """``cluster(n, topology)``: a connected cluster, shared by every test that asks for it."""
     cache: dict[tuple[int, str], Cluster] = {}
 
+    def stop(c: Cluster) -> None:
+        codes = c.stop()
+        assert codes == [0] * c.n, f"daemons exited with {codes}"
+
     def get(n: int, topology: str = "ring") -> Cluster:
         key = (n, topology)
         if key not in cache:
-            c = Cluster(n, topology)
+            while len(cache) >= KEEP:  # bound memory: stop the least recently used cluster
+                stop(cache.pop(next(iter(cache))))
+            c = Cluster(n, topology, "--set", f"memory.arena_bytes={ARENA_BYTES}")
             c.connect()
             cache[key] = c
+        cache[key] = cache.pop(key)  # most recently used last
         return cache[key]
 
     yield get
     for c in cache.values():
-        codes = c.stop()
-        assert codes == [0] * c.n, f"daemons exited with {codes}"
+        stop(c)
