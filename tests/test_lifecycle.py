@@ -156,3 +156,12 @@ def test_decentrun_fails_when_a_worker_fails(tmp_path: Path) -> None:
     assert proc.returncode == 3
     assert "worker 1 exited with code 3" in proc.stderr
     assert time.monotonic() - start < 60
+
+
+def test_client_without_daemon_says_so_quickly(tmp_path: Path) -> None:
+    import decent.torch as dt
+
+    start = time.monotonic()
+    with pytest.raises(DecentError, match="no decentd socket at .*nope.sock"):
+        dt.connect(f"unix://{tmp_path}/nope.sock", connect_timeout=1)
+    assert time.monotonic() - start < 10

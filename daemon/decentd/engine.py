@@ -75,7 +75,8 @@ class OpContext:
         self.op = int(req.op)
         self.dtype = int(req.meta.dtype)
         self.shape = tuple(int(s) for s in req.meta.shape)
-        self.waiting: set[int] = set()
+        self.waiting: set[int] = set()  # ranks whose data this op still needs
+        self.unacked: set[int] = set()  # ranks that have not yet matched what this op sent
         self.participants: set[int] = set()
         self.started = time.monotonic()
         self.warned_at = 0.0
@@ -106,9 +107,9 @@ class OpContext:
             dst, self.name, self.round, tag, self.op, self.dtype, self.shape, payload, weight
         )
         if fut is not None:
-            self.waiting.add(dst)
+            self.unacked.add(dst)
             await fut
-            self.waiting.discard(dst)
+            self.unacked.discard(dst)
 
     async def recv(
         self, src: int, tag: int, ack: bool = False, shape: tuple[int, ...] | None = None
@@ -137,6 +138,15 @@ class OpContext:
             await self.transport.send_control(src, pb.ACK, self.name, self.round, tag)
         storage = dtypes.STORAGE[self.dtype]
         return arrival.data.view(storage), arrival.weight
+
+    def waiting_for(self) -> str:
+        """``rank(s) [2] to send, rank(s) [1] to take ours`` for stall and timeout messages."""
+        parts = []
+        if self.waiting:
+            parts.append(f"rank(s) {sorted(self.waiting)} to send their tensor")
+        if self.unacked:
+            parts.append(f"rank(s) {sorted(self.unacked)} to match the tensor sent to them")
+        return "; ".join(parts) or "nothing remote (local work)"
 
     def fail(self, error: OpError) -> None:
         """Fail this op from outside (an ABORT from a peer, shutdown)."""
@@ -231,12 +241,10 @@ class Engine:
             err = ctx.failure or OpError(pb.SHUTTING_DOWN, f"{ctx.label} was cancelled")
             self._fail(ctx, err, completion)
         except TimeoutError:
-            waiting = sorted(ctx.waiting)
             err = OpError(
                 pb.TIMEOUT,
                 f"{ctx.label} timed out after {timeout:g}s on rank {self.rank}; "
-                f"still waiting for rank(s) {waiting}" if waiting else
-                f"{ctx.label} timed out after {timeout:g}s on rank {self.rank}",
+                f"still waiting for {ctx.waiting_for()}",
             )
             self._fail(ctx, err, completion)
         except OpError as err:
@@ -292,7 +300,10 @@ class Engine:
 
     def on_peer_down(self, src: int, reason: str) -> None:
         """The connection from ``src`` is gone (waiters were already failed by the transport)."""
-        log.warning("rank %d disconnected: %s", src, reason)
+        if reason == "stream closed":  # the peer closed its stream: an orderly stop
+            log.info("rank %d closed its connection", src)
+        else:
+            log.warning("rank %d disconnected: %s", src, reason)
 
     # ------------------------------------------------------------------ housekeeping
 
@@ -306,8 +317,8 @@ class Engine:
                 if age >= self.stall_warning and now - ctx.warned_at >= self.stall_warning:
                     ctx.warned_at = now
                     log.warning(
-                        "stall: %s on rank %d has waited %.1fs; still waiting for rank(s) %s",
-                        ctx.label, self.rank, age, sorted(ctx.waiting) or "(none: local work)",
+                        "stall: %s on rank %d has waited %.1fs; still waiting for %s",
+                        ctx.label, self.rank, age, ctx.waiting_for(),
                     )
 
     async def shutdown(self, reason: str) -> None:

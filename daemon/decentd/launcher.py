@@ -57,7 +57,9 @@ class _Prefixer(threading.Thread):
             pending = parts.pop()
             with self.lock:
                 for i in range(0, len(parts), 2):
-                    self.out.write(self.tag + parts[i] + parts[i + 1])
+                    # a bare \r (progress bars redraw with it) gets no tag of its own
+                    tag = self.tag if parts[i] else b""
+                    self.out.write(tag + parts[i] + parts[i + 1])
                 self.out.flush()
         if pending:
             with self.lock:

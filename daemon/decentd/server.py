@@ -288,6 +288,8 @@ class Daemon:
 
     async def _shutdown(self, peer_server: grpc.aio.Server, worker_server: grpc.aio.Server) -> None:
         self.stopping.set()
+        # grpc logs every stream it cuts at server stop; at shutdown that is expected, not news
+        logging.getLogger("grpc._cython.cygrpc").setLevel(logging.CRITICAL)
         for task in self._tasks:
             task.cancel()
         await self.engine.shutdown("SIGTERM")

@@ -14,6 +14,7 @@ import math
 import os
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -56,6 +57,25 @@ def default_address() -> str:
     if env:
         return env if "://" in env or ":" in env else f"unix://{env}"
     return f"unix://{os.path.join(tempfile.gettempdir(), 'decentd.sock')}"
+
+
+#: how long a client waits for the daemon's Unix socket to appear before saying there is none
+SOCKET_WAIT = 30.0
+
+
+def _wait_for_socket(address: str, timeout: float) -> None:
+    if not address.startswith("unix://"):
+        return
+    path = address[len("unix://"):]
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            raise DecentError(
+                pb.PEER_UNAVAILABLE,
+                f"no decentd socket at {path} after {timeout:g}s: start decentd (or run under "
+                "decentrun), or point $DECENT_DAEMON at the daemon's socket",
+            )
+        time.sleep(0.05)
 
 
 @dataclass
@@ -140,6 +160,7 @@ class Client(Generic[T]):
     ) -> None:
         self.codec = codec
         self.address = address or default_address()
+        _wait_for_socket(self.address, min(connect_timeout, SOCKET_WAIT))
         self._channel = grpc.insecure_channel(
             self.address,
             options=[("grpc.max_receive_message_length", 64 << 20),
