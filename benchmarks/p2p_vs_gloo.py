@@ -20,6 +20,9 @@ on loopback (rank 0 picks a free port and broadcasts it through decent). For eac
    * decent neighbor_allreduce: ``client.neighbor_allreduce_async(x, name=...).wait()``;
    * decent allreduce: ``client.allreduce(x, op="average", name=...)``.
 
+   With ``--interleave`` the timed calls go round-robin (gloo, nar, ar, gloo, ...) instead, so
+   that load from other processes hits all three ops alike.
+
    Decent's times therefore include the copy into the shared-memory arena and the copy of the
    result out of it (a new tensor), which is the cost a user of the API pays; gloo works in place.
 
@@ -54,10 +57,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import decent.torch as dt
 import numpy as np
 import torch
 import torch.distributed as dist
+
+import decent.torch as dt
 
 OPS = ("gloo", "nar", "ar")
 OP_TITLES = {
@@ -312,8 +316,8 @@ class Bench:
             "ar": (ar_call, None, avg),
         }
         repeats: dict[str, int] = {}
-        stats: dict[str, dict[str, float]] = {}
         errors: dict[str, float] = {}
+        samples: dict[str, list[float]] = {}
         for op, (call, before, want) in calls.items():
             on_op(op)
             self.sync()
@@ -330,13 +334,25 @@ class Bench:
                 del got
             slow = float(self.max_over_ranks(torch.tensor([warm_times[-1]]))[0])
             if args.repeats:
-                r = args.repeats
+                repeats[op] = args.repeats
             else:
-                r = min(default_repeats(nbytes), max(args.min_repeats, int(args.budget / slow)))
-            repeats[op] = r
+                repeats[op] = min(default_repeats(nbytes),
+                                  max(args.min_repeats, int(args.budget / slow)))
+            if not args.interleave:
+                self.sync()
+                samples[op] = time_calls(call, repeats[op], before)
+        if args.interleave:
+            # one call of each op per iteration: load changes hit all ops alike
+            r = min(repeats.values())
+            repeats = dict.fromkeys(OPS, r)
+            samples = {op: [] for op in OPS}
             self.sync()
-            samples = time_calls(call, r, before)
-            local = summarize(samples)
+            for _ in range(r):
+                for op, (call, before, _want) in calls.items():
+                    samples[op] += time_calls(call, 1, before)
+        stats: dict[str, dict[str, float]] = {}
+        for op in OPS:
+            local = summarize(samples[op])
             agg = self.max_over_ranks(torch.tensor([local[s] for s in STATS]))
             stats[op] = {s: float(v) for s, v in zip(STATS, agg.tolist(), strict=True)}
         err_t = self.max_over_ranks(torch.tensor([errors[op] for op in OPS]))
@@ -405,7 +421,8 @@ def markdown(results: list[SizeResult], meta: dict[str, Any]) -> str:
         f"- python {meta['python']}, torch {meta['torch']}, numpy {meta['numpy']}, "
         f"decent {meta['git']}",
         f"- torch threads: {meta['threads']}; warm-up calls: {meta['warmup']}; "
-        f"budget per block: {meta['budget']} s; total runtime: {meta['runtime_s']:.1f} s",
+        f"budget per block: {meta['budget']} s; timing: {meta['mode']}; "
+        f"total runtime: {meta['runtime_s']:.1f} s",
         "",
         "Times are per call (median, p10-p90) in milliseconds; every statistic is the maximum "
         "over the ranks of that rank's own statistic. gloo: `dist.all_reduce` (SUM, in place). "
@@ -432,16 +449,18 @@ def markdown(results: list[SizeResult], meta: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Throughput (tensor bytes / median time) and correctness (max abs error of the first "
-        "result):",
+        "Throughput (tensor bytes / median time), fastest call (min ms: less sensitive to other "
+        "load on the machine) and correctness (max abs error of the first result):",
         "",
-        "| size | gloo | decent nar | decent allreduce | err gloo | err nar | err allreduce |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| size | gloo | decent nar | decent allreduce | min ms gloo / nar / allreduce "
+        "| err gloo | err nar | err allreduce |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for res in results:
         rates = [human_rate(res.nbytes / res.stats[op]["median"]) for op in OPS]
+        mins = " / ".join(ms(res.stats[op]["min"]) for op in OPS)
         errs = [f"{res.errors[op]:.1e}" + ("" if res.ok[op] else " WRONG") for op in OPS]
-        lines.append("| " + " | ".join([human_bytes(res.nbytes), *rates, *errs]) + " |")
+        lines.append("| " + " | ".join([human_bytes(res.nbytes), *rates, mins, *errs]) + " |")
     lines += ["", "Daemons after the run (from `client.status()` and /proc):", ""]
     for d in meta["daemons"]:
         lines.append(f"- {d}")
@@ -527,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=5.0,
                    help="approximate seconds per (size, op) timed block when --repeats is unset")
     p.add_argument("--min-repeats", type=int, default=5, help="lower bound of the adapted R")
+    p.add_argument("--interleave", action="store_true",
+                   help="time the ops round-robin (gloo, nar, ar, gloo, ...) instead of one block "
+                   "per op: fairer ratios on a machine with fluctuating load")
     p.add_argument("--atol", type=float, default=1e-5,
                    help="max abs error accepted by the correctness check")
     return p
@@ -608,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": torch.get_num_threads(),
             "warmup": args.warmup,
             "budget": args.budget if not args.repeats else f"n/a (--repeats {args.repeats})",
+            "mode": "interleaved (--interleave)" if args.interleave else "one block per op",
             "load_start": " ".join(f"{v:.2f}" for v in load_start),
             "load_end": " ".join(f"{v:.2f}" for v in os.getloadavg()),
             "runtime_s": runtime,

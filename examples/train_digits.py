@@ -27,9 +27,10 @@ At the end every worker evaluates its own model on the test set; rank 0 prints e
 accuracy, the accuracy of the averaged model (the parameters allreduce-averaged over workers), the
 consensus distance ``sum_i ||x_i - mean||^2`` and the training wall time.
 
-With the defaults (10 epochs, lr 0.1, momentum 0.9, batch 32 per worker) both algorithms reach
-about 96-98% test accuracy; the whole run takes roughly 45 s with 4 workers on a 2-core machine,
-a third of it spent importing torch and scikit-learn in four processes at once.
+With the defaults (10 epochs, constant lr 0.05, momentum 0.9, batch 32 per worker; 110 steps)
+both algorithms reach about 96-98% test accuracy, the averaged D-SGD model within about 1.5
+points of the allreduce baseline (seeds 0-4). The whole run takes roughly 45-50 s with 4 workers
+on a 2-core machine, about 15 s of it importing torch and scikit-learn in four processes at once.
 """
 
 from __future__ import annotations
@@ -87,11 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=10,
                    help="epochs per algorithm (default 10: 110 steps of 32 samples per worker; "
                         "about 10 s per algorithm with 4 workers on 2 cores)")
-    p.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
     p.add_argument("--momentum", type=float, default=0.9,
                    help="SGD momentum, local to each worker (default 0.9; 0 for plain SGD)")
-    p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
-                   help="learning-rate schedule over all iterations (default cosine, to 0)")
+    p.add_argument("--schedule", choices=["constant", "cosine"], default="constant",
+                   help="learning-rate schedule over all iterations (default constant; cosine "
+                        "anneals to 0, which also drives the D-SGD workers to consensus)")
     p.add_argument("--batch-size", type=int, default=32,
                    help="minibatch size per worker (default 32)")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS),
