@@ -13,8 +13,12 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f clients/decent/v1/
   exit 0
 fi
 echo "setting up .venv (first run takes a minute or two)"
-.venv/bin/python -m pip install -q --upgrade pip
+pip_install() {
+  # some machines list local package mirrors that may be empty; pip warns per package about them
+  .venv/bin/python -m pip install -q "$@" 2> >(grep -v "^WARNING: Location '" >&2)
+}
+pip_install --upgrade pip
 # the CPU build of torch first: a looser requirement would pull a multi-GB CUDA build
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[torch,dev]"
+pip_install "torch==2.13.0"
+pip_install -e ".[torch,dev]"
 echo "$want" > "$stamp"

@@ -162,6 +162,6 @@ def test_client_without_daemon_says_so_quickly(tmp_path: Path) -> None:
     import decent.torch as dt
 
     start = time.monotonic()
-    with pytest.raises(DecentError, match="no decentd socket at .*nope.sock"):
+    with pytest.raises(DecentError, match=r"no decentd socket at .*nope\.sock"):
         dt.connect(f"unix://{tmp_path}/nope.sock", connect_timeout=1)
     assert time.monotonic() - start < 10
