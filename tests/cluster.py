@@ -11,7 +11,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 import decent.torch as dt
 from decent.core import Client
@@ -31,6 +31,9 @@ def free_ports(n: int) -> list[int]:
 class Cluster:
     """``n`` daemons as real processes plus one torch client per rank."""
 
+    #: every cluster started in this test session (a session fixture kills what tests left)
+    started: ClassVar[list[Cluster]] = []
+
     def __init__(self, n: int, topology: str = "ring", *extra: str) -> None:
         self.n = n
         self.dir = tempfile.mkdtemp(prefix="decent-test-")
@@ -41,6 +44,7 @@ class Cluster:
         for i in range(n):
             self.procs.append(self.spawn(i, topology, *extra))
         self.clients: list[Client[Any]] = []
+        Cluster.started.append(self)
 
     def spawn(self, i: int, topology: str, *extra: str) -> subprocess.Popen[bytes]:
         """Start daemon ``i``."""
@@ -75,6 +79,13 @@ class Cluster:
         """Daemon ``i``'s log so far."""
         with open(self.logs[i]) as f:
             return f.read()
+
+    def kill(self) -> None:
+        """SIGKILL whatever is still running (cleanup after a failed test)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
     def stop(self) -> list[int]:
         """Close clients, SIGTERM every daemon, return their exit codes."""

@@ -15,6 +15,14 @@ KEEP = 3
 ARENA_BYTES = 32 << 20
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_daemon_left_behind() -> Iterator[None]:
+    """Whatever a failing test left running is killed at the end of the session."""
+    yield
+    for c in Cluster.started:
+        c.kill()
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[ClusterFactory]:
     """``cluster(n, topology)``: a connected cluster, shared by every test that asks for it."""

@@ -92,20 +92,22 @@ def test_cluster_id_mismatch_refused(tmp_path: Path) -> None:
 def test_sigterm_fails_in_flight_and_releases_shared_memory() -> None:
     before = shm_names()
     c = Cluster(2, "ring")
-    c.connect()
-    pid = c.procs[0].pid
-    assert not {n for n in shm_names() - before if f"-{pid}-" in n}, "arena name left linked"
-    # rank 1 never joins this op, so it is still in flight when rank 0's daemon is stopped
-    h = c.clients[0].neighbor_allreduce_async(torch.zeros(10), name="inflight", timeout=60)
-    time.sleep(0.3)
-    c.procs[0].send_signal(signal.SIGTERM)
-    with pytest.raises(DecentError) as info:
-        h.wait(timeout=30)
-    assert info.value.code_name == "SHUTTING_DOWN"
-    assert "'inflight'" in info.value.message and "shutting down" in info.value.message
-    assert c.procs[0].wait(timeout=30) == 0
-    assert not os.path.exists(c.sockets[0])
-    codes = c.stop()
+    try:
+        c.connect()
+        pid = c.procs[0].pid
+        assert not {n for n in shm_names() - before if f"-{pid}-" in n}, "arena name left linked"
+        # rank 1 never joins this op, so it is still in flight when rank 0's daemon is stopped
+        h = c.clients[0].neighbor_allreduce_async(torch.zeros(10), name="inflight", timeout=60)
+        time.sleep(0.3)
+        c.procs[0].send_signal(signal.SIGTERM)
+        with pytest.raises(DecentError) as info:
+            h.wait(timeout=30)
+        assert info.value.code_name == "SHUTTING_DOWN"
+        assert "'inflight'" in info.value.message and "shutting down" in info.value.message
+        assert c.procs[0].wait(timeout=30) == 0
+        assert not os.path.exists(c.sockets[0])
+    finally:
+        codes = c.stop()
     assert codes == [0, 0]
     assert shm_names() - before == set()
 
@@ -113,10 +115,10 @@ def test_sigterm_fails_in_flight_and_releases_shared_memory() -> None:
 def test_sigkill_of_daemon_leaves_no_shared_memory() -> None:
     before = shm_names()
     c = Cluster(2, "ring")
-    c.connect()
-    for p in c.procs:
-        p.send_signal(signal.SIGKILL)
-        p.wait()
+    try:
+        c.connect()
+    finally:
+        c.kill()
     time.sleep(0.2)
     assert shm_names() - before == set()
     c.stop()
@@ -165,3 +167,37 @@ def test_client_without_daemon_says_so_quickly(tmp_path: Path) -> None:
     with pytest.raises(DecentError, match=r"no decentd socket at .*nope\.sock"):
         dt.connect(f"unix://{tmp_path}/nope.sock", connect_timeout=1)
     assert time.monotonic() - start < 10
+
+
+def test_rank_auto_from_env_and_hostname(monkeypatch: pytest.MonkeyPatch) -> None:
+    from decentd.config import load_config
+    from decentd.errors import StartupError
+
+    for var in ("DECENT_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = load_config(None, {"rank": "auto", "peers": ["a:1", "b:2", "c:3"]})
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    assert cfg.resolved_rank() == 2
+    monkeypatch.delenv("SLURM_PROCID")
+    monkeypatch.setattr("socket.gethostname", lambda: "decent-worker-1")
+    assert cfg.resolved_rank() == 1
+    monkeypatch.setattr("socket.gethostname", lambda: "laptop")
+    with pytest.raises(StartupError, match="rank: 'auto'"):
+        cfg.resolved_rank()
+
+
+def test_decentctl_status_and_topology() -> None:
+    c = Cluster(2, "ring")
+    try:
+        c.connect()
+        c.run(lambda cl: cl.allreduce(torch.ones(4), name="ctl"))
+        proc = subprocess.run([sys.executable, "-m", "decentd.ctl", "status", "--daemon",
+                               c.sockets[0]], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert "rank 0/2" in proc.stdout and "completed 1" in proc.stdout
+        assert "127.0.0.1" in proc.stdout and "yes" in proc.stdout
+    finally:
+        c.stop()
+    proc = subprocess.run([sys.executable, "-m", "decentd.ctl", "topology", "exponential", "-n",
+                           "8"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "rho = 0.5000" in proc.stdout
