@@ -112,12 +112,13 @@ def test_send_without_matching_receive_times_out() -> None:
 
 
 def test_stall_warning_names_missing_rank() -> None:
-    c = Cluster(3, "ring", "--set", "timeouts.stall_warning=0.5")
+    # no per-call timeout: the config's default op timeout applies
+    c = Cluster(3, "ring", "--set", "timeouts.stall_warning=0.5", "--set", "timeouts.op=3")
     try:
         c.connect()
-        h = c.clients[0].neighbor_allreduce_async(torch.zeros(2), name="stalled", timeout=3)
-        c.clients[1].neighbor_allreduce_async(torch.zeros(2), name="stalled", timeout=3)
-        with pytest.raises(DecentError, match=r"timed out.*rank\(s\) \[2\]"):
+        h = c.clients[0].neighbor_allreduce_async(torch.zeros(2), name="stalled")
+        c.clients[1].neighbor_allreduce_async(torch.zeros(2), name="stalled")
+        with pytest.raises(DecentError, match=r"timed out after 3s.*rank\(s\) \[2\]"):
             h.wait()
         log = c.log(0)
         assert "stall: neighbor_allreduce 'stalled' round 0" in log

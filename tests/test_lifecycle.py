@@ -201,3 +201,31 @@ def test_decentctl_status_and_topology() -> None:
     proc = subprocess.run([sys.executable, "-m", "decentd.ctl", "topology", "exponential", "-n",
                            "8"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "rho = 0.5000" in proc.stdout
+
+
+def test_decentrun_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
+    marker = tmp_path / "pids"
+    script = tmp_path / "w.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, time, decent.torch as dt
+        c = dt.init()
+        with open({str(marker)!r}, "a") as f:
+            f.write(f"{{os.getpid()}}\\n")
+        time.sleep(120)
+    """))
+    proc = subprocess.Popen([*RUN, "-np", "2", sys.executable, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while (not marker.exists() or len(marker.read_text().split()) < 2) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    workers = [int(p) for p in marker.read_text().split()]
+    daemons = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "decentd.cli"],
+                             capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2 and len(daemons) == 2
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err
+    for pid in workers + [int(d) for d in daemons]:
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", f"{pid} still running"
