@@ -182,3 +182,20 @@ def test_dynamic_directed_pairs(cluster: ClusterFactory) -> None:
 
     got = c.run(work)
     assert [float(g) for g in got] == [1.0, 1.5, 3.0, 4.0]
+
+
+def test_non_contiguous_and_grad_tensors(cluster: ClusterFactory) -> None:
+    c = cluster(4, "ring")
+    xs = inputs(4, (4, 6), seed=11)
+    w = expected_matrix("ring", 4)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        base = torch.from_numpy(xs[cl.rank].T.copy()).requires_grad_(True)
+        t = base.t()  # a non-contiguous view of x_i, part of an autograd graph
+        assert not t.is_contiguous()
+        return cl.neighbor_allreduce(t, name="noncontig")
+
+    for i, out in enumerate(c.run(work)):
+        assert not out.requires_grad and out.shape == (4, 6)
+        want = (w[i] @ np.stack(xs).reshape(4, -1)).reshape(4, 6)
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-12, atol=1e-12)
