@@ -69,3 +69,22 @@ def test_repeated_rounds_of_one_name(cluster: ClusterFactory) -> None:
     got = np.stack(c.run(work))
     want = np.linalg.matrix_power(w, 20) @ x0
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_more_in_flight_than_the_arena_holds(cluster: ClusterFactory) -> None:
+    # 48 MiB submitted before any wait into 32 MiB arenas: finished results are moved out of the
+    # arena to make room instead of deadlocking
+    n, k, numel = 4, 48, 1 << 18  # 48 tensors of 1 MiB
+    c = cluster(n, "ring")
+    assert c.clients[0].arena.nbytes < k * numel * 4
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        handles = [cl.neighbor_allreduce_async(torch.full((numel,), 3.0 * cl.rank + t),
+                                               name=f"big{t}") for t in range(k)]
+        return [float(h.wait(timeout=120)[0]) for h in handles]
+
+    got = c.run(work, timeout=300)
+    for i in range(n):
+        for t in range(k):
+            want = (i - 1) % 4 + i + (i + 1) % 4 + t  # mean of 3*j + t over the 3 ranks
+            assert abs(got[i][t] - want) <= 1e-5 * want, (i, t, got[i][t])

@@ -6,6 +6,7 @@ import bisect
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -33,8 +34,18 @@ class ClientArena:
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted by offset
         self._cond = threading.Condition()
 
-    def alloc(self, nbytes: int, what: str, timeout: float | None = None) -> int:
-        """Offset of a free slot of ``nbytes``; waits for space (DecentError if it never fits)."""
+    def alloc(
+        self,
+        nbytes: int,
+        what: str,
+        reclaim: Callable[[], bool] | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Offset of a free slot of ``nbytes``; waits for space (DecentError if it never fits).
+
+        When the arena is full, ``reclaim()`` is asked to free space (it returns whether it freed
+        anything) before waiting for in-flight requests to finish.
+        """
         size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
         if size > self.nbytes:
             raise DecentError(
@@ -52,6 +63,8 @@ class ClientArena:
                         else:
                             self._free[i] = (off + size, free - size)
                         return off
+                if reclaim is not None and reclaim():
+                    continue
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise DecentError(pb.ARENA_ERROR, f"{what}: no room in the arena for "
@@ -70,6 +83,11 @@ class ClientArena:
                 i -= 1
                 start = self._free.pop(i)[0]
             self._free.insert(i, (start, end - start))
+            self._cond.notify_all()
+
+    def notify(self) -> None:
+        """Wake allocations waiting for space (a result became reclaimable)."""
+        with self._cond:
             self._cond.notify_all()
 
     def view(self, offset: int, nbytes: int) -> memoryview:

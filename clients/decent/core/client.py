@@ -90,6 +90,9 @@ class _Pending:
     error: DecentError | None = None
     abandoned: bool = False
     freed: bool = False
+    collected: bool = False
+    result: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Handle(Generic[T]):
@@ -98,8 +101,6 @@ class Handle(Generic[T]):
     def __init__(self, client: Client[T], pending: _Pending) -> None:
         self._client = client
         self._pending = pending
-        self._result: T | None = None
-        self._done_reading = False
         weakref.finalize(self, client._abandon, pending)
 
     @property
@@ -119,16 +120,9 @@ class Handle(Generic[T]):
         if p.error is not None:
             self._client._release(p)
             raise p.error
-        if not self._done_reading:
-            assert p.completion is not None
-            c = p.completion
-            off = p.slots[-1][0]
-            view = self._client.arena.view(off, int(c.out_nbytes))
-            self._result = self._client.codec.read(view, p.dtype, tuple(c.out_meta.shape), p.like)
-            del view
-            self._done_reading = True
-            self._client._release(p)
-        return self._result  # type: ignore[return-value]
+        self._client._collect(p)
+        result: T = p.result
+        return result
 
     @property
     def src_ranks(self) -> list[int]:
@@ -193,6 +187,7 @@ class Client(Generic[T]):
         self._ids = itertools.count(1)
         self._rounds: dict[str, int] = {}
         self._pending: dict[int, _Pending] = {}
+        self._unread: dict[int, _Pending] = {}  # finished, result still in the arena
         self._closed = False
         self._lost: DecentError | None = None
         self._stream = self._stub.Completions(pb.CompletionsRequest(worker_id=self.worker_id))
@@ -237,17 +232,43 @@ class Client(Generic[T]):
                 error: DecentError | None) -> None:
         p.completion = completion
         p.error = error
+        if error is None and completion is not None:
+            with self._lock:
+                self._unread[p.request_id] = p
         p.event.set()
         if p.abandoned:
             self._release(p)
+        elif error is None:
+            self.arena.notify()
 
     def _abandon(self, p: _Pending) -> None:
         p.abandoned = True
         if p.event.is_set():
             self._release(p)
 
+    def _collect(self, p: _Pending) -> None:
+        """Copy ``p``'s result out of the arena (once) and free its slots."""
+        with p.lock:
+            if not p.collected:
+                c = p.completion
+                if c is not None and not p.abandoned and not self._closed:
+                    view = self.arena.view(p.slots[-1][0], int(c.out_nbytes))
+                    p.result = self.codec.read(view, p.dtype, tuple(c.out_meta.shape), p.like)
+                    del view
+                p.collected = True
+        self._release(p)
+
+    def _reclaim(self) -> bool:
+        """Arena full: copy finished-but-unread results out to free their slots."""
+        with self._lock:
+            unread = list(self._unread.values())
+        for p in unread:
+            self._collect(p)
+        return bool(unread)
+
     def _release(self, p: _Pending) -> None:
         with self._lock:
+            self._unread.pop(p.request_id, None)
             if p.freed:
                 return
             p.freed = True
@@ -290,11 +311,12 @@ class Client(Generic[T]):
                 raise TypeError(f"tensor '{name}': {exc}") from None
         nbytes = math.prod(shape) * ITEMSIZE[dtype]
         what = f"{label} '{name}' round {round_}"
-        slots = [(self.arena.alloc(nbytes, f"tensor '{name}'"), nbytes)]
+        slots = [(self.arena.alloc(nbytes, f"tensor '{name}'", self._reclaim), nbytes)]
         if out_factor != 1:
             out_bytes = nbytes * out_factor
             try:
-                slots.append((self.arena.alloc(out_bytes, f"tensor '{name}' output"), out_bytes))
+                slots.append((self.arena.alloc(out_bytes, f"tensor '{name}' output",
+                                               self._reclaim), out_bytes))
             except BaseException:
                 self.arena.free(*slots[0])
                 raise
