@@ -8,7 +8,9 @@ left in /dev/shm even if a process is killed.
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
+import shutil
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -26,6 +28,20 @@ class Arena:
         self.name = f"{prefix}-{secrets.token_hex(4)}"
         # the stdlib resource tracker stays registered: if this process is killed, it unlinks
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=nbytes)
+        try:
+            # reserve the pages now: on a full /dev/shm this fails here (ENOSPC) instead of
+            # killing the daemon with SIGBUS at the first touch
+            os.posix_fallocate(self._shm._fd, 0, nbytes)  # type: ignore[attr-defined]
+        except OSError as exc:
+            self._shm.close()
+            self._shm.unlink()
+            free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+            raise OpError(
+                pb.RESOURCE_EXHAUSTED,
+                f"cannot reserve a {nbytes}-byte shared-memory arena ({exc.strerror}; "
+                f"/dev/shm has {free} bytes free): lower memory.arena_bytes or give the "
+                "node more shared memory (docker: --shm-size)",
+            ) from None
         self.nbytes = nbytes
         buf = self._shm.buf
         assert buf is not None

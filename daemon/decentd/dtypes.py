@@ -30,6 +30,16 @@ COMPUTE: dict[int, np.dtype] = {
     pb.INT64: np.dtype(np.float64),
 }
 
+#: Dtype allreduce sums are accumulated in: wider floats, exact 64-bit integers.
+ACCUM: dict[int, np.dtype] = {
+    pb.FLOAT16: np.dtype(np.float32),
+    pb.BFLOAT16: np.dtype(np.float32),
+    pb.FLOAT32: np.dtype(np.float32),
+    pb.FLOAT64: np.dtype(np.float64),
+    pb.INT32: np.dtype(np.int64),
+    pb.INT64: np.dtype(np.int64),
+}
+
 INTEGER = frozenset({pb.INT32, pb.INT64})
 
 
@@ -80,19 +90,20 @@ def from_compute(values: np.ndarray, dtype: int) -> np.ndarray:
     return values.astype(STORAGE[dtype])
 
 
-def add_into(acc: np.ndarray, other: np.ndarray, dtype: int) -> None:
-    """``acc += other`` for two storage arrays of the same wire dtype (exact for integers)."""
+def to_accum(storage: np.ndarray, dtype: int) -> np.ndarray:
+    """A new array holding ``storage`` in the dtype sums are accumulated in (exact for ints)."""
     if dtype == pb.BFLOAT16:
-        acc[...] = f32_to_bf16(bf16_to_f32(acc) + bf16_to_f32(other))
-    else:
-        np.add(acc, other, out=acc)
+        return bf16_to_f32(storage)
+    return storage.astype(ACCUM[dtype])
 
 
-def scale_into(acc: np.ndarray, factor: float, dtype: int) -> None:
-    """``acc *= factor`` in place on a storage array (integers: rounded to nearest)."""
-    if dtype == pb.BFLOAT16:
-        acc[...] = f32_to_bf16(bf16_to_f32(acc) * np.float32(factor))
-    elif dtype in INTEGER:
-        acc[...] = np.rint(acc * factor).astype(acc.dtype)
-    else:
-        acc *= acc.dtype.type(factor)
+def from_accum(values: np.ndarray, dtype: int, divide_by: int = 1) -> np.ndarray:
+    """Storage-dtype result of an accumulated sum, divided by ``divide_by`` (an average).
+
+    Integer averages round to nearest; an integer sum that does not fit wraps, as in torch.
+    """
+    if divide_by != 1:
+        if dtype in INTEGER:
+            return np.rint(values / divide_by).astype(STORAGE[dtype])
+        values = values * values.dtype.type(1.0 / divide_by)
+    return from_compute(values, dtype)

@@ -41,6 +41,7 @@ class WorkerSession:
     arena: Arena
     completions: asyncio.Queue[pb.Completion | None] = field(default_factory=asyncio.Queue)
     in_flight: set[tuple[str, int]] = field(default_factory=set)
+    attached: bool = False
 
     def complete(self, completion: pb.Completion) -> None:
         """Queue a completion for the worker's stream."""
@@ -83,6 +84,7 @@ class OpContext:
         self.task: asyncio.Task[None] | None = None
         self.failure: OpError | None = None
         self.aborted_by = -1
+        self.running = False  # set once the task has started
 
     @property
     def transport(self) -> Transport:
@@ -119,10 +121,14 @@ class OpContext:
         A message whose op, dtype or shape differs from ours fails the op with MISMATCH.
         """
         link = self.transport.links.get(src)
-        if link is None or not link.connected:
-            raise OpError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} is not connected")
+        if link is None:
+            raise OpError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} is not a peer")
+        fut = self.transport.expect(src, self.name, self.round, tag)
+        if not fut.done() and link.inbound_lost:
+            fut.cancel()
+            raise OpError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} has disconnected")
         self.waiting.add(src)
-        arrival = await self.transport.expect(src, self.name, self.round, tag)
+        arrival = await fut
         self.waiting.discard(src)
         want = self.shape if shape is None else shape
         problem = None
@@ -149,10 +155,14 @@ class OpContext:
         return "; ".join(parts) or "nothing remote (local work)"
 
     def fail(self, error: OpError) -> None:
-        """Fail this op from outside (an ABORT from a peer, shutdown)."""
+        """Fail this op from outside (an ABORT from a peer, shutdown).
+
+        A task that has not started yet is not cancelled (a task cancelled before its first step
+        never runs its cleanup); it sees ``failure`` when it starts.
+        """
         if self.failure is None:
             self.failure = error
-        if self.task is not None and not self.task.done():
+        if self.running and self.task is not None and not self.task.done():
             self.task.cancel()
 
 
@@ -182,9 +192,9 @@ class Engine:
         self.stall_warning = stall_warning
         self.ring_threshold = ring_threshold
         self.running: dict[tuple[str, int], OpContext] = {}
-        self._early_aborts: collections.OrderedDict[tuple[str, int], tuple[int, pb.Error]] = (
-            collections.OrderedDict()
-        )
+        self._early_aborts: collections.OrderedDict[
+            tuple[str, int], tuple[int, pb.Error, float]
+        ] = collections.OrderedDict()
         self.completed = 0
         self.failed = 0
         self.closing = False
@@ -213,6 +223,9 @@ class Engine:
             raise OpError(pb.INVALID_ARGUMENT, f"tensor '{req.name}': negative dimension in "
                           f"shape {list(req.meta.shape)}")
         want = math.prod(req.meta.shape) * dtypes.itemsize(req.meta.dtype)
+        if not math.isfinite(req.timeout_s) or req.timeout_s < 0:
+            raise OpError(pb.INVALID_ARGUMENT, f"tensor '{req.name}': timeout must be a positive "
+                          f"number of seconds, got {req.timeout_s}")
         if want != req.nbytes:
             raise OpError(
                 pb.INVALID_ARGUMENT,
@@ -227,15 +240,18 @@ class Engine:
         x = np.frombuffer(x_bytes, dtypes.STORAGE[ctx.dtype]).reshape(ctx.shape)
         self.running[key] = ctx
         session.in_flight.add(key)
-        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, fn, x, out_bytes))
         early = self._early_aborts.pop(key, None)
-        if early is not None:
-            self._abort_from(ctx, *early)
+        if early is not None and time.monotonic() - early[2] <= self.default_timeout:
+            self._abort_from(ctx, early[0], early[1])
+        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, fn, x, out_bytes))
 
     async def _run(self, ctx: OpContext, fn: OpFn, x: np.ndarray, out: memoryview) -> None:
+        ctx.running = True
         timeout = ctx.req.timeout_s or self.default_timeout
         completion = pb.Completion(request_id=ctx.req.request_id)
         try:
+            if ctx.failure is not None:  # aborted by a peer, or shut down, before it started
+                raise asyncio.CancelledError
             result = await asyncio.wait_for(fn(ctx, x, out), timeout)
         except asyncio.CancelledError:
             err = ctx.failure or OpError(pb.SHUTTING_DOWN, f"{ctx.label} was cancelled")
@@ -273,7 +289,9 @@ class Engine:
         completion.error.CopyFrom(err.to_pb())
         if err.code != pb.SHUTTING_DOWN or ctx.failure is None:
             log.warning("%s failed: %s", ctx.label, err)
-        notify = ctx.participants - {ctx.aborted_by}
+        # an op that failed before it knew its peers (a bad argument) tells every rank
+        peers = ctx.participants or set(range(self.size)) - {self.rank}
+        notify = peers - {ctx.aborted_by}
         for peer in notify:
             asyncio.get_running_loop().create_task(
                 self.transport.send_control(peer, pb.ABORT, ctx.name, ctx.round, 0, err.to_pb())
@@ -285,7 +303,8 @@ class Engine:
         """A peer failed (name, round) and told us."""
         ctx = self.running.get((name, round_))
         if ctx is None:
-            self._early_aborts[(name, round_)] = (src, error)
+            # kept for an op that may still be submitted here (for one op timeout at most)
+            self._early_aborts[(name, round_)] = (src, error, time.monotonic())
             while len(self._early_aborts) > 4096:
                 self._early_aborts.popitem(last=False)
             return
@@ -320,6 +339,11 @@ class Engine:
                         "stall: %s on rank %d has waited %.1fs; still waiting for %s",
                         ctx.label, self.rank, age, ctx.waiting_for(),
                     )
+
+    def forget_history(self) -> None:
+        """The last local worker left: a new job may reuse (name, round) keys from round 0."""
+        self._early_aborts.clear()
+        self.transport.forget_history()
 
     async def shutdown(self, reason: str) -> None:
         """Fail every in-flight op with SHUTTING_DOWN and wait for their completions."""

@@ -2,7 +2,8 @@
 
 Each op reads the worker's input tensor ``x`` (a storage-dtype view of the arena), talks to exactly
 the peers it involves through an :class:`~decentd.engine.OpContext`, and writes its result into the
-worker's output region. Sums are taken in ascending rank order, so results are deterministic.
+worker's output region. Results are deterministic: neighbor sums and the direct allreduce add in
+ascending rank order, the ring adds each chunk along the ring; every rank gets identical values.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ async def neighbor_allgather(ctx: OpContext, x: np.ndarray, out: memoryview) -> 
 
 
 async def _allreduce_direct(ctx: OpContext, flat: np.ndarray) -> np.ndarray:
+    """Everyone sends its tensor to everyone; each rank sums all n in rank order."""
     others = [r for r in range(ctx.size) if r != ctx.rank]
     ctx.participants = set(others)
     payload = _payload(flat)
@@ -122,38 +124,43 @@ async def _allreduce_direct(ctx: OpContext, flat: np.ndarray) -> np.ndarray:
     )
     parts = dict(zip(others, (arr for arr, _ in got[: len(others)]), strict=True))
     parts[ctx.rank] = flat
-    acc = parts[0].copy()
+    acc = dtypes.to_accum(parts[0], ctx.dtype)
     for r in range(1, ctx.size):
-        dtypes.add_into(acc, parts[r], ctx.dtype)
+        acc += dtypes.to_accum(parts[r], ctx.dtype)
     return acc
 
 
 async def _allreduce_ring(ctx: OpContext, flat: np.ndarray) -> np.ndarray:
-    """Bandwidth-optimal ring: reduce-scatter then allgather, 2(n-1) steps of 1/n each."""
+    """Bandwidth-optimal ring: reduce-scatter then allgather, 2(n-1) steps of 1/n each.
+
+    Partial sums travel in the accumulation dtype (float32 for 16-bit floats, int64 for
+    integers), so they neither overflow nor lose precision on the way; each chunk is summed along
+    the ring once and then copied, so every rank ends with bit-identical values.
+    """
     n, r = ctx.size, ctx.rank
-    ctx.participants = {(r + 1) % n, (r - 1) % n}
     right, left = (r + 1) % n, (r - 1) % n
-    work = flat.copy()
+    ctx.participants = {right, left}
+    work = dtypes.to_accum(flat, ctx.dtype)
     bounds = np.linspace(0, work.size, n + 1).astype(np.int64)
 
     def chunk(i: int) -> np.ndarray:
         i %= n
         return work[bounds[i]:bounds[i + 1]]
 
+    async def step(tag: int, send: np.ndarray, into: np.ndarray) -> np.ndarray:
+        (arr, _), _ = await asyncio.gather(ctx.recv(left, tag), _send_chunk(ctx, right, tag, send))
+        got = arr.view(np.uint8).view(work.dtype)
+        if got.size != into.size:
+            raise OpError(pb.MISMATCH, f"tensor '{ctx.name}' round {ctx.round}: rank {left} sent "
+                          f"a ring chunk of {got.size} elements, rank {r} expected {into.size}")
+        return got
+
     for s in range(n - 1):
-        mine = chunk(r - s)
-        (arr, _), _ = await asyncio.gather(
-            ctx.recv(left, 1 + s),
-            _send_chunk(ctx, right, 1 + s, mine),
-        )
-        dtypes.add_into(chunk(r - s - 1), arr, ctx.dtype)
+        into = chunk(r - s - 1)
+        into += await step(1 + s, chunk(r - s), into)
     for s in range(n - 1):
-        tag = n + s
-        (arr, _), _ = await asyncio.gather(
-            ctx.recv(left, tag),
-            _send_chunk(ctx, right, tag, chunk(r + 1 - s)),
-        )
-        chunk(r - s)[...] = arr
+        into = chunk(r - s)
+        into[...] = await step(n + s, chunk(r + 1 - s), into)
     return work
 
 
@@ -168,14 +175,14 @@ async def allreduce(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
     """Sum or average over all ranks (ring for large tensors, direct exchange for small)."""
     flat = x.reshape(-1)
     if ctx.size == 1:
-        total = flat.copy()
+        total = dtypes.to_accum(flat, ctx.dtype)
     elif flat.nbytes >= ctx.engine.ring_threshold and flat.size >= ctx.size:
         total = await _allreduce_ring(ctx, flat)
     else:
         total = await _allreduce_direct(ctx, flat)
-    if ctx.req.reduce_op == pb.AVERAGE and ctx.size > 1:
-        dtypes.scale_into(total, 1.0 / ctx.size, ctx.dtype)
-    return OpResult(_write(out, total, ctx.label), ctx.shape)
+    divide = ctx.size if ctx.req.reduce_op == pb.AVERAGE else 1
+    return OpResult(_write(out, dtypes.from_accum(total, ctx.dtype, divide), ctx.label),
+                    ctx.shape)
 
 
 async def broadcast(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:

@@ -27,6 +27,8 @@ log = logging.getLogger("decentd")
 
 #: /dev/shm names of all arenas start with this (tests and the before-stop hook look for it)
 SHM_PREFIX = "decent"
+#: a worker must open its completion stream this soon after Register, or its arena is freed
+ATTACH_TIMEOUT = 30.0
 
 
 def topology_info(topology: Topology, rank: int, step: int) -> pb.TopologyInfo:
@@ -61,8 +63,14 @@ class WorkerService(pb_grpc.WorkerServicer):
                 f"{d.rank} speaks {PROTOCOL_VERSION}"))
         await d.ready.wait()
         worker_id = secrets.token_hex(8)
-        arena = Arena(d.cfg.memory.arena_bytes, f"{SHM_PREFIX}-{d.rank}-{os.getpid()}")
-        d.sessions[worker_id] = WorkerSession(worker_id, request.pid, request.framework, arena)
+        try:
+            arena = Arena(d.cfg.memory.arena_bytes, f"{SHM_PREFIX}-{d.rank}-{os.getpid()}")
+        except OpError as err:
+            log.error("worker (pid %d) refused: %s", request.pid, err.message)
+            return pb.RegisterReply(error=err.to_pb())
+        session = WorkerSession(worker_id, request.pid, request.framework, arena)
+        d.sessions[worker_id] = session
+        asyncio.get_running_loop().create_task(d._expire_unattached(session))
         log.info("worker %s (pid %d, %s) registered", worker_id, request.pid, request.framework)
         return pb.RegisterReply(
             worker_id=worker_id,
@@ -99,6 +107,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {request.worker_id}")
             return
         session.arena.unlink()  # the worker has attached: nothing needs the name any more
+        session.attached = True
         try:
             yield pb.Completion(request_id=0)  # request ids start at 1: this says "attached"
             while True:
@@ -175,15 +184,21 @@ class PeerService(pb_grpc.PeerServicer):
                                 "stream without a valid rank and cluster id")
         frames = 0
         reason = "stream closed"
+        bad = ""
+        self.d.transport.inbound_opened(src)
         try:
             async for frame in request_iterator:
                 frames += 1
                 await self.d.transport.on_frame(src, frame)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             reason = type(exc).__name__
+        except ValueError as exc:  # a malformed frame closes this stream, and only this one
+            reason = bad = f"malformed frame: {exc}"
         finally:
             if not self.d.stopping.is_set():
                 self.d.transport.peer_down(src, reason)
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
         return pb.ExchangeSummary(frames=frames)
 
     async def Heartbeat(
@@ -232,15 +247,33 @@ class Daemon:
         self.engine.on_peer_down(src, reason)
 
     def drop_session(self, session: WorkerSession) -> None:
-        """Forget a worker: fail its in-flight ops and release its arena."""
+        """Forget a worker: fail its in-flight ops, then release its arena."""
         if self.sessions.pop(session.worker_id, None) is None:
             return
+        tasks = []
         for key in list(session.in_flight):
             ctx = self.engine.running.get(key)
             if ctx is not None:
                 ctx.fail(OpError(pb.ABORTED, f"{ctx.label}: its worker went away"))
-        session.arena.close()
+                if ctx.task is not None:
+                    tasks.append(ctx.task)
         log.info("worker %s left", session.worker_id)
+        asyncio.get_running_loop().create_task(self._retire(session, tasks))
+
+    async def _retire(self, session: WorkerSession, tasks: list[asyncio.Task[None]]) -> None:
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        session.arena.close()
+        if not self.sessions:
+            # a later job starts its (name, round) keys at 0 again: nothing of this one may linger
+            self.engine.forget_history()
+
+    async def _expire_unattached(self, session: WorkerSession) -> None:
+        await asyncio.sleep(ATTACH_TIMEOUT)
+        if not session.attached:
+            log.warning("worker %s registered but never opened its completion stream; dropped",
+                        session.worker_id)
+            self.drop_session(session)
 
     async def run(self) -> None:
         """Serve until SIGTERM/SIGINT, then shut down cleanly."""
@@ -298,8 +331,11 @@ class Daemon:
         await worker_server.stop(grace=self.cfg.timeouts.shutdown)
         await self.transport.close()
         await peer_server.stop(grace=0.5)
-        for session in list(self.sessions.values()):
+        left = list(self.sessions.values())
+        for session in left:
             self.drop_session(session)
+        for session in left:  # ops are done (engine.shutdown waited): release arenas now
+            session.arena.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.cfg.socket)
         log.info("rank %d: stopped", self.rank)

@@ -72,6 +72,7 @@ class Topology:
                         f"topology weights name rank {j}, outside 0..{size - 1}"
                     )
         self._matrix = lru_cache(maxsize=64)(self._build_matrix)
+        self._steps = lru_cache(maxsize=4096)(self._build_step)
 
     @property
     def dynamic(self) -> bool:
@@ -109,7 +110,10 @@ class Topology:
         return self._matrix(step % self.period).copy()
 
     def step(self, rank: int, step: int = 0) -> Step:
-        """What ``rank`` does at ``step``."""
+        """What ``rank`` does at ``step`` (cached: the daemon asks once per op)."""
+        return self._steps(rank, step % self.period)
+
+    def _build_step(self, rank: int, step: int) -> Step:
         g = self.graph(step)
         w = self._matrix(step % self.period)
         return Step(

@@ -38,6 +38,11 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
+#: how long an early arrival may wait for buffer room before it is refused
+EARLY_WAIT = 2.0
+#: how long a cancelled op waits for its half-written message to finish
+WRITE_GRACE = 5.0
+
 RANK_HEADER = "x-decent-rank"
 CLUSTER_HEADER = "x-decent-cluster"
 
@@ -58,8 +63,9 @@ class Arrival:
 class _Assembly:
     key: Key
     frame: pb.Frame
-    buf: np.ndarray
+    buf: np.ndarray | None  # None: refused, the chunks are read and dropped
     filled: int
+    total: int
 
 
 @dataclass
@@ -74,7 +80,9 @@ class PeerLink:
     queue: asyncio.Queue[tuple[Iterator[pb.Frame], asyncio.Future[None], str]] = field(
         default_factory=asyncio.Queue)
     writer: asyncio.Task[None] | None = None
-    connected: bool = False
+    connected: bool = False  # our stream to the peer is up
+    inbound_lost: bool = False  # the peer's stream to us was up and ended
+    inbound_streams: int = 0  # streams open from the peer (a stale or stray one may overlap)
     last_heartbeat: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -241,7 +249,7 @@ class Transport:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                await fut
+                await asyncio.wait_for(asyncio.shield(fut), WRITE_GRACE)
             raise
 
     async def writer_loop(self, link: PeerLink) -> None:
@@ -357,22 +365,30 @@ class Transport:
 
         asyncio.get_running_loop().create_task(notify())
 
-    async def _reserve(self, key: Key, nbytes: int) -> None:
-        if key in self._waiters or nbytes == 0:
-            return
-        warned = False
+    async def _reserve(self, key: Key, nbytes: int) -> bool:
+        """Room for an early arrival of ``nbytes``: wait up to EARLY_WAIT, then refuse (False).
+
+        Waiting stops reading the sender's stream (gRPC flow control pushes back on it); refusing
+        fails that one op at the sender instead of stalling the stream behind it for good. Data
+        for an op already posted here, and a message into an empty buffer, always get in.
+        """
+        if key in self._waiters or nbytes == 0 or self.early_bytes == 0:
+            return True
+        if self.early_bytes + nbytes <= self.early_limit:
+            return True
+        log.warning("early-arrival buffer full (%d of %d bytes); pausing rank %d's stream",
+                    self.early_bytes, self.early_limit, key[0])
+        deadline = time.monotonic() + EARLY_WAIT
         async with self._room:
             while self.early_bytes > 0 and self.early_bytes + nbytes > self.early_limit:
+                left = deadline - time.monotonic()
                 if key in self._waiters:
-                    return
-                if not warned:
-                    log.warning(
-                        "early-arrival buffer full (%d bytes); pausing rank %d's stream",
-                        self.early_bytes, key[0],
-                    )
-                    warned = True
+                    return True
+                if left <= 0:
+                    return False
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._room.wait(), timeout=0.2)
+                    await asyncio.wait_for(self._room.wait(), timeout=min(left, 0.2))
+        return True
 
     def _deliver(self, key: Key, arrival: Arrival) -> None:
         if key[1:3] in self._closed:
@@ -384,8 +400,21 @@ class Transport:
         self._early[key] = arrival
         self.early_bytes += arrival.data.nbytes
 
+    def _drop_early(self, name: str, round_: int) -> None:
+        for key in [k for k in self._early if k[1] == name and k[2] == round_]:
+            self._release(self._early.pop(key).data.nbytes)
+
+    def forget_history(self) -> None:
+        """Drop what finished or orphaned ops left behind (no local worker is left to use it)."""
+        self._closed.clear()
+        for key in list(self._early):
+            self._release(self._early.pop(key).data.nbytes)
+
     async def on_frame(self, src: int, frame: pb.Frame) -> None:
-        """Handle one incoming frame from ``src`` (called by the Exchange servicer)."""
+        """Handle one incoming frame from ``src`` (called by the Exchange servicer).
+
+        A malformed frame raises ValueError, which ends that peer's stream (and only that).
+        """
         link = self.links.get(src)
         if link is not None:
             link.bytes_received += len(frame.data)
@@ -394,37 +423,62 @@ class Transport:
         if kind == pb.CHUNK:
             asm = self._assembling.get((src, frame.message_id))
             if asm is None:
-                log.warning("rank %d sent a chunk of unknown message %d", src, frame.message_id)
-                return
-            data = frame.data
-            asm.buf[asm.filled:asm.filled + len(data)] = np.frombuffer(data, np.uint8)
-            asm.filled += len(data)
-            if asm.filled >= asm.buf.size:
+                raise ValueError(f"rank {src} sent a chunk of unknown message {frame.message_id}")
+            size = len(frame.data)
+            if asm.filled + size > asm.total:
+                raise ValueError(f"rank {src} sent more than the {asm.total} bytes it announced "
+                                 f"for '{asm.key[1]}'")
+            if asm.buf is not None:
+                asm.buf[asm.filled:asm.filled + size] = np.frombuffer(frame.data, np.uint8)
+            asm.filled += size
+            if asm.filled == asm.total:
                 del self._assembling[(src, frame.message_id)]
-                self._deliver(asm.key, self._arrival(src, asm.frame, asm.buf))
+                if asm.buf is not None:
+                    self._deliver(asm.key, self._arrival(src, asm.frame, asm.buf))
         elif kind == pb.DATA:
             key = (src, frame.name, frame.round, frame.tag)
             total = frame.total_bytes
-            await self._reserve(key, total)
             first = np.frombuffer(frame.data, np.uint8)
-            if first.size >= total:
-                self._deliver(key, self._arrival(src, frame, first.copy()))
-            else:
+            if first.size > total:
+                raise ValueError(f"rank {src} sent {first.size} bytes for '{frame.name}' but "
+                                 f"announced {total}")
+            keep = await self._reserve(key, total)
+            if not keep:
+                self._refuse(src, frame)
+            if first.size == total:
+                if keep:
+                    self._deliver(key, self._arrival(src, frame, first.copy()))
+                return
+            header = pb.Frame()
+            header.CopyFrom(frame)
+            header.ClearField("data")
+            buf = None
+            if keep:
                 buf = np.empty(total, np.uint8)
                 buf[:first.size] = first
-                header = pb.Frame()
-                header.CopyFrom(frame)
-                header.ClearField("data")
-                self._assembling[(src, frame.message_id)] = _Assembly(key, header, buf, first.size)
+            self._assembling[(src, frame.message_id)] = _Assembly(
+                key, header, buf, first.size, total)
         elif kind == pb.ACK:
             fut = self._acks.pop((src, frame.name, frame.round, frame.tag), None)
             if fut is not None and not fut.done():
                 fut.set_result(None)
         elif kind == pb.ABORT:
+            self._drop_early(frame.name, frame.round)  # the op failed: its data is moot
             if (frame.name, frame.round) not in self._closed:
                 self._on_abort(src, frame.name, frame.round, frame.error)
         else:
-            log.warning("rank %d sent a frame of unknown kind %d; ignored", src, kind)
+            raise ValueError(f"rank {src} sent a frame of unknown kind {kind}")
+
+    def _refuse(self, src: int, frame: pb.Frame) -> None:
+        error = pb.Error(
+            code=pb.RESOURCE_EXHAUSTED,
+            message=f"tensor '{frame.name}' round {frame.round}: rank {self.rank} has "
+            f"{self.early_bytes} bytes of data buffered for ops it has not started "
+            f"(memory.early_arrival_bytes = {self.early_limit}); rank {src}'s message was refused",
+        )
+        log.warning("%s", error.message)
+        asyncio.get_running_loop().create_task(
+            self.send_control(src, pb.ABORT, frame.name, frame.round, frame.tag, error))
 
     @staticmethod
     def _arrival(src: int, frame: pb.Frame, data: np.ndarray) -> Arrival:
@@ -437,11 +491,23 @@ class Transport:
             data=data,
         )
 
-    def peer_down(self, src: int, reason: str) -> None:
-        """The stream from ``src`` ended: fail everything waiting on it."""
+    def inbound_opened(self, src: int) -> None:
+        """``src`` opened its stream to us."""
         link = self.links.get(src)
         if link is not None:
-            link.connected = False
+            link.inbound_streams += 1
+            link.inbound_lost = False
+
+    def peer_down(self, src: int, reason: str) -> None:
+        """A stream from ``src`` ended: when it was the last, fail everything waiting on it."""
+        link = self.links.get(src)
+        if link is not None:
+            link.inbound_streams = max(0, link.inbound_streams - 1)
+            if link.inbound_streams:
+                log.warning("a stream claiming to be rank %d ended (%s); its other stream "
+                            "stays up", src, reason)
+                return
+            link.inbound_lost = True
         for asm_key in [k for k in self._assembling if k[0] == src]:
             del self._assembling[asm_key]
         err = OpError(pb.PEER_UNAVAILABLE, f"rank {src} disconnected ({reason})")

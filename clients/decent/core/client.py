@@ -183,7 +183,8 @@ class Client(Generic[T]):
         self.default_timeout = reply.default_timeout_s
         self.arena = ClientArena(reply.arena_name, reply.arena_bytes)
         codec.attach(self.arena)
-        self._lock = threading.Lock()
+        # reentrant: a Handle finalizer (which takes it) may run during GC while it is held
+        self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._rounds: dict[str, int] = {}
         self._pending: dict[int, _Pending] = {}
@@ -297,9 +298,10 @@ class Client(Generic[T]):
             raise DecentError(pb.SHUTTING_DOWN, "client is closed")
         if self._lost is not None:
             raise self._lost
+        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         label = str(pb.OpType.Name(op)).lower()
         name = name or f"{label}.unnamed"
-        round_ = self._next_round(name)
         dtype: int
         shape: tuple[int, ...]
         if tensor is None:
@@ -310,33 +312,34 @@ class Client(Generic[T]):
             except TypeError as exc:
                 raise TypeError(f"tensor '{name}': {exc}") from None
         nbytes = math.prod(shape) * ITEMSIZE[dtype]
-        what = f"{label} '{name}' round {round_}"
-        slots = [(self.arena.alloc(nbytes, f"tensor '{name}'", self._reclaim), nbytes)]
-        if out_factor != 1:
-            out_bytes = nbytes * out_factor
-            try:
+        try:  # the request (weights, ranks) must be well formed before anything is spent on it
+            req = pb.SubmitRequest(
+                worker_id=self.worker_id, op=op, name=name,
+                meta=pb.TensorMeta(dtype=dtype, shape=shape), nbytes=nbytes,
+                timeout_s=timeout or 0.0, **fields,
+            )
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"tensor '{name}': bad argument: {exc}") from None
+        slots: list[tuple[int, int]] = []
+        try:
+            slots.append((self.arena.alloc(nbytes, f"tensor '{name}'", self._reclaim), nbytes))
+            if out_factor != 1:
+                out_bytes = nbytes * out_factor
                 slots.append((self.arena.alloc(out_bytes, f"tensor '{name}' output",
                                                self._reclaim), out_bytes))
-            except BaseException:
-                self.arena.free(*slots[0])
-                raise
-        in_off = slots[0][0]
-        out_off, out_cap = slots[-1]
-        try:
             if tensor is not None and nbytes:
-                self.codec.write(tensor, self.arena.view(in_off, nbytes))
+                self.codec.write(tensor, self.arena.view(slots[0][0], nbytes))
         except BaseException:
             for s in slots:
                 self.arena.free(*s)
             raise
-        rid = next(self._ids)
-        p = _Pending(rid, what, slots, dtype, tensor)
-        req = pb.SubmitRequest(
-            worker_id=self.worker_id, request_id=rid, op=op, name=name,
-            round=round_, meta=pb.TensorMeta(dtype=dtype, shape=shape),
-            offset=in_off, nbytes=nbytes, out_offset=out_off, out_capacity=out_cap,
-            timeout_s=timeout or 0.0, **fields,
-        )
+        # from here on nothing can fail before the request is sent: the round is spent only now,
+        # so a refused argument above does not put this name's rounds out of step with the peers
+        req.round = self._next_round(name)
+        req.request_id = rid = next(self._ids)
+        req.offset = slots[0][0]
+        req.out_offset, req.out_capacity = slots[-1]
+        p = _Pending(rid, f"{label} '{name}' round {req.round}", slots, dtype, tensor)
         with self._lock:
             self._pending[rid] = p
         future = self._stub.Submit.future(req)

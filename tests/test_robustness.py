@@ -1,0 +1,207 @@
+"""Failure paths found in review: each would hang, leak or corrupt without its fix."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import decent.torch as dt
+from cluster import Cluster
+from conftest import ClusterFactory
+from decent.core import DecentError
+
+
+def test_abort_that_arrives_before_the_local_submit_fails_the_op_at_once(
+        cluster: ClusterFactory) -> None:
+    c = cluster(2, "ring")
+    a, b = c.clients
+    with pytest.raises(DecentError, match="timed out"):
+        b.neighbor_allreduce(torch.zeros(3), name="late", timeout=1)  # rank 0 not there yet
+    time.sleep(0.3)  # rank 1's ABORT reaches rank 0 before rank 0 submits
+    start = time.monotonic()
+    with pytest.raises(DecentError) as info:
+        a.neighbor_allreduce(torch.zeros(3), name="late", timeout=30)
+    assert time.monotonic() - start < 10, "the pre-aborted op ran into its own timeout"
+    assert "rank 1" in info.value.message and "'late'" in info.value.message
+    assert a.status().ops_in_flight == 0
+
+
+def test_failure_before_peers_are_known_still_tells_them(cluster: ClusterFactory) -> None:
+    c = cluster(2, "ring")
+    a, b = c.clients
+    hb = b.neighbor_allreduce_async(torch.zeros(3), name="badarg", timeout=30)
+    with pytest.raises(DecentError, match="self_weight"):
+        a.neighbor_allreduce(torch.zeros(3), name="badarg", src_weights={1: 0.5})
+    start = time.monotonic()
+    with pytest.raises(DecentError) as info:
+        hb.wait(timeout=60)
+    assert time.monotonic() - start < 10
+    assert info.value.code_name == "INVALID_ARGUMENT" and "rank 0" in info.value.message
+
+
+def test_refused_argument_does_not_spend_a_round(cluster: ClusterFactory) -> None:
+    c = cluster(2, "ring")
+    a = c.clients[0]
+    free = a.arena.free_bytes
+    with pytest.raises(ValueError, match="'spent'"):
+        a.neighbor_allreduce(torch.zeros(3), name="spent", self_weight=0.5,
+                             src_weights={2**40: 0.5}, dst_weights=[1])
+    with pytest.raises(ValueError, match="timeout"):
+        a.neighbor_allreduce(torch.zeros(3), name="spent", timeout=float("nan"))
+    assert a.arena.free_bytes == free
+    got = c.run(lambda cl: cl.neighbor_allreduce(torch.full((3,), 2.0 * cl.rank), name="spent"))
+    assert torch.equal(got[0], torch.ones(3))  # both ranks on round 0
+
+
+def test_orphan_send_does_not_pin_receiver_memory(cluster: ClusterFactory) -> None:
+    c = cluster(2, "ring")
+    a, b = c.clients
+    with pytest.raises(DecentError, match="timed out"):
+        a.neighbor_allreduce(torch.zeros(1 << 18), name="orphan", self_weight=1.0,
+                             src_weights={}, dst_weights=[1], timeout=1)
+    deadline = time.monotonic() + 10
+    while b.status().early_arrival_bytes and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert b.status().early_arrival_bytes == 0
+
+
+def test_early_arrival_bound_refuses_instead_of_stalling() -> None:
+    c = Cluster(2, "ring", "--set", "memory.early_arrival_bytes=1048576")
+    try:
+        c.connect()
+        a, b = c.clients
+        # rank 0 pushes 3 MiB rank 1 has not asked for: the second and third MiB are refused
+        hs = [a.neighbor_allreduce_async(torch.zeros(1 << 18), name=f"push{i}", self_weight=1.0,
+                                         src_weights={}, dst_weights=[1], timeout=30)
+              for i in range(3)]
+        errors = []
+        for h in hs[1:]:
+            with pytest.raises(DecentError) as info:
+                h.wait(timeout=60)
+            errors.append(info.value)
+        assert all(e.code_name == "RESOURCE_EXHAUSTED" for e in errors), errors
+        assert "early_arrival_bytes" in errors[0].message
+        # the link still works both ways, and the first push is still matched when asked for
+        got = b.neighbor_allreduce(torch.ones(1 << 18), name="push0", self_weight=0.5,
+                                   src_weights={0: 0.5}, dst_weights=[])
+        assert float(got[0]) == 0.5
+        hs[0].wait(timeout=30)
+        both = c.run(lambda cl: cl.allreduce(torch.full((4,), float(cl.rank)), name="ok"))
+        assert torch.equal(both[1], torch.full((4,), 0.5))
+    finally:
+        assert c.stop() == [0, 0]
+
+
+def test_new_job_on_long_lived_daemons_reuses_names() -> None:
+    c = Cluster(2, "ring")
+    try:
+        for job in range(2):
+            c.connect()
+            got = c.run(lambda cl, j=job: cl.neighbor_allreduce(
+                torch.full((2,), 2.0 * cl.rank + j), name="w"))
+            assert torch.equal(got[0], torch.full((2,), 1.0 + job)), job
+            for cl in c.clients:
+                cl.close()
+            time.sleep(0.5)  # the daemons retire the sessions
+    finally:
+        c.clients = []
+        assert c.stop() == [0, 0]
+
+
+@pytest.mark.parametrize("numel", [8, 1 << 17])  # direct and ring
+def test_allreduce_does_not_overflow_narrow_dtypes(cluster: ClusterFactory, numel: int) -> None:
+    c = cluster(2, "ring")
+    cases = [(torch.float16, 40000.0), (torch.int32, 2_000_000_000)]
+    for dtype, value in cases:
+        got = c.run(lambda cl, d=dtype, v=value: cl.allreduce(
+            torch.full((numel,), v, dtype=d), name=f"wide{d}{numel}"))
+        want = torch.full((numel,), value, dtype=dtype)
+        for out in got:
+            assert torch.equal(out, want), (dtype, out[:3])
+    big = c.run(lambda cl: cl.allreduce(torch.full((numel,), 2**40 + cl.rank, dtype=torch.int64),
+                                        op="sum", name=f"i64{numel}"))
+    assert int(big[0][0]) == 2**41 + 1
+
+
+def test_malformed_frame_closes_only_that_stream() -> None:
+    c = Cluster(2, "ring")
+    try:
+        c.connect()
+        script = textwrap.dedent(f"""
+            import grpc
+            from decent.v1 import decent_pb2 as pb, decent_pb2_grpc as pbg
+            ch = grpc.insecure_channel("{c.peers[0]}")
+            stub = pbg.PeerStub(ch)
+            frames = [pb.Frame(kind=pb.DATA, message_id=1, name="evil", total_bytes=4,
+                               data=b"12345678")]
+            try:
+                stub.Exchange(iter(frames), metadata=(("x-decent-rank", "1"),
+                                                      ("x-decent-cluster", "decent")))
+            except grpc.RpcError as exc:
+                print("refused", exc.code().name)
+        """)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=60)
+        assert "refused INVALID_ARGUMENT" in proc.stdout, proc.stdout + proc.stderr
+        assert "malformed frame" in c.log(0)
+        assert c.procs[0].poll() is None  # the daemon lives on
+        got = c.run(lambda cl: cl.neighbor_allreduce(torch.full((2,), 2.0 * cl.rank),
+                                                     name="afterevil", timeout=20))
+        assert torch.equal(got[0], torch.ones(2))  # and the real rank 1 is still its peer
+    finally:
+        c.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare to give a daemon a small /dev/shm")
+def test_arena_larger_than_dev_shm_is_a_clear_error(tmp_path: Path) -> None:
+    script = tmp_path / "inner.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess, sys
+        import decent.torch as dt
+        from decent.core import DecentError
+        sock = "{tmp_path}/d.sock"
+        d = subprocess.Popen([sys.executable, "-m", "decentd.cli", "--socket", sock,
+                              "--set", "memory.arena_bytes=67108864"])
+        try:
+            dt.connect("unix://" + sock, connect_timeout=30)
+            print("connected?!")
+        except DecentError as exc:
+            print("error", exc.code_name, exc.message)
+        print("daemon alive", d.poll() is None)
+        d.terminate()
+        print("daemon exit", d.wait(timeout=30))
+    """))
+    proc = subprocess.run(
+        ["unshare", "--mount", "sh", "-c",
+         f"mount -t tmpfs -o size=16m tmpfs /dev/shm && {sys.executable} {script}"],
+        capture_output=True, text=True, timeout=120)
+    out = proc.stdout
+    assert "error RESOURCE_EXHAUSTED" in out and "memory.arena_bytes" in out, out + proc.stderr
+    assert "daemon alive True" in out and "daemon exit 0" in out
+
+
+def test_numpy_codec_roundtrip(cluster: ClusterFactory) -> None:
+    from decent.core import Client, NumpyCodec
+
+    c = cluster(2, "ring")
+    clients = [Client(NumpyCodec(), f"unix://{s}") for s in c.sockets]
+    try:
+        xs = [np.arange(5, dtype=np.int32) * (r + 1) for r in range(2)]
+        hs = [cl.allreduce_async(xs[cl.rank], op="sum", name="np") for cl in clients]
+        for h in hs:
+            out = h.wait(timeout=30)
+            assert out.dtype == np.int32 and out.tolist() == [0, 3, 6, 9, 12]
+    finally:
+        for cl in clients:
+            cl.close()
+    assert dt is not None
