@@ -75,7 +75,9 @@ def test_orphan_send_does_not_pin_receiver_memory(cluster: ClusterFactory) -> No
 
 
 def test_early_arrival_bound_refuses_instead_of_stalling() -> None:
-    c = Cluster(2, "ring", "--set", "memory.early_arrival_bytes=1048576")
+    # data for ops not started here waits up to one op timeout for room, then is refused
+    c = Cluster(2, "ring", "--set", "memory.early_arrival_bytes=1048576",
+                "--set", "timeouts.op=2")
     try:
         c.connect()
         a, b = c.clients
@@ -90,6 +92,12 @@ def test_early_arrival_bound_refuses_instead_of_stalling() -> None:
             errors.append(info.value)
         assert all(e.code_name == "RESOURCE_EXHAUSTED" for e in errors), errors
         assert "early_arrival_bytes" in errors[0].message
+        # the refusing rank fails its own op of that name at once, for the same reason
+        start = time.monotonic()
+        with pytest.raises(DecentError) as mine:
+            b.neighbor_allreduce(torch.ones(1 << 18), name="push1", self_weight=0.5,
+                                 src_weights={0: 0.5}, dst_weights=[], timeout=30)
+        assert mine.value.code_name == "RESOURCE_EXHAUSTED" and time.monotonic() - start < 5
         # the link still works both ways, and the first push is still matched when asked for
         got = b.neighbor_allreduce(torch.ones(1 << 18), name="push0", self_weight=0.5,
                                    src_weights={0: 0.5}, dst_weights=[])
@@ -101,10 +109,15 @@ def test_early_arrival_bound_refuses_instead_of_stalling() -> None:
         assert c.stop() == [0, 0]
 
 
-def test_new_job_on_long_lived_daemons_reuses_names() -> None:
+@pytest.mark.parametrize("job_ids", [False, True])
+def test_new_job_on_long_lived_daemons_reuses_names(job_ids: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # without job ids the daemons forget a job's history when its last worker leaves; with them
+    # (decentrun sets $DECENT_JOB per launch) the jobs' messages can never meet at all
     c = Cluster(2, "ring")
     try:
         for job in range(2):
+            monkeypatch.setenv("DECENT_JOB", f"job{job}" if job_ids else "")
             c.connect()
             got = c.run(lambda cl, j=job: cl.neighbor_allreduce(
                 torch.full((2,), 2.0 * cl.rank + j), name="w"))
@@ -127,9 +140,13 @@ def test_allreduce_does_not_overflow_narrow_dtypes(cluster: ClusterFactory, nume
         want = torch.full((numel,), value, dtype=dtype)
         for out in got:
             assert torch.equal(out, want), (dtype, out[:3])
-    big = c.run(lambda cl: cl.allreduce(torch.full((numel,), 2**40 + cl.rank, dtype=torch.int64),
-                                        op="sum", name=f"i64{numel}"))
-    assert int(big[0][0]) == 2**41 + 1
+    big = c.run(lambda cl: cl.allreduce(torch.full((numel,), 1 if cl.rank else 2**53,
+                                                    dtype=torch.int64), op="sum",
+                                        name=f"i64{numel}"))
+    assert int(big[0][0]) == 2**53 + 1  # exact: integers are never summed in floating point
+    half = c.run(lambda cl: cl.allreduce(torch.full((numel,), 1 + cl.rank, dtype=torch.int32),
+                                         name=f"half{numel}"))
+    assert int(half[0][0]) == 2  # (1 + 2) / 2 rounds half up
 
 
 def test_malformed_frame_closes_only_that_stream() -> None:

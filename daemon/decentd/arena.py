@@ -31,7 +31,8 @@ class Arena:
         try:
             # reserve the pages now: on a full /dev/shm this fails here (ENOSPC) instead of
             # killing the daemon with SIGBUS at the first touch
-            os.posix_fallocate(self._shm._fd, 0, nbytes)  # type: ignore[attr-defined]
+            if hasattr(os, "posix_fallocate"):  # not on macOS
+                os.posix_fallocate(self._shm._fd, 0, nbytes)  # type: ignore[attr-defined]
         except OSError as exc:
             self._shm.close()
             self._shm.unlink()

@@ -100,10 +100,13 @@ def to_accum(storage: np.ndarray, dtype: int) -> np.ndarray:
 def from_accum(values: np.ndarray, dtype: int, divide_by: int = 1) -> np.ndarray:
     """Storage-dtype result of an accumulated sum, divided by ``divide_by`` (an average).
 
-    Integer averages round to nearest; an integer sum that does not fit wraps, as in torch.
+    Integer results are exact: averages round half up (in integer arithmetic), a sum that does
+    not fit the dtype wraps, as in torch.
     """
+    if dtype in INTEGER:
+        if divide_by != 1:
+            values = np.floor_divide(2 * values + divide_by, 2 * divide_by)
+        return values.astype(STORAGE[dtype])
     if divide_by != 1:
-        if dtype in INTEGER:
-            return np.rint(values / divide_by).astype(STORAGE[dtype])
         values = values * values.dtype.type(1.0 / divide_by)
     return from_compute(values, dtype)

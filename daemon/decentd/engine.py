@@ -39,6 +39,7 @@ class WorkerSession:
     pid: int
     framework: str
     arena: Arena
+    job: str = ""
     completions: asyncio.Queue[pb.Completion | None] = field(default_factory=asyncio.Queue)
     in_flight: set[tuple[str, int]] = field(default_factory=set)
     attached: bool = False
@@ -71,7 +72,9 @@ class OpContext:
         self.req = req
         self.rank = engine.rank
         self.size = engine.size
-        self.name = req.name
+        #: the op's key on the wire (the job id, if any, qualifies the user's name)
+        self.name = f"{session.job}/{req.name}" if session.job else req.name
+        self.display = req.name
         self.round = int(req.round)
         self.op = int(req.op)
         self.dtype = int(req.meta.dtype)
@@ -94,7 +97,7 @@ class OpContext:
     @property
     def label(self) -> str:
         """``neighbor_allreduce 'w' round 3`` for messages."""
-        return f"{op_label(self.op)} '{self.name}' round {self.round}"
+        return f"{op_label(self.op)} '{self.display}' round {self.round}"
 
     def topology_step(self) -> Step:
         """This rank's neighbors and weights at this op's step (= its round)."""
@@ -139,7 +142,7 @@ class OpContext:
             problem = (f"rank {self.rank} has {dtypes.describe(self.dtype, want)} but rank {src} "
                        f"sent {dtypes.describe(arrival.dtype, arrival.shape)}")
         if problem is not None:
-            raise OpError(pb.MISMATCH, f"tensor '{self.name}' round {self.round}: {problem}")
+            raise OpError(pb.MISMATCH, f"tensor '{self.display}' round {self.round}: {problem}")
         if ack:
             await self.transport.send_control(src, pb.ACK, self.name, self.round, tag)
         storage = dtypes.STORAGE[self.dtype]
@@ -192,9 +195,9 @@ class Engine:
         self.stall_warning = stall_warning
         self.ring_threshold = ring_threshold
         self.running: dict[tuple[str, int], OpContext] = {}
-        self._early_aborts: collections.OrderedDict[
-            tuple[str, int], tuple[int, pb.Error, float]
-        ] = collections.OrderedDict()
+        self._early_aborts: collections.OrderedDict[tuple[str, int], tuple[int, pb.Error]] = (
+            collections.OrderedDict()
+        )
         self.completed = 0
         self.failed = 0
         self.closing = False
@@ -208,9 +211,9 @@ class Engine:
         fn = self.ops.get(int(req.op))
         if fn is None:
             raise OpError(pb.INVALID_ARGUMENT, f"unknown op type {req.op}")
-        key = (req.name, int(req.round))
         if not req.name:
             raise OpError(pb.INVALID_ARGUMENT, "request has an empty name")
+        key = (f"{session.job}/{req.name}" if session.job else req.name, int(req.round))
         if key in self.running:
             raise OpError(
                 pb.INVALID_ARGUMENT,
@@ -237,12 +240,13 @@ class Engine:
             req.out_offset, req.out_capacity, f"tensor '{req.name}' output"
         )
         ctx = OpContext(self, session, req)
+        assert (ctx.name, ctx.round) == key
         x = np.frombuffer(x_bytes, dtypes.STORAGE[ctx.dtype]).reshape(ctx.shape)
         self.running[key] = ctx
         session.in_flight.add(key)
         early = self._early_aborts.pop(key, None)
-        if early is not None and time.monotonic() - early[2] <= self.default_timeout:
-            self._abort_from(ctx, early[0], early[1])
+        if early is not None:
+            self._abort_from(ctx, *early)
         ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, fn, x, out_bytes))
 
     async def _run(self, ctx: OpContext, fn: OpFn, x: np.ndarray, out: memoryview) -> None:
@@ -264,7 +268,7 @@ class Engine:
             )
             self._fail(ctx, err, completion)
         except OpError as err:
-            if not err.message.startswith(ctx.label) and ctx.name not in err.message:
+            if not err.message.startswith(ctx.label) and ctx.display not in err.message:
                 err = OpError(err.code, f"{ctx.label}: {err.message}")
             self._fail(ctx, err, completion)
         except Exception as exc:  # a bug: fail this request, keep the daemon
@@ -289,8 +293,10 @@ class Engine:
         completion.error.CopyFrom(err.to_pb())
         if err.code != pb.SHUTTING_DOWN or ctx.failure is None:
             log.warning("%s failed: %s", ctx.label, err)
-        # an op that failed before it knew its peers (a bad argument) tells every rank
-        peers = ctx.participants or set(range(self.size)) - {self.rank}
+        # an op refused for its own bad arguments before it knew its peers tells every rank
+        peers = ctx.participants
+        if not peers and err.code == pb.INVALID_ARGUMENT:
+            peers = set(range(self.size)) - {self.rank}
         notify = peers - {ctx.aborted_by}
         for peer in notify:
             asyncio.get_running_loop().create_task(
@@ -303,8 +309,8 @@ class Engine:
         """A peer failed (name, round) and told us."""
         ctx = self.running.get((name, round_))
         if ctx is None:
-            # kept for an op that may still be submitted here (for one op timeout at most)
-            self._early_aborts[(name, round_)] = (src, error, time.monotonic())
+            # kept for an op that may still be submitted here (the oldest go first)
+            self._early_aborts[(name, round_)] = (src, error)
             while len(self._early_aborts) > 4096:
                 self._early_aborts.popitem(last=False)
             return

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     n = args.np
     workdir = tempfile.mkdtemp(prefix="decentrun-")
+    job = os.environ.get("DECENT_JOB") or f"decentrun-{secrets.token_hex(4)}"
     peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(n))
     out = sys.stdout.buffer
     daemons: list[subprocess.Popen[bytes]] = []
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             daemons.append(d)
             pumps.append(_Prefixer(d.stdout, f"[decentd {i}] ", out))  # type: ignore[arg-type]
         for i in range(n):
-            env = dict(os.environ, DECENT_DAEMON=f"unix://{workdir}/rank{i}.sock",
+            env = dict(os.environ, DECENT_DAEMON=f"unix://{workdir}/rank{i}.sock", DECENT_JOB=job,
                        DECENT_RANK=str(i), DECENT_SIZE=str(n), PYTHONUNBUFFERED="1")
             w = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True)

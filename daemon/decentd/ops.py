@@ -151,8 +151,9 @@ async def _allreduce_ring(ctx: OpContext, flat: np.ndarray) -> np.ndarray:
         (arr, _), _ = await asyncio.gather(ctx.recv(left, tag), _send_chunk(ctx, right, tag, send))
         got = arr.view(np.uint8).view(work.dtype)
         if got.size != into.size:
-            raise OpError(pb.MISMATCH, f"tensor '{ctx.name}' round {ctx.round}: rank {left} sent "
-                          f"a ring chunk of {got.size} elements, rank {r} expected {into.size}")
+            raise OpError(pb.MISMATCH, f"tensor '{ctx.display}' round {ctx.round}: rank {left} "
+                          f"sent a ring chunk of {got.size} elements, rank {r} expected "
+                          f"{into.size}")
         return got
 
     for s in range(n - 1):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -68,10 +69,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         except OpError as err:
             log.error("worker (pid %d) refused: %s", request.pid, err.message)
             return pb.RegisterReply(error=err.to_pb())
-        session = WorkerSession(worker_id, request.pid, request.framework, arena)
+        session = WorkerSession(worker_id, request.pid, request.framework, arena, request.job)
         d.sessions[worker_id] = session
         asyncio.get_running_loop().create_task(d._expire_unattached(session))
-        log.info("worker %s (pid %d, %s) registered", worker_id, request.pid, request.framework)
+        log.info("worker %s (pid %d, %s, job %r) registered", worker_id, request.pid,
+                 request.framework, request.job)
         return pb.RegisterReply(
             worker_id=worker_id,
             rank=d.rank,
@@ -159,6 +161,7 @@ class PeerService(pb_grpc.PeerServicer):
 
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
+        self.streams = itertools.count(1)
 
     async def Handshake(
         self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext
@@ -185,16 +188,18 @@ class PeerService(pb_grpc.PeerServicer):
         frames = 0
         reason = "stream closed"
         bad = ""
+        stream = next(self.streams)
         self.d.transport.inbound_opened(src)
         try:
             async for frame in request_iterator:
                 frames += 1
-                await self.d.transport.on_frame(src, frame)
+                await self.d.transport.on_frame(src, frame, stream)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             reason = type(exc).__name__
         except ValueError as exc:  # a malformed frame closes this stream, and only this one
             reason = bad = f"malformed frame: {exc}"
         finally:
+            self.d.transport.stream_closed(stream)
             if not self.d.stopping.is_set():
                 self.d.transport.peer_down(src, reason)
         if bad:
@@ -231,7 +236,8 @@ class Daemon:
         self.sessions: dict[str, WorkerSession] = {}
         self.transport = Transport(
             self.rank, cfg.peers or ["local"], cfg.cluster_id, cfg.transport.chunk_bytes,
-            cfg.memory.early_arrival_bytes, self._on_abort, self._on_peer_down,
+            cfg.memory.early_arrival_bytes, cfg.timeouts.op, self._on_abort, self._on_peer_down,
+            lambda name, round_: (name, round_) in self.engine.running,
         )
         self.engine = Engine(
             self.rank, self.size, self.topology, self.transport, cfg.timeouts.op,
@@ -325,7 +331,11 @@ class Daemon:
         logging.getLogger("grpc._cython.cygrpc").setLevel(logging.CRITICAL)
         for task in self._tasks:
             task.cancel()
-        await self.engine.shutdown("SIGTERM")
+        try:  # a write to a peer that stopped reading must not hold the shutdown forever
+            await asyncio.wait_for(self.engine.shutdown("SIGTERM"),
+                                   self.cfg.timeouts.shutdown + 10)
+        except TimeoutError:
+            log.warning("some ops did not finish within the shutdown grace; stopping anyway")
         for session in list(self.sessions.values()):
             session.completions.put_nowait(None)
         await worker_server.stop(grace=self.cfg.timeouts.shutdown)

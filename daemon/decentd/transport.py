@@ -42,9 +42,7 @@ GRPC_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
-#: how long an early arrival may wait for buffer room before it is refused
-EARLY_WAIT = 2.0
-#: how long a cancelled op waits for its half-written message to finish
+#: a cancelled op whose half-written message is still not out after this long says so in the log
 WRITE_GRACE = 5.0
 
 RANK_HEADER = "x-decent-rank"
@@ -103,20 +101,24 @@ class Transport:
         cluster_id: str,
         chunk_bytes: int,
         early_limit: int,
+        early_wait: float,
         on_abort: Callable[[int, str, int, pb.Error], None],
         on_peer_down: Callable[[int, str], None],
+        is_running: Callable[[str, int], bool],
     ) -> None:
         self.rank = rank
         self.cluster_id = cluster_id
         self.chunk_bytes = chunk_bytes
         self.early_limit = early_limit
+        self.early_wait = early_wait
+        self._is_running = is_running
         self._on_abort = on_abort
         self._on_peer_down = on_peer_down
         self.links = {r: PeerLink(r, a) for r, a in enumerate(addresses) if r != rank}
         self._waiters: dict[Key, asyncio.Future[Arrival]] = {}
         self._early: dict[Key, Arrival] = {}
         self._acks: dict[Key, asyncio.Future[None]] = {}
-        self._assembling: dict[tuple[int, int], _Assembly] = {}
+        self._assembling: dict[tuple[int, int], _Assembly] = {}  # (stream id, message id)
         self._closed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self.early_bytes = 0
         self._room = asyncio.Condition()
@@ -252,8 +254,14 @@ class Transport:
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(fut), WRITE_GRACE)
+            # the frames are cut lazily from the worker's arena slot: the op (and so the slot)
+            # must outlive the write, or the peer could receive the slot's next tensor
+            done, _ = await asyncio.wait({fut}, timeout=WRITE_GRACE)
+            if not done:
+                log.warning("op '%s': a message to rank %d is still being written after its op "
+                            "ended; waiting for it", name, link.rank)
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(fut)
             raise
 
     async def writer_loop(self, link: PeerLink) -> None:
@@ -370,23 +378,25 @@ class Transport:
         asyncio.get_running_loop().create_task(notify())
 
     async def _reserve(self, key: Key, nbytes: int) -> bool:
-        """Room for an early arrival of ``nbytes``: wait up to EARLY_WAIT, then refuse (False).
+        """Room for an early arrival of ``nbytes``: wait up to ``early_wait``, then refuse.
 
-        Waiting stops reading the sender's stream (gRPC flow control pushes back on it); refusing
-        fails that one op at the sender instead of stalling the stream behind it for good. Data
-        for an op already posted here, and a message into an empty buffer, always get in.
+        Waiting stops reading the sender's stream (gRPC flow control pushes back on it); after an
+        op timeout's worth of waiting the message is refused, which fails that one op on both
+        sides instead of stalling the stream behind it for good. Data for an op already running
+        here, and a message into an empty buffer, always get in.
         """
-        if key in self._waiters or nbytes == 0 or self.early_bytes == 0:
+        if nbytes == 0 or self.early_bytes == 0 or key in self._waiters \
+                or self._is_running(key[1], key[2]):
             return True
         if self.early_bytes + nbytes <= self.early_limit:
             return True
         log.warning("early-arrival buffer full (%d of %d bytes); pausing rank %d's stream",
                     self.early_bytes, self.early_limit, key[0])
-        deadline = time.monotonic() + EARLY_WAIT
+        deadline = time.monotonic() + self.early_wait
         async with self._room:
             while self.early_bytes > 0 and self.early_bytes + nbytes > self.early_limit:
                 left = deadline - time.monotonic()
-                if key in self._waiters:
+                if key in self._waiters or self._is_running(key[1], key[2]):
                     return True
                 if left <= 0:
                     return False
@@ -401,6 +411,9 @@ class Transport:
         if fut is not None and not fut.done():
             fut.set_result(arrival)
             return
+        old = self._early.pop(key, None)
+        if old is not None:  # a resend of the same key replaces the first copy
+            self._release(old.data.nbytes)
         self._early[key] = arrival
         self.early_bytes += arrival.data.nbytes
 
@@ -414,10 +427,10 @@ class Transport:
         for key in list(self._early):
             self._release(self._early.pop(key).data.nbytes)
 
-    async def on_frame(self, src: int, frame: pb.Frame) -> None:
-        """Handle one incoming frame from ``src`` (called by the Exchange servicer).
+    async def on_frame(self, src: int, frame: pb.Frame, stream: int = 0) -> None:
+        """Handle one incoming frame from ``src`` on stream ``stream`` (the Exchange servicer's).
 
-        A malformed frame raises ValueError, which ends that peer's stream (and only that).
+        A malformed frame raises ValueError, which ends that stream (and only that one).
         """
         link = self.links.get(src)
         if link is not None:
@@ -425,7 +438,7 @@ class Transport:
             link.last_heartbeat = time.monotonic()
         kind = frame.kind
         if kind == pb.CHUNK:
-            asm = self._assembling.get((src, frame.message_id))
+            asm = self._assembling.get((stream, frame.message_id))
             if asm is None:
                 raise ValueError(f"rank {src} sent a chunk of unknown message {frame.message_id}")
             size = len(frame.data)
@@ -436,7 +449,7 @@ class Transport:
                 asm.buf[asm.filled:asm.filled + size] = np.frombuffer(frame.data, np.uint8)
             asm.filled += size
             if asm.filled == asm.total:
-                del self._assembling[(src, frame.message_id)]
+                del self._assembling[(stream, frame.message_id)]
                 if asm.buf is not None:
                     self._deliver(asm.key, self._arrival(src, asm.frame, asm.buf))
         elif kind == pb.DATA:
@@ -460,7 +473,7 @@ class Transport:
             if keep:
                 buf = np.empty(total, np.uint8)
                 buf[:first.size] = first
-            self._assembling[(src, frame.message_id)] = _Assembly(
+            self._assembling[(stream, frame.message_id)] = _Assembly(
                 key, header, buf, first.size, total)
         elif kind == pb.ACK:
             fut = self._acks.pop((src, frame.name, frame.round, frame.tag), None)
@@ -483,6 +496,7 @@ class Transport:
         log.warning("%s", error.message)
         asyncio.get_running_loop().create_task(
             self.send_control(src, pb.ABORT, frame.name, frame.round, frame.tag, error))
+        self._on_abort(src, frame.name, frame.round, error)  # our own op fails the same way
 
     @staticmethod
     def _arrival(src: int, frame: pb.Frame, data: np.ndarray) -> Arrival:
@@ -494,6 +508,11 @@ class Transport:
             weight=frame.weight,
             data=data,
         )
+
+    def stream_closed(self, stream: int) -> None:
+        """Drop the partial messages of an incoming stream that ended."""
+        for key in [k for k in self._assembling if k[0] == stream]:
+            del self._assembling[key]
 
     def inbound_opened(self, src: int) -> None:
         """``src`` opened its stream to us."""
@@ -512,8 +531,6 @@ class Transport:
                             "stays up", src, reason)
                 return
             link.inbound_lost = True
-        for asm_key in [k for k in self._assembling if k[0] == src]:
-            del self._assembling[asm_key]
         err = OpError(pb.PEER_UNAVAILABLE, f"rank {src} disconnected ({reason})")
         for table in (self._waiters, self._acks):
             for key in [k for k in table if k[0] == src]:

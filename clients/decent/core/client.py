@@ -151,8 +151,11 @@ class Client(Generic[T]):
         codec: TensorCodec[T],
         address: str | None = None,
         connect_timeout: float = 120.0,
+        job: str | None = None,
     ) -> None:
         self.codec = codec
+        #: ops of different jobs never match; decentrun sets $DECENT_JOB fresh for each launch
+        self.job = os.environ.get("DECENT_JOB", "") if job is None else job
         self.address = address or default_address()
         _wait_for_socket(self.address, min(connect_timeout, SOCKET_WAIT))
         self._channel = grpc.insecure_channel(
@@ -164,7 +167,7 @@ class Client(Generic[T]):
         try:
             reply = self._stub.Register(
                 pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, pid=os.getpid(),
-                                   framework=codec.framework),
+                                   framework=codec.framework, job=self.job),
                 timeout=connect_timeout, wait_for_ready=True,
             )
         except grpc.RpcError as exc:

@@ -45,9 +45,13 @@ TorchClient = Client[torch.Tensor]
 _default: TorchClient | None = None
 
 
-def connect(address: str | None = None, connect_timeout: float = 120.0) -> TorchClient:
-    """A new client of the local daemon (address: $DECENT_DAEMON, else the default socket)."""
-    return Client(TorchCodec(), address, connect_timeout)
+def connect(address: str | None = None, connect_timeout: float = 120.0,
+            job: str | None = None) -> TorchClient:
+    """A new client of the local daemon (address: $DECENT_DAEMON, else the default socket).
+
+    ``job`` (default $DECENT_JOB) keeps jobs sharing long-lived daemons apart.
+    """
+    return Client(TorchCodec(), address, connect_timeout, job)
 
 
 def init(address: str | None = None) -> TorchClient:
