@@ -395,18 +395,23 @@ def rich_table(results: list[SizeResult]) -> Any:
     table.add_column("ratio", justify="right")
     table.add_column("R", justify="right")
     for res in results:
-        cells = [human_bytes(res.nbytes)]
-        for op in OPS:
-            s = res.stats[op]
-            text = f"{ms(s['median'])} ({ms(s['p10'])}-{ms(s['p90'])})"
-            if not res.ok[op]:
-                text += f" WRONG (err {res.errors[op]:.2g})"
-            cells.append(text)
-            if op != "gloo":
-                cells.append(f"{ratio(res, op):.1f}x")
-        cells.append("/".join(str(res.repeats[op]) for op in OPS))
-        table.add_row(*cells)
+        table.add_row(*row_cells(res, lambda err: f" WRONG (err {err:.2g})", "{:.1f}x"))
     return table
+
+
+def row_cells(res: SizeResult, wrong: Callable[[float], str], ratio_fmt: str) -> list[str]:
+    """One size's cells: size, per op median (p10-p90) with ratios to gloo, repeats."""
+    cells = [human_bytes(res.nbytes)]
+    for op in OPS:
+        s = res.stats[op]
+        cell = f"{ms(s['median'])} ({ms(s['p10'])}-{ms(s['p90'])})"
+        if not res.ok[op]:
+            cell += wrong(res.errors[op])
+        cells.append(cell)
+        if op != "gloo":
+            cells.append(ratio_fmt.format(ratio(res, op)))
+    cells.append("/".join(str(res.repeats[op]) for op in OPS))
+    return cells
 
 
 def markdown(results: list[SizeResult], meta: dict[str, Any]) -> str:
@@ -436,16 +441,7 @@ def markdown(results: list[SizeResult], meta: dict[str, Any]) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for res in results:
-        cells = [human_bytes(res.nbytes)]
-        for op in OPS:
-            s = res.stats[op]
-            cell = f"{ms(s['median'])} ({ms(s['p10'])}-{ms(s['p90'])})"
-            if not res.ok[op]:
-                cell += " **WRONG**"
-            cells.append(cell)
-            if op != "gloo":
-                cells.append(f"{ratio(res, op):.2f}")
-        cells.append("/".join(str(res.repeats[op]) for op in OPS))
+        cells = row_cells(res, lambda _err: " **WRONG**", "{:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
