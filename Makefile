@@ -16,7 +16,7 @@ test: setup lint
 
 lint: setup
 	$(VENV)/ruff check daemon clients tests benchmarks examples setup.py
-	$(VENV)/mypy daemon/decentd clients/decent
+	$(VENV)/mypy daemon/decentd clients/decent benchmarks examples tests
 
 ## neighbor_allreduce vs torch.distributed gloo, 4 KiB to 64 MiB, 2 daemons
 bench: setup

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from conftest import ClusterFactory
+from decent.core import Client
 
 
 def test_neighbor_allgather_ring(cluster: ClusterFactory) -> None:
@@ -60,19 +62,24 @@ def test_allreduce_average_and_sum(cluster: ClusterFactory, n: int, numel: int) 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float16, torch.bfloat16])
 def test_allreduce_sum_dtypes(cluster: ClusterFactory, dtype: torch.dtype) -> None:
     c = cluster(4, "ring")
+    def work(cl: Client[torch.Tensor], m: int) -> torch.Tensor:
+        return cl.allreduce(torch.full((m,), cl.rank + 1, dtype=dtype), op="sum",
+                            name=f"ard{dtype}{m}")
+
     for numel in (10, 200_000):  # direct and ring
-        got = c.run(lambda cl, m=numel: cl.allreduce(torch.full((m,), cl.rank + 1, dtype=dtype),
-                                                     op="sum", name=f"ard{dtype}{m}"))
+        got = c.run(functools.partial(work, m=numel))
         for out in got:
             assert out.dtype == dtype and torch.all(out.double() == 10)
 
 
 def test_broadcast(cluster: ClusterFactory) -> None:
     c = cluster(5, "ring")
+    def work(cl: Client[torch.Tensor], r: int) -> torch.Tensor:
+        t = torch.arange(12, dtype=torch.float32).reshape(3, 4) * (cl.rank + 1)
+        return cl.broadcast(t, root=r, name="bc")
+
     for root in (0, 3):
-        got = c.run(lambda cl, r=root: cl.broadcast(
-            torch.arange(12, dtype=torch.float32).reshape(3, 4) * (cl.rank + 1), root=r,
-            name="bc"))
+        got = c.run(functools.partial(work, r=root))
         for out in got:
             assert torch.equal(out, torch.arange(12, dtype=torch.float32).reshape(3, 4)
                                * (root + 1))

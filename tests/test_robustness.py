@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ import torch
 import decent.torch as dt
 from cluster import Cluster
 from conftest import ClusterFactory
-from decent.core import DecentError
+from decent.core import Client, DecentError
 
 
 def test_abort_that_arrives_before_the_local_submit_fails_the_op_at_once(
@@ -109,6 +110,10 @@ def test_early_arrival_bound_refuses_instead_of_stalling() -> None:
         assert c.stop() == [0, 0]
 
 
+def _average_w(cl: Client[torch.Tensor], offset: int) -> torch.Tensor:
+    return cl.neighbor_allreduce(torch.full((2,), 2.0 * cl.rank + offset), name="w")
+
+
 @pytest.mark.parametrize("job_ids", [False, True])
 def test_new_job_on_long_lived_daemons_reuses_names(job_ids: bool,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,8 +124,7 @@ def test_new_job_on_long_lived_daemons_reuses_names(job_ids: bool,
         for job in range(2):
             monkeypatch.setenv("DECENT_JOB", f"job{job}" if job_ids else "")
             c.connect()
-            got = c.run(lambda cl, j=job: cl.neighbor_allreduce(
-                torch.full((2,), 2.0 * cl.rank + j), name="w"))
+            got = c.run(functools.partial(_average_w, offset=job))
             assert torch.equal(got[0], torch.full((2,), 1.0 + job)), job
             for cl in c.clients:
                 cl.close()
@@ -134,9 +138,11 @@ def test_new_job_on_long_lived_daemons_reuses_names(job_ids: bool,
 def test_allreduce_does_not_overflow_narrow_dtypes(cluster: ClusterFactory, numel: int) -> None:
     c = cluster(2, "ring")
     cases = [(torch.float16, 40000.0), (torch.int32, 2_000_000_000)]
+    def work(cl: Client[torch.Tensor], d: torch.dtype, v: float) -> torch.Tensor:
+        return cl.allreduce(torch.full((numel,), v, dtype=d), name=f"wide{d}{numel}")
+
     for dtype, value in cases:
-        got = c.run(lambda cl, d=dtype, v=value: cl.allreduce(
-            torch.full((numel,), v, dtype=d), name=f"wide{d}{numel}"))
+        got = c.run(functools.partial(work, d=dtype, v=value))
         want = torch.full((numel,), value, dtype=dtype)
         for out in got:
             assert torch.equal(out, want), (dtype, out[:3])
@@ -185,7 +191,7 @@ def test_arena_larger_than_dev_shm_is_a_clear_error(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent(f"""
         import subprocess, sys
         import decent.torch as dt
-        from decent.core import DecentError
+        from decent.core import Client, DecentError
         sock = "{tmp_path}/d.sock"
         d = subprocess.Popen([sys.executable, "-m", "decentd.cli", "--socket", sock,
                               "--set", "memory.arena_bytes=67108864"])
@@ -208,7 +214,7 @@ def test_arena_larger_than_dev_shm_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_numpy_codec_roundtrip(cluster: ClusterFactory) -> None:
-    from decent.core import Client, NumpyCodec
+    from decent.core import NumpyCodec
 
     c = cluster(2, "ring")
     clients = [Client(NumpyCodec(), f"unix://{s}") for s in c.sockets]
