@@ -36,6 +36,27 @@ def test_abort_that_arrives_before_the_local_submit_fails_the_op_at_once(
     assert a.status().ops_in_flight == 0
 
 
+def test_op_aborted_before_it_starts_tells_its_other_peers(cluster: ClusterFactory) -> None:
+    # chain 0 -> 1 -> 2: rank 0 gives up, aborting rank 1's op before rank 1 has submitted it;
+    # when rank 1 does, it fails at once and must pass that on to rank 2, which waits for it
+    c = cluster(3, "ring")
+    r0, r1, r2 = c.clients
+    h2 = r2.neighbor_allreduce_async(torch.zeros(2), name="chain", self_weight=0.5,
+                                     src_weights={1: 0.5}, dst_weights=[], timeout=60)
+    with pytest.raises(DecentError, match="timed out"):
+        r0.neighbor_allreduce(torch.zeros(2), name="chain", self_weight=1.0, src_weights={},
+                              dst_weights=[1], timeout=1)
+    time.sleep(0.3)
+    with pytest.raises(DecentError):
+        r1.neighbor_allreduce(torch.zeros(2), name="chain", self_weight=0.5,
+                              src_weights={0: 0.5}, dst_weights=[2], timeout=60)
+    start = time.monotonic()
+    with pytest.raises(DecentError) as info:
+        h2.wait(timeout=90)
+    assert time.monotonic() - start < 10, "rank 2 waited out its timeout"
+    assert "rank 1" in info.value.message or "rank 0" in info.value.message
+
+
 def test_failure_before_peers_are_known_still_tells_them(cluster: ClusterFactory) -> None:
     c = cluster(2, "ring")
     a, b = c.clients
@@ -153,6 +174,9 @@ def test_allreduce_does_not_overflow_narrow_dtypes(cluster: ClusterFactory, nume
     half = c.run(lambda cl: cl.allreduce(torch.full((numel,), 1 + cl.rank, dtype=torch.int32),
                                          name=f"half{numel}"))
     assert int(half[0][0]) == 2  # (1 + 2) / 2 rounds half up
+    huge = c.run(lambda cl: cl.allreduce(torch.full((numel,), 2**61, dtype=torch.int64),
+                                         name=f"huge{numel}"))
+    assert int(huge[1][0]) == 2**61  # the average of a sum near 2^62 does not overflow
 
 
 def test_malformed_frame_closes_only_that_stream() -> None:

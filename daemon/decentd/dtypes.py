@@ -105,7 +105,8 @@ def from_accum(values: np.ndarray, dtype: int, divide_by: int = 1) -> np.ndarray
     """
     if dtype in INTEGER:
         if divide_by != 1:
-            values = np.floor_divide(2 * values + divide_by, 2 * divide_by)
+            q, r = np.divmod(values, divide_by)  # no intermediate can overflow
+            values = q + (2 * r >= divide_by)
         return values.astype(STORAGE[dtype])
     if divide_by != 1:
         values = values * values.dtype.type(1.0 / divide_by)

@@ -22,7 +22,7 @@ import numpy as np
 from decentd import dtypes
 from decentd.errors import OpError
 from decentd.topology import Step, Topology
-from decentd.transport import Transport
+from decentd.transport import JOB_SEPARATOR, Transport, qualify
 from decentd.wire import pb
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class OpContext:
         self.rank = engine.rank
         self.size = engine.size
         #: the op's key on the wire (the job id, if any, qualifies the user's name)
-        self.name = f"{session.job}/{req.name}" if session.job else req.name
+        self.name = qualify(session.job, req.name)
         self.display = req.name
         self.round = int(req.round)
         self.op = int(req.op)
@@ -172,6 +172,15 @@ class OpContext:
 OpFn = Callable[[OpContext, np.ndarray, memoryview], Awaitable[OpResult]]
 
 
+@dataclass(frozen=True)
+class OpSpec:
+    """An op: how to run it, and which peers it involves (known before it runs, so that an op
+    failing before or while it starts can tell them)."""
+
+    run: OpFn
+    peers: Callable[[OpContext], set[int]]
+
+
 class Engine:
     """Runs requests; one per daemon."""
 
@@ -184,7 +193,7 @@ class Engine:
         default_timeout: float,
         stall_warning: float,
         ring_threshold: int,
-        ops: Mapping[int, OpFn],
+        ops: Mapping[int, OpSpec],
     ) -> None:
         self.ops = ops
         self.rank = rank
@@ -208,12 +217,14 @@ class Engine:
         """Validate and start one request; OpError when it is refused outright."""
         if self.closing:
             raise OpError(pb.SHUTTING_DOWN, f"daemon rank {self.rank} is shutting down")
-        fn = self.ops.get(int(req.op))
-        if fn is None:
+        spec = self.ops.get(int(req.op))
+        if spec is None:
             raise OpError(pb.INVALID_ARGUMENT, f"unknown op type {req.op}")
         if not req.name:
             raise OpError(pb.INVALID_ARGUMENT, "request has an empty name")
-        key = (f"{session.job}/{req.name}" if session.job else req.name, int(req.round))
+        if JOB_SEPARATOR in req.name:
+            raise OpError(pb.INVALID_ARGUMENT, f"op name {req.name!r} contains \\x1f")
+        key = (qualify(session.job, req.name), int(req.round))
         if key in self.running:
             raise OpError(
                 pb.INVALID_ARGUMENT,
@@ -247,16 +258,21 @@ class Engine:
         early = self._early_aborts.pop(key, None)
         if early is not None:
             self._abort_from(ctx, *early)
-        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, fn, x, out_bytes))
+        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, spec, x, out_bytes))
 
-    async def _run(self, ctx: OpContext, fn: OpFn, x: np.ndarray, out: memoryview) -> None:
+    async def _run(self, ctx: OpContext, spec: OpSpec, x: np.ndarray, out: memoryview) -> None:
         ctx.running = True
         timeout = ctx.req.timeout_s or self.default_timeout
         completion = pb.Completion(request_id=ctx.req.request_id)
         try:
+            try:
+                ctx.participants = spec.peers(ctx)
+            except OpError:  # its own arguments are bad: every rank may be waiting for it
+                ctx.participants = set(range(self.size)) - {self.rank}
+                raise
             if ctx.failure is not None:  # aborted by a peer, or shut down, before it started
                 raise asyncio.CancelledError
-            result = await asyncio.wait_for(fn(ctx, x, out), timeout)
+            result = await asyncio.wait_for(spec.run(ctx, x, out), timeout)
         except asyncio.CancelledError:
             err = ctx.failure or OpError(pb.SHUTTING_DOWN, f"{ctx.label} was cancelled")
             self._fail(ctx, err, completion)
@@ -293,11 +309,7 @@ class Engine:
         completion.error.CopyFrom(err.to_pb())
         if err.code != pb.SHUTTING_DOWN or ctx.failure is None:
             log.warning("%s failed: %s", ctx.label, err)
-        # an op refused for its own bad arguments before it knew its peers tells every rank
-        peers = ctx.participants
-        if not peers and err.code == pb.INVALID_ARGUMENT:
-            peers = set(range(self.size)) - {self.rank}
-        notify = peers - {ctx.aborted_by}
+        notify = ctx.participants - {ctx.aborted_by}
         for peer in notify:
             asyncio.get_running_loop().create_task(
                 self.transport.send_control(peer, pb.ABORT, ctx.name, ctx.round, 0, err.to_pb())

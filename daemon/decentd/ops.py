@@ -9,11 +9,12 @@ ascending rank order, the ring adds each chunk along the ring; every rank gets i
 from __future__ import annotations
 
 import asyncio
+import math
 
 import numpy as np
 
 from decentd import dtypes
-from decentd.engine import OpContext, OpFn, OpResult
+from decentd.engine import OpContext, OpResult, OpSpec
 from decentd.errors import OpError
 from decentd.wire import pb
 
@@ -81,7 +82,6 @@ def neighbor_plan(ctx: OpContext) -> tuple[float, dict[int, float], dict[int, fl
 async def neighbor_allreduce(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
     """``out = self_w * x + sum_j src_w[j] * d_j * x_j`` over this step's in-neighbors."""
     self_weight, recv, send = neighbor_plan(ctx)
-    ctx.participants = set(recv) | set(send)
     payload = _payload(x)
     sends = [ctx.send(d, 0, payload, weight=w, ack=True) for d, w in send.items()]
     srcs = sorted(recv)
@@ -93,8 +93,8 @@ async def neighbor_allreduce(ctx: OpContext, x: np.ndarray, out: memoryview) -> 
     return OpResult(n, ctx.shape)
 
 
-async def neighbor_allgather(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
-    """Stack the in-neighbors' tensors (ascending rank) on a new leading dimension."""
+def allgather_plan(ctx: OpContext) -> tuple[list[int], list[int]]:
+    """(ranks to receive from, ranks to send to) of a neighbor allgather."""
     req = ctx.req
     step = ctx.topology_step()
     if req.has_dst_weights != req.has_src_weights:
@@ -104,7 +104,12 @@ async def neighbor_allgather(ctx: OpContext, x: np.ndarray, out: memoryview) -> 
     dsts = sorted(req.dst_weights) if req.has_dst_weights else step.out_neighbors
     _check_ranks(ctx, srcs, "src_ranks")
     _check_ranks(ctx, dsts, "dst_ranks")
-    ctx.participants = set(srcs) | set(dsts)
+    return srcs, dsts
+
+
+async def neighbor_allgather(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
+    """Stack the in-neighbors' tensors (ascending rank) on a new leading dimension."""
+    srcs, dsts = allgather_plan(ctx)
     payload = _payload(x)
     sends = [ctx.send(d, 0, payload, ack=True) for d in dsts]
     got = await asyncio.gather(*(ctx.recv(j, 0, ack=True) for j in srcs), *sends)
@@ -117,7 +122,6 @@ async def neighbor_allgather(ctx: OpContext, x: np.ndarray, out: memoryview) -> 
 async def _allreduce_direct(ctx: OpContext, flat: np.ndarray) -> np.ndarray:
     """Everyone sends its tensor to everyone; each rank sums all n in rank order."""
     others = [r for r in range(ctx.size) if r != ctx.rank]
-    ctx.participants = set(others)
     payload = _payload(flat)
     got = await asyncio.gather(
         *(ctx.recv(r, 0) for r in others), *(ctx.send(r, 0, payload) for r in others)
@@ -139,7 +143,6 @@ async def _allreduce_ring(ctx: OpContext, flat: np.ndarray) -> np.ndarray:
     """
     n, r = ctx.size, ctx.rank
     right, left = (r + 1) % n, (r - 1) % n
-    ctx.participants = {right, left}
     work = dtypes.to_accum(flat, ctx.dtype)
     bounds = np.linspace(0, work.size, n + 1).astype(np.int64)
 
@@ -177,7 +180,7 @@ async def allreduce(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
     flat = x.reshape(-1)
     if ctx.size == 1:
         total = dtypes.to_accum(flat, ctx.dtype)
-    elif flat.nbytes >= ctx.engine.ring_threshold and flat.size >= ctx.size:
+    elif _uses_ring(ctx):
         total = await _allreduce_ring(ctx, flat)
     else:
         total = await _allreduce_direct(ctx, flat)
@@ -186,20 +189,27 @@ async def allreduce(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
                     ctx.shape)
 
 
-async def broadcast(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
-    """Every rank gets ``root``'s tensor."""
+def _uses_ring(ctx: OpContext) -> bool:
+    return ctx.req.nbytes >= ctx.engine.ring_threshold and math.prod(ctx.shape) >= ctx.size
+
+
+def _root(ctx: OpContext) -> int:
     root = int(ctx.req.root)
     if not 0 <= root < ctx.size:
         raise OpError(pb.INVALID_ARGUMENT, f"{ctx.label}: root {root} is not a rank "
                                            f"(0..{ctx.size - 1})")
+    return root
+
+
+async def broadcast(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
+    """Every rank gets ``root``'s tensor."""
+    root = _root(ctx)
     if ctx.rank == root:
         others = [r for r in range(ctx.size) if r != root]
-        ctx.participants = set(others)
         payload = _payload(x)
         await asyncio.gather(*(ctx.send(r, 0, payload, ack=True) for r in others))
         value = x
     else:
-        ctx.participants = {root}
         value, _ = await ctx.recv(root, 0, ack=True)
     return OpResult(_write(out, value, ctx.label), ctx.shape)
 
@@ -208,23 +218,53 @@ async def barrier(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
     """Dissemination barrier: ceil(log2 n) rounds, in round k send to r+2^k, hear from r-2^k."""
     n, r = ctx.size, ctx.rank
     empty = memoryview(b"")
-    ctx.participants = {(r + (1 << k)) % n for k in range(n.bit_length()) if (1 << k) < n}
-    k = 0
-    while (1 << k) < n:
-        hop = 1 << k
+    for k, hop in enumerate(_hops(n)):
         await asyncio.gather(
             ctx.recv((r - hop) % n, k, shape=()),
             ctx.transport.send_data((r + hop) % n, ctx.name, ctx.round, k, ctx.op, ctx.dtype,
                                     (), empty),
         )
-        k += 1
     return OpResult(0, ())
 
 
-OPS: dict[int, OpFn] = {
-    pb.NEIGHBOR_ALLREDUCE: neighbor_allreduce,
-    pb.NEIGHBOR_ALLGATHER: neighbor_allgather,
-    pb.ALLREDUCE: allreduce,
-    pb.BROADCAST: broadcast,
-    pb.BARRIER: barrier,
+def _hops(n: int) -> list[int]:
+    return [1 << k for k in range(n.bit_length()) if (1 << k) < n]
+
+
+def _others(ctx: OpContext) -> set[int]:
+    return set(range(ctx.size)) - {ctx.rank}
+
+
+def _neighbor_peers(ctx: OpContext) -> set[int]:
+    _, recv, send = neighbor_plan(ctx)
+    return set(recv) | set(send)
+
+
+def _allgather_peers(ctx: OpContext) -> set[int]:
+    srcs, dsts = allgather_plan(ctx)
+    return set(srcs) | set(dsts)
+
+
+def _allreduce_peers(ctx: OpContext) -> set[int]:
+    if ctx.size > 1 and _uses_ring(ctx):
+        return {(ctx.rank + 1) % ctx.size, (ctx.rank - 1) % ctx.size}
+    return _others(ctx)
+
+
+def _broadcast_peers(ctx: OpContext) -> set[int]:
+    root = _root(ctx)
+    return _others(ctx) if ctx.rank == root else {root}
+
+
+def _barrier_peers(ctx: OpContext) -> set[int]:
+    n, r = ctx.size, ctx.rank
+    return {(r + h) % n for h in _hops(n)} | {(r - h) % n for h in _hops(n)}
+
+
+OPS: dict[int, OpSpec] = {
+    pb.NEIGHBOR_ALLREDUCE: OpSpec(neighbor_allreduce, _neighbor_peers),
+    pb.NEIGHBOR_ALLGATHER: OpSpec(neighbor_allgather, _allgather_peers),
+    pb.ALLREDUCE: OpSpec(allreduce, _allreduce_peers),
+    pb.BROADCAST: OpSpec(broadcast, _broadcast_peers),
+    pb.BARRIER: OpSpec(barrier, _barrier_peers),
 }

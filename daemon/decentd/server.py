@@ -236,7 +236,7 @@ class Daemon:
         self.sessions: dict[str, WorkerSession] = {}
         self.transport = Transport(
             self.rank, cfg.peers or ["local"], cfg.cluster_id, cfg.transport.chunk_bytes,
-            cfg.memory.early_arrival_bytes, cfg.timeouts.op, self._on_abort, self._on_peer_down,
+            cfg.memory.early_arrival_bytes, self._on_abort, self._on_peer_down,
             lambda name, round_: (name, round_) in self.engine.running,
         )
         self.engine = Engine(

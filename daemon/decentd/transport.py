@@ -71,6 +71,30 @@ class _Assembly:
 
 
 @dataclass
+class _Outgoing:
+    """One message waiting for a link's writer."""
+
+    frames: Iterator[pb.Frame]
+    done: asyncio.Future[None]
+    name: str
+    abandoned: bool = False  # its op was cancelled: skip it if not started
+
+
+#: separates the job id from the op name in wire keys (a character no sane name contains)
+JOB_SEPARATOR = "\x1f"
+
+
+def qualify(job: str, name: str) -> str:
+    """The wire key of op ``name`` in job ``job``."""
+    return f"{job}{JOB_SEPARATOR}{name}" if job else name
+
+
+def display_name(wire_name: str) -> str:
+    """The user's op name inside a wire key (for messages)."""
+    return wire_name.rsplit(JOB_SEPARATOR, 1)[-1]
+
+
+@dataclass
 class PeerLink:
     """The outgoing side of the connection to one peer."""
 
@@ -79,8 +103,7 @@ class PeerLink:
     channel: grpc.aio.Channel | None = None
     stub: pb_grpc.PeerStub | None = None
     call: grpc.aio.StreamUnaryCall | None = None
-    queue: asyncio.Queue[tuple[Iterator[pb.Frame], asyncio.Future[None], str]] = field(
-        default_factory=asyncio.Queue)
+    queue: asyncio.Queue[_Outgoing] = field(default_factory=asyncio.Queue)
     writer: asyncio.Task[None] | None = None
     connected: bool = False  # our stream to the peer is up
     inbound_lost: bool = False  # the peer's stream to us was up and ended
@@ -101,7 +124,6 @@ class Transport:
         cluster_id: str,
         chunk_bytes: int,
         early_limit: int,
-        early_wait: float,
         on_abort: Callable[[int, str, int, pb.Error], None],
         on_peer_down: Callable[[int, str], None],
         is_running: Callable[[str, int], bool],
@@ -110,7 +132,6 @@ class Transport:
         self.cluster_id = cluster_id
         self.chunk_bytes = chunk_bytes
         self.early_limit = early_limit
-        self.early_wait = early_wait
         self._is_running = is_running
         self._on_abort = on_abort
         self._on_peer_down = on_peer_down
@@ -121,7 +142,6 @@ class Transport:
         self._assembling: dict[tuple[int, int], _Assembly] = {}  # (stream id, message id)
         self._closed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self.early_bytes = 0
-        self._room = asyncio.Condition()
 
     # ------------------------------------------------------------------ connection setup
 
@@ -239,40 +259,44 @@ class Transport:
         if link is None or link.call is None or not link.connected:
             raise OpError(
                 pb.PEER_UNAVAILABLE,
-                f"op '{name}': rank {dst} is not connected to rank {self.rank}",
+                f"op '{display_name(name)}': rank {dst} is not connected to rank {self.rank}",
             )
         return link
 
     async def _write(self, link: PeerLink, frames: Iterator[pb.Frame], name: str) -> None:
         """Queue a message on the link's writer and wait until it is written.
 
-        A write is never abandoned half-way: cancelling the caller waits for the message to finish
-        (a torn message would break the stream, and its bytes may live in a worker's arena slot).
+        A write is never abandoned half-way: the frames are cut lazily from the worker's arena
+        slot, so a cancelled op waits for a message already being written (a torn message would
+        break the stream, and a freed slot could send its next tensor under this key). A message
+        still queued when its op is cancelled is skipped.
         """
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        link.queue.put_nowait((frames, fut, name))
+        out = _Outgoing(frames, asyncio.get_running_loop().create_future(), name)
+        link.queue.put_nowait(out)
         try:
-            await asyncio.shield(fut)
+            await asyncio.shield(out.done)
         except asyncio.CancelledError:
-            # the frames are cut lazily from the worker's arena slot: the op (and so the slot)
-            # must outlive the write, or the peer could receive the slot's next tensor
-            done, _ = await asyncio.wait({fut}, timeout=WRITE_GRACE)
-            if not done:
+            out.abandoned = True
+            finished, _ = await asyncio.wait({out.done}, timeout=WRITE_GRACE)
+            if not finished:
                 log.warning("op '%s': a message to rank %d is still being written after its op "
-                            "ended; waiting for it", name, link.rank)
+                            "ended; waiting for it", display_name(name), link.rank)
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(fut)
+                    await asyncio.shield(out.done)
             raise
 
     async def writer_loop(self, link: PeerLink) -> None:
         """Write queued messages to ``link``'s stream, one whole message at a time."""
         while True:
-            frames, fut, name = await link.queue.get()
+            out = await link.queue.get()
+            fut, name = out.done, display_name(out.name)
             try:
+                if out.abandoned:
+                    raise OpError(pb.ABORTED, f"op '{name}': cancelled before it was sent")
                 if link.call is None or not link.connected:
                     raise OpError(pb.PEER_UNAVAILABLE,
                                   f"op '{name}': rank {link.rank} is not connected")
-                for frame in frames:
+                for frame in out.frames:
                     await link.call.write(frame)
                     link.bytes_sent += len(frame.data)
             except OpError as err:
@@ -371,38 +395,18 @@ class Transport:
     def _release(self, nbytes: int) -> None:
         self.early_bytes -= nbytes
 
-        async def notify() -> None:
-            async with self._room:
-                self._room.notify_all()
+    def _admit(self, key: Key, nbytes: int) -> bool:
+        """Whether an early arrival of ``nbytes`` may be buffered.
 
-        asyncio.get_running_loop().create_task(notify())
-
-    async def _reserve(self, key: Key, nbytes: int) -> bool:
-        """Room for an early arrival of ``nbytes``: wait up to ``early_wait``, then refuse.
-
-        Waiting stops reading the sender's stream (gRPC flow control pushes back on it); after an
-        op timeout's worth of waiting the message is refused, which fails that one op on both
-        sides instead of stalling the stream behind it for good. Data for an op already running
-        here, and a message into an empty buffer, always get in.
+        Data for an op already running here, and a message into an empty buffer, always get in.
+        Otherwise the buffer is bounded: a message past ``early_limit`` is refused at once, which
+        fails that one op on both sides with RESOURCE_EXHAUSTED. Refusing instead of pausing the
+        stream keeps everything queued behind it (data of running ops, ACKs, ABORTs) moving.
         """
         if nbytes == 0 or self.early_bytes == 0 or key in self._waiters \
                 or self._is_running(key[1], key[2]):
             return True
-        if self.early_bytes + nbytes <= self.early_limit:
-            return True
-        log.warning("early-arrival buffer full (%d of %d bytes); pausing rank %d's stream",
-                    self.early_bytes, self.early_limit, key[0])
-        deadline = time.monotonic() + self.early_wait
-        async with self._room:
-            while self.early_bytes > 0 and self.early_bytes + nbytes > self.early_limit:
-                left = deadline - time.monotonic()
-                if key in self._waiters or self._is_running(key[1], key[2]):
-                    return True
-                if left <= 0:
-                    return False
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._room.wait(), timeout=min(left, 0.2))
-        return True
+        return self.early_bytes + nbytes <= self.early_limit
 
     def _deliver(self, key: Key, arrival: Arrival) -> None:
         if key[1:3] in self._closed:
@@ -459,9 +463,12 @@ class Transport:
             if first.size > total:
                 raise ValueError(f"rank {src} sent {first.size} bytes for '{frame.name}' but "
                                  f"announced {total}")
-            keep = await self._reserve(key, total)
-            if not keep:
-                self._refuse(src, frame)
+            if (frame.name, frame.round) in self._closed:
+                keep = False  # a late message of a finished op: read it and drop it
+            else:
+                keep = self._admit(key, total)
+                if not keep:
+                    self._refuse(src, frame)
             if first.size == total:
                 if keep:
                     self._deliver(key, self._arrival(src, frame, first.copy()))
@@ -489,7 +496,8 @@ class Transport:
     def _refuse(self, src: int, frame: pb.Frame) -> None:
         error = pb.Error(
             code=pb.RESOURCE_EXHAUSTED,
-            message=f"tensor '{frame.name}' round {frame.round}: rank {self.rank} has "
+            message=f"tensor '{display_name(frame.name)}' round {frame.round}: rank {self.rank} "
+            f"has "
             f"{self.early_bytes} bytes of data buffered for ops it has not started "
             f"(memory.early_arrival_bytes = {self.early_limit}); rank {src}'s message was refused",
         )
