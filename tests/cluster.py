@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,17 +14,9 @@ from typing import Any, ClassVar
 
 import decent.torch as dt
 from decent.core import Client
+from decentd.launcher import free_ports
 
-
-def free_ports(n: int) -> list[int]:
-    """Distinct free loopback ports."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+__all__ = ["Cluster", "free_ports"]
 
 
 class Cluster:
@@ -57,7 +48,20 @@ class Cluster:
     def connect(self) -> list[Client[Any]]:
         """One client per rank (registration waits until each daemon has all its peers)."""
         with ThreadPoolExecutor(self.n) as pool:
-            self.clients = list(pool.map(lambda s: dt.connect(f"unix://{s}", 60), self.sockets))
+            futures = [pool.submit(dt.connect, f"unix://{s}", 60) for s in self.sockets]
+            clients, failed = [], None
+            for f in futures:
+                try:
+                    clients.append(f.result())
+                except Exception as exc:  # say why, with what the daemons logged
+                    failed = exc
+        if failed is not None:
+            for c in clients:
+                c.close()
+            logs = "\n".join(f"--- daemon {i} (exit {p.poll()}):\n{self.log(i)[-2000:]}"
+                             for i, p in enumerate(self.procs))
+            raise RuntimeError(f"cluster did not come up: {failed}\n{logs}") from failed
+        self.clients = clients
         return self.clients
 
     def run(self, fn: Callable[[Client[Any]], Any], timeout: float = 120) -> list[Any]:

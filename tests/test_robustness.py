@@ -252,3 +252,50 @@ def test_numpy_codec_roundtrip(cluster: ClusterFactory) -> None:
         for cl in clients:
             cl.close()
     assert dt is not None
+
+
+def test_failed_ops_free_their_arena_space_for_blocked_submits() -> None:
+    c = Cluster(2, "ring", "--set", "memory.arena_bytes=1048576")
+    try:
+        c.connect()
+        a = c.clients[0]
+        # rank 1 never joins: the first op fails after 2 s, and the second submit, which did not
+        # fit next to it, must then get its space instead of blocking for ever
+        first = a.neighbor_allreduce_async(torch.zeros(150_000), name="full1", timeout=2)
+        start = time.monotonic()
+        second = a.neighbor_allreduce_async(torch.zeros(150_000), name="full2", timeout=2)
+        for h in (first, second):
+            with pytest.raises(DecentError, match="timed out"):
+                h.wait(timeout=30)
+        assert time.monotonic() - start < 15
+    finally:
+        c.stop()
+
+
+def test_ranks_taking_different_paths_fail_fast_with_mismatch(cluster: ClusterFactory) -> None:
+    c = cluster(2, "ring")
+
+    def roots(cl: Client[torch.Tensor]) -> torch.Tensor:
+        return cl.broadcast(torch.zeros(4), root=cl.rank, name="tworoots", timeout=30)
+
+    def sizes(cl: Client[torch.Tensor]) -> torch.Tensor:  # direct on one rank, ring on the other
+        return cl.allreduce(torch.zeros(100 if cl.rank == 0 else 100_000), name="paths",
+                            timeout=30)
+
+    for fn, words in ((roots, "broadcast roots"), (sizes, "float32[100]")):
+        start = time.monotonic()
+        errors = c.run_catching(fn)
+        assert time.monotonic() - start < 15, "waited out the timeout"
+        assert any(isinstance(e, DecentError) and e.code_name == "MISMATCH" and words in e.message
+                   for e in errors), errors
+        assert all(isinstance(e, DecentError) for e in errors), errors
+
+
+def test_allgather_output_sized_by_in_degree(cluster: ClusterFactory) -> None:
+    # 5 ranks, 32 MiB arenas: 8 MiB in + 2 in-neighbors x 8 MiB out fits; (size-1) x 8 would not
+    c = cluster(5, "ring")
+    got = c.run(lambda cl: cl.neighbor_allgather(torch.full((2 << 20,), float(cl.rank)),
+                                                 name="agbig"))
+    for i, out in enumerate(got):
+        assert out.shape == (2, 2 << 20)
+        assert float(out[0, 0]) == sorted({(i - 1) % 5, (i + 1) % 5})[0]

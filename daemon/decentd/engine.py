@@ -22,7 +22,7 @@ import numpy as np
 from decentd import dtypes
 from decentd.errors import OpError
 from decentd.topology import Step, Topology
-from decentd.transport import JOB_SEPARATOR, Transport, qualify
+from decentd.transport import JOB_SEPARATOR, Arrival, Transport, qualify
 from decentd.wire import pb
 
 if TYPE_CHECKING:
@@ -133,20 +133,26 @@ class OpContext:
         self.waiting.add(src)
         arrival = await fut
         self.waiting.discard(src)
-        want = self.shape if shape is None else shape
-        problem = None
-        if arrival.op != self.op:
-            problem = (f"rank {self.rank} submitted {op_label(self.op)} but rank {src} "
-                       f"submitted {op_label(arrival.op)}")
-        elif arrival.dtype != self.dtype or arrival.shape != want:
-            problem = (f"rank {self.rank} has {dtypes.describe(self.dtype, want)} but rank {src} "
-                       f"sent {dtypes.describe(arrival.dtype, arrival.shape)}")
+        problem = self.mismatch(src, arrival, self.shape if shape is None else shape)
         if problem is not None:
-            raise OpError(pb.MISMATCH, f"tensor '{self.display}' round {self.round}: {problem}")
+            raise problem
         if ack:
             await self.transport.send_control(src, pb.ACK, self.name, self.round, tag)
         storage = dtypes.STORAGE[self.dtype]
         return arrival.data.view(storage), arrival.weight
+
+    def mismatch(self, src: int, arrival: Arrival, shape: tuple[int, ...]) -> OpError | None:
+        """MISMATCH when ``src``'s message disagrees with this op's kind, dtype or shape."""
+        problem = None
+        if arrival.op != self.op:
+            problem = (f"rank {self.rank} submitted {op_label(self.op)} but rank {src} "
+                       f"submitted {op_label(arrival.op)}")
+        elif arrival.dtype != self.dtype or arrival.shape != shape:
+            problem = (f"rank {self.rank} has {dtypes.describe(self.dtype, shape)} but rank {src} "
+                       f"sent {dtypes.describe(arrival.dtype, arrival.shape)}")
+        if problem is None:
+            return None
+        return OpError(pb.MISMATCH, f"tensor '{self.display}' round {self.round}: {problem}")
 
     def waiting_for(self) -> str:
         """``rank(s) [2] to send, rank(s) [1] to take ours`` for stall and timeout messages."""
@@ -179,6 +185,18 @@ class OpSpec:
 
     run: OpFn
     peers: Callable[[OpContext], set[int]]
+    #: the message tags this op can receive (None: any); another tag means the sender went
+    #: another way (e.g. another broadcast root, ring vs. direct allreduce)
+    tags: Callable[[OpContext], set[int] | None] = lambda _ctx: None
+
+
+def expected_tag_hint(op: int) -> str:
+    """What a tag disagreement means for ``op``, for the MISMATCH message."""
+    if op == pb.BROADCAST:
+        return "different broadcast roots"
+    if op == pb.ALLREDUCE:
+        return "ring vs. direct exchange: is transport.ring_threshold_bytes the same everywhere?"
+    return "different message tags"
 
 
 class Engine:
@@ -327,6 +345,26 @@ class Engine:
                 self._early_aborts.popitem(last=False)
             return
         self._abort_from(ctx, src, error)
+
+    def check_arrival(self, src: int, name: str, round_: int, tag: int, arrival: Arrival) -> None:
+        """A message for a running op that nothing waits for: fail the op if it disagrees.
+
+        Without this, ranks that took different paths for the same op (another shape on the other
+        side of the ring threshold, another broadcast root) would each wait out the timeout.
+        """
+        ctx = self.running.get((name, round_))
+        if ctx is None or not ctx.running or ctx.failure is not None:
+            return
+        err = ctx.mismatch(src, arrival, ctx.shape)
+        if err is None:
+            expected = self.ops[ctx.op].tags(ctx)
+            if expected is not None and tag not in expected:
+                err = OpError(pb.MISMATCH, f"tensor '{ctx.display}' round {ctx.round}: rank {src} "
+                              f"runs {ctx.label.split(' ')[0]} differently from rank {self.rank} "
+                              f"({expected_tag_hint(ctx.op)})")
+        if err is not None:
+            ctx.participants.add(src)
+            ctx.fail(err)
 
     def _abort_from(self, ctx: OpContext, src: int, error: pb.Error) -> None:
         ctx.aborted_by = src

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import re
 import secrets
 import shutil
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import IO
 
 from decentd import topology
@@ -29,17 +31,27 @@ _SPLIT = re.compile(rb"([\r\n])")
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 right now."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct TCP ports free on 127.0.0.1 right now.
+
+    They are picked below the kernel's ephemeral range, so that the outgoing connections of
+    daemons already running cannot take one between this check and the daemon's bind.
+    """
+    low = 20000
+    with contextlib.suppress(OSError, ValueError):
+        low = min(low, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]))
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
 
 
 class _Prefixer(threading.Thread):

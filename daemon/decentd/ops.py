@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Awaitable
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +19,22 @@ from decentd import dtypes
 from decentd.engine import OpContext, OpResult, OpSpec
 from decentd.errors import OpError
 from decentd.wire import pb
+
+
+async def gather_all(*coros: Awaitable[Any]) -> list[Any]:
+    """Like asyncio.gather, but when one fails the others are cancelled and waited for.
+
+    A send still reading the worker's arena slot must end before the op reports its failure
+    (after which the worker may reuse the slot).
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _write(out: memoryview, values: np.ndarray, what: str) -> int:
@@ -85,7 +103,7 @@ async def neighbor_allreduce(ctx: OpContext, x: np.ndarray, out: memoryview) -> 
     payload = _payload(x)
     sends = [ctx.send(d, 0, payload, weight=w, ack=True) for d, w in send.items()]
     srcs = sorted(recv)
-    got = await asyncio.gather(*(ctx.recv(j, 0, ack=True) for j in srcs), *sends)
+    got = await gather_all(*(ctx.recv(j, 0, ack=True) for j in srcs), *sends)
     acc = dtypes.to_compute(x.reshape(-1), ctx.dtype) * self_weight
     for j, (arr, d) in zip(srcs, got[: len(srcs)], strict=True):
         acc += dtypes.to_compute(arr, ctx.dtype) * (recv[j] * d)
@@ -112,7 +130,7 @@ async def neighbor_allgather(ctx: OpContext, x: np.ndarray, out: memoryview) -> 
     srcs, dsts = allgather_plan(ctx)
     payload = _payload(x)
     sends = [ctx.send(d, 0, payload, ack=True) for d in dsts]
-    got = await asyncio.gather(*(ctx.recv(j, 0, ack=True) for j in srcs), *sends)
+    got = await gather_all(*(ctx.recv(j, 0, ack=True) for j in srcs), *sends)
     parts = [arr for arr, _ in got[: len(srcs)]]
     stacked = np.stack(parts) if parts else np.empty((0, *ctx.shape), x.dtype)
     n = _write(out, stacked, ctx.label)
@@ -123,7 +141,7 @@ async def _allreduce_direct(ctx: OpContext, flat: np.ndarray) -> np.ndarray:
     """Everyone sends its tensor to everyone; each rank sums all n in rank order."""
     others = [r for r in range(ctx.size) if r != ctx.rank]
     payload = _payload(flat)
-    got = await asyncio.gather(
+    got = await gather_all(
         *(ctx.recv(r, 0) for r in others), *(ctx.send(r, 0, payload) for r in others)
     )
     parts = dict(zip(others, (arr for arr, _ in got[: len(others)]), strict=True))
@@ -151,7 +169,7 @@ async def _allreduce_ring(ctx: OpContext, flat: np.ndarray) -> np.ndarray:
         return work[bounds[i]:bounds[i + 1]]
 
     async def step(tag: int, send: np.ndarray, into: np.ndarray) -> np.ndarray:
-        (arr, _), _ = await asyncio.gather(ctx.recv(left, tag), _send_chunk(ctx, right, tag, send))
+        (arr, _), _ = await gather_all(ctx.recv(left, tag), _send_chunk(ctx, right, tag, send))
         got = arr.view(np.uint8).view(work.dtype)
         if got.size != into.size:
             raise OpError(pb.MISMATCH, f"tensor '{ctx.display}' round {ctx.round}: rank {left} "
@@ -203,14 +221,14 @@ def _root(ctx: OpContext) -> int:
 
 async def broadcast(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
     """Every rank gets ``root``'s tensor."""
-    root = _root(ctx)
+    root = _root(ctx)  # the tag is the root, so ranks that disagree on it notice
     if ctx.rank == root:
         others = [r for r in range(ctx.size) if r != root]
         payload = _payload(x)
-        await asyncio.gather(*(ctx.send(r, 0, payload, ack=True) for r in others))
+        await gather_all(*(ctx.send(r, root, payload, ack=True) for r in others))
         value = x
     else:
-        value, _ = await ctx.recv(root, 0, ack=True)
+        value, _ = await ctx.recv(root, root, ack=True)
     return OpResult(_write(out, value, ctx.label), ctx.shape)
 
 
@@ -219,10 +237,10 @@ async def barrier(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
     n, r = ctx.size, ctx.rank
     empty = memoryview(b"")
     for k, hop in enumerate(_hops(n)):
-        await asyncio.gather(
-            ctx.recv((r - hop) % n, k, shape=()),
+        await gather_all(
+            ctx.recv((r - hop) % n, k),
             ctx.transport.send_data((r + hop) % n, ctx.name, ctx.round, k, ctx.op, ctx.dtype,
-                                    (), empty),
+                                    ctx.shape, empty),
         )
     return OpResult(0, ())
 
@@ -261,10 +279,17 @@ def _barrier_peers(ctx: OpContext) -> set[int]:
     return {(r + h) % n for h in _hops(n)} | {(r - h) % n for h in _hops(n)}
 
 
+def _allreduce_tags(ctx: OpContext) -> set[int]:
+    if ctx.size > 1 and _uses_ring(ctx):
+        return set(range(1, 2 * ctx.size - 1))
+    return {0}
+
+
 OPS: dict[int, OpSpec] = {
-    pb.NEIGHBOR_ALLREDUCE: OpSpec(neighbor_allreduce, _neighbor_peers),
-    pb.NEIGHBOR_ALLGATHER: OpSpec(neighbor_allgather, _allgather_peers),
-    pb.ALLREDUCE: OpSpec(allreduce, _allreduce_peers),
-    pb.BROADCAST: OpSpec(broadcast, _broadcast_peers),
-    pb.BARRIER: OpSpec(barrier, _barrier_peers),
+    pb.NEIGHBOR_ALLREDUCE: OpSpec(neighbor_allreduce, _neighbor_peers, lambda _ctx: {0}),
+    pb.NEIGHBOR_ALLGATHER: OpSpec(neighbor_allgather, _allgather_peers, lambda _ctx: {0}),
+    pb.ALLREDUCE: OpSpec(allreduce, _allreduce_peers, _allreduce_tags),
+    pb.BROADCAST: OpSpec(broadcast, _broadcast_peers, lambda ctx: {_root(ctx)}),
+    pb.BARRIER: OpSpec(barrier, _barrier_peers,
+                       lambda ctx: set(range(len(_hops(ctx.size))))),
 }

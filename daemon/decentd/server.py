@@ -238,6 +238,7 @@ class Daemon:
             self.rank, cfg.peers or ["local"], cfg.cluster_id, cfg.transport.chunk_bytes,
             cfg.memory.early_arrival_bytes, self._on_abort, self._on_peer_down,
             lambda name, round_: (name, round_) in self.engine.running,
+            lambda *args: self.engine.check_arrival(*args),
         )
         self.engine = Engine(
             self.rank, self.size, self.topology, self.transport, cfg.timeouts.op,

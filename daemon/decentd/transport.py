@@ -78,6 +78,7 @@ class _Outgoing:
     done: asyncio.Future[None]
     name: str
     abandoned: bool = False  # its op was cancelled: skip it if not started
+    started: bool = False  # the writer has begun cutting frames from the payload
 
 
 #: separates the job id from the op name in wire keys (a character no sane name contains)
@@ -127,12 +128,14 @@ class Transport:
         on_abort: Callable[[int, str, int, pb.Error], None],
         on_peer_down: Callable[[int, str], None],
         is_running: Callable[[str, int], bool],
+        on_unexpected: Callable[[int, str, int, int, Arrival], None],
     ) -> None:
         self.rank = rank
         self.cluster_id = cluster_id
         self.chunk_bytes = chunk_bytes
         self.early_limit = early_limit
         self._is_running = is_running
+        self._on_unexpected = on_unexpected
         self._on_abort = on_abort
         self._on_peer_down = on_peer_down
         self.links = {r: PeerLink(r, a) for r, a in enumerate(addresses) if r != rank}
@@ -277,13 +280,23 @@ class Transport:
             await asyncio.shield(out.done)
         except asyncio.CancelledError:
             out.abandoned = True
-            finished, _ = await asyncio.wait({out.done}, timeout=WRITE_GRACE)
-            if not finished:
-                log.warning("op '%s': a message to rank %d is still being written after its op "
-                            "ended; waiting for it", display_name(name), link.rank)
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(out.done)
+            if out.started:
+                await self._finish_started(out, link)
             raise
+
+    @staticmethod
+    async def _finish_started(out: _Outgoing, link: PeerLink) -> None:
+        """Wait, through further cancellations, for a message already being written."""
+        warned = False
+        while not out.done.done():
+            try:
+                await asyncio.wait({out.done}, timeout=WRITE_GRACE)
+            except asyncio.CancelledError:
+                continue
+            if not out.done.done() and not warned:
+                warned = True
+                log.warning("op '%s': a message to rank %d is still being written after its op "
+                            "ended; waiting for it", display_name(out.name), link.rank)
 
     async def writer_loop(self, link: PeerLink) -> None:
         """Write queued messages to ``link``'s stream, one whole message at a time."""
@@ -296,6 +309,7 @@ class Transport:
                 if link.call is None or not link.connected:
                     raise OpError(pb.PEER_UNAVAILABLE,
                                   f"op '{name}': rank {link.rank} is not connected")
+                out.started = True
                 for frame in out.frames:
                     await link.call.write(frame)
                     link.bytes_sent += len(frame.data)
@@ -420,6 +434,8 @@ class Transport:
             self._release(old.data.nbytes)
         self._early[key] = arrival
         self.early_bytes += arrival.data.nbytes
+        if self._is_running(key[1], key[2]):
+            self._on_unexpected(key[0], key[1], key[2], key[3], arrival)
 
     def _drop_early(self, name: str, round_: int) -> None:
         for key in [k for k in self._early if k[1] == name and k[2] == round_]:

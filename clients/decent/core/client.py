@@ -240,10 +240,9 @@ class Client(Generic[T]):
             with self._lock:
                 self._unread[p.request_id] = p
         p.event.set()
-        if p.abandoned:
+        if p.abandoned or error is not None:  # nothing left to read: the slots are free now
             self._release(p)
-        elif error is None:
-            self.arena.notify()
+        self.arena.notify()
 
     def _abandon(self, p: _Pending) -> None:
         p.abandoned = True
@@ -264,6 +263,8 @@ class Client(Generic[T]):
 
     def _reclaim(self) -> bool:
         """Arena full: copy finished-but-unread results out to free their slots."""
+        if self._lost is not None:
+            raise self._lost
         with self._lock:
             unread = list(self._unread.values())
         for p in unread:
@@ -403,9 +404,12 @@ class Client(Generic[T]):
         """Start gathering the in-neighbors' tensors, stacked on a new leading dim (rank order)."""
         src = _weights(src_ranks)
         dst = _weights(dst_ranks)
-        factor = len(src) if src is not None else max(1, self.size - 1)
+        if src is not None:
+            factor = len(src)
+        else:  # the output holds one tensor per in-neighbor at the step this call will use
+            factor = len(self.topology_at(name or "neighbor_allgather.unnamed").in_neighbors)
         return self._submit(
-            pb.NEIGHBOR_ALLGATHER, tensor, name, timeout, out_factor=max(1, factor),
+            pb.NEIGHBOR_ALLGATHER, tensor, name, timeout, out_factor=factor,
             has_src_weights=src is not None, src_weights=src or {},
             has_dst_weights=dst is not None, dst_weights=dst or {},
         )
