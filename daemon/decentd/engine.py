@@ -242,7 +242,8 @@ class Engine:
             raise OpError(pb.INVALID_ARGUMENT, "request has an empty name")
         if JOB_SEPARATOR in req.name:
             raise OpError(pb.INVALID_ARGUMENT, f"op name {req.name!r} contains \\x1f")
-        key = (qualify(session.job, req.name), int(req.round))
+        ctx = OpContext(self, session, req)
+        key = (ctx.name, ctx.round)
         if key in self.running:
             raise OpError(
                 pb.INVALID_ARGUMENT,
@@ -268,8 +269,6 @@ class Engine:
         out_bytes = session.arena.view(
             req.out_offset, req.out_capacity, f"tensor '{req.name}' output"
         )
-        ctx = OpContext(self, session, req)
-        assert (ctx.name, ctx.round) == key
         x = np.frombuffer(x_bytes, dtypes.STORAGE[ctx.dtype]).reshape(ctx.shape)
         self.running[key] = ctx
         session.in_flight.add(key)

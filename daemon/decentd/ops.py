@@ -18,6 +18,7 @@ import numpy as np
 from decentd import dtypes
 from decentd.engine import OpContext, OpResult, OpSpec
 from decentd.errors import OpError
+from decentd.topology import hops
 from decentd.wire import pb
 
 
@@ -236,17 +237,13 @@ async def barrier(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
     """Dissemination barrier: ceil(log2 n) rounds, in round k send to r+2^k, hear from r-2^k."""
     n, r = ctx.size, ctx.rank
     empty = memoryview(b"")
-    for k, hop in enumerate(_hops(n)):
+    for k, hop in enumerate(hops(n)):
         await gather_all(
             ctx.recv((r - hop) % n, k),
             ctx.transport.send_data((r + hop) % n, ctx.name, ctx.round, k, ctx.op, ctx.dtype,
                                     ctx.shape, empty),
         )
     return OpResult(0, ())
-
-
-def _hops(n: int) -> list[int]:
-    return [1 << k for k in range(n.bit_length()) if (1 << k) < n]
 
 
 def _others(ctx: OpContext) -> set[int]:
@@ -276,7 +273,7 @@ def _broadcast_peers(ctx: OpContext) -> set[int]:
 
 def _barrier_peers(ctx: OpContext) -> set[int]:
     n, r = ctx.size, ctx.rank
-    return {(r + h) % n for h in _hops(n)} | {(r - h) % n for h in _hops(n)}
+    return {(r + h) % n for h in hops(n)} | {(r - h) % n for h in hops(n)}
 
 
 def _allreduce_tags(ctx: OpContext) -> set[int]:
@@ -291,5 +288,5 @@ OPS: dict[int, OpSpec] = {
     pb.ALLREDUCE: OpSpec(allreduce, _allreduce_peers, _allreduce_tags),
     pb.BROADCAST: OpSpec(broadcast, _broadcast_peers, lambda ctx: {_root(ctx)}),
     pb.BARRIER: OpSpec(barrier, _barrier_peers,
-                       lambda ctx: set(range(len(_hops(ctx.size))))),
+                       lambda ctx: set(range(len(hops(ctx.size))))),
 }

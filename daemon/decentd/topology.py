@@ -135,8 +135,8 @@ def _edges(size: int, pairs: list[tuple[int, int]]) -> nx.DiGraph:
     return g
 
 
-def _hops(size: int) -> list[int]:
-    """Powers of two below ``size``: 1, 2, 4, ..."""
+def hops(size: int) -> list[int]:
+    """Powers of two below ``size``: 1, 2, 4, ... (exponential graphs, dissemination rounds)."""
     return [1 << k for k in range(max(0, math.ceil(math.log2(size))))] if size > 1 else []
 
 
@@ -145,11 +145,11 @@ def _ring(size: int, _step: int) -> nx.DiGraph:
 
 
 def _exponential(size: int, _step: int) -> nx.DiGraph:
-    return _edges(size, [(i, i + h) for i in range(size) for h in _hops(size)])
+    return _edges(size, [(i, i + h) for i in range(size) for h in hops(size)])
 
 
 def _hypercube(size: int, _step: int) -> nx.DiGraph:
-    return _edges(size, [(i, i ^ h) for i in range(size) for h in _hops(size)])
+    return _edges(size, [(i, i ^ h) for i in range(size) for h in hops(size)])
 
 
 def _full(size: int, _step: int) -> nx.DiGraph:
@@ -161,10 +161,10 @@ def _star(size: int, _step: int) -> nx.DiGraph:
 
 
 def _one_peer_exponential(size: int, step: int) -> nx.DiGraph:
-    hops = _hops(size)
-    if not hops:
+    powers = hops(size)
+    if not powers:
         return _edges(size, [])
-    h = hops[step % len(hops)]
+    h = powers[step % len(powers)]
     return _edges(size, [(i, i + h) for i in range(size)])
 
 
@@ -193,7 +193,7 @@ _KINDS: dict[str, _Kind] = {
     "hypercube": _Kind(_hypercube, check=_check_hypercube),
     "full": _Kind(_full),
     "star": _Kind(_star),
-    "one-peer-exponential": _Kind(_one_peer_exponential, period=lambda n: max(1, len(_hops(n)))),
+    "one-peer-exponential": _Kind(_one_peer_exponential, period=lambda n: max(1, len(hops(n)))),
 }
 
 
