@@ -55,14 +55,20 @@ class MemoryConfig(_Strict):
 
     arena_bytes: int = Field(256 << 20, ge=1 << 20, description="shared-memory arena per worker")
     early_arrival_bytes: int = Field(
-        1 << 30, ge=0, description="bytes buffered for ops not yet posted locally"
+        1 << 30, ge=0,
+        description="receive window: bytes peers may send before the op that takes them runs "
+        "here (split between peers, at least 1 MiB each); a larger message waits for that op",
     )
 
 
 class TransportConfig(_Strict):
     """Peer transport tuning."""
 
-    chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20)
+    data_port: int = Field(
+        0, ge=0, le=65535,
+        description="TCP port for bulk tensor data next to the gRPC port (0: any free port; "
+        "peers learn it in the handshake)",
+    )
     ring_threshold_bytes: int = Field(
         256 << 10, ge=0, description="allreduce uses the ring at or above this size"
     )

@@ -22,7 +22,7 @@ import numpy as np
 from decentd import dtypes
 from decentd.errors import OpError
 from decentd.topology import Step, Topology
-from decentd.transport import JOB_SEPARATOR, Arrival, Transport, qualify
+from decentd.transport import JOB_SEPARATOR, Arrival, Transport, part, qualify
 from decentd.wire import pb
 
 if TYPE_CHECKING:
@@ -30,23 +30,46 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("decentd.engine")
 
+_EMPTY = np.empty(0, np.uint8)
+
 
 @dataclass
 class WorkerSession:
-    """One registered local worker: its arena and its completion stream."""
+    """One registered local worker: its arena and the channel its completions go out on."""
 
     worker_id: str
     pid: int
     framework: str
     arena: Arena
     job: str = ""
-    completions: asyncio.Queue[pb.Completion | None] = field(default_factory=asyncio.Queue)
     in_flight: set[tuple[str, int]] = field(default_factory=set)
     attached: bool = False
+    #: writes one completion to the worker's data channel (set when the worker attaches)
+    deliver: Callable[[pb.Completion], None] | None = None
 
     def complete(self, completion: pb.Completion) -> None:
-        """Queue a completion for the worker's stream."""
-        self.completions.put_nowait(completion)
+        """Send a completion to the worker (dropped if it is gone)."""
+        if self.deliver is not None:
+            self.deliver(completion)
+
+
+@dataclass
+class PartSpec:
+    """One tensor of a request (a fused request has several): its wire key and arena views."""
+
+    name: str  # wire name (job-qualified)
+    display: str
+    round: int
+    dtype: int
+    shape: tuple[int, ...]
+    x: np.ndarray  # storage-dtype view of the input, flat
+    out: memoryview  # this tensor's output region
+    raw: memoryview  # the input's bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Input bytes."""
+        return int(self.x.nbytes)
 
 
 @dataclass
@@ -66,19 +89,25 @@ def op_label(op: int) -> str:
 class OpContext:
     """Everything one running op needs: its request, peers, and send/recv with validation."""
 
-    def __init__(self, engine: Engine, session: WorkerSession, req: pb.SubmitRequest) -> None:
+    def __init__(self, engine: Engine, session: WorkerSession, req: pb.SubmitRequest,
+                 parts: list[PartSpec]) -> None:
         self.engine = engine
         self.session = session
         self.req = req
         self.rank = engine.rank
         self.size = engine.size
+        self.parts = parts
+        self.by_name = {p.name: p for p in parts}
+        #: every part's input, in order: the payload of this op's messages (sent gathered)
+        self.payload = [p.raw for p in parts]
+        first = parts[0]
         #: the op's key on the wire (the job id, if any, qualifies the user's name)
-        self.name = qualify(session.job, req.name)
-        self.display = req.name
-        self.round = int(req.round)
+        self.name = first.name
+        self.display = first.display
+        self.round = first.round
         self.op = int(req.op)
-        self.dtype = int(req.meta.dtype)
-        self.shape = tuple(int(s) for s in req.meta.shape)
+        self.dtype = first.dtype
+        self.shape = first.shape
         self.waiting: set[int] = set()  # ranks whose data this op still needs
         self.unacked: set[int] = set()  # ranks that have not yet matched what this op sent
         self.participants: set[int] = set()
@@ -97,62 +126,84 @@ class OpContext:
     @property
     def label(self) -> str:
         """``neighbor_allreduce 'w' round 3`` for messages."""
-        return f"{op_label(self.op)} '{self.display}' round {self.round}"
+        fused = f" (+{len(self.parts) - 1} fused)" if len(self.parts) > 1 else ""
+        return f"{op_label(self.op)} '{self.display}'{fused} round {self.round}"
 
     def topology_step(self) -> Step:
         """This rank's neighbors and weights at this op's step (= its round)."""
         return self.engine.topology.step(self.rank, self.round)
 
-    async def send(
-        self, dst: int, tag: int, payload: memoryview, weight: float = 1.0, ack: bool = False
-    ) -> None:
-        """Send ``payload`` as this op's tensor to ``dst``; ``ack``: wait until it is matched."""
-        fut = self.transport.expect_ack(dst, self.name, self.round, tag) if ack else None
-        await self.transport.send_data(
-            dst, self.name, self.round, tag, self.op, self.dtype, self.shape, payload, weight
-        )
-        if fut is not None:
-            self.unacked.add(dst)
-            await fut
-            self.unacked.discard(dst)
+    def wire_parts(self, tag: int, weight: float) -> list[pb.Part]:
+        """This op's tensors as the parts of one message."""
+        return [part(p.name, p.round, tag, self.op, p.dtype, p.shape, p.nbytes, weight)
+                for p in self.parts]
 
-    async def recv(
-        self, src: int, tag: int, ack: bool = False, shape: tuple[int, ...] | None = None
-    ) -> tuple[np.ndarray, float]:
-        """Receive this op's tensor from ``src``: (storage array, sender's dst weight).
+    async def send(self, dst: int, tag: int, weight: float = 1.0, ack: bool = False) -> None:
+        """Send this op's tensors (one message) to ``dst``; ``ack``: wait until they are matched."""
+        futs = [self.transport.expect_ack(dst, p.name, p.round, tag) for p in self.parts] \
+            if ack else []
+        self.unacked.add(dst)
+        await self.transport.send_parts(dst, self.wire_parts(tag, weight), self.payload)
+        if futs:
+            await asyncio.gather(*futs)
+        self.unacked.discard(dst)
 
-        A message whose op, dtype or shape differs from ours fails the op with MISMATCH.
+    async def recv_parts(self, src: int, tag: int, ack: bool = False,
+                         parts: list[PartSpec] | None = None, sized: bool = True
+                         ) -> list[Arrival]:
+        """Receive this op's tensors (or ``parts`` of them) from ``src``, however the sender
+        grouped them into messages.
+
+        A part whose op, dtype or shape differs from ours fails the op with MISMATCH. The
+        arrivals' bytes stay valid until the op ends (or :meth:`release`).
         """
         link = self.transport.links.get(src)
         if link is None:
             raise OpError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} is not a peer")
-        fut = self.transport.expect(src, self.name, self.round, tag)
-        if not fut.done() and link.inbound_lost:
-            fut.cancel()
+        want = self.parts if parts is None else parts
+        futs = [self.transport.expect(src, p.name, p.round, tag) for p in want]
+        if link.inbound_lost and not all(f.done() for f in futs):
+            for f in futs:
+                f.cancel()
             raise OpError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} has disconnected")
         self.waiting.add(src)
-        arrival = await fut
+        arrivals = list(await asyncio.gather(*futs))
         self.waiting.discard(src)
-        problem = self.mismatch(src, arrival, self.shape if shape is None else shape)
-        if problem is not None:
-            raise problem
+        for p, arrival in zip(want, arrivals, strict=True):
+            problem = self.mismatch(src, arrival, p, sized)
+            if problem is not None:
+                raise problem
         if ack:
-            await self.transport.send_control(src, pb.ACK, self.name, self.round, tag)
-        storage = dtypes.STORAGE[self.dtype]
-        return arrival.data.view(storage), arrival.weight
+            self.transport.send_acks(src, [(p.name, p.round) for p in want], tag)
+        return arrivals
 
-    def mismatch(self, src: int, arrival: Arrival, shape: tuple[int, ...]) -> OpError | None:
-        """MISMATCH when ``src``'s message disagrees with this op's kind, dtype or shape."""
+    async def recv(self, src: int, tag: int, ack: bool = False, sized: bool = True
+                   ) -> tuple[np.ndarray, float]:
+        """Receive this (one-tensor) op's tensor from ``src``: (storage array, dst weight)."""
+        (arrival,) = await self.recv_parts(src, tag, ack, self.parts[:1], sized)
+        return arrival.data.view(dtypes.STORAGE[self.dtype]), arrival.weight
+
+    def release(self, arrival: Arrival) -> None:
+        """Done with a received tensor before the op ends: its buffer can be reused."""
+        self.transport.release(arrival)
+
+    def mismatch(self, src: int, arrival: Arrival, p: PartSpec | None = None,
+                 exact_size: bool = True) -> OpError | None:
+        """MISMATCH when ``src``'s tensor disagrees with part ``p``'s op kind, dtype or shape."""
+        p = p or self.parts[0]
         problem = None
         if arrival.op != self.op:
             problem = (f"rank {self.rank} submitted {op_label(self.op)} but rank {src} "
                        f"submitted {op_label(arrival.op)}")
-        elif arrival.dtype != self.dtype or arrival.shape != shape:
-            problem = (f"rank {self.rank} has {dtypes.describe(self.dtype, shape)} but rank {src} "
+        elif arrival.dtype != p.dtype or arrival.shape != p.shape:
+            problem = (f"rank {self.rank} has {dtypes.describe(p.dtype, p.shape)} but rank {src} "
                        f"sent {dtypes.describe(arrival.dtype, arrival.shape)}")
+        elif exact_size and arrival.data.nbytes != p.nbytes:
+            problem = (f"rank {src} sent {arrival.data.nbytes} bytes for "
+                       f"{dtypes.describe(p.dtype, p.shape)} ({p.nbytes} bytes)")
         if problem is None:
             return None
-        return OpError(pb.MISMATCH, f"tensor '{self.display}' round {self.round}: {problem}")
+        return OpError(pb.MISMATCH, f"tensor '{p.display}' round {p.round}: {problem}")
 
     def waiting_for(self) -> str:
         """``rank(s) [2] to send, rank(s) [1] to take ours`` for stall and timeout messages."""
@@ -162,6 +213,13 @@ class OpContext:
         if self.unacked:
             parts.append(f"rank(s) {sorted(self.unacked)} to match the tensor sent to them")
         return "; ".join(parts) or "nothing remote (local work)"
+
+    def release_views(self) -> None:
+        """Drop this op's views of the worker's arena (so the arena can be unmapped)."""
+        self.parts = [PartSpec(p.name, p.display, p.round, p.dtype, p.shape, _EMPTY,
+                               memoryview(b""), memoryview(b"")) for p in self.parts]
+        self.by_name = {}
+        self.payload = []
 
     def fail(self, error: OpError) -> None:
         """Fail this op from outside (an ABORT from a peer, shutdown).
@@ -175,7 +233,7 @@ class OpContext:
             self.task.cancel()
 
 
-OpFn = Callable[[OpContext, np.ndarray, memoryview], Awaitable[OpResult]]
+OpFn = Callable[[OpContext], Awaitable[OpResult]]
 
 
 @dataclass(frozen=True)
@@ -188,6 +246,8 @@ class OpSpec:
     #: the message tags this op can receive (None: any); another tag means the sender went
     #: another way (e.g. another broadcast root, ring vs. direct allreduce)
     tags: Callable[[OpContext], set[int] | None] = lambda _ctx: None
+    #: whether several tensors may travel as one request (each still matched on its own)
+    fusable: bool = False
 
 
 def expected_tag_hint(op: int) -> str:
@@ -238,46 +298,65 @@ class Engine:
         spec = self.ops.get(int(req.op))
         if spec is None:
             raise OpError(pb.INVALID_ARGUMENT, f"unknown op type {req.op}")
-        if not req.name:
-            raise OpError(pb.INVALID_ARGUMENT, "request has an empty name")
-        if JOB_SEPARATOR in req.name:
-            raise OpError(pb.INVALID_ARGUMENT, f"op name {req.name!r} contains \\x1f")
-        ctx = OpContext(self, session, req)
-        key = (ctx.name, ctx.round)
-        if key in self.running:
-            raise OpError(
-                pb.INVALID_ARGUMENT,
-                f"'{req.name}' round {req.round} is already in flight on rank {self.rank}",
-            )
-        if req.meta.dtype not in dtypes.STORAGE:
-            raise OpError(pb.INVALID_ARGUMENT, f"tensor '{req.name}': unsupported dtype "
-                          f"{req.meta.dtype}")
-        if any(s < 0 for s in req.meta.shape):
-            raise OpError(pb.INVALID_ARGUMENT, f"tensor '{req.name}': negative dimension in "
-                          f"shape {list(req.meta.shape)}")
-        want = math.prod(req.meta.shape) * dtypes.itemsize(req.meta.dtype)
         if not math.isfinite(req.timeout_s) or req.timeout_s < 0:
             raise OpError(pb.INVALID_ARGUMENT, f"tensor '{req.name}': timeout must be a positive "
                           f"number of seconds, got {req.timeout_s}")
-        if want != req.nbytes:
-            raise OpError(
-                pb.INVALID_ARGUMENT,
-                f"tensor '{req.name}': {dtypes.describe(req.meta.dtype, list(req.meta.shape))} is "
-                f"{want} bytes but the request says {req.nbytes}",
-            )
-        x_bytes = session.arena.view(req.offset, req.nbytes, f"tensor '{req.name}' input")
-        out_bytes = session.arena.view(
-            req.out_offset, req.out_capacity, f"tensor '{req.name}' output"
-        )
-        x = np.frombuffer(x_bytes, dtypes.STORAGE[ctx.dtype]).reshape(ctx.shape)
-        self.running[key] = ctx
-        session.in_flight.add(key)
-        early = self._early_aborts.pop(key, None)
-        if early is not None:
-            self._abort_from(ctx, *early)
-        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, spec, x, out_bytes))
+        arena = session.arena
+        if req.parts:
+            if not spec.fusable:
+                raise OpError(pb.INVALID_ARGUMENT, f"{op_label(req.op)} requests cannot be fused")
+            parts = [self._part(session, p.name, int(p.round), p.meta,
+                                arena.view(p.offset, p.nbytes, f"tensor '{p.name}' input"),
+                                arena.view(p.out_offset, p.nbytes, f"tensor '{p.name}' output"))
+                     for p in req.parts]
+            if len({p.round for p in parts}) != 1:
+                raise OpError(pb.INVALID_ARGUMENT, f"fused request '{req.name}' mixes rounds "
+                              f"{sorted({p.round for p in parts})}; fuse one step's tensors")
+        else:
+            parts = [self._part(
+                session, req.name, int(req.round), req.meta,
+                arena.view(req.offset, req.nbytes, f"tensor '{req.name}' input"),
+                arena.view(req.out_offset, req.out_capacity, f"tensor '{req.name}' output"))]
+        keys = [(p.name, p.round) for p in parts]
+        for key, p in zip(keys, parts, strict=True):
+            if key in self.running:
+                raise OpError(pb.INVALID_ARGUMENT, f"'{p.display}' round {p.round} is already in "
+                                                   f"flight on rank {self.rank}")
+        if len(set(keys)) != len(keys):
+            raise OpError(pb.INVALID_ARGUMENT, f"fused request '{req.name}' names a tensor twice")
+        ctx = OpContext(self, session, req, parts)
+        for key in keys:
+            self.running[key] = ctx
+            session.in_flight.add(key)
+            early = self._early_aborts.pop(key, None)
+            if early is not None:
+                self._abort_from(ctx, *early)
+        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, spec))
 
-    async def _run(self, ctx: OpContext, spec: OpSpec, x: np.ndarray, out: memoryview) -> None:
+    @staticmethod
+    def _part(session: WorkerSession, name: str, round_: int, meta: pb.TensorMeta,
+              x_bytes: memoryview, out_bytes: memoryview) -> PartSpec:
+        """Validate one tensor of a request and map its arena views."""
+        if not name:
+            raise OpError(pb.INVALID_ARGUMENT, "request has an empty name")
+        if JOB_SEPARATOR in name:
+            raise OpError(pb.INVALID_ARGUMENT, f"op name {name!r} contains \\x1f")
+        if meta.dtype not in dtypes.STORAGE:
+            raise OpError(pb.INVALID_ARGUMENT, f"tensor '{name}': unsupported dtype {meta.dtype}")
+        shape = tuple(int(s) for s in meta.shape)
+        if any(s < 0 for s in shape):
+            raise OpError(pb.INVALID_ARGUMENT, f"tensor '{name}': negative dimension in "
+                          f"shape {list(shape)}")
+        want = math.prod(shape) * dtypes.itemsize(meta.dtype)
+        if want != len(x_bytes):
+            raise OpError(pb.INVALID_ARGUMENT, f"tensor '{name}': "
+                          f"{dtypes.describe(meta.dtype, shape)} is {want} bytes but the request "
+                          f"says {len(x_bytes)}")
+        x = np.frombuffer(x_bytes, dtypes.STORAGE[meta.dtype])
+        return PartSpec(qualify(session.job, name), name, round_, int(meta.dtype), shape, x,
+                        out_bytes, x_bytes)
+
+    async def _run(self, ctx: OpContext, spec: OpSpec) -> None:
         ctx.running = True
         timeout = ctx.req.timeout_s or self.default_timeout
         completion = pb.Completion(request_id=ctx.req.request_id)
@@ -289,7 +368,7 @@ class Engine:
                 raise
             if ctx.failure is not None:  # aborted by a peer, or shut down, before it started
                 raise asyncio.CancelledError
-            result = await asyncio.wait_for(spec.run(ctx, x, out), timeout)
+            result = await asyncio.wait_for(spec.run(ctx), timeout)
         except asyncio.CancelledError:
             err = ctx.failure or OpError(pb.SHUTTING_DOWN, f"{ctx.label} was cancelled")
             self._fail(ctx, err, completion)
@@ -315,10 +394,11 @@ class Engine:
             completion.out_meta.shape.extend(result.shape)
             completion.src_ranks.extend(result.src_ranks)
         finally:
-            self.running.pop((ctx.name, ctx.round), None)
-            ctx.session.in_flight.discard((ctx.name, ctx.round))
-            self.transport.close_op(ctx.name, ctx.round)
-            del x, out
+            for p in ctx.parts:
+                self.running.pop((p.name, p.round), None)
+                ctx.session.in_flight.discard((p.name, p.round))
+                self.transport.close_op(p.name, p.round)
+            ctx.release_views()
         ctx.session.complete(completion)
 
     def _fail(self, ctx: OpContext, err: OpError, completion: pb.Completion) -> None:
@@ -327,10 +407,9 @@ class Engine:
         if err.code != pb.SHUTTING_DOWN or ctx.failure is None:
             log.warning("%s failed: %s", ctx.label, err)
         notify = ctx.participants - {ctx.aborted_by}
+        keys = [(p.name, p.round) for p in ctx.parts]
         for peer in notify:
-            asyncio.get_running_loop().create_task(
-                self.transport.send_control(peer, pb.ABORT, ctx.name, ctx.round, 0, err.to_pb())
-            )
+            self.transport.send_abort(peer, keys, err.to_pb())
 
     # ------------------------------------------------------------------ from peers
 
@@ -354,7 +433,7 @@ class Engine:
         ctx = self.running.get((name, round_))
         if ctx is None or not ctx.running or ctx.failure is not None:
             return
-        err = ctx.mismatch(src, arrival, ctx.shape)
+        err = ctx.mismatch(src, arrival, ctx.by_name.get(name), exact_size=False)
         if err is None:
             expected = self.ops[ctx.op].tags(ctx)
             if expected is not None and tag not in expected:

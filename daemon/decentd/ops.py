@@ -9,14 +9,13 @@ ascending rank order, the ring adds each chunk along the ring; every rank gets i
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
 
 from decentd import dtypes
-from decentd.engine import OpContext, OpResult, OpSpec
+from decentd.engine import OpContext, OpResult, OpSpec, PartSpec
 from decentd.errors import OpError
 from decentd.topology import hops
 from decentd.wire import pb
@@ -38,17 +37,47 @@ async def gather_all(*coros: Awaitable[Any]) -> list[Any]:
         raise
 
 
-def _write(out: memoryview, values: np.ndarray, what: str) -> int:
-    raw = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
-    if raw.size > len(out):
-        raise OpError(pb.ARENA_ERROR, f"{what}: result of {raw.size} bytes does not fit the "
-                                      f"{len(out)}-byte output region")
-    np.frombuffer(out, np.uint8, count=raw.size)[...] = raw
-    return int(raw.size)
-
-
 def _payload(x: np.ndarray) -> memoryview:
     return np.ascontiguousarray(x).reshape(-1).view(np.uint8).data
+
+
+def _out(ctx: OpContext, p: PartSpec, nbytes: int) -> np.ndarray:
+    """Part ``p``'s output region as a flat storage-dtype array of ``nbytes``."""
+    if nbytes > len(p.out):
+        raise OpError(pb.ARENA_ERROR, f"{ctx.label}: result of {nbytes} bytes does not fit the "
+                                      f"{len(p.out)}-byte output region")
+    return np.frombuffer(p.out, dtypes.STORAGE[p.dtype], nbytes // dtypes.itemsize(p.dtype))
+
+
+#: elements combined per pass: small enough that the temporaries stay in cache
+BLOCK = 1 << 16
+
+
+def weighted_sum(out: np.ndarray, x: np.ndarray, self_weight: float,
+                 terms: list[tuple[np.ndarray, float]], dtype: int) -> None:
+    """``out = self_weight * x + sum(w * y for y, w in terms)`` in the compute dtype.
+
+    Works block by block into ``out`` (storage dtype): no tensor-sized temporary, and the terms
+    are added in the given order, so every run gives the same bits.
+    """
+    compute = dtypes.COMPUTE[dtype]
+    same = dtypes.STORAGE[dtype] == compute
+    tmp = np.empty(min(BLOCK, x.size), compute)
+    acc = tmp if same else np.empty(min(BLOCK, x.size), compute)
+    for start in range(0, x.size, BLOCK):
+        end = min(start + BLOCK, x.size)
+        n = end - start
+        if same:
+            o = out[start:end]
+            np.multiply(x[start:end], self_weight, out=o)
+            for y, w in terms:
+                np.add(o, np.multiply(y[start:end], w, out=tmp[:n]), out=o)
+        else:
+            a = acc[:n]
+            np.multiply(dtypes.to_compute(x[start:end], dtype), self_weight, out=a)
+            for y, w in terms:
+                a += dtypes.to_compute(y[start:end], dtype) * w
+            out[start:end] = dtypes.from_compute(a, dtype)
 
 
 def _check_ranks(ctx: OpContext, ranks: list[int], what: str) -> None:
@@ -98,18 +127,20 @@ def neighbor_plan(ctx: OpContext) -> tuple[float, dict[int, float], dict[int, fl
     return self_weight, recv, send
 
 
-async def neighbor_allreduce(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
+async def neighbor_allreduce(ctx: OpContext) -> OpResult:
     """``out = self_w * x + sum_j src_w[j] * d_j * x_j`` over this step's in-neighbors."""
     self_weight, recv, send = neighbor_plan(ctx)
-    payload = _payload(x)
-    sends = [ctx.send(d, 0, payload, weight=w, ack=True) for d, w in send.items()]
     srcs = sorted(recv)
-    got = await gather_all(*(ctx.recv(j, 0, ack=True) for j in srcs), *sends)
-    acc = dtypes.to_compute(x.reshape(-1), ctx.dtype) * self_weight
-    for j, (arr, d) in zip(srcs, got[: len(srcs)], strict=True):
-        acc += dtypes.to_compute(arr, ctx.dtype) * (recv[j] * d)
-    n = _write(out, dtypes.from_compute(acc, ctx.dtype), ctx.label)
-    return OpResult(n, ctx.shape)
+    got = await gather_all(*(ctx.recv_parts(j, 0, ack=True) for j in srcs),
+                           *(ctx.send(d, 0, weight=w, ack=True) for d, w in send.items()))
+    total = 0
+    for i, p in enumerate(ctx.parts):
+        storage = dtypes.STORAGE[p.dtype]
+        terms = [(got[k][i].data.view(storage), recv[j] * got[k][i].weight)
+                 for k, j in enumerate(srcs)]
+        weighted_sum(_out(ctx, p, p.nbytes), p.x, self_weight, terms, p.dtype)
+        total += p.nbytes
+    return OpResult(total, ctx.shape)
 
 
 def allgather_plan(ctx: OpContext) -> tuple[list[int], list[int]]:
@@ -126,90 +157,121 @@ def allgather_plan(ctx: OpContext) -> tuple[list[int], list[int]]:
     return srcs, dsts
 
 
-async def neighbor_allgather(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
+async def neighbor_allgather(ctx: OpContext) -> OpResult:
     """Stack the in-neighbors' tensors (ascending rank) on a new leading dimension."""
     srcs, dsts = allgather_plan(ctx)
-    payload = _payload(x)
-    sends = [ctx.send(d, 0, payload, ack=True) for d in dsts]
-    got = await gather_all(*(ctx.recv(j, 0, ack=True) for j in srcs), *sends)
-    parts = [arr for arr, _ in got[: len(srcs)]]
-    stacked = np.stack(parts) if parts else np.empty((0, *ctx.shape), x.dtype)
-    n = _write(out, stacked, ctx.label)
-    return OpResult(n, (len(srcs), *ctx.shape), srcs)
+    got = await gather_all(*(ctx.recv(j, 0, ack=True) for j in srcs),
+                           *(ctx.send(d, 0, ack=True) for d in dsts))
+    p = ctx.parts[0]
+    out = _out(ctx, p, p.nbytes * len(srcs)).reshape(len(srcs), p.x.size)
+    for k, (arr, _) in enumerate(got[: len(srcs)]):
+        out[k] = arr
+    return OpResult(int(out.nbytes), (len(srcs), *ctx.shape), srcs)
 
 
-async def _allreduce_direct(ctx: OpContext, flat: np.ndarray) -> np.ndarray:
-    """Everyone sends its tensor to everyone; each rank sums all n in rank order."""
+async def _allreduce_direct(ctx: OpContext) -> int:
+    """Everyone sends its tensors to everyone; each rank sums all n in rank order, per tensor."""
     others = [r for r in range(ctx.size) if r != ctx.rank]
-    payload = _payload(flat)
-    got = await gather_all(
-        *(ctx.recv(r, 0) for r in others), *(ctx.send(r, 0, payload) for r in others)
-    )
-    parts = dict(zip(others, (arr for arr, _ in got[: len(others)]), strict=True))
-    parts[ctx.rank] = flat
-    acc = dtypes.to_accum(parts[0], ctx.dtype)
-    for r in range(1, ctx.size):
-        acc += dtypes.to_accum(parts[r], ctx.dtype)
-    return acc
+    got = await gather_all(*(ctx.recv_parts(r, 0) for r in others),
+                           *(ctx.send(r, 0) for r in others))
+    total = 0
+    for i, p in enumerate(ctx.parts):
+        storage = dtypes.STORAGE[p.dtype]
+        parts = {r: got[k][i].data.view(storage) for k, r in enumerate(others)}
+        parts[ctx.rank] = p.x
+        acc = dtypes.to_accum(parts[0], p.dtype)
+        for r in range(1, ctx.size):
+            acc += dtypes.to_accum(parts[r], p.dtype)
+        total += _finish_allreduce(ctx, p, acc)
+    return total
 
 
-async def _allreduce_ring(ctx: OpContext, flat: np.ndarray) -> np.ndarray:
+def _finish_allreduce(ctx: OpContext, p: PartSpec, acc: np.ndarray) -> int:
+    """Write a sum (or average) in the accumulation dtype to part ``p``'s output."""
+    divide = ctx.size if ctx.req.reduce_op == pb.AVERAGE else 1
+    out = _out(ctx, p, p.nbytes)
+    if acc.dtype == out.dtype and p.dtype not in dtypes.INTEGER:
+        if divide == 1:
+            np.copyto(out, acc)
+        else:
+            np.multiply(acc, acc.dtype.type(1.0 / divide), out=out)
+    else:
+        out[...] = dtypes.from_accum(acc, p.dtype, divide)
+    return p.nbytes
+
+
+async def _allreduce_ring(ctx: OpContext) -> int:
     """Bandwidth-optimal ring: reduce-scatter then allgather, 2(n-1) steps of 1/n each.
 
     Partial sums travel in the accumulation dtype (float32 for 16-bit floats, int64 for
     integers), so they neither overflow nor lose precision on the way; each chunk is summed along
-    the ring once and then copied, so every rank ends with bit-identical values.
+    the ring once and then copied, so every rank ends with bit-identical values. The working
+    copy comes from the daemon's buffer pool, so a training step allocates nothing new.
     """
+    p = ctx.parts[0]
     n, r = ctx.size, ctx.rank
     right, left = (r + 1) % n, (r - 1) % n
-    work = dtypes.to_accum(flat, ctx.dtype)
-    bounds = np.linspace(0, work.size, n + 1).astype(np.int64)
+    accum = dtypes.ACCUM[p.dtype]
+    pool = ctx.transport.pool
+    block = pool.get(p.x.size * accum.itemsize)
+    try:
+        work = block.view(accum)
+        if p.dtype == pb.BFLOAT16:
+            np.left_shift(p.x, 16, out=work.view(np.uint32), dtype=np.uint32)
+        else:
+            np.copyto(work, p.x, casting="safe")
+        bounds = np.linspace(0, work.size, n + 1).astype(np.int64)
 
-    def chunk(i: int) -> np.ndarray:
-        i %= n
-        return work[bounds[i]:bounds[i + 1]]
+        def chunk(i: int) -> np.ndarray:
+            i %= n
+            return work[bounds[i]:bounds[i + 1]]
 
-    async def step(tag: int, send: np.ndarray, into: np.ndarray) -> np.ndarray:
-        (arr, _), _ = await gather_all(ctx.recv(left, tag), _send_chunk(ctx, right, tag, send))
-        got = arr.view(np.uint8).view(work.dtype)
-        if got.size != into.size:
-            raise OpError(pb.MISMATCH, f"tensor '{ctx.display}' round {ctx.round}: rank {left} "
-                          f"sent a ring chunk of {got.size} elements, rank {r} expected "
-                          f"{into.size}")
-        return got
+        async def step(tag: int, send: np.ndarray, into: np.ndarray, add: bool) -> None:
+            (arrival,), _ = await gather_all(ctx.recv_parts(left, tag, sized=False),
+                                             _send_chunk(ctx, right, tag, send))
+            got = arrival.data.view(work.dtype)
+            if got.size != into.size:
+                raise OpError(pb.MISMATCH, f"tensor '{ctx.display}' round {ctx.round}: rank "
+                              f"{left} sent a ring chunk of {got.size} elements, rank {r} "
+                              f"expected {into.size}")
+            if add:
+                into += got
+            else:
+                into[...] = got
+            ctx.release(arrival)
 
-    for s in range(n - 1):
-        into = chunk(r - s - 1)
-        into += await step(1 + s, chunk(r - s), into)
-    for s in range(n - 1):
-        into = chunk(r - s)
-        into[...] = await step(n + s, chunk(r + 1 - s), into)
-    return work
+        for s in range(n - 1):
+            await step(1 + s, chunk(r - s), chunk(r - s - 1), True)
+        for s in range(n - 1):
+            await step(n + s, chunk(r + 1 - s), chunk(r - s), False)
+        return _finish_allreduce(ctx, p, work)
+    finally:
+        pool.put(block)
 
 
-async def _send_chunk(ctx: OpContext, dst: int, tag: int, part: np.ndarray) -> None:
+async def _send_chunk(ctx: OpContext, dst: int, tag: int, chunk: np.ndarray) -> None:
     """Send one ring chunk; the header carries the whole tensor's meta, so mismatches show."""
     await ctx.transport.send_data(
-        dst, ctx.name, ctx.round, tag, ctx.op, ctx.dtype, ctx.shape, _payload(part)
+        dst, ctx.name, ctx.round, tag, ctx.op, ctx.dtype, ctx.shape, _payload(chunk)
     )
 
 
-async def allreduce(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
+async def allreduce(ctx: OpContext) -> OpResult:
     """Sum or average over all ranks (ring for large tensors, direct exchange for small)."""
-    flat = x.reshape(-1)
     if ctx.size == 1:
-        total = dtypes.to_accum(flat, ctx.dtype)
+        total = sum(_finish_allreduce(ctx, p, dtypes.to_accum(p.x, p.dtype)) for p in ctx.parts)
     elif _uses_ring(ctx):
-        total = await _allreduce_ring(ctx, flat)
+        total = await _allreduce_ring(ctx)
     else:
-        total = await _allreduce_direct(ctx, flat)
-    divide = ctx.size if ctx.req.reduce_op == pb.AVERAGE else 1
-    return OpResult(_write(out, dtypes.from_accum(total, ctx.dtype, divide), ctx.label),
-                    ctx.shape)
+        total = await _allreduce_direct(ctx)
+    return OpResult(total, ctx.shape)
 
 
 def _uses_ring(ctx: OpContext) -> bool:
-    return ctx.req.nbytes >= ctx.engine.ring_threshold and math.prod(ctx.shape) >= ctx.size
+    """A lone tensor at or above the ring threshold (fused requests are small tensors)."""
+    if len(ctx.parts) != 1:
+        return False
+    return ctx.req.nbytes >= ctx.engine.ring_threshold and ctx.parts[0].x.size >= ctx.size
 
 
 def _root(ctx: OpContext) -> int:
@@ -220,20 +282,25 @@ def _root(ctx: OpContext) -> int:
     return root
 
 
-async def broadcast(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
-    """Every rank gets ``root``'s tensor."""
+async def broadcast(ctx: OpContext) -> OpResult:
+    """Every rank gets ``root``'s tensors."""
     root = _root(ctx)  # the tag is the root, so ranks that disagree on it notice
     if ctx.rank == root:
         others = [r for r in range(ctx.size) if r != root]
-        payload = _payload(x)
-        await gather_all(*(ctx.send(r, root, payload, ack=True) for r in others))
-        value = x
+        await gather_all(*(ctx.send(r, root, ack=True) for r in others))
+        values = [p.x for p in ctx.parts]
     else:
-        value, _ = await ctx.recv(root, root, ack=True)
-    return OpResult(_write(out, value, ctx.label), ctx.shape)
+        got = await ctx.recv_parts(root, root, ack=True)
+        values = [a.data.view(dtypes.STORAGE[p.dtype]) for a, p in zip(got, ctx.parts,
+                                                                        strict=True)]
+    total = 0
+    for p, v in zip(ctx.parts, values, strict=True):
+        _out(ctx, p, p.nbytes)[...] = v
+        total += p.nbytes
+    return OpResult(total, ctx.shape)
 
 
-async def barrier(ctx: OpContext, x: np.ndarray, out: memoryview) -> OpResult:
+async def barrier(ctx: OpContext) -> OpResult:
     """Dissemination barrier: ceil(log2 n) rounds, in round k send to r+2^k, hear from r-2^k."""
     n, r = ctx.size, ctx.rank
     empty = memoryview(b"")
@@ -283,10 +350,11 @@ def _allreduce_tags(ctx: OpContext) -> set[int]:
 
 
 OPS: dict[int, OpSpec] = {
-    pb.NEIGHBOR_ALLREDUCE: OpSpec(neighbor_allreduce, _neighbor_peers, lambda _ctx: {0}),
+    pb.NEIGHBOR_ALLREDUCE: OpSpec(neighbor_allreduce, _neighbor_peers, lambda _ctx: {0},
+                                  fusable=True),
     pb.NEIGHBOR_ALLGATHER: OpSpec(neighbor_allgather, _allgather_peers, lambda _ctx: {0}),
-    pb.ALLREDUCE: OpSpec(allreduce, _allreduce_peers, _allreduce_tags),
-    pb.BROADCAST: OpSpec(broadcast, _broadcast_peers, lambda ctx: {_root(ctx)}),
+    pb.ALLREDUCE: OpSpec(allreduce, _allreduce_peers, _allreduce_tags, fusable=True),
+    pb.BROADCAST: OpSpec(broadcast, _broadcast_peers, lambda ctx: {_root(ctx)}, fusable=True),
     pb.BARRIER: OpSpec(barrier, _barrier_peers,
                        lambda ctx: set(range(len(hops(ctx.size))))),
 }

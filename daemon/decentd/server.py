@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import secrets
 import signal
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 
@@ -21,8 +19,9 @@ from decentd.engine import Engine, WorkerSession
 from decentd.errors import OpError, StartupError
 from decentd.ops import OPS
 from decentd.topology import Topology, TopologyError, build_topology
-from decentd.transport import CLUSTER_HEADER, GRPC_OPTIONS, RANK_HEADER, Transport
+from decentd.transport import GRPC_OPTIONS, Transport
 from decentd.wire import pb, pb_grpc
+from decentd.workers import WorkerChannel
 
 log = logging.getLogger("decentd")
 
@@ -84,41 +83,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             protocol_version=PROTOCOL_VERSION,
             topology=topology_info(d.topology, d.rank, 0),
             default_timeout_s=d.cfg.timeouts.op,
+            data_socket=d.data_socket,
+            ring_threshold_bytes=d.cfg.transport.ring_threshold_bytes,
         )
-
-    async def Submit(
-        self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext
-    ) -> pb.SubmitReply:
-        """Start one request; refusals come back here, failures later as completions."""
-        session = self.d.sessions.get(request.worker_id)
-        if session is None:
-            return pb.SubmitReply(error=pb.Error(
-                code=pb.UNKNOWN_WORKER, message=f"unknown worker id {request.worker_id!r}"))
-        try:
-            self.d.engine.submit(session, request)
-        except OpError as err:
-            return pb.SubmitReply(error=err.to_pb())
-        return pb.SubmitReply()
-
-    async def Completions(
-        self, request: pb.CompletionsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.Completion]:
-        """The worker's one long-lived completion stream; it ends when the worker goes."""
-        session = self.d.sessions.get(request.worker_id)
-        if session is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {request.worker_id}")
-            return
-        session.arena.unlink()  # the worker has attached: nothing needs the name any more
-        session.attached = True
-        try:
-            yield pb.Completion(request_id=0)  # request ids start at 1: this says "attached"
-            while True:
-                item = await session.completions.get()
-                if item is None:
-                    break
-                yield item
-        finally:
-            self.d.drop_session(session)
 
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
@@ -157,11 +124,10 @@ class WorkerService(pb_grpc.WorkerServicer):
 
 
 class PeerService(pb_grpc.PeerServicer):
-    """Other daemons: handshake, frame stream, heartbeat."""
+    """Other daemons: handshake and heartbeat (data goes over the bulk path)."""
 
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
-        self.streams = itertools.count(1)
 
     async def Handshake(
         self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext
@@ -171,40 +137,8 @@ class PeerService(pb_grpc.PeerServicer):
         if error is not None:
             log.error("refused handshake: %s", error.message)
             return pb.HandshakeReply(error=error, rank=self.d.rank)
-        return pb.HandshakeReply(rank=self.d.rank)
-
-    async def Exchange(
-        self, request_iterator: AsyncIterator[pb.Frame], context: grpc.aio.ServicerContext
-    ) -> pb.ExchangeSummary:
-        """Read one peer's frames until it closes the stream."""
-        meta = dict(context.invocation_metadata() or ())
-        try:
-            src = int(meta.get(RANK_HEADER, "-1"))
-        except ValueError:
-            src = -1
-        if meta.get(CLUSTER_HEADER) != self.d.cfg.cluster_id or src not in self.d.transport.links:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                "stream without a valid rank and cluster id")
-        frames = 0
-        reason = "stream closed"
-        bad = ""
-        stream = next(self.streams)
-        self.d.transport.inbound_opened(src)
-        try:
-            async for frame in request_iterator:
-                frames += 1
-                await self.d.transport.on_frame(src, frame, stream)
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
-            reason = type(exc).__name__
-        except ValueError as exc:  # a malformed frame closes this stream, and only this one
-            reason = bad = f"malformed frame: {exc}"
-        finally:
-            self.d.transport.stream_closed(stream)
-            if not self.d.stopping.is_set():
-                self.d.transport.peer_down(src, reason)
-        if bad:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
-        return pb.ExchangeSummary(frames=frames)
+        return pb.HandshakeReply(rank=self.d.rank, data_port=self.d.transport.data_port,
+                                 window_bytes=self.d.transport.window)
 
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
@@ -235,8 +169,8 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.sessions: dict[str, WorkerSession] = {}
         self.transport = Transport(
-            self.rank, cfg.peers or ["local"], cfg.cluster_id, cfg.transport.chunk_bytes,
-            cfg.memory.early_arrival_bytes, self._on_abort, self._on_peer_down,
+            self.rank, cfg.peers or ["local"], cfg.cluster_id, cfg.memory.early_arrival_bytes,
+            self._on_abort, self._on_peer_down,
             lambda name, round_: (name, round_) in self.engine.running,
             lambda *args: self.engine.check_arrival(*args),
         )
@@ -246,6 +180,8 @@ class Daemon:
         )
         self._tasks: list[asyncio.Task[None]] = []
         self.peer_port = 0
+        self.data_socket = f"{cfg.socket}.data"
+        self.channels: set[WorkerChannel] = set()
 
     def _on_abort(self, src: int, name: str, round_: int, error: pb.Error) -> None:
         self.engine.on_abort(src, name, round_, error)
@@ -292,8 +228,18 @@ class Daemon:
         worker_server = grpc.aio.server(options=GRPC_OPTIONS)
         pb_grpc.add_WorkerServicer_to_server(WorkerService(self), worker_server)
         sock = self.cfg.socket
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(sock)
+        for path in (sock, self.data_socket):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        data_server = await loop.create_unix_server(self._channel, self.data_socket)
+        try:
+            if self.cfg.peers:
+                host = self.cfg.listen_address().rsplit(":", 1)[0]
+                await self.transport.start_server(host, self.cfg.transport.data_port)
+        except OSError as exc:
+            data_server.close()
+            raise StartupError(f"cannot listen for bulk data on port "
+                               f"{self.cfg.transport.data_port}: {exc}") from None
         try:
             if self.cfg.peers:
                 self.peer_port = peer_server.add_insecure_port(self.cfg.listen_address())
@@ -324,9 +270,15 @@ class Daemon:
             await self.stopping.wait()
             log.info("rank %d: shutting down", self.rank)
         finally:
-            await self._shutdown(peer_server, worker_server)
+            await self._shutdown(peer_server, worker_server, data_server)
 
-    async def _shutdown(self, peer_server: grpc.aio.Server, worker_server: grpc.aio.Server) -> None:
+    def _channel(self) -> WorkerChannel:
+        channel = WorkerChannel(self)
+        self.channels.add(channel)
+        return channel
+
+    async def _shutdown(self, peer_server: grpc.aio.Server, worker_server: grpc.aio.Server,
+                        data_server: asyncio.AbstractServer) -> None:
         self.stopping.set()
         # grpc logs every stream it cuts at server stop; at shutdown that is expected, not news
         logging.getLogger("grpc._cython.cygrpc").setLevel(logging.CRITICAL)
@@ -337,8 +289,10 @@ class Daemon:
                                    self.cfg.timeouts.shutdown + 10)
         except TimeoutError:
             log.warning("some ops did not finish within the shutdown grace; stopping anyway")
-        for session in list(self.sessions.values()):
-            session.completions.put_nowait(None)
+        data_server.close()
+        for channel in list(self.channels):
+            channel.close()  # after the completions written above
+        self.channels.clear()
         await worker_server.stop(grace=self.cfg.timeouts.shutdown)
         await self.transport.close()
         await peer_server.stop(grace=0.5)
@@ -347,6 +301,7 @@ class Daemon:
             self.drop_session(session)
         for session in left:  # ops are done (engine.shutdown waited): release arenas now
             session.arena.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.cfg.socket)
+        for path in (self.cfg.socket, self.data_socket):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         log.info("rank %d: stopped", self.rank)

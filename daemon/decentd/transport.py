@@ -1,26 +1,34 @@
-"""Daemon-to-daemon transport: handshake, one framed stream per direction, matching of arrivals.
+"""Daemon-to-daemon transport: gRPC for control, the bulk path for data, and message matching.
 
-Each daemon opens one gRPC ``Exchange`` stream to every peer and writes frames on it: a DATA message
-is a header frame (meta, total size, first chunk) followed by CHUNK frames; ACK and ABORT are small
-control frames. Incoming frames are reassembled per (sender, message id) and handed to whoever
-waits for ``(sender, name, round, tag)``; arrivals nobody waits for yet are buffered up to a byte
-bound, past which the receiving stream stops reading (gRPC flow control then slows the sender).
+gRPC carries the handshake (cluster id, protocol version, ranks, the bulk port and receive window)
+and heartbeats. Tensor data goes over :mod:`decentd.bulk` connections, one per direction of each
+peer pair. A message has one or more *parts*, each a tensor keyed ``(sender, name, round, tag)``;
+each part is handed to the op that waits for its key, whatever other parts travelled with it (so
+two ranks may fuse the same tensors into different messages).
+
+Memory is bounded by credit: a sender may have at most the receiver's window of eagerly sent bytes
+that the receiver has not consumed yet. A message that does not fit goes as RTS (header only); the
+receiver answers CTS once an op that takes it is running, and the payload then lands directly in
+memory that op consumes. Received payloads live in pooled buffers that are reused step after step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
+import itertools
 import logging
+import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 
 from decentd import PROTOCOL_VERSION
+from decentd.bufpool import BufferPool
+from decentd.bulk import Buffer, Inbound, Outgoing, Sender, encode, tune
 from decentd.errors import OpError, StartupError
 from decentd.wire import pb, pb_grpc
 
@@ -30,12 +38,8 @@ log = logging.getLogger("decentd.transport")
 Key = tuple[int, str, int, int]
 
 GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 128 << 20),
-    ("grpc.max_receive_message_length", 128 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_send_message_length", 16 << 20),
+    ("grpc.max_receive_message_length", 16 << 20),
     # peers start in any order: retry a peer that is not up yet soon, not after gRPC's 1 s
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -44,42 +48,8 @@ GRPC_OPTIONS = [
 
 #: a cancelled op whose half-written message is still not out after this long says so in the log
 WRITE_GRACE = 5.0
-
-RANK_HEADER = "x-decent-rank"
-CLUSTER_HEADER = "x-decent-cluster"
-
-
-@dataclass
-class Arrival:
-    """One complete DATA message from a peer."""
-
-    src: int
-    op: int
-    dtype: int
-    shape: tuple[int, ...]
-    weight: float
-    data: np.ndarray  # uint8, exactly the message bytes
-
-
-@dataclass
-class _Assembly:
-    key: Key
-    frame: pb.Frame
-    buf: np.ndarray | None  # None: refused, the chunks are read and dropped
-    filled: int
-    total: int
-
-
-@dataclass
-class _Outgoing:
-    """One message waiting for a link's writer."""
-
-    frames: Iterator[pb.Frame]
-    done: asyncio.Future[None]
-    name: str
-    abandoned: bool = False  # its op was cancelled: skip it if not started
-    started: bool = False  # the writer has begun cutting frames from the payload
-
+#: the smallest receive window a peer gets, however many peers share the early-arrival budget
+MIN_WINDOW = 1 << 20
 
 #: separates the job id from the op name in wire keys (a character no sane name contains)
 JOB_SEPARATOR = "\x1f"
@@ -95,35 +65,84 @@ def display_name(wire_name: str) -> str:
     return wire_name.rsplit(JOB_SEPARATOR, 1)[-1]
 
 
+@dataclass(eq=False)
+class _Message:
+    """A received payload shared by its parts; its buffer goes back to the pool with the last."""
+
+    src: int
+    buf: np.ndarray | None
+    refs: int
+    credit: int  # eager bytes to give back to the sender when released
+
+
+@dataclass(eq=False)
+class Arrival:
+    """One part (a tensor) of a message from a peer."""
+
+    src: int
+    op: int
+    dtype: int
+    shape: tuple[int, ...]
+    weight: float
+    data: np.ndarray  # uint8, exactly this part's bytes
+    message: _Message | None = None
+    released: bool = False
+
+
+@dataclass(eq=False)
+class _Rendezvous:
+    """A message of ours waiting for the receiver's CTS."""
+
+    payload: list[memoryview]
+    name: str
+    done: asyncio.Future[None]
+    item: Outgoing | None = None
+
+
 @dataclass
 class PeerLink:
-    """The outgoing side of the connection to one peer."""
+    """Everything about one peer: control channel, bulk connections, credit, counters."""
 
     rank: int
     address: str
     channel: grpc.aio.Channel | None = None
     stub: pb_grpc.PeerStub | None = None
-    call: grpc.aio.StreamUnaryCall | None = None
-    queue: asyncio.Queue[_Outgoing] = field(default_factory=asyncio.Queue)
-    writer: asyncio.Task[None] | None = None
-    connected: bool = False  # our stream to the peer is up
-    inbound_lost: bool = False  # the peer's stream to us was up and ended
-    inbound_streams: int = 0  # streams open from the peer (a stale or stray one may overlap)
+    sender: Sender | None = None
+    inbound: Inbound | None = None
+    connected: bool = False  # our connection to the peer is up
+    inbound_lost: bool = False  # the peer's connection to us was up and ended
     last_heartbeat: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    next_message_id: int = 0
+    credits: int = 0  # eager bytes we may still send before the peer consumes some
+    window: int = 0
+    rendezvous: dict[int, _Rendezvous] = field(default_factory=dict)
+    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes written to the peer's bulk connection."""
+        return self.sender.bytes_sent if self.sender is not None else 0
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes read from the peer's bulk connection."""
+        return self.inbound.bytes_received if self.inbound is not None else 0
+
+
+def part(name: str, round_: int, tag: int, op: int, dtype: int, shape: tuple[int, ...],
+         nbytes: int, weight: float = 1.0) -> pb.Part:
+    """The wire description of one tensor of a message."""
+    return pb.Part(name=name, round=round_, tag=tag, op=op,
+                   meta=pb.TensorMeta(dtype=dtype, shape=shape), weight=weight, nbytes=nbytes)
 
 
 class Transport:
-    """All peer links of one daemon plus the matching of incoming messages to waiting ops."""
+    """All peer links of one daemon plus the matching of incoming parts to waiting ops."""
 
     def __init__(
         self,
         rank: int,
         addresses: list[str],
         cluster_id: str,
-        chunk_bytes: int,
         early_limit: int,
         on_abort: Callable[[int, str, int, pb.Error], None],
         on_peer_down: Callable[[int, str], None],
@@ -132,21 +151,36 @@ class Transport:
     ) -> None:
         self.rank = rank
         self.cluster_id = cluster_id
-        self.chunk_bytes = chunk_bytes
         self.early_limit = early_limit
         self._is_running = is_running
         self._on_unexpected = on_unexpected
         self._on_abort = on_abort
         self._on_peer_down = on_peer_down
         self.links = {r: PeerLink(r, a) for r, a in enumerate(addresses) if r != rank}
+        self.window = max(MIN_WINDOW, early_limit // max(1, len(self.links)))
+        self.pool = BufferPool(limit=early_limit)
+        self.data_port = 0
+        self._server: asyncio.Server | None = None
         self._waiters: dict[Key, asyncio.Future[Arrival]] = {}
         self._early: dict[Key, Arrival] = {}
+        self._held: dict[tuple[str, int], list[Arrival]] = {}
         self._acks: dict[Key, asyncio.Future[None]] = {}
-        self._assembling: dict[tuple[int, int], _Assembly] = {}  # (stream id, message id)
+        self._rts: dict[tuple[int, int], pb.BulkHeader] = {}  # (src, message id): awaiting CTS
+        self._rts_keys: dict[Key, tuple[int, int]] = {}
+        self._cts_sent: dict[tuple[int, int], pb.BulkHeader] = {}
         self._closed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self.early_bytes = 0
 
     # ------------------------------------------------------------------ connection setup
+
+    async def start_server(self, host: str, port: int = 0) -> int:
+        """Listen for bulk connections on ``host`` (port 0: any free one); returns the port."""
+        loop = asyncio.get_running_loop()
+        bind = None if host in ("", "0.0.0.0", "[::]", "::") else host.strip("[]")
+        self._server = await loop.create_server(lambda: Inbound(self), bind, port,
+                                                reuse_address=True)
+        self.data_port = int(self._server.sockets[0].getsockname()[1])
+        return self.data_port
 
     async def connect_all(self, timeout: float) -> None:
         """Handshake with every peer, retrying with backoff; StartupError names missing ranks."""
@@ -158,6 +192,9 @@ class Transport:
         fatal = [r for r in results if isinstance(r, StartupError)]
         if fatal:
             raise fatal[0]
+        for r in results:
+            if isinstance(r, BaseException):
+                raise StartupError(f"connecting to peers failed: {r!r}") from r
         missing = sorted(link.rank for link in self.links.values() if not link.connected)
         if missing:
             where = ", ".join(f"{r} ({self.links[r].address})" for r in missing)
@@ -193,12 +230,36 @@ class Transport:
                     f"{pb.ErrorCode.Name(reply.error.code)}: {reply.error.message}"
                 )
             break
-        metadata = ((RANK_HEADER, str(self.rank)), (CLUSTER_HEADER, self.cluster_id))
-        link.call = link.stub.Exchange(metadata=metadata)
-        link.writer = asyncio.get_running_loop().create_task(self.writer_loop(link))
+        host = link.address.rsplit(":", 1)[0].strip("[]")
+        loop = asyncio.get_running_loop()
+        try:
+            sock = await self._open(host, int(reply.data_port), loop)
+        except OSError as exc:
+            raise StartupError(f"rank {link.rank} at {link.address}: cannot open the bulk "
+                               f"connection to port {reply.data_port}: {exc}") from None
+        link.window = link.credits = int(reply.window_bytes)
+        link.sender = Sender(sock, loop, link.rank)
+        link.sender.send([encode(pb.BulkHeader(kind=pb.HELLO, cluster_id=self.cluster_id,
+                                               from_rank=self.rank))])
         link.connected = True
         link.last_heartbeat = time.monotonic()
-        log.debug("connected to rank %d at %s", link.rank, link.address)
+        log.debug("connected to rank %d at %s (bulk port %d)", link.rank, link.address,
+                  reply.data_port)
+
+    @staticmethod
+    async def _open(host: str, port: int, loop: asyncio.AbstractEventLoop) -> socket.socket:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, addr)
+        except BaseException:
+            sock.close()
+            raise
+        tune(sock)
+        sock.setblocking(True)  # the sender thread writes with blocking calls
+        return sock
 
     def check_handshake(self, request: pb.HandshakeRequest) -> pb.Error | None:
         """Validate a peer's handshake; an Error to send back when it must be refused."""
@@ -243,155 +304,180 @@ class Transport:
                     log.debug("heartbeat to rank %d failed", link.rank)
 
     async def close(self) -> None:
-        """Close every outgoing stream and channel."""
+        """Close every connection and channel."""
+        loop = asyncio.get_running_loop()
+        senders = [link.sender for link in self.links.values() if link.sender is not None]
+        await asyncio.gather(*(loop.run_in_executor(None, s.close) for s in senders))
         for link in self.links.values():
-            if link.writer is not None:
-                link.writer.cancel()
-            if link.call is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(link.call.done_writing(), 1.0)
-                link.call.cancel()
+            link.connected = False
+            if link.inbound is not None and link.inbound.transport is not None:
+                link.inbound.transport.close()
             if link.channel is not None:
                 await link.channel.close(grace=None)
-            link.connected = False
+        if self._server is not None:
+            self._server.close()
 
     # ------------------------------------------------------------------ sending
 
     def _link(self, dst: int, name: str) -> PeerLink:
         link = self.links.get(dst)
-        if link is None or link.call is None or not link.connected:
+        if link is None or link.sender is None or not link.connected:
             raise OpError(
                 pb.PEER_UNAVAILABLE,
                 f"op '{display_name(name)}': rank {dst} is not connected to rank {self.rank}",
             )
         return link
 
-    async def _write(self, link: PeerLink, frames: Iterator[pb.Frame], name: str) -> None:
-        """Queue a message on the link's writer and wait until it is written.
+    async def _write(self, link: PeerLink, buffers: list[Buffer], name: str) -> None:
+        """Write one frame to ``link`` and wait until the kernel has all of it.
 
-        A write is never abandoned half-way: the frames are cut lazily from the worker's arena
-        slot, so a cancelled op waits for a message already being written (a torn message would
-        break the stream, and a freed slot could send its next tensor under this key). A message
-        still queued when its op is cancelled is skipped.
+        A frame is never abandoned half-way: its payload is read straight from the worker's arena
+        slot, so a cancelled op waits for a frame already being written (a torn frame would break
+        the stream, and a freed slot could send its next tensor under this key). A frame still
+        queued when its op is cancelled is skipped.
         """
-        out = _Outgoing(frames, asyncio.get_running_loop().create_future(), name)
-        link.queue.put_nowait(out)
+        assert link.sender is not None
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        item = link.sender.send(buffers, lambda err: _settle(fut, err, link.rank, name))
+        if item is not None:
+            await self._await_write(fut, item, link, name)
+        else:
+            await fut
+
+    @staticmethod
+    async def _await_write(fut: asyncio.Future[None], item: Outgoing, link: PeerLink,
+                           name: str) -> None:
         try:
-            await asyncio.shield(out.done)
+            await asyncio.shield(fut)
         except asyncio.CancelledError:
-            out.abandoned = True
-            if out.started:
-                await self._finish_started(out, link)
+            await Transport._abandon(fut, item, link, name)
             raise
 
     @staticmethod
-    async def _finish_started(out: _Outgoing, link: PeerLink) -> None:
-        """Wait, through further cancellations, for a message already being written."""
+    async def _abandon(fut: asyncio.Future[None], item: Outgoing, link: PeerLink,
+                       name: str) -> None:
+        """Skip a queued frame; wait (through cancellations) for one already being written."""
+        if link.sender is None or not link.sender.abandon(item):
+            return
         warned = False
-        while not out.done.done():
+        while not fut.done():
             try:
-                await asyncio.wait({out.done}, timeout=WRITE_GRACE)
+                await asyncio.wait({fut}, timeout=WRITE_GRACE)
             except asyncio.CancelledError:
                 continue
-            if not out.done.done() and not warned:
+            if not fut.done() and not warned:
                 warned = True
-                log.warning("op '%s': a message to rank %d is still being written after its op "
-                            "ended; waiting for it", display_name(out.name), link.rank)
+                log.warning("op '%s': a message to rank %d is still being written after its "
+                            "op ended; waiting for it", display_name(name), link.rank)
 
-    async def writer_loop(self, link: PeerLink) -> None:
-        """Write queued messages to ``link``'s stream, one whole message at a time."""
-        while True:
-            out = await link.queue.get()
-            fut, name = out.done, display_name(out.name)
-            try:
-                if out.abandoned:
-                    raise OpError(pb.ABORTED, f"op '{name}': cancelled before it was sent")
-                if link.call is None or not link.connected:
-                    raise OpError(pb.PEER_UNAVAILABLE,
-                                  f"op '{name}': rank {link.rank} is not connected")
-                out.started = True
-                for frame in out.frames:
-                    await link.call.write(frame)
-                    link.bytes_sent += len(frame.data)
-            except OpError as err:
-                if not fut.done():
-                    fut.set_exception(err)
-            except Exception as exc:  # the stream broke
-                link.connected = False
-                if not fut.done():
-                    fut.set_exception(OpError(
-                        pb.PEER_UNAVAILABLE,
-                        f"op '{name}': sending to rank {link.rank} failed ({type(exc).__name__})"))
-            else:
-                if not fut.done():
-                    fut.set_result(None)
+    async def send_parts(self, dst: int, parts: list[pb.Part], payload: list[memoryview]) -> None:
+        """Send one message to ``dst``: ``parts`` with their bytes ``payload`` (one buffer per
+        part, gathered by the kernel: nothing is copied into a message buffer).
 
-    def _data_frames(
-        self, link: PeerLink, header: pb.Frame, payload: memoryview
-    ) -> Iterator[pb.Frame]:
-        link.next_message_id += 1
-        mid = link.next_message_id
-        chunk = self.chunk_bytes
-        header.kind = pb.DATA
-        header.message_id = mid
-        header.total_bytes = len(payload)
-        header.data = bytes(payload[:chunk])
-        yield header
-        for start in range(chunk, len(payload), chunk):
-            yield pb.Frame(kind=pb.CHUNK, message_id=mid, data=bytes(payload[start:start + chunk]))
+        Returns once the kernel has every byte: eagerly when the receiver's window has room,
+        otherwise after the receiver's CTS.
+        """
+        name = parts[0].name
+        link = self._link(dst, name)
+        payload = [b for b in payload if len(b)]
+        size = sum(len(b) for b in payload)
+        mid = next(link.ids)
+        if size <= link.credits:
+            link.credits -= size
+            header = pb.BulkHeader(kind=pb.DATA, message_id=mid, payload_bytes=size, parts=parts)
+            await self._write(link, [encode(header), *payload], name)
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        rdv = _Rendezvous(payload, name, done)
+        link.rendezvous[mid] = rdv
+        try:
+            await self._write(link, [encode(pb.BulkHeader(kind=pb.RTS, message_id=mid,
+                                                          payload_bytes=0, parts=parts))], name)
+            await asyncio.shield(done)  # the CTS queues the payload; this is its write
+        except BaseException:
+            link.rendezvous.pop(mid, None)
+            if rdv.item is not None and not done.done():  # the payload is queued or going out
+                await self._abandon(done, rdv.item, link, name)
+            raise
+
+    def _on_cts(self, link: PeerLink, mid: int) -> None:
+        rdv = link.rendezvous.pop(mid, None)
+        if rdv is None or rdv.done.done() or link.sender is None:
+            return  # its op gave up meanwhile
+        size = sum(len(b) for b in rdv.payload)
+        header = pb.BulkHeader(kind=pb.PAYLOAD, message_id=mid, payload_bytes=size)
+        done = rdv.done
+        item = link.sender.send([encode(header), *rdv.payload],
+                                lambda err: _settle(done, err, link.rank, rdv.name))
+        rdv.item = item if item is not None else Outgoing([], None, started=True)
 
     async def send_data(
-        self,
-        dst: int,
-        name: str,
-        round_: int,
-        tag: int,
-        op: int,
-        dtype: int,
-        shape: tuple[int, ...],
-        payload: memoryview,
-        weight: float = 1.0,
+        self, dst: int, name: str, round_: int, tag: int, op: int, dtype: int,
+        shape: tuple[int, ...], payload: memoryview, weight: float = 1.0,
     ) -> None:
-        """Send one tensor to ``dst``; returns once every frame is written to the stream."""
-        link = self._link(dst, name)
-        header = pb.Frame(
-            name=name, round=round_, tag=tag, op=op,
-            meta=pb.TensorMeta(dtype=dtype, shape=shape),
-            weight=weight,
-        )
-        await self._write(link, self._data_frames(link, header, payload), name)
+        """Send one tensor to ``dst`` (a one-part message)."""
+        await self.send_parts(
+            dst, [part(name, round_, tag, op, dtype, shape, len(payload), weight)], [payload])
 
-    async def send_control(
-        self, dst: int, kind: int, name: str, round_: int, tag: int = 0,
-        error: pb.Error | None = None,
-    ) -> None:
-        """Send an ACK or ABORT frame (best effort: a dead peer is ignored)."""
+    def _control(self, dst: int, header: pb.BulkHeader) -> None:
+        """Send a payload-free frame (best effort: a dead peer is ignored)."""
         link = self.links.get(dst)
-        if link is None or link.call is None or not link.connected:
+        if link is None or link.sender is None or not link.connected:
             return
-        frame = pb.Frame(kind=kind, name=name, round=round_, tag=tag, error=error)
-        with contextlib.suppress(OpError):
-            await self._write(link, iter([frame]), name)
+        link.sender.send([encode(header)])
+
+    def send_acks(self, dst: int, keys: list[tuple[str, int]], tag: int) -> None:
+        """Tell ``dst`` that its parts ``(name, round)`` with ``tag`` were matched here."""
+        self._control(dst, pb.BulkHeader(kind=pb.ACK, parts=[
+            pb.Part(name=name, round=round_, tag=tag) for name, round_ in keys]))
+
+    def send_abort(self, dst: int, keys: list[tuple[str, int]], error: pb.Error) -> None:
+        """Tell ``dst`` that the op of the tensors ``(name, round)`` failed here."""
+        self._control(dst, pb.BulkHeader(kind=pb.ABORT, error=error, parts=[
+            pb.Part(name=name, round=round_) for name, round_ in keys]))
 
     # ------------------------------------------------------------------ receiving
 
     def expect(self, src: int, name: str, round_: int, tag: int) -> asyncio.Future[Arrival]:
-        """A future for the DATA message ``(name, round, tag)`` from ``src``."""
+        """A future for the part ``(name, round, tag)`` from ``src``."""
         key = (src, name, round_, tag)
         fut: asyncio.Future[Arrival] = asyncio.get_running_loop().create_future()
         early = self._early.pop(key, None)
         if early is not None:
-            self._release(early.data.nbytes)
+            self.early_bytes -= early.data.nbytes
+            self._hold(name, round_, early)
             fut.set_result(early)
         else:
             self._waiters[key] = fut
+            rts = self._rts_keys.get(key)
+            if rts is not None:
+                self._clear_to_send(rts)
         return fut
 
     def expect_ack(self, dst: int, name: str, round_: int, tag: int) -> asyncio.Future[None]:
-        """A future resolved when ``dst`` acknowledges our message ``(name, round, tag)``."""
+        """A future resolved when ``dst`` acknowledges our part ``(name, round, tag)``."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._acks[(dst, name, round_, tag)] = fut
         return fut
+
+    def _hold(self, name: str, round_: int, arrival: Arrival) -> None:
+        self._held.setdefault((name, round_), []).append(arrival)
+
+    def release(self, arrival: Arrival) -> None:
+        """The op is done with ``arrival``'s bytes (idempotent)."""
+        if arrival.released:
+            return
+        arrival.released = True
+        msg = arrival.message
+        if msg is None:
+            return
+        msg.refs -= 1
+        if msg.refs == 0:
+            if msg.buf is not None:
+                self.pool.put(msg.buf)
+                msg.buf = None
+            if msg.credit:
+                self._control(msg.src, pb.BulkHeader(kind=pb.ACK, credit=msg.credit))
 
     def close_op(self, name: str, round_: int) -> None:
         """Forget everything about a finished op; later arrivals for it are dropped."""
@@ -403,162 +489,184 @@ class Transport:
                 fut = table.pop(key)
                 if not fut.done():
                     fut.cancel()
-        for key in [k for k in self._early if k[1] == name and k[2] == round_]:
-            self._release(self._early.pop(key).data.nbytes)
-
-    def _release(self, nbytes: int) -> None:
-        self.early_bytes -= nbytes
-
-    def _admit(self, key: Key, nbytes: int) -> bool:
-        """Whether an early arrival of ``nbytes`` may be buffered.
-
-        Data for an op already running here, and a message into an empty buffer, always get in.
-        Otherwise the buffer is bounded: a message past ``early_limit`` is refused at once, which
-        fails that one op on both sides with RESOURCE_EXHAUSTED. Refusing instead of pausing the
-        stream keeps everything queued behind it (data of running ops, ACKs, ABORTs) moving.
-        """
-        if nbytes == 0 or self.early_bytes == 0 or key in self._waiters \
-                or self._is_running(key[1], key[2]):
-            return True
-        return self.early_bytes + nbytes <= self.early_limit
-
-    def _deliver(self, key: Key, arrival: Arrival) -> None:
-        if key[1:3] in self._closed:
-            return
-        fut = self._waiters.pop(key, None)
-        if fut is not None and not fut.done():
-            fut.set_result(arrival)
-            return
-        old = self._early.pop(key, None)
-        if old is not None:  # a resend of the same key replaces the first copy
-            self._release(old.data.nbytes)
-        self._early[key] = arrival
-        self.early_bytes += arrival.data.nbytes
-        if self._is_running(key[1], key[2]):
-            self._on_unexpected(key[0], key[1], key[2], key[3], arrival)
+        for arrival in self._held.pop((name, round_), ()):
+            self.release(arrival)
+        self._drop_early(name, round_)
 
     def _drop_early(self, name: str, round_: int) -> None:
         for key in [k for k in self._early if k[1] == name and k[2] == round_]:
-            self._release(self._early.pop(key).data.nbytes)
+            arrival = self._early.pop(key)
+            self.early_bytes -= arrival.data.nbytes
+            self.release(arrival)
+        for key in [k for k in self._rts_keys if k[1] == name and k[2] == round_]:
+            self._rts_keys.pop(key, None)
 
     def forget_history(self) -> None:
         """Drop what finished or orphaned ops left behind (no local worker is left to use it)."""
         self._closed.clear()
         for key in list(self._early):
-            self._release(self._early.pop(key).data.nbytes)
+            arrival = self._early.pop(key)
+            self.early_bytes -= arrival.data.nbytes
+            self.release(arrival)
+        self._rts.clear()
+        self._rts_keys.clear()
 
-    async def on_frame(self, src: int, frame: pb.Frame, stream: int = 0) -> None:
-        """Handle one incoming frame from ``src`` on stream ``stream`` (the Exchange servicer's).
+    def _deliver(self, key: Key, arrival: Arrival) -> None:
+        name, round_ = key[1], key[2]
+        if (name, round_) in self._closed:
+            self.release(arrival)
+            return
+        fut = self._waiters.pop(key, None)
+        if fut is not None and not fut.done():
+            self._hold(name, round_, arrival)
+            fut.set_result(arrival)
+            return
+        old = self._early.pop(key, None)
+        if old is not None:  # a resend of the same key replaces the first copy
+            self.early_bytes -= old.data.nbytes
+            self.release(old)
+        self._early[key] = arrival
+        self.early_bytes += arrival.data.nbytes
+        if self._is_running(name, round_):
+            self._on_unexpected(key[0], name, round_, key[3], arrival)
 
-        A malformed frame raises ValueError, which ends that stream (and only that one).
-        """
+    def _clear_to_send(self, rts: tuple[int, int]) -> None:
+        header = self._rts.pop(rts, None)
+        if header is None:
+            return
+        for p in header.parts:
+            self._rts_keys.pop((rts[0], p.name, p.round, p.tag), None)
+        self._cts_sent[rts] = header
+        self._control(rts[0], pb.BulkHeader(kind=pb.CTS, message_id=rts[1]))
+
+    # ------------------------------------------------------------------ the bulk sink
+
+    def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
+        """Where a frame's payload goes: a pooled buffer of exactly its size."""
+        if conn.src < 0:
+            raise ValueError("data before HELLO")
+        kind = header.kind
+        if kind == pb.PAYLOAD and (conn.src, header.message_id) not in self._cts_sent:
+            raise ValueError(f"a payload for message {header.message_id}, which was not "
+                             "cleared to send")
+        if kind not in (pb.DATA, pb.PAYLOAD):
+            raise ValueError(f"a payload on a frame of kind {kind}")
+        return self.pool.get(int(header.payload_bytes))
+
+    def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
+        """Dispatch one complete frame; ValueError closes the connection it came on."""
+        kind = header.kind
+        if kind == pb.HELLO:
+            self._on_hello(conn, header)
+            return
+        src = conn.src
         link = self.links.get(src)
-        if link is not None:
-            link.bytes_received += len(frame.data)
-            link.last_heartbeat = time.monotonic()
-        kind = frame.kind
-        if kind == pb.CHUNK:
-            asm = self._assembling.get((stream, frame.message_id))
-            if asm is None:
-                raise ValueError(f"rank {src} sent a chunk of unknown message {frame.message_id}")
-            size = len(frame.data)
-            if asm.filled + size > asm.total:
-                raise ValueError(f"rank {src} sent more than the {asm.total} bytes it announced "
-                                 f"for '{asm.key[1]}'")
-            if asm.buf is not None:
-                asm.buf[asm.filled:asm.filled + size] = np.frombuffer(frame.data, np.uint8)
-            asm.filled += size
-            if asm.filled == asm.total:
-                del self._assembling[(stream, frame.message_id)]
-                if asm.buf is not None:
-                    self._deliver(asm.key, self._arrival(src, asm.frame, asm.buf))
-        elif kind == pb.DATA:
-            key = (src, frame.name, frame.round, frame.tag)
-            total = frame.total_bytes
-            first = np.frombuffer(frame.data, np.uint8)
-            if first.size > total:
-                raise ValueError(f"rank {src} sent {first.size} bytes for '{frame.name}' but "
-                                 f"announced {total}")
-            if (frame.name, frame.round) in self._closed:
-                keep = False  # a late message of a finished op: read it and drop it
-            else:
-                keep = self._admit(key, total)
-                if not keep:
-                    self._refuse(src, frame)
-            if first.size == total:
-                if keep:
-                    self._deliver(key, self._arrival(src, frame, first.copy()))
-                return
-            header = pb.Frame()
-            header.CopyFrom(frame)
-            header.ClearField("data")
-            buf = None
-            if keep:
-                buf = np.empty(total, np.uint8)
-                buf[:first.size] = first
-            self._assembling[(stream, frame.message_id)] = _Assembly(
-                key, header, buf, first.size, total)
+        if link is None:
+            raise ValueError("data before HELLO")
+        link.last_heartbeat = time.monotonic()
+        if kind == pb.DATA:
+            self._on_data(src, header.parts, payload, header.payload_bytes)
+        elif kind == pb.PAYLOAD:
+            rts = self._cts_sent.pop((src, header.message_id))
+            self._on_data(src, rts.parts, payload, 0)
+        elif kind == pb.RTS:
+            self._on_rts(src, header)
+        elif kind == pb.CTS:
+            self._on_cts(link, header.message_id)
         elif kind == pb.ACK:
-            fut = self._acks.pop((src, frame.name, frame.round, frame.tag), None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+            link.credits += int(header.credit)
+            for p in header.parts:
+                fut = self._acks.pop((src, p.name, p.round, p.tag), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
         elif kind == pb.ABORT:
-            self._drop_early(frame.name, frame.round)  # the op failed: its data is moot
-            if (frame.name, frame.round) not in self._closed:
-                self._on_abort(src, frame.name, frame.round, frame.error)
+            if not header.parts:
+                raise ValueError("ABORT without the op it aborts")
+            for p in header.parts:
+                name, round_ = p.name, int(p.round)
+                self._drop_early(name, round_)  # the op failed: its data is moot
+                if (name, round_) not in self._closed:
+                    self._on_abort(src, name, round_, header.error)
         else:
-            raise ValueError(f"rank {src} sent a frame of unknown kind {kind}")
+            raise ValueError(f"a frame of unknown kind {kind}")
 
-    def _refuse(self, src: int, frame: pb.Frame) -> None:
-        error = pb.Error(
-            code=pb.RESOURCE_EXHAUSTED,
-            message=f"tensor '{display_name(frame.name)}' round {frame.round}: rank {self.rank} "
-            f"has "
-            f"{self.early_bytes} bytes of data buffered for ops it has not started "
-            f"(memory.early_arrival_bytes = {self.early_limit}); rank {src}'s message was refused",
-        )
-        log.warning("%s", error.message)
-        asyncio.get_running_loop().create_task(
-            self.send_control(src, pb.ABORT, frame.name, frame.round, frame.tag, error))
-        self._on_abort(src, frame.name, frame.round, error)  # our own op fails the same way
+    def _on_hello(self, conn: Inbound, header: pb.BulkHeader) -> None:
+        src = int(header.from_rank)
+        if conn.src >= 0:
+            raise ValueError("a second HELLO")
+        if header.cluster_id != self.cluster_id or src not in self.links:
+            raise ValueError(f"HELLO from rank {src} of cluster {header.cluster_id!r}")
+        link = self.links[src]
+        if link.inbound is not None:  # reconnecting is not supported: keep the first one
+            raise ValueError(f"a second HELLO from rank {src}, which is already connected")
+        conn.src = src
+        link.inbound = conn
+        link.inbound_lost = False
 
-    @staticmethod
-    def _arrival(src: int, frame: pb.Frame, data: np.ndarray) -> Arrival:
-        return Arrival(
-            src=src,
-            op=frame.op,
-            dtype=frame.meta.dtype,
-            shape=tuple(frame.meta.shape),
-            weight=frame.weight,
-            data=data,
-        )
+    def _on_data(self, src: int, parts: Iterable[pb.Part], payload: np.ndarray | None,
+                 credit: int) -> None:
+        plist = list(parts)
+        total = payload.size if payload is not None else 0
+        if sum(int(p.nbytes) for p in plist) != total or not plist:
+            if payload is not None:
+                self.pool.put(payload)
+            raise ValueError(f"parts of {sum(int(p.nbytes) for p in plist)} bytes in a "
+                             f"{total}-byte payload")
+        msg = _Message(src, payload, len(plist), credit)
+        empty = np.empty(0, np.uint8)
+        offset = 0
+        for p in plist:
+            n = int(p.nbytes)
+            data = payload[offset:offset + n] if payload is not None else empty
+            offset += n
+            shape = tuple(int(s) for s in p.meta.shape)
+            arrival = Arrival(src, int(p.op), int(p.meta.dtype), shape, float(p.weight), data, msg)
+            self._deliver((src, p.name, int(p.round), int(p.tag)), arrival)
 
-    def stream_closed(self, stream: int) -> None:
-        """Drop the partial messages of an incoming stream that ended."""
-        for key in [k for k in self._assembling if k[0] == stream]:
-            del self._assembling[key]
+    def _on_rts(self, src: int, header: pb.BulkHeader) -> None:
+        rts = (src, int(header.message_id))
+        self._rts[rts] = header
+        wanted = False
+        for p in header.parts:
+            key = (src, p.name, int(p.round), int(p.tag))
+            if key in self._waiters or self._is_running(p.name, int(p.round)):
+                wanted = True
+            self._rts_keys[key] = rts
+        if wanted:
+            self._clear_to_send(rts)
 
-    def inbound_opened(self, src: int) -> None:
-        """``src`` opened its stream to us."""
+    def on_lost(self, conn: Inbound, reason: str) -> None:
+        """An incoming connection ended: when it was the peer's current one, the peer is down."""
+        src = conn.src
         link = self.links.get(src)
-        if link is not None:
-            link.inbound_streams += 1
-            link.inbound_lost = False
-
-    def peer_down(self, src: int, reason: str) -> None:
-        """A stream from ``src`` ended: when it was the last, fail everything waiting on it."""
-        link = self.links.get(src)
-        if link is not None:
-            link.inbound_streams = max(0, link.inbound_streams - 1)
-            if link.inbound_streams:
-                log.warning("a stream claiming to be rank %d ended (%s); its other stream "
-                            "stays up", src, reason)
-                return
-            link.inbound_lost = True
+        if link is None or link.inbound is not conn:
+            return
+        link.inbound = None
+        link.inbound_lost = True
+        for table in (self._cts_sent, self._rts):
+            for k in [k for k in table if k[0] == src]:
+                del table[k]
         err = OpError(pb.PEER_UNAVAILABLE, f"rank {src} disconnected ({reason})")
-        for table in (self._waiters, self._acks):
-            for key in [k for k in table if k[0] == src]:
-                fut = table.pop(key)
+        for wtable in (self._waiters, self._acks):
+            for key in [k for k in wtable if k[0] == src]:
+                fut = wtable.pop(key)
                 if not fut.done():
                     fut.set_exception(err)
+        for rdv in link.rendezvous.values():
+            if not rdv.done.done():
+                rdv.done.set_exception(err)
+        link.rendezvous.clear()
         self._on_peer_down(src, reason)
+
+
+def _settle(fut: asyncio.Future[None], err: BaseException | None, rank: int, name: str) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    elif isinstance(err, asyncio.CancelledError):
+        fut.set_exception(OpError(pb.ABORTED, f"op '{display_name(name)}': cancelled before "
+                                              "it was sent"))
+    else:
+        fut.set_exception(OpError(pb.PEER_UNAVAILABLE, f"op '{display_name(name)}': sending to "
+                                  f"rank {rank} failed ({type(err).__name__}: {err})"))

@@ -9,14 +9,16 @@ the handles; ``Handle.wait()`` blocks on an event, it never polls. Framework ada
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
+import socket
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -24,6 +26,7 @@ import grpc
 
 from decent.core.arena import ClientArena
 from decent.core.errors import DecentError
+from decent.core.fusion import Fusion, settings_from_env
 from decent.v1 import decent_pb2 as pb
 from decent.v1 import decent_pb2_grpc as pb_grpc
 
@@ -47,8 +50,16 @@ class TensorCodec(Protocol[T]):
     def read(self, src: memoryview, dtype: int, shape: tuple[int, ...], like: T) -> T:
         """A new tensor of ``dtype``/``shape`` from ``src``, on ``like``'s device."""
 
+    def read_into(self, src: memoryview, into: T) -> T:
+        """Copy ``src`` (``into``'s dtype and shape) into ``into``, finished on return."""
+
     def attach(self, arena: ClientArena) -> None:
         """Called once the arena is mapped (e.g. to pin it for GPU copies)."""
+
+
+def _frame(message: pb.SubmitRequest | pb.WorkerHello) -> bytes:
+    body = message.SerializeToString()
+    return len(body).to_bytes(4, "little") + body
 
 
 def default_address() -> str:
@@ -93,6 +104,12 @@ class _Pending:
     collected: bool = False
     result: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    out_offset: int = 0
+    shape: tuple[int, ...] = ()
+    nbytes: int = 0  # the result's size when the daemon's completion covers several tensors
+    into: Any = None  # in-place ops: the tensor the result is copied into
+    fused: bool = False  # completed as part of a fused request
+    bucketed: bool = False  # waits in a fusion bucket (not sent yet)
 
 
 class Handle(Generic[T]):
@@ -115,6 +132,8 @@ class Handle(Generic[T]):
     def wait(self, timeout: float | None = None) -> T:
         """Block until the op finishes; its result, or DecentError with the daemon's reason."""
         p = self._pending
+        if p.bucketed:
+            self._client._fusion.flush()
         if not p.event.wait(timeout):
             raise TimeoutError(f"{p.label}: not finished after {timeout}s (still running)")
         if p.error is not None:
@@ -127,6 +146,8 @@ class Handle(Generic[T]):
     @property
     def src_ranks(self) -> list[int]:
         """For allgather: the ranks whose tensors are stacked in the result, in order."""
+        if self._pending.bucketed:
+            self._client._fusion.flush()
         self._pending.event.wait()
         c = self._pending.completion
         return list(c.src_ranks) if c is not None else []
@@ -152,7 +173,16 @@ class Client(Generic[T]):
         address: str | None = None,
         connect_timeout: float = 120.0,
         job: str | None = None,
+        fusion_threshold: int | None = None,
+        cycle_time: float | None = None,
     ) -> None:
+        """Register with the daemon at ``address`` ($DECENT_DAEMON by default).
+
+        ``fusion_threshold`` (bytes, 0: off) and ``cycle_time`` (seconds) control tensor fusion
+        of asynchronous requests; defaults from $DECENT_FUSION_THRESHOLD / $DECENT_CYCLE_TIME
+        (ms), else 64 MiB and 1 ms.
+        """
+        env_threshold, env_cycle = settings_from_env()
         self.codec = codec
         #: ops of different jobs never match; decentrun sets $DECENT_JOB fresh for each launch
         self.job = os.environ.get("DECENT_JOB", "") if job is None else job
@@ -184,53 +214,89 @@ class Client(Generic[T]):
         self.cluster_id = reply.cluster_id
         self.topology = reply.topology
         self.default_timeout = reply.default_timeout_s
+        self.ring_threshold = int(reply.ring_threshold_bytes)
         self.arena = ClientArena(reply.arena_name, reply.arena_bytes)
         codec.attach(self.arena)
         # reentrant: a Handle finalizer (which takes it) may run during GC while it is held
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._rounds: dict[str, int] = {}
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, list[_Pending]] = {}
+        self._fusion: Fusion[tuple[pb.SubmitRequest, _Pending]] = Fusion(
+            env_threshold if fusion_threshold is None else fusion_threshold,
+            env_cycle if cycle_time is None else cycle_time, self._send_group)
         self._unread: dict[int, _Pending] = {}  # finished, result still in the arena
         self._closed = False
         self._lost: DecentError | None = None
-        self._stream = self._stub.Completions(pb.CompletionsRequest(worker_id=self.worker_id))
+        self._send_lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.settimeout(connect_timeout)
+            self._sock.connect(reply.data_socket)
+            self._sock.settimeout(None)
+            self._sock.sendall(_frame(pb.WorkerHello(worker_id=self.worker_id)))
+        except OSError as exc:
+            self._sock.close()
+            self._channel.close()
+            self.arena.close()
+            raise DecentError(pb.PEER_UNAVAILABLE, f"cannot open the daemon's data channel at "
+                              f"{reply.data_socket}: {exc}") from None
         self._reader = threading.Thread(target=self._read_completions, daemon=True,
                                         name=f"decent-completions-{self.rank}")
         self._attached = threading.Event()
         self._reader.start()
-        if not self._attached.wait(connect_timeout):
+        if not self._attached.wait(connect_timeout) or self._lost is not None:
+            lost = self._lost
             self.close()
-            raise DecentError(pb.PEER_UNAVAILABLE, f"daemon at {self.address} did not open the "
-                              "completion stream")
+            raise lost or DecentError(pb.PEER_UNAVAILABLE, f"daemon at {self.address} did not "
+                                      "answer on its data channel")
 
     # ------------------------------------------------------------------ completions
 
     def _read_completions(self) -> None:
+        reason = "the daemon closed the data channel (shutting down)"
+        buf = bytearray()
         try:
-            for completion in self._stream:
-                if completion.request_id == 0:
-                    self._attached.set()
-                    continue
-                self._finish(completion.request_id, completion)
-            reason = "the daemon closed the completion stream (shutting down)"
-        except grpc.RpcError as exc:
-            reason = f"lost the daemon at {self.address}: {exc.code().name}"
+            while True:
+                chunk = self._sock.recv(1 << 16)
+                if not chunk:
+                    break
+                buf += chunk
+                start = 0
+                while len(buf) - start >= 4:
+                    size = int.from_bytes(buf[start:start + 4], "little")
+                    if len(buf) - start - 4 < size:
+                        break
+                    completion = pb.Completion.FromString(bytes(buf[start + 4:start + 4 + size]))
+                    start += 4 + size
+                    if completion.request_id == 0:
+                        if completion.error.code != pb.OK:
+                            reason = completion.error.message
+                            raise ConnectionError(reason)
+                        self._attached.set()
+                        continue
+                    self._finish(completion.request_id, completion)
+                del buf[:start]
+        except OSError as exc:
+            if not self._closed:
+                reason = f"lost the daemon at {self.address}: {exc}"
         lost = DecentError(pb.SHUTTING_DOWN, reason)
         with self._lock:
             self._lost = lost
-            pending = list(self._pending.values())
+            pending = [p for group in self._pending.values() for p in group]
             self._pending.clear()
+        self._attached.set()
         for p in pending:
             self._settle(p, None, lost)
 
     def _finish(self, request_id: int, completion: pb.Completion) -> None:
         with self._lock:
-            p = self._pending.pop(request_id, None)
-        if p is None:
+            group = self._pending.pop(request_id, None)
+        if group is None:
             return
         error = DecentError.from_pb(completion.error) if completion.error.code != pb.OK else None
-        self._settle(p, completion, error)
+        for p in group:
+            self._settle(p, completion, error)
 
     def _settle(self, p: _Pending, completion: pb.Completion | None,
                 error: DecentError | None) -> None:
@@ -255,8 +321,15 @@ class Client(Generic[T]):
             if not p.collected:
                 c = p.completion
                 if c is not None and not p.abandoned and not self._closed:
-                    view = self.arena.view(p.slots[-1][0], int(c.out_nbytes))
-                    p.result = self.codec.read(view, p.dtype, tuple(c.out_meta.shape), p.like)
+                    if p.fused:
+                        nbytes, shape = p.nbytes, p.shape
+                    else:
+                        nbytes, shape = int(c.out_nbytes), tuple(c.out_meta.shape)
+                    view = self.arena.view(p.out_offset, nbytes)
+                    if p.into is not None:
+                        p.result = self.codec.read_into(view, p.into)
+                    else:
+                        p.result = self.codec.read(view, p.dtype, shape, p.like)
                     del view
                 p.collected = True
         self._release(p)
@@ -296,6 +369,9 @@ class Client(Generic[T]):
         name: str | None,
         timeout: float | None,
         out_factor: int = 1,
+        into: T | None = None,
+        fuse: Hashable | None = None,
+        fuse_limit: int | None = None,
         **fields: Any,
     ) -> Handle[T]:
         if self._closed:
@@ -343,26 +419,51 @@ class Client(Generic[T]):
         req.request_id = rid = next(self._ids)
         req.offset = slots[0][0]
         req.out_offset, req.out_capacity = slots[-1]
-        p = _Pending(rid, f"{label} '{name}' round {req.round}", slots, dtype, tensor)
-        with self._lock:
-            self._pending[rid] = p
-        future = self._stub.Submit.future(req)
-        future.add_done_callback(lambda f: self._on_submitted(rid, f))
+        p = _Pending(rid, f"{label} '{name}' round {req.round}", slots, dtype, tensor,
+                     out_offset=req.out_offset, shape=shape, nbytes=nbytes, into=into)
+        if fuse is not None and self._fusion.enabled:
+            p.bucketed = True
+            self._fusion.add((fuse, req.round, req.timeout_s), (req, p), nbytes, fuse_limit)
+        else:
+            with self._lock:
+                self._pending[rid] = [p]
+            self._send(req, [rid])
         return Handle(self, p)
 
-    def _on_submitted(self, rid: int, future: Any) -> None:
-        try:
-            reply = future.result()
-        except grpc.RpcError as exc:
-            error = DecentError(pb.PEER_UNAVAILABLE, f"submit failed: {exc.code().name}")
+    def _send_group(self, members: list[tuple[pb.SubmitRequest, _Pending]]) -> None:
+        """Send a closed fusion bucket: one request whose parts are the members' tensors."""
+        if len(members) == 1:
+            req, p = members[0]
         else:
-            if reply.error.code == pb.OK:
-                return
-            error = DecentError.from_pb(reply.error)
+            first = members[0][0]
+            req = pb.SubmitRequest()
+            req.CopyFrom(first)
+            req.request_id = next(self._ids)
+            req.offset = req.nbytes = req.out_offset = req.out_capacity = 0
+            req.ClearField("meta")
+            for member, p in members:
+                req.parts.add(name=member.name, round=member.round, meta=member.meta,
+                              offset=member.offset, nbytes=member.nbytes,
+                              out_offset=member.out_offset)
+                p.fused = True
         with self._lock:
-            p = self._pending.pop(rid, None)
-        if p is not None:
-            self._settle(p, None, error)
+            self._pending[req.request_id] = [p for _, p in members]
+        for _, p in members:
+            p.bucketed = False
+        self._send(req, [req.request_id])
+
+    def _send(self, req: pb.SubmitRequest, rids: list[int]) -> None:
+        """Write one request to the data channel (no reply: the completion answers it)."""
+        try:
+            with self._send_lock:
+                self._sock.sendall(_frame(req))
+        except OSError as exc:
+            error = DecentError(pb.PEER_UNAVAILABLE, f"cannot reach the daemon: {exc}")
+            for rid in rids:
+                with self._lock:
+                    group = self._pending.pop(rid, [])
+                for p in group:
+                    self._settle(p, None, error)
 
     # ------------------------------------------------------------------ public ops
 
@@ -374,16 +475,21 @@ class Client(Generic[T]):
         src_weights: Mapping[int, float] | None = None,
         dst_weights: WeightsArg = None,
         timeout: float | None = None,
+        _into: T | None = None,
     ) -> Handle[T]:
         """Start ``self_weight*x + sum_j src_weights[j] * d_j * x_j``; returns at once.
 
         No weights: the topology's at this step. ``dst_weights`` (dict or list of ranks) makes the
         call dynamic: it sends to exactly those ranks and receives from the ``src_weights`` keys.
+        Requests with the same weights are fused (see the class docs).
         """
         src = _weights(src_weights)
         dst = _weights(dst_weights)
+        key = (pb.NEIGHBOR_ALLREDUCE, self_weight,
+               None if src is None else tuple(sorted(src.items())),
+               None if dst is None else tuple(sorted(dst.items())))
         return self._submit(
-            pb.NEIGHBOR_ALLREDUCE, tensor, name, timeout,
+            pb.NEIGHBOR_ALLREDUCE, tensor, name, timeout, into=_into, fuse=key,
             has_self_weight=self_weight is not None, self_weight=self_weight or 0.0,
             has_src_weights=src is not None, src_weights=src or {},
             has_dst_weights=dst is not None, dst_weights=dst or {},
@@ -392,6 +498,15 @@ class Client(Generic[T]):
     def neighbor_allreduce(self, tensor: T, **kwargs: Any) -> T:
         """Blocking :meth:`neighbor_allreduce_async`."""
         return self.neighbor_allreduce_async(tensor, **kwargs).wait()
+
+    def neighbor_allreduce_async_(self, tensor: T, **kwargs: Any) -> Handle[T]:
+        """In-place :meth:`neighbor_allreduce_async`: ``wait()`` writes the result into
+        ``tensor`` and returns it (no new tensor is allocated)."""
+        return self.neighbor_allreduce_async(tensor, _into=tensor, **kwargs)
+
+    def neighbor_allreduce_(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking in-place :meth:`neighbor_allreduce_async`."""
+        return self.neighbor_allreduce_async_(tensor, **kwargs).wait()
 
     def neighbor_allgather_async(
         self,
@@ -420,30 +535,67 @@ class Client(Generic[T]):
 
     def allreduce_async(
         self, tensor: T, op: str = "average", name: str | None = None,
-        timeout: float | None = None,
+        timeout: float | None = None, _into: T | None = None,
     ) -> Handle[T]:
-        """Start an average (or ``op="sum"``) over all ranks."""
+        """Start an average (or ``op="sum"``) over all ranks.
+
+        Tensors below the daemon's ring threshold are fused (up to that many bytes per bucket:
+        a fused allreduce is a direct exchange); larger ones run alone as a ring.
+        """
         if op not in ("average", "sum"):
             raise ValueError(f"allreduce op must be 'average' or 'sum', not {op!r}")
         reduce_op = pb.AVERAGE if op == "average" else pb.SUM
-        return self._submit(pb.ALLREDUCE, tensor, name, timeout, reduce_op=reduce_op)
+        small = self._nbytes(tensor) < self.ring_threshold
+        return self._submit(pb.ALLREDUCE, tensor, name, timeout, reduce_op=reduce_op,
+                            into=_into, fuse=(pb.ALLREDUCE, reduce_op) if small else None,
+                            fuse_limit=self.ring_threshold)
 
     def allreduce(self, tensor: T, **kwargs: Any) -> T:
         """Blocking :meth:`allreduce_async`."""
         return self.allreduce_async(tensor, **kwargs).wait()
 
+    def allreduce_async_(self, tensor: T, **kwargs: Any) -> Handle[T]:
+        """In-place :meth:`allreduce_async` (the result is written into ``tensor``)."""
+        return self.allreduce_async(tensor, _into=tensor, **kwargs)
+
+    def allreduce_(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking in-place :meth:`allreduce_async`."""
+        return self.allreduce_async_(tensor, **kwargs).wait()
+
     def broadcast_async(
-        self, tensor: T, root: int = 0, name: str | None = None, timeout: float | None = None
+        self, tensor: T, root: int = 0, name: str | None = None, timeout: float | None = None,
+        _into: T | None = None,
     ) -> Handle[T]:
-        """Start copying ``root``'s tensor to every rank."""
-        return self._submit(pb.BROADCAST, tensor, name, timeout, root=root)
+        """Start copying ``root``'s tensor to every rank (fused with other broadcasts)."""
+        return self._submit(pb.BROADCAST, tensor, name, timeout, root=root, into=_into,
+                            fuse=(pb.BROADCAST, root))
 
     def broadcast(self, tensor: T, **kwargs: Any) -> T:
         """Blocking :meth:`broadcast_async`."""
         return self.broadcast_async(tensor, **kwargs).wait()
 
+    def broadcast_async_(self, tensor: T, **kwargs: Any) -> Handle[T]:
+        """In-place :meth:`broadcast_async` (root's tensor is written into ``tensor``)."""
+        return self.broadcast_async(tensor, _into=tensor, **kwargs)
+
+    def broadcast_(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking in-place :meth:`broadcast_async`."""
+        return self.broadcast_async_(tensor, **kwargs).wait()
+
+    def flush(self) -> None:
+        """Send every request still waiting in a fusion bucket now."""
+        self._fusion.flush()
+
+    def _nbytes(self, tensor: T) -> int:
+        try:
+            dtype, shape = self.codec.describe(tensor)
+        except TypeError:
+            return 0  # _submit reports it with the tensor's name
+        return math.prod(shape) * ITEMSIZE[dtype]
+
     def barrier(self, name: str | None = None, timeout: float | None = None) -> None:
         """Return once every rank has reached a barrier of the same name and round."""
+        self._fusion.flush()
         h = self._submit(pb.BARRIER, None, name, timeout)
         p = h._pending
         p.event.wait()
@@ -477,9 +629,12 @@ class Client(Generic[T]):
         """Disconnect; the daemon fails this worker's in-flight ops and frees its arena."""
         if self._closed:
             return
+        self._fusion.close()
         self._closed = True
-        self._stream.cancel()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._reader.join(timeout=5)
+        self._sock.close()
         self._channel.close()
         self.arena.close()
 

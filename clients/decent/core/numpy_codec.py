@@ -39,5 +39,10 @@ class NumpyCodec:
         """A new array from ``src``."""
         return np.frombuffer(src, _FROM_WIRE[dtype]).reshape(shape).copy()
 
+    def read_into(self, src: memoryview, into: np.ndarray) -> np.ndarray:
+        """Copy the result into ``into`` (same dtype and shape) and return it."""
+        into[...] = np.frombuffer(src, into.dtype).reshape(into.shape)
+        return into
+
     def attach(self, arena: ClientArena) -> None:
         """Nothing to do for host memory."""

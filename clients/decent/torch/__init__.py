@@ -24,17 +24,24 @@ __all__ = [
     "DecentError",
     "Handle",
     "allreduce",
+    "allreduce_",
     "allreduce_async",
+    "allreduce_async_",
     "barrier",
     "broadcast",
+    "broadcast_",
     "broadcast_async",
+    "broadcast_async_",
     "connect",
+    "flush",
     "in_neighbors",
     "init",
     "neighbor_allgather",
     "neighbor_allgather_async",
     "neighbor_allreduce",
+    "neighbor_allreduce_",
     "neighbor_allreduce_async",
+    "neighbor_allreduce_async_",
     "out_neighbors",
     "rank",
     "shutdown",
@@ -46,12 +53,14 @@ _default: TorchClient | None = None
 
 
 def connect(address: str | None = None, connect_timeout: float = 120.0,
-            job: str | None = None) -> TorchClient:
+            job: str | None = None, fusion_threshold: int | None = None,
+            cycle_time: float | None = None) -> TorchClient:
     """A new client of the local daemon (address: $DECENT_DAEMON, else the default socket).
 
-    ``job`` (default $DECENT_JOB) keeps jobs sharing long-lived daemons apart.
+    ``job`` (default $DECENT_JOB) keeps jobs sharing long-lived daemons apart;
+    ``fusion_threshold`` (bytes, 0: off) and ``cycle_time`` (seconds) tune tensor fusion.
     """
-    return Client(TorchCodec(), address, connect_timeout, job)
+    return Client(TorchCodec(), address, connect_timeout, job, fusion_threshold, cycle_time)
 
 
 def init(address: str | None = None) -> TorchClient:
@@ -135,6 +144,43 @@ def broadcast_async(tensor: torch.Tensor, root: int = 0, **kwargs: Any) -> Handl
 def broadcast(tensor: torch.Tensor, root: int = 0, **kwargs: Any) -> torch.Tensor:
     """Blocking broadcast."""
     return _client().broadcast(tensor, root=root, **kwargs)
+
+
+def neighbor_allreduce_async_(tensor: torch.Tensor, **kwargs: Any) -> Handle[torch.Tensor]:
+    """In-place neighbor averaging: ``wait()`` writes the result into ``tensor``."""
+    return _client().neighbor_allreduce_async_(tensor, **kwargs)
+
+
+def neighbor_allreduce_(tensor: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Blocking in-place neighbor averaging."""
+    return _client().neighbor_allreduce_(tensor, **kwargs)
+
+
+def allreduce_async_(tensor: torch.Tensor, op: str = "average", **kwargs: Any
+                     ) -> Handle[torch.Tensor]:
+    """In-place allreduce: ``wait()`` writes the result into ``tensor``."""
+    return _client().allreduce_async_(tensor, op=op, **kwargs)
+
+
+def allreduce_(tensor: torch.Tensor, op: str = "average", **kwargs: Any) -> torch.Tensor:
+    """Blocking in-place allreduce."""
+    return _client().allreduce_(tensor, op=op, **kwargs)
+
+
+def broadcast_async_(tensor: torch.Tensor, root: int = 0, **kwargs: Any
+                     ) -> Handle[torch.Tensor]:
+    """In-place broadcast: ``wait()`` writes root's tensor into ``tensor``."""
+    return _client().broadcast_async_(tensor, root=root, **kwargs)
+
+
+def broadcast_(tensor: torch.Tensor, root: int = 0, **kwargs: Any) -> torch.Tensor:
+    """Blocking in-place broadcast."""
+    return _client().broadcast_(tensor, root=root, **kwargs)
+
+
+def flush() -> None:
+    """Send requests still waiting in fusion buckets now."""
+    _client().flush()
 
 
 def barrier(name: str | None = None, timeout: float | None = None) -> None:

@@ -84,3 +84,12 @@ class TorchCodec:
             torch.cuda.current_stream(like.device).synchronize()
             return out
         return host.clone()
+
+    def read_into(self, src: memoryview, into: torch.Tensor) -> torch.Tensor:
+        """Copy the result into ``into`` (same dtype and shape) and return it."""
+        host = _host_view(src, into.dtype, tuple(into.shape))
+        with torch.no_grad():
+            into.copy_(host, non_blocking=into.is_cuda and self._pinned)
+        if into.is_cuda:
+            torch.cuda.current_stream(into.device).synchronize()
+        return into

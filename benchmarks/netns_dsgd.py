@@ -1,0 +1,900 @@
+"""One D-SGD step (decent, one-peer exponential graph) vs gloo ring allreduce across netns.
+
+Needs root (it creates network namespaces)::
+
+    sudo .venv/bin/python benchmarks/netns_dsgd.py [--nodes 8] [--mbytes 25] [--rate 1gbit]
+        [--repeats 5] [--json benchmarks/results/netns_dsgd.json] [--png PATH]
+    sudo .venv/bin/python benchmarks/netns_dsgd.py --cleanup     # remove leftovers of a killed run
+
+What it builds: one "switch" namespace holding a Linux bridge, and ``--nodes`` node namespaces
+(``dcnt<pid>-<i>``), each joined to the bridge by one veth pair (``veth0`` inside the node,
+10.77.0.(i+1)/24). Every node's link is rate-limited in both directions with ``tc tbf``: on the
+node-side veth (egress = the node's upload) and on the switch-side veth (egress = its download).
+The root namespace is not touched. A raw TCP transfer (one flow node 0 -> node 1, then two flows
+into node 1 at once) checks the limit and the achieved rate is reported.
+
+Then, one after the other, in the same namespaces:
+
+* gloo: one process per namespace joins a ``torch.distributed`` gloo group (world ``--nodes``) and
+  times ``dist.all_reduce`` (SUM) of a float32 tensor of ``--mbytes`` MB, each rank's tensor
+  filled with its rank (the result must be n(n-1)/2 everywhere);
+* decent: one ``decentd`` per namespace (topology ``one-peer-exponential``) plus one worker that
+  times ``client.neighbor_allreduce(t, name="model")``: one D-SGD communication step, where each
+  rank averages with the one peer the graph gives it at that round (result checked exactly
+  against ``client.in_neighbors`` and the graph's definition).
+
+Each op runs one warm-up call and then ``--repeats`` timed calls, each after a barrier. A repeat's
+time is the slowest rank's; the reported value is the median over the repeats, and
+speedup = gloo median / decent median. The link-only bound: a ring allreduce sends and receives
+2(n-1)/n of the model per node, a one-peer step one model (at 1 Gbit/s and 25 MB: 350 vs 200 ms).
+CPU seconds used during the timed calls (workers and daemons) are reported too, so that a run
+dominated by CPU contention rather than by the links is visible.
+
+Whatever happens (exceptions, Ctrl-C, SIGTERM), processes started here are stopped and the
+namespaces deleted. Without root it prints why it skips and exits 0, writing ``{"skipped": ...}``.
+Importable: :func:`run` returns the result dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parent.parent
+PREFIX = "dcnt"
+SUBNET = "10.77.0"
+NODE_IF = "veth0"
+BRIDGE = "br0"
+DECENT_PORT = 7700
+GLOO_PORT = 29500
+TCP_PORT = 5201
+TCP_TEST_BYTES = 50_000_000
+WARMUP = 1
+TARGET_SPEEDUP = 1.6
+DEFAULT_JSON = REPO / "benchmarks" / "results" / "netns_dsgd.json"
+SKIP_NOT_ROOT = (
+    "skipped: needs root to create network namespaces (ip netns add): "
+    "run as root or with CAP_NET_ADMIN"
+)
+
+console = Console(stderr=True)
+
+
+class Skip(Exception):
+    """The benchmark cannot run here; the message says why."""
+
+
+class BenchError(RuntimeError):
+    """A step of the benchmark failed; the message carries the relevant log tails."""
+
+
+# ------------------------------------------------------------------------------ small helpers
+
+
+def parse_rate(rate: str) -> float:
+    """Bits per second of a tc rate such as ``1gbit``, ``500mbit``, ``125mbps`` (bytes/s)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(bit|bps)?\s*", rate.lower())
+    if not m:
+        raise ValueError(f"rate {rate!r} is not like 1gbit, 500mbit or 100mbps")
+    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    return value * 8 if m.group(3) == "bps" else value
+
+
+def numel(mbytes: float) -> int:
+    """Float32 elements in a tensor of ``mbytes`` MB (10^6 bytes)."""
+    return int(mbytes * 1e6) // 4
+
+
+def one_peer_src(rank: int, size: int, step: int) -> int:
+    """The rank ``rank`` receives from at ``step`` of the one-peer exponential graph."""
+    powers = [1 << k for k in range((size - 1).bit_length())] if size > 1 else [0]
+    return (rank - powers[step % len(powers)]) % size
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a command, capturing its output; on failure raise with its stderr."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if check and proc.returncode != 0:
+        raise BenchError(f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a log file (or a note that it is empty or missing)."""
+    try:
+        text = path.read_text(errors="replace").rstrip()
+    except OSError:
+        return f"  ({path.name}: missing)"
+    if not text:
+        return f"  ({path.name}: empty)"
+    return "\n".join(f"  {path.name}| {ln}" for ln in text.splitlines()[-lines:])
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds used so far by process ``pid`` (all threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def system_cpu() -> tuple[int, int]:
+    """Busy and total jiffies of the whole machine so far (first line of /proc/stat)."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    total = sum(vals)
+    return total - vals[3] - vals[4], total  # idle and iowait are not busy
+
+
+def busy_fraction(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """Fraction of all CPUs busy between two :func:`system_cpu` samples."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+def median_of_max(per_rank: Sequence[Sequence[float]]) -> tuple[float, list[float]]:
+    """Per repeat the slowest rank's value, and the median of those."""
+    slowest = [max(vals) for vals in zip(*per_rank, strict=True)]
+    return statistics.median(slowest), slowest
+
+
+# ------------------------------------------------------------------------------ cleanup
+
+
+class Cleanup:
+    """Stops started processes and deletes namespaces; runs once, from finally/atexit/signals."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.namespaces: list[str] = []
+        self._lock = threading.Lock()
+
+    def add_proc(self, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+        """Remember a started process so it is stopped at the end."""
+        self.procs.append(proc)
+        return proc
+
+    def stop_procs(self, procs: Sequence[subprocess.Popen[bytes]] | None = None,
+                   grace: float = 5.0) -> None:
+        """SIGTERM the (given or all) processes, SIGKILL those still alive after ``grace`` s."""
+        targets = [p for p in (self.procs if procs is None else procs) if p.poll() is None]
+        for p in targets:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in targets:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                p.wait()
+
+    def run(self) -> None:
+        """Stop everything and delete every namespace this run created (idempotent)."""
+        with self._lock:
+            self.stop_procs()
+            for ns in reversed(self.namespaces):
+                delete_namespace(ns)
+            self.namespaces.clear()
+
+
+def delete_namespace(ns: str) -> None:
+    """Kill whatever still runs in ``ns`` and delete it (its veths go with it)."""
+    pids = sh("ip", "netns", "pids", ns, check=False).stdout.split()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), sig)
+        if sig == signal.SIGTERM and pids:
+            time.sleep(1.0)
+        pids = sh("ip", "netns", "pids", ns, check=False).stdout.split()
+        if not pids:
+            break
+    sh("ip", "netns", "del", ns, check=False)
+
+
+def leftover_namespaces(prefix: str = PREFIX) -> list[str]:
+    """Namespaces whose name starts with ``prefix`` (from this or earlier runs)."""
+    out = sh("ip", "netns", "list", check=False).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(prefix)]
+
+
+def cleanup_leftovers(prefix: str = PREFIX) -> list[str]:
+    """Delete namespaces named ``prefix*`` (killing their processes) and old run directories.
+
+    Returns what was removed.
+    """
+    names = [n for n in leftover_namespaces(prefix) if not owner_alive(n, prefix)]
+    for ns in sorted(names, key=lambda n: n.endswith("-sw")):  # node namespaces first
+        delete_namespace(ns)
+    dirs = [d for d in Path("/tmp").glob(f"{prefix}*-*") if re.fullmatch(
+        rf"{prefix}\d+-\w+", d.name) and d.is_dir() and not owner_alive(d.name, prefix)]
+    for d in dirs:
+        for pid in leftover_procs(str(d)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(d, ignore_errors=True)
+    return names + [str(d) for d in dirs]
+
+
+def owner_alive(name: str, prefix: str = PREFIX) -> bool:
+    """True when ``name`` (``<prefix><pid>-...``) belongs to a benchmark run still going."""
+    m = re.match(rf"{prefix}(\d+)-", name)
+    if not m or int(m.group(1)) == os.getpid():
+        return False
+    try:
+        cmdline = Path(f"/proc/{m.group(1)}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return Path(__file__).name.encode() in cmdline
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """Turn SIGTERM/SIGHUP into SystemExit (so ``finally`` blocks run) while inside."""
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+# ------------------------------------------------------------------------------ network
+
+
+class Network:
+    """A switch namespace with a bridge and ``nodes`` namespaces, each on a rate-limited veth."""
+
+    def __init__(self, prefix: str, nodes: int, rate: str, cleanup: Cleanup) -> None:
+        self.prefix = prefix
+        self.nodes = nodes
+        self.rate = rate
+        self.cleanup = cleanup
+        self.switch = f"{prefix}-sw"
+        self.ns = [f"{prefix}-{i}" for i in range(nodes)]
+        rate_bytes = parse_rate(rate) / 8
+        # burst: 4 ms at the rate (500 KB at 1 Gbit/s), at least a few 64 KB GSO packets;
+        # queue limit: 50 ms at the rate (6.25 MB at 1 Gbit/s), at least 1 MB, so that TCP
+        # meets a queue rather than tail drops
+        self.burst = int(min(max(rate_bytes * 0.004, 256 << 10), 4 << 20))
+        self.limit = int(max(rate_bytes * 0.050, 1 << 20, 2 * self.burst))
+
+    def ip(self, i: int) -> str:
+        """The address of node ``i``."""
+        return f"{SUBNET}.{i + 1}"
+
+    def _add_ns(self, ns: str) -> None:
+        proc = sh("ip", "netns", "add", ns, check=False)
+        if proc.returncode != 0:
+            raise Skip(f"skipped: cannot create network namespace {ns} (ip netns add): "
+                       f"{proc.stderr.strip()}")
+        self.cleanup.namespaces.append(ns)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def _tbf(self, ns: str, dev: str) -> None:
+        proc = sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", self.rate,
+                  "burst", str(self.burst), "limit", str(self.limit), check=False)
+        if proc.returncode != 0:
+            raise Skip(f"skipped: cannot rate-limit {dev} with tc tbf: {proc.stderr.strip()}")
+
+    def up(self) -> None:
+        """Create namespaces, bridge, veths, addresses and tbf qdiscs."""
+        self._add_ns(self.switch)
+        sh("ip", "-n", self.switch, "link", "add", BRIDGE, "type", "bridge")
+        sh("ip", "-n", self.switch, "link", "set", BRIDGE, "up")
+        for i, ns in enumerate(self.ns):
+            self._add_ns(ns)
+            port = f"p{i}"
+            # created directly inside the two namespaces: no name ever appears in the root ns
+            sh("ip", "link", "add", NODE_IF, "netns", ns, "type", "veth",
+               "peer", "name", port, "netns", self.switch)
+            sh("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", NODE_IF)
+            sh("ip", "-n", ns, "link", "set", NODE_IF, "up")
+            sh("ip", "-n", self.switch, "link", "set", port, "master", BRIDGE)
+            sh("ip", "-n", self.switch, "link", "set", port, "up")
+            self._tbf(ns, NODE_IF)  # upload
+            self._tbf(self.switch, port)  # download
+        # no reachability probe here: the link test connects with retries and fails loudly
+
+    def qdisc_stats(self) -> dict[str, str]:
+        """``tc -s qdisc`` of every rate-limited device (drops and overlimits)."""
+        out = {}
+        for i, ns in enumerate(self.ns):
+            out[f"node{i}-up"] = sh("tc", "-n", ns, "-s", "qdisc", "show", "dev", NODE_IF,
+                                    check=False).stdout
+            out[f"node{i}-down"] = sh("tc", "-n", self.switch, "-s", "qdisc", "show", "dev",
+                                      f"p{i}", check=False).stdout
+        return out
+
+
+def tbf_drops(stats: dict[str, str]) -> int:
+    """Total packets dropped by the tbf qdiscs."""
+    return sum(int(m) for text in stats.values() for m in re.findall(r"dropped (\d+)", text))
+
+
+# ------------------------------------------------------------------------------ runner
+
+
+class Runner:
+    """Starts processes inside the namespaces, with logs under the run directory."""
+
+    def __init__(self, net: Network, run_dir: Path, cleanup: Cleanup) -> None:
+        self.net = net
+        self.run_dir = run_dir
+        self.cleanup = cleanup
+
+    def spawn(self, i: int, label: str, argv: Sequence[str],
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start ``argv`` in node ``i``'s namespace; stdout+stderr go to ``<label>.log``."""
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        with open(self.run_dir / f"{label}.log", "wb") as log:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.net.ns[i], *argv], env=full_env,
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        return self.cleanup.add_proc(proc)
+
+    def worker(self, i: int, kind: str, args: Sequence[str],
+               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start this script as a ``--worker kind`` in node ``i``'s namespace."""
+        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--rank", str(i),
+                "--out", str(self.run_dir / f"{kind}-{i}.json"), *args]
+        return self.spawn(i, f"{kind}-{i}", argv, env)
+
+    def wait_all(self, procs: dict[str, subprocess.Popen[bytes]], timeout: float,
+                 watch: dict[str, subprocess.Popen[bytes]] | None = None) -> None:
+        """Wait for ``procs`` to exit 0; fail fast (with log tails) on an error or a timeout.
+
+        ``watch`` are long-running helpers (daemons) that must not exit meanwhile.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            failed = {k: p.returncode for k, p in procs.items() if p.poll() not in (None, 0)}
+            died = {k: p.returncode for k, p in (watch or {}).items() if p.poll() is not None}
+            if failed or died:
+                bad = {**failed, **died}
+                raise BenchError(f"exited early or with an error: {bad}\n"
+                                 + self.tails([*bad, *procs]))
+            if all(p.poll() == 0 for p in procs.values()):
+                return
+            if time.monotonic() > deadline:
+                stuck = [k for k, p in procs.items() if p.poll() is None]
+                raise BenchError(f"timed out after {timeout:.0f}s waiting for {stuck}\n"
+                                 + self.tails([*stuck, *(watch or {})]))
+            time.sleep(0.1)
+
+    def tails(self, labels: Sequence[str], lines: int = 15) -> str:
+        """Log tails of the given process labels (each once)."""
+        return "\n".join(tail(self.run_dir / f"{k}.log", lines) for k in dict.fromkeys(labels))
+
+    def results(self, kind: str) -> list[dict[str, Any]]:
+        """The JSON each ``kind`` worker wrote, in rank order."""
+        return [json.loads((self.run_dir / f"{kind}-{i}.json").read_text())
+                for i in range(self.net.nodes)]
+
+
+def link_test(runner: Runner) -> dict[str, Any]:
+    """Raw TCP: one flow node 0 -> node 1, then node 0 and node 2 -> node 1 at once."""
+    net = runner.net
+    out: dict[str, Any] = {"bytes_per_flow": TCP_TEST_BYTES}
+    cases = [("single", [0])] + ([("fan_in", [0, 2])] if net.nodes >= 3 else [])
+    for name, senders in cases:
+        procs = {"tcp-recv-1": runner.worker(1, "tcp-recv", ["--conns", str(len(senders))])}
+        for s in senders:
+            procs[f"tcp-send-{s}"] = runner.worker(s, "tcp-send", ["--host", net.ip(1)])
+        runner.wait_all(procs, timeout=120)
+        res = json.loads((runner.run_dir / "tcp-recv-1.json").read_text())
+        out[f"{name}_gbit_s"] = res["bits_per_s"] / 1e9
+        out[f"{name}_seconds"] = res["seconds"]
+    return out
+
+
+def gloo_bench(runner: Runner, mbytes: float, repeats: int) -> dict[str, Any]:
+    """gloo all_reduce across the namespaces; per-rank times and CPU seconds."""
+    n = runner.net.nodes
+    args = ["--nodes", str(n), "--mbytes", str(mbytes), "--repeats", str(repeats)]
+    procs = {f"gloo-{i}": runner.worker(i, "gloo", args, {"GLOO_SOCKET_IFNAME": NODE_IF})
+             for i in range(n)}
+    runner.wait_all(procs, timeout=300 + 60 * repeats)
+    return summarize(runner.results("gloo"))
+
+
+def decent_bench(runner: Runner, mbytes: float, repeats: int, job: str) -> dict[str, Any]:
+    """decentd per namespace plus one worker each timing ``neighbor_allreduce``."""
+    net, run_dir, n = runner.net, runner.run_dir, runner.net.nodes
+    peers = [f"{net.ip(i)}:{DECENT_PORT}" for i in range(n)]
+    daemon_bin = Path(sys.executable).parent / "decentd"
+    if not daemon_bin.exists():
+        daemon_bin = Path(shutil.which("decentd") or "decentd")
+    daemons: dict[str, subprocess.Popen[bytes]] = {}
+    sockets = [run_dir / f"decentd-{i}.sock" for i in range(n)]
+    for i in range(n):
+        cfg = run_dir / f"node-{i}.yaml"
+        cfg.write_text(
+            "cluster_id: netns-bench\n"
+            f"rank: {i}\n"
+            f"peers: {json.dumps(peers)}\n"
+            f'listen: "{peers[i]}"\n'
+            f"socket: {sockets[i]}\n"
+            "topology: {kind: one-peer-exponential}\n"
+            "memory: {arena_bytes: 134217728}\n"
+            "log_level: warning\n"
+        )
+        daemons[f"decentd-{i}"] = runner.spawn(i, f"decentd-{i}",
+                                               [str(daemon_bin), "--config", str(cfg)])
+    try:
+        deadline = time.monotonic() + 60
+        while not all(s.exists() for s in sockets):
+            died = {k: p.returncode for k, p in daemons.items() if p.poll() is not None}
+            if died:
+                raise BenchError(f"decentd exited before opening its socket: {died}\n"
+                                 + runner.tails(list(died)))
+            if time.monotonic() > deadline:
+                missing = [str(s) for s in sockets if not s.exists()]
+                raise BenchError(f"decentd sockets missing after 60 s: {missing}\n"
+                                 + runner.tails(list(daemons)))
+            time.sleep(0.1)
+        args = ["--nodes", str(n), "--mbytes", str(mbytes), "--repeats", str(repeats)]
+        procs = {
+            f"decent-{i}": runner.worker(
+                i, "decent", [*args, "--daemon-pid", str(daemons[f"decentd-{i}"].pid)],
+                {"DECENT_DAEMON": str(sockets[i]), "DECENT_RANK": str(i),
+                 "DECENT_SIZE": str(n), "DECENT_JOB": job})
+            for i in range(n)
+        }
+        runner.wait_all(procs, timeout=300 + 120 * repeats, watch=daemons)
+        result = summarize(runner.results("decent"))
+    finally:
+        runner.cleanup.stop_procs(list(daemons.values()))
+    codes = {k: p.returncode for k, p in daemons.items()}
+    # a daemon stopped by our SIGTERM exits 0 (or -15); anything else is worth a look
+    result["daemon_exit_codes"] = codes
+    result["daemon_log_tails"] = {
+        k: tail(run_dir / f"{k}.log", 10) for k in daemons
+        if (run_dir / f"{k}.log").exists() and (run_dir / f"{k}.log").stat().st_size
+    }
+    return result
+
+
+def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median of the slowest rank per repeat, CPU use, correctness."""
+    times = [r["times"] for r in per_rank]
+    med, slowest = median_of_max(times)
+    cpu_per_repeat = [sum(vals) for vals in zip(*(r["cpu"] for r in per_rank), strict=True)]
+    machine_busy = statistics.median(per_rank[max(
+        range(len(per_rank)), key=lambda i: sum(per_rank[i]["times"]))]["busy"])
+    ours = statistics.median(c / t for c, t in zip(cpu_per_repeat, slowest, strict=True))
+    return {
+        "median_s": med,
+        "per_repeat_max_s": slowest,
+        "per_rank_s": times,
+        "correct": all(r["ok"] for r in per_rank),
+        "errors": [e for r in per_rank for e in r.get("errors", [])][:10],
+        "cpu_s_per_repeat": cpu_per_repeat,
+        # average number of busy cores while the timed calls ran (2 cores here: 2.0 = saturated)
+        "cpu_cores_busy": ours,
+        # share of the whole machine's CPU time that was busy during the slowest rank's calls
+        "machine_busy_frac": machine_busy,
+        # cores busy with anything else (other jobs, softirq not charged to our processes)
+        "other_cores_busy": max(0.0, machine_busy * (os.cpu_count() or 1) - ours),
+    }
+
+
+# ------------------------------------------------------------------------------ workers
+
+
+def worker_tcp_recv(a: argparse.Namespace) -> dict[str, Any]:
+    """Accept ``--conns`` connections, read each to EOF, report the aggregate rate."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", TCP_PORT))
+    srv.listen(a.conns)
+    firsts: list[float] = []
+    lasts: list[float] = []
+    totals: list[int] = []
+
+    def drain(conn: socket.socket) -> None:
+        buf = bytearray(4 << 20)
+        n = conn.recv_into(buf)
+        firsts.append(time.perf_counter())
+        total = n
+        while n:
+            n = conn.recv_into(buf)
+            total += n
+        lasts.append(time.perf_counter())
+        totals.append(total)
+        conn.close()
+
+    threads = []
+    for _ in range(a.conns):
+        conn, _addr = srv.accept()
+        th = threading.Thread(target=drain, args=(conn,))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    srv.close()
+    seconds = max(lasts) - min(firsts)
+    return {"bytes": sum(totals), "seconds": seconds, "bits_per_s": sum(totals) * 8 / seconds,
+            "ok": True, "times": [], "cpu": []}
+
+
+def worker_tcp_send(a: argparse.Namespace) -> dict[str, Any]:
+    """Connect to the receiver (retrying until it listens) and send the test bytes."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            sock = socket.create_connection((a.host, TCP_PORT), timeout=30)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    payload = memoryview(bytes(TCP_TEST_BYTES))
+    t0 = time.perf_counter()
+    sock.sendall(payload)
+    sock.shutdown(socket.SHUT_WR)
+    sock.recv(1)  # wait for the receiver's close
+    sock.close()
+    return {"seconds": time.perf_counter() - t0, "ok": True, "times": [], "cpu": []}
+
+
+def worker_gloo(a: argparse.Namespace) -> dict[str, Any]:
+    """Time gloo ``all_reduce`` (SUM) of a float32 tensor filled with the rank."""
+    import datetime as dtm
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{SUBNET}.1:{GLOO_PORT}", rank=a.rank,
+                            world_size=a.nodes, timeout=dtm.timedelta(seconds=300))
+    buf = torch.empty(numel(a.mbytes), dtype=torch.float32)
+    expected = float(a.nodes * (a.nodes - 1) // 2)
+    times: list[float] = []
+    cpu: list[float] = []
+    busy: list[float] = []
+    errors: list[str] = []
+    for k in range(WARMUP + a.repeats):
+        buf.fill_(float(a.rank))
+        dist.barrier()
+        s0, c0, t0 = system_cpu(), time.process_time(), time.perf_counter()
+        dist.all_reduce(buf)
+        t1, c1, s1 = time.perf_counter(), time.process_time(), system_cpu()
+        if not bool(torch.all(buf == expected)):
+            errors.append(f"gloo rank {a.rank} call {k}: values {buf.min()}..{buf.max()}, "
+                          f"expected {expected}")
+        if k >= WARMUP:
+            times.append(t1 - t0)
+            cpu.append(c1 - c0)
+            busy.append(busy_fraction(s0, s1))
+    dist.destroy_process_group()
+    return {"rank": a.rank, "times": times, "cpu": cpu, "busy": busy, "ok": not errors,
+            "errors": errors}
+
+
+def worker_decent(a: argparse.Namespace) -> dict[str, Any]:
+    """Time ``neighbor_allreduce`` on the one-peer exponential graph and check each result."""
+    import torch
+
+    import decent.torch as dt
+
+    torch.set_num_threads(1)
+    client = dt.connect()
+    if (client.rank, client.size) != (a.rank, a.nodes):
+        raise SystemExit(f"daemon says rank {client.rank} of {client.size}, expected "
+                         f"{a.rank} of {a.nodes}")
+    t = torch.full((numel(a.mbytes),), float(a.rank), dtype=torch.float32)
+    times: list[float] = []
+    cpu: list[float] = []
+    busy: list[float] = []
+    errors: list[str] = []
+    for k in range(WARMUP + a.repeats):
+        srcs = client.in_neighbors("model")
+        want = one_peer_src(a.rank, a.nodes, k)
+        if srcs != [want]:
+            errors.append(f"rank {a.rank} step {k}: in_neighbors {srcs}, graph says [{want}]")
+        client.barrier(name="step")
+        s0, c0, d0 = system_cpu(), time.process_time(), proc_cpu_seconds(a.daemon_pid)
+        t0 = time.perf_counter()
+        out = client.neighbor_allreduce(t, name="model")
+        t1 = time.perf_counter()
+        c1, d1, s1 = time.process_time(), proc_cpu_seconds(a.daemon_pid), system_cpu()
+        expected = 0.5 * a.rank + 0.5 * (srcs[0] if srcs else want)
+        if out.shape != t.shape or not bool(torch.all(out == expected)):
+            errors.append(f"rank {a.rank} step {k}: values {out.min()}..{out.max()}, "
+                          f"expected {expected}")
+        if k >= WARMUP:
+            times.append(t1 - t0)
+            cpu.append((c1 - c0) + (d1 - d0))
+            busy.append(busy_fraction(s0, s1))
+    client.close()
+    return {"rank": a.rank, "times": times, "cpu": cpu, "busy": busy, "ok": not errors,
+            "errors": errors}
+
+
+WORKERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "tcp-recv": worker_tcp_recv,
+    "tcp-send": worker_tcp_send,
+    "gloo": worker_gloo,
+    "decent": worker_decent,
+}
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 5,
+        status: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Build the network, run the link test, gloo and decent, tear everything down.
+
+    Returns the result dict, or ``{"skipped": reason}`` when this machine cannot run it.
+    Raises :class:`BenchError` (after cleaning up) when a step fails.
+    """
+    say = status or (lambda msg: None)
+    reason = skip_reason()
+    if reason:
+        return {"skipped": reason}
+    if nodes < 2:
+        raise ValueError("--nodes must be >= 2")
+    started = time.perf_counter()
+    prefix = f"{PREFIX}{os.getpid()}"
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
+    cleanup = Cleanup()
+    atexit.register(cleanup.run)
+    ok = False
+    try:
+        with signals_raise():
+            result: dict[str, Any] = {
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "nodes": nodes, "mbytes": mbytes, "rate": rate, "repeats": repeats,
+                "warmup": WARMUP, "cpus": os.cpu_count(), "run_dir": str(run_dir),
+                "loadavg_start": list(os.getloadavg()),
+                "decent_source": decent_source(),
+            }
+            say(f"creating {nodes} namespaces + switch, tbf {rate} both ways")
+            net = Network(prefix, nodes, rate, cleanup)
+            net.up()
+            result["tbf"] = {"rate": rate, "burst_bytes": net.burst, "limit_bytes": net.limit}
+            runner = Runner(net, run_dir, cleanup)
+            say("raw TCP link test (50 MB)")
+            result["link"] = link_test(runner)
+            say(f"gloo all_reduce of {mbytes:g} MB x {WARMUP}+{repeats} on {nodes} namespaces")
+            result["gloo"] = gloo_bench(runner, mbytes, repeats)
+            say(f"decent neighbor_allreduce (one-peer exponential) x {WARMUP}+{repeats}")
+            result["decent"] = decent_bench(runner, mbytes, repeats, job=f"netns-{prefix}")
+            stats = net.qdisc_stats()
+            result["tbf_dropped_packets"] = tbf_drops(stats)
+            result["loadavg_end"] = list(os.getloadavg())
+            link_rate = parse_rate(rate)
+            model_bits = mbytes * 1e6 * 8
+            result["theory"] = {
+                "ring_allreduce_s": 2 * (nodes - 1) / nodes * model_bits / link_rate,
+                "one_peer_step_s": model_bits / link_rate,
+            }
+            result["theory"]["speedup"] = (result["theory"]["ring_allreduce_s"]
+                                           / result["theory"]["one_peer_step_s"])
+            result["speedup"] = result["gloo"]["median_s"] / result["decent"]["median_s"]
+            result["target_speedup"] = TARGET_SPEEDUP
+            result["meets_target"] = result["speedup"] >= TARGET_SPEEDUP
+            result["correct"] = result["gloo"]["correct"] and result["decent"]["correct"]
+            ok = True
+    finally:
+        say("cleaning up namespaces and processes")
+        cleanup.run()
+        atexit.unregister(cleanup.run)
+        left = leftover_procs(str(run_dir))
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if ok:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        else:
+            console.print(f"[yellow]logs kept in {run_dir}[/]")
+    result["leftover_processes"] = left
+    result["leftover_namespaces"] = [n for n in leftover_namespaces(prefix)]
+    result["total_s"] = time.perf_counter() - started
+    return result
+
+
+def leftover_procs(marker: str) -> list[int]:
+    """Pids of live processes whose command line mentions ``marker`` (our run directory)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if marker.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+    return pids
+
+
+def decent_source() -> dict[str, str]:
+    """Where the daemon and client code come from (honours $PYTHONPATH), and the repo commit."""
+    import importlib.util
+
+    out = {}
+    for mod in ("decentd", "decent"):
+        spec = importlib.util.find_spec(mod)
+        out[mod] = str(Path(spec.origin).parent) if spec and spec.origin else "not found"
+    head = sh("git", "-C", str(REPO), "rev-parse", "--short", "HEAD", check=False).stdout.strip()
+    dirty = sh("git", "-C", str(REPO), "status", "--porcelain", "daemon", "clients", "proto",
+               check=False).stdout.strip()
+    out["repo_commit"] = head + (" (daemon/clients/proto modified)" if dirty else "")
+    return out
+
+
+def skip_reason() -> str | None:
+    """Why this machine cannot run the benchmark, or None."""
+    if os.geteuid() != 0:
+        return SKIP_NOT_ROOT
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"skipped: `{tool}` (iproute2) is not installed"
+    return None
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def ms(seconds: float) -> str:
+    """Seconds as milliseconds text."""
+    return f"{seconds * 1e3:.0f} ms"
+
+
+def print_report(res: dict[str, Any]) -> None:
+    """Rich tables of the result."""
+    out = Console(width=None if sys.stdout.isatty() else 120)
+    link, gloo, dec, th = res["link"], res["gloo"], res["decent"], res["theory"]
+    t = Table(title=f"{res['nodes']} namespaces, {res['rate']} tbf links, "
+                    f"{res['mbytes']:g} MB float32 model")
+    t.add_column("what")
+    t.add_column("measured", justify="right")
+    t.add_column("link-only bound", justify="right")
+    t.add_column("note")
+    t.add_row("TCP 1 flow node0->node1", f"{link['single_gbit_s']:.3f} Gbit/s",
+              f"{parse_rate(res['rate']) / 1e9:.3f} Gbit/s", "upload + download tbf in path")
+    if "fan_in_gbit_s" in link:
+        t.add_row("TCP 2 flows into node1", f"{link['fan_in_gbit_s']:.3f} Gbit/s",
+                  f"{parse_rate(res['rate']) / 1e9:.3f} Gbit/s", "download limit")
+    t.add_row("gloo all_reduce (ring)", ms(gloo["median_s"]), ms(th["ring_allreduce_s"]),
+              f"CPU {gloo['cpu_cores_busy']:.2f} cores, machine "
+              f"{gloo['machine_busy_frac']:.0%} busy (other {gloo['other_cores_busy']:.2f}); "
+              f"correct={gloo['correct']}")
+    t.add_row("decent one-peer D-SGD step", ms(dec["median_s"]), ms(th["one_peer_step_s"]),
+              f"CPU {dec['cpu_cores_busy']:.2f} cores, machine "
+              f"{dec['machine_busy_frac']:.0%} busy (other {dec['other_cores_busy']:.2f}); "
+              f"correct={dec['correct']}")
+    verdict = "[green]meets[/]" if res["meets_target"] else "[red]misses[/]"
+    t.add_row("speedup gloo/decent", f"{res['speedup']:.2f}x", f"{th['speedup']:.2f}x",
+              f"{verdict} target {res['target_speedup']}x")
+    out.print(t)
+    r = Table(title="per repeat (slowest rank), ms")
+    r.add_column("op")
+    for k in range(len(gloo["per_repeat_max_s"])):
+        r.add_column(f"#{k + 1}", justify="right")
+    r.add_row("gloo", *(f"{v * 1e3:.0f}" for v in gloo["per_repeat_max_s"]))
+    r.add_row("decent", *(f"{v * 1e3:.0f}" for v in dec["per_repeat_max_s"]))
+    out.print(r)
+    out.print(f"load average start {res['loadavg_start']} end {res['loadavg_end']}; "
+              f"{res['cpus']} CPUs; tbf drops {res['tbf_dropped_packets']}; "
+              f"total {res['total_s']:.1f} s")
+    for e in gloo["errors"] + dec["errors"]:
+        out.print(f"[red]{e}[/]")
+
+
+def write_png(res: dict[str, Any], path: Path) -> None:
+    """Bar chart: measured medians next to the link-only bounds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = ["gloo ring allreduce", "decent one-peer step"]
+    measured = [res["gloo"]["median_s"] * 1e3, res["decent"]["median_s"] * 1e3]
+    bound = [res["theory"]["ring_allreduce_s"] * 1e3, res["theory"]["one_peer_step_s"] * 1e3]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], measured, 0.4, label="measured (median of slowest rank)")
+    ax.bar([x + 0.2 for x in xs], bound, 0.4, label=f"link-only bound at {res['rate']}")
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"{res['nodes']} netns, {res['mbytes']:g} MB: speedup {res['speedup']:.2f}x")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=8)
+    p.add_argument("--mbytes", type=float, default=25.0, help="model size in MB (10^6 bytes)")
+    p.add_argument("--rate", default="1gbit", help="tc tbf rate per link and direction")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    p.add_argument("--png", type=Path)
+    p.add_argument("--cleanup", action="store_true",
+                   help=f"delete leftover namespaces named {PREFIX}* from earlier runs and exit")
+    # internal: one process inside a namespace
+    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--conns", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--host", default="", help=argparse.SUPPRESS)
+    p.add_argument("--daemon-pid", type=int, default=0, help=argparse.SUPPRESS)
+    return p
+
+
+def write_json(res: dict[str, Any], path: Path) -> None:
+    """Write the result dict as JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: run the benchmark (or a worker, or the cleanup)."""
+    a = build_parser().parse_args(argv)
+    if a.worker:
+        res = WORKERS[a.worker](a)
+        if a.out:
+            a.out.write_text(json.dumps(res))
+        return 0 if res.get("ok", True) else 1
+    if a.cleanup:
+        reason = skip_reason()
+        if reason:
+            print(reason)
+            return 0
+        removed = cleanup_leftovers()
+        print(f"removed {len(removed)} leftover namespace(s)/run dir(s): "
+              f"{' '.join(removed) or '-'}")
+        return 0
+    try:
+        with console.status("starting") as st:
+            res = run(a.nodes, a.mbytes, a.rate, a.repeats,
+                      status=lambda msg: st.update(f"[bold]{msg}"))
+    except BenchError as exc:
+        print(f"failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: processes stopped and namespaces deleted", file=sys.stderr)
+        return 130
+    write_json(res, a.json)
+    if "skipped" in res:
+        print(res["skipped"])
+        return 0
+    print_report(res)
+    if a.png:
+        write_png(res, a.png)
+    console.print(f"wrote {a.json}" + (f" and {a.png}" if a.png else ""))
+    return 0 if res["correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

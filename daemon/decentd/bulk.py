@@ -1,0 +1,325 @@
+"""The bulk data path between daemons: raw TCP, protobuf headers, tensor bytes never copied twice.
+
+A frame is a 4-byte little-endian length, a ``BulkHeader`` of that length, then the header's
+``payload_bytes`` of raw data. Each direction of a peer pair has its own connection:
+
+* :class:`Sender` owns the outgoing socket. A small frame is written straight from the event loop
+  with a non-blocking ``sendmsg`` when nothing is queued; anything else goes to the sender's
+  thread, which writes header and payload with blocking ``sendmsg`` calls (the GIL is released
+  while the kernel copies) directly from the worker's shared-memory slot.
+* :class:`Inbound` is an ``asyncio.BufferedProtocol`` on the incoming socket. Headers are parsed
+  from a reused scratch buffer; a payload is received straight into the buffer its consumer
+  provides (``recv_into`` semantics, no per-chunk objects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, cast
+
+import numpy as np
+
+from decentd.wire import pb
+
+log = logging.getLogger("decentd.bulk")
+
+LENGTH = 4
+#: headers are small (a name and a shape per part); a larger one means a broken stream
+MAX_HEADER = 16 << 20
+SCRATCH = 256 << 10
+#: frames up to this size are tried directly from the event loop
+DIRECT_LIMIT = 256 << 10
+SOCKET_BUFFER = 4 << 20
+
+Buffer = bytes | bytearray | memoryview
+
+
+def encode(header: pb.BulkHeader) -> bytes:
+    """Length-prefixed header bytes."""
+    body = header.SerializeToString()
+    return len(body).to_bytes(LENGTH, "little") + body
+
+
+def tune(sock: socket.socket) -> None:
+    """TCP options for the bulk path: no Nagle delay, large kernel buffers."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+
+
+@dataclass
+class Outgoing:
+    """One frame waiting for the sender thread."""
+
+    buffers: list[Buffer]
+    on_done: Callable[[BaseException | None], None] | None
+    abandoned: bool = False  # its op was cancelled: skip it if not started
+    started: bool = False
+    nbytes: int = 0
+
+
+def _advance(buffers: list[Buffer], sent: int) -> list[Buffer]:
+    """What is left of ``buffers`` after ``sent`` bytes went out."""
+    rest: list[Buffer] = []
+    for b in buffers:
+        n = len(b)
+        if sent >= n:
+            sent -= n
+            continue
+        rest.append(memoryview(b)[sent:] if sent else b)
+        sent = 0
+    return rest
+
+
+class Sender:
+    """The outgoing connection to one peer: frames go out whole and in order."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, peer: int) -> None:
+        self.sock = sock
+        self.loop = loop
+        self.peer = peer
+        self.bytes_sent = 0
+        self.error: BaseException | None = None
+        self._cv = threading.Condition()
+        self._queue: collections.deque[Outgoing] = collections.deque()
+        self._busy = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"decentd-send-{peer}")
+        self._thread.start()
+
+    def send(self, buffers: list[Buffer],
+             on_done: Callable[[BaseException | None], None] | None = None) -> Outgoing | None:
+        """Queue one frame (header and payload buffers); ``on_done`` runs on the event loop.
+
+        Returns the queued item (to abandon it), or None when it went out at once.
+        """
+        total = sum(len(b) for b in buffers)
+        with self._cv:
+            if self.error is not None or self._closed:
+                err = self.error or ConnectionError(f"connection to rank {self.peer} is closed")
+                if on_done is not None:
+                    on_done(err)
+                return None
+            if not self._busy and not self._queue and total <= DIRECT_LIMIT:
+                try:
+                    sent = self.sock.sendmsg(buffers, (), socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as exc:
+                    self._broken(exc)
+                    if on_done is not None:
+                        on_done(exc)
+                    return None
+                self.bytes_sent += sent
+                if sent == total:
+                    if on_done is not None:
+                        on_done(None)
+                    return None
+                buffers = _advance(buffers, sent)
+                total -= sent
+            item = Outgoing(buffers, on_done, nbytes=total)
+            self._queue.append(item)
+            self._cv.notify()
+            return item
+
+    def abandon(self, item: Outgoing) -> bool:
+        """Skip ``item`` if the thread has not started it; True when it is already going out."""
+        with self._cv:
+            item.abandoned = True
+            return item.started
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                if item.abandoned:
+                    self._done(item, asyncio.CancelledError())
+                    continue
+                item.started = True
+                self._busy = True
+            err: BaseException | None = None
+            try:
+                buffers = item.buffers
+                while buffers:
+                    sent = self.sock.sendmsg(buffers[:64])
+                    self.bytes_sent += sent
+                    buffers = _advance(buffers, sent)
+            except OSError as exc:
+                err = exc
+            with self._cv:
+                self._busy = False
+                if err is not None:
+                    self._broken(err)
+            self._done(item, err)
+
+    def _done(self, item: Outgoing, err: BaseException | None) -> None:
+        item.buffers = []
+        if item.on_done is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                self.loop.call_soon_threadsafe(item.on_done, err)
+
+    def _broken(self, exc: BaseException) -> None:
+        """The connection failed: every queued frame fails with it (lock held)."""
+        if self.error is None:
+            self.error = exc
+        while self._queue:
+            self._done(self._queue.popleft(), exc)
+
+    def close(self) -> None:
+        """Stop after what is queued; the socket is shut down for writing."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=2.0)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+        self.sock.close()
+
+
+class FrameSink(Protocol):
+    """Where an :class:`Inbound` connection delivers what it reads."""
+
+    def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
+        """A header arrived; return the uint8 buffer its payload goes into (None: no payload)."""
+
+    def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
+        """A whole frame (header and payload) arrived."""
+
+    def on_lost(self, conn: Inbound, reason: str) -> None:
+        """The connection ended."""
+
+
+@dataclass
+class _Partial:
+    header: pb.BulkHeader
+    dest: np.ndarray
+    view: memoryview
+    filled: int = 0
+
+
+@dataclass(eq=False)
+class Inbound(asyncio.BufferedProtocol):
+    """One incoming bulk connection: a frame parser that receives payloads in place."""
+
+    sink: FrameSink
+    src: int = -1  # set by the HELLO frame
+    bytes_received: int = 0
+    transport: asyncio.Transport | None = None
+    _scratch: bytearray = field(default_factory=lambda: bytearray(SCRATCH))
+    _start: int = 0
+    _end: int = 0
+    _partial: _Partial | None = None
+    _closed: bool = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Tune the socket."""
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                tune(sock)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """The payload being received, else free scratch space."""
+        if self._partial is not None:
+            return self._partial.view[self._partial.filled:]
+        if self._end == len(self._scratch):
+            pending = self._end - self._start
+            if self._start:
+                self._scratch[:pending] = self._scratch[self._start:self._end]
+                self._start, self._end = 0, pending
+            else:  # one header larger than the scratch buffer (a new one: the old may be exported)
+                grown = bytearray(2 * len(self._scratch))
+                grown[:pending] = self._scratch
+                self._scratch = grown
+        return memoryview(self._scratch)[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """Advance the payload in progress, or parse the frames now complete in scratch."""
+        self.bytes_received += nbytes
+        part = self._partial
+        if part is not None:
+            part.filled += nbytes
+            if part.filled == part.dest.size:
+                self._partial = None
+                self._deliver(part.header, part.dest)
+            return
+        self._end += nbytes
+        try:
+            self._parse()
+        except ValueError as exc:
+            self.fail(f"malformed frame: {exc}")
+
+    def _parse(self) -> None:
+        buf = self._scratch
+        while not self._closed:
+            avail = self._end - self._start
+            if avail < LENGTH:
+                break
+            hlen = int.from_bytes(buf[self._start:self._start + LENGTH], "little")
+            if hlen > MAX_HEADER:
+                raise ValueError(f"a {hlen}-byte header")
+            if avail < LENGTH + hlen:
+                break
+            header = pb.BulkHeader()
+            try:
+                header.ParseFromString(bytes(buf[self._start + LENGTH:self._start + LENGTH + hlen]))
+            except Exception as exc:  # protobuf's DecodeError
+                raise ValueError(f"undecodable header ({exc})") from None
+            self._start += LENGTH + hlen
+            size = header.payload_bytes
+            dest = self.sink.on_header(self, header) if size else None
+            if size and (dest is None or dest.size != size):
+                raise ValueError(f"no buffer for a {size}-byte payload")
+            if dest is None:
+                self._deliver(header, None)
+                continue
+            take = min(size, self._end - self._start)
+            if take:
+                dest[:take] = np.frombuffer(buf, np.uint8, take, self._start)
+                self._start += take
+            if take == size:
+                self._deliver(header, dest)
+                continue
+            self._partial = _Partial(header, dest, dest.data, take)
+            break
+        if self._start == self._end:
+            self._start = self._end = 0
+        if self._partial is not None and len(self._scratch) > SCRATCH:
+            self._scratch = bytearray(SCRATCH)  # shrink after a huge header
+
+    def _deliver(self, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
+        try:
+            self.sink.on_frame(self, header, payload)
+        except ValueError as exc:
+            self.fail(f"malformed frame: {exc}")
+
+    def fail(self, reason: str) -> None:
+        """Close this connection (and only this one) after a protocol error."""
+        if self._closed:
+            return
+        log.error("bulk connection from rank %d: %s; closing it", self.src, reason)
+        self._closed = True
+        if self.transport is not None:
+            self.transport.abort()
+        self.sink.on_lost(self, reason)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The peer closed the connection or it broke."""
+        if self._closed:
+            return
+        self._closed = True
+        self.sink.on_lost(self, "stream closed" if exc is None else type(exc).__name__)
