@@ -1,42 +1,54 @@
-"""decent ``neighbor_allreduce`` / ``allreduce`` against torch.distributed gloo ``all_reduce``.
+"""decent against torch.distributed gloo, raw TCP and hivemind, in one run between 2 daemons.
 
-Run under the local launcher, which starts one daemon per rank and sets ``DECENT_DAEMON``,
-``DECENT_RANK`` and ``DECENT_SIZE``::
+Run under the local launcher (it starts one daemon per rank and sets ``DECENT_DAEMON``,
+``DECENT_RANK``, ``DECENT_SIZE``)::
 
-    decentrun -np 2 python benchmarks/p2p_vs_gloo.py [--repeats N] [--out benchmarks/results]
+    decentrun -np 2 -- python benchmarks/p2p_vs_gloo.py [--sizes 4K,64K,1M,16M,64M] [--quick]
+        [--no-hivemind] [--out benchmarks/results]
 
-Every worker connects to its daemon (``decent.torch.init()``) and also joins a gloo process group
-on loopback (rank 0 picks a free port and broadcasts it through decent). For each tensor size
-(float32, 4 KiB to 64 MiB by default) and each op it
+Both workers connect to their daemon, join a gloo process group on loopback and open one raw TCP
+connection to each other. Inputs are ``(arange(n) % 1024) + rank + 1`` (float32), so every
+average and sum is exact and every decent result is compared with ``torch.equal`` against the
+closed form of 2 ranks on a ring (``neighbor_allreduce`` = ``allreduce`` average =
+``(x0 + x1) / 2``). Per tensor size, in the same two processes:
 
-1. runs a few warm-up calls; the first result is checked against the exact expected value (the
-   average of all ranks' tensors for the decent ops, their sum for gloo), so a wrong result is
-   reported instead of silently timed;
-2. synchronizes both ranks (``dist.barrier()`` and ``client.barrier()``);
-3. times ``R`` calls back to back, each call on its own (``time.perf_counter`` around the call):
+* ``gloo``: ``dist.all_reduce(t)`` (SUM, in place; ``t`` is refilled before each call, untimed);
+* ``nar_``: ``client.neighbor_allreduce_(t, name=...)`` (in place, like gloo);
+* ``nar``: ``client.neighbor_allreduce(x, name=...)`` (returns a new tensor);
+* ``ar_``: ``client.allreduce_(t, name=...)`` (average, in place);
+* ``tcp_exchange``: raw TCP, both ranks send ``size`` bytes and receive ``size`` bytes at once
+  (blocking sockets, ``sendall`` in a helper thread above 64 KiB, ``recv_into`` a preallocated
+  buffer): the physical floor of a 2-peer neighbor_allreduce;
+* ``tcp_oneway``: raw TCP, rank 0 sends ``size`` bytes, rank 1 receives them into a preallocated
+  buffer and answers 1 byte;
+* ``oneway``: decent bulk transfer, rank 0 ``neighbor_allreduce_(t, self_weight=1.0,
+  src_weights={}, dst_weights=[1])``, rank 1 ``neighbor_allreduce_(t, self_weight=0.0,
+  src_weights={0: 1.0}, dst_weights=[])`` (rank 1 receives rank 0's tensor).
 
-   * gloo: ``dist.all_reduce(buf)`` (SUM, in place; ``buf`` is refilled from the input before each
-     call, outside the timed region, so values never overflow);
-   * decent neighbor_allreduce: ``client.neighbor_allreduce_async(x, name=...).wait()``;
-   * decent allreduce: ``client.allreduce(x, op="average", name=...)``.
+Then the 62 tensors of ResNet-18 (11.69M float32 values; shapes from
+``benchmarks/hivemind_avg.py``), one step each: ``gloo_list`` (``all_reduce(t, async_op=True)``
+per tensor, then wait all), ``gloo_flat`` (``torch.cat`` into one preallocated buffer, one
+all_reduce, copy back; all included), ``nar_list`` (``neighbor_allreduce_async_`` per tensor, then
+``wait()`` all: the client fuses them) and ``ar_list`` (the same with ``allreduce_async_``).
 
-   With ``--interleave`` the timed calls go round-robin (gloo, nar, ar, gloo, ...) instead, so
-   that load from other processes hits all three ops alike.
+Last, rank 0 runs ``benchmarks/hivemind_avg.py`` (hivemind's ``DecentralizedAverager``, 2 peers)
+in a subprocess on the same sizes and ResNet-18 while rank 1 waits at a gloo barrier; when
+hivemind is not installed its JSON says ``skipped`` and so does the report.
 
-   Decent's times therefore include the copy into the shared-memory arena and the copy of the
-   result out of it (a new tensor), which is the cost a user of the API pays; gloo works in place.
+Timing: per op, ``--warmup`` untimed calls (the first result is checked), then ``R`` timed calls,
+interleaved round-robin over all ops by default (``--blocks``: one block per op), so that load
+from other processes hits every series alike; the last result is checked again. Each rank
+computes median / p10 / p90 / mean / min of its own per-call times; the reported statistic is the
+maximum over the ranks. ``R`` = ``min(200, max(10, 2**28 // size))``, capped so that one op takes
+about ``--budget`` seconds (judged from the slower rank's last warm-up call), or ``--repeats``.
+A decent op that raises is reported with its error text and dropped from the rest of that size.
 
-Statistics: each rank computes median / p10 / p90 / mean / min of its own per-call times; the
-reported value of every statistic is the **maximum over the ranks** (the slower rank bounds a
-collective). Throughput is tensor bytes / median time (the "algorithm bandwidth" of nccl-tests);
-a ratio is decent median / gloo median (> 1: decent is slower).
-
-``R`` defaults to ``min(200, max(5, 2**26 // nbytes))`` and is capped so that one (size, op)
-block takes about ``--budget`` seconds, judged from the slower rank's last warm-up call (both
-ranks agree on ``R``, or the collectives would not match). ``--repeats N`` fixes ``R``.
-
-Rank 0 prints a table and writes ``p2p_vs_gloo.md``, ``p2p_vs_gloo.png`` and ``p2p_vs_gloo.json``
-into ``--out``. The script exits with code 1 when a correctness check failed.
+A background thread in each worker samples its daemon's VmRSS / RssAnon / RssShmem every 50 ms
+(start, peak per phase, end). Rank 0 writes ``p2p_vs_gloo.json`` (every number, environment,
+load average), ``p2p_vs_gloo.md`` (tables and the acceptance table, rendered by
+``benchmarks/report.py``) and the plots ``p2p_vs_gloo.png`` (time, throughput and ratio to gloo
+vs size) and ``p2p_vs_gloo_resnet18.png`` into ``--out``. Exit code 1 when a decent op failed or
+a result was not exact.
 """
 
 from __future__ import annotations
@@ -44,16 +56,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.metadata
 import json
+import math
 import os
 import platform
 import shlex
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,43 +79,27 @@ import torch.distributed as dist
 
 import decent.torch as dt
 
-OPS = ("gloo", "nar", "ar")
-OP_TITLES = {
-    "gloo": "gloo all_reduce (sum)",
-    "nar": "decent neighbor_allreduce",
-    "ar": "decent allreduce (average)",
-}
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python benchmarks/p2p_vs_gloo.py` puts only benchmarks/ on it
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import report  # noqa: E402
+from benchmarks.hivemind_avg import resnet18_shapes  # noqa: E402
+
+OPS = tuple(report.OPS)
+RN_OPS = tuple(report.RN_OPS)
 STATS = ("median", "p10", "p90", "mean", "min")
 DEFAULT_SIZES = tuple(4 << (2 * k) << 10 for k in range(8))  # 4 KiB, 16 KiB, ..., 64 MiB
-REPO = Path(__file__).resolve().parent.parent
+QUICK_SIZES = (4 << 10, 64 << 10, 1 << 20)
+EXCHANGE_THREAD_MIN = 64 << 10  # below this both ranks can sendall first without deadlock
+RSS_INTERVAL = 0.05
 
 
 # ---------------------------------------------------------------------------------- helpers
 
 
-def human_bytes(n: float) -> str:
-    """``4 KiB``, ``16 MiB``... (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if float(n).is_integer() else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def mib(n: float) -> str:
-    """Bytes as ``12.3 MiB``."""
-    return f"{n / (1 << 20):.1f} MiB"
-
-
-def human_rate(bytes_per_s: float) -> str:
-    """Throughput in MB/s or GB/s (decimal units, as network rates usually are)."""
-    if bytes_per_s >= 1e9:
-        return f"{bytes_per_s / 1e9:.2f} GB/s"
-    return f"{bytes_per_s / 1e6:.1f} MB/s"
-
-
 def parse_size(text: str) -> int:
-    """``4K``, ``16KiB``, ``1M``, ``65536`` -> bytes."""
+    """``4K``, ``16KiB``, ``1M``, ``65536`` -> bytes (binary units)."""
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
     number = t[:-1] if t[-1:] in "KMG" else t
@@ -107,46 +107,56 @@ def parse_size(text: str) -> int:
 
 
 def default_repeats(nbytes: int) -> int:
-    """More repeats for small tensors: ``min(200, max(5, 2**26 // nbytes))``."""
-    return int(min(200, max(5, (1 << 26) // max(1, nbytes))))
+    """More repeats for small tensors: ``min(200, max(10, 2**28 // nbytes))``."""
+    return int(min(200, max(10, (1 << 28) // max(1, nbytes))))
 
 
 def summarize(samples: Sequence[float]) -> dict[str, float]:
     """median / p10 / p90 / mean / min of per-call times (seconds)."""
     a = np.asarray(samples, dtype=np.float64)
-    return {
-        "median": float(np.median(a)),
-        "p10": float(np.percentile(a, 10)),
-        "p90": float(np.percentile(a, 90)),
-        "mean": float(a.mean()),
-        "min": float(a.min()),
-    }
+    return {"median": float(np.median(a)), "p10": float(np.percentile(a, 10)),
+            "p90": float(np.percentile(a, 90)), "mean": float(a.mean()), "min": float(a.min())}
 
 
-def time_calls(fn: Callable[[], object], repeats: int,
-               before: Callable[[], object] | None = None) -> list[float]:
-    """Per-call wall times of ``repeats`` calls of ``fn`` (``before`` runs untimed each time)."""
-    times: list[float] = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
+def pattern(numel: int, offset: int = 0) -> torch.Tensor:
+    """``((arange(numel) + offset) % 1024)`` as float32: small integers, so sums are exact."""
+    return ((torch.arange(numel, dtype=torch.int64) + offset) % 1024).to(torch.float32)
 
 
-def make_input(rank: int, numel: int) -> torch.Tensor:
-    """Rank ``rank``'s tensor: deterministic, so every rank can rebuild every other's."""
-    g = torch.Generator().manual_seed(1000 + rank)
-    return torch.randn(numel, generator=g, dtype=torch.float32)
+def max_abs_err(got: Any, want: torch.Tensor | Sequence[torch.Tensor]) -> float:
+    """0.0 when ``got`` equals ``want`` exactly (tensor or list), else the largest difference."""
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape \
+                or got.dtype != want.dtype:
+            return math.inf
+        if torch.equal(got, want):
+            return 0.0
+        return float((got.double() - want.double()).abs().max())
+    if not isinstance(got, (list, tuple)) or len(got) != len(want):
+        return math.inf
+    return max((max_abs_err(g, w) for g, w in zip(got, want, strict=True)), default=0.0)
 
 
-def max_abs_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Largest absolute difference (inf when shapes differ)."""
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return float("inf")
-    return float((got - want).abs().max()) if got.numel() else 0.0
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, without a copy."""
+    array: Any = t.numpy()
+    return memoryview(array).cast("B")
+
+
+def recv_exact(sock: socket.socket, buf: memoryview) -> None:
+    """Fill ``buf`` from ``sock`` (blocking)."""
+    pos, n = 0, len(buf)
+    while pos < n:
+        got = sock.recv_into(buf[pos:], n - pos)
+        if not got:
+            raise ConnectionError("raw TCP peer closed the connection")
+        pos += got
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` (DecentError's code name included)."""
+    code = getattr(exc, "code_name", None)
+    return f"{type(exc).__name__}{f' [{code}]' if code else ''}: {exc}"
 
 
 # ---------------------------------------------------------------------------------- environment
@@ -162,7 +172,7 @@ def cpu_model() -> str:
 
 
 def git_revision() -> str:
-    """``<short sha>`` of the checkout, ``+dirty`` when the tree has local changes."""
+    """``<short sha>`` of the checkout, ``+dirty`` when tracked files have local changes."""
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
                              capture_output=True, text=True, timeout=10).stdout.strip()
@@ -173,6 +183,25 @@ def git_revision() -> str:
         return "unknown"
 
 
+def uptime_text() -> str:
+    """Output of ``uptime`` (load averages), or the load averages alone."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True,
+                              timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def versions() -> dict[str, str]:
+    """Versions of python and the packages that matter (hivemind without importing it)."""
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "numpy": np.__version__}
+    for dist_name in ("grpcio", "protobuf", "hivemind", "decent"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[dist_name] = importlib.metadata.version(dist_name)
+    return out
+
+
 def launch_command(size: int) -> str:
     """The decentrun command line that started us (read from the parent), else a reconstruction."""
     with contextlib.suppress(OSError):
@@ -181,14 +210,11 @@ def launch_command(size: int) -> str:
         for i, arg in enumerate(argv):
             if os.path.basename(arg) == "decentrun":
                 return shlex.join(["decentrun", *argv[i + 1:]])
-    return shlex.join(["decentrun", "-np", str(size), "python", *sys.argv])
+    return shlex.join(["decentrun", "-np", str(size), "--", "python", *sys.argv])
 
 
 def proc_memory(pid: int) -> dict[str, int]:
-    """VmRSS, VmHWM (peak RSS), RssAnon and RssShmem of ``pid`` in bytes (empty if unreadable).
-
-    RssShmem counts the touched pages of the shared-memory arenas, RssAnon the daemon's own heap.
-    """
+    """VmRSS, VmHWM (peak RSS), RssAnon and RssShmem of ``pid`` in bytes (empty if unreadable)."""
     out: dict[str, int] = {}
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -199,9 +225,12 @@ def proc_memory(pid: int) -> dict[str, int]:
 
 
 def find_daemon_pid() -> int | None:
-    """The pid of our daemon: a ``decentd.cli`` process whose ``--socket`` is $DECENT_DAEMON."""
-    address = os.environ.get("DECENT_DAEMON", "")
-    sock = address.removeprefix("unix://")
+    """The pid of our daemon: a ``decentd`` process whose ``--socket`` is $DECENT_DAEMON.
+
+    The status reply carries no pid; decentrun starts each daemon as ``python -m decentd.cli
+    ... --socket PATH``, so the process is found by its command line.
+    """
+    sock = os.environ.get("DECENT_DAEMON", "").removeprefix("unix://")
     if not sock:
         return None
     for entry in Path("/proc").iterdir():
@@ -216,36 +245,141 @@ def find_daemon_pid() -> int | None:
     return None
 
 
+class RssSampler(threading.Thread):
+    """Samples a process's memory every 50 ms: start, end, and the peak per phase."""
+
+    def __init__(self, pid: int | None) -> None:
+        super().__init__(daemon=True, name="rss-sampler")
+        self.pid = pid
+        self.phase = "start"
+        self.start_mem = proc_memory(pid) if pid else {}
+        self.peak: dict[str, int] = dict(self.start_mem)
+        self.phase_peak: dict[str, int] = {}
+        self.samples = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        """Sample until :meth:`stop`."""
+        while self.pid and not self._halt.wait(RSS_INTERVAL):
+            mem = proc_memory(self.pid)
+            if not mem:
+                break
+            self.samples += 1
+            for k, v in mem.items():
+                self.peak[k] = max(self.peak.get(k, 0), v)
+            rss = mem.get("VmRSS", 0)
+            self.phase_peak[self.phase] = max(self.phase_peak.get(self.phase, 0), rss)
+
+    def stop(self) -> dict[str, Any]:
+        """Stop sampling; the summary (start / peak / end, per-phase peak RSS)."""
+        self._halt.set()
+        if self.is_alive():
+            self.join(2)
+        end = proc_memory(self.pid) if self.pid else {}
+        return {"pid": self.pid, "start": self.start_mem, "peak": self.peak, "end": end,
+                "phase_peak_rss": self.phase_peak, "samples": self.samples,
+                "interval_s": RSS_INTERVAL}
+
+
+# ---------------------------------------------------------------------------------- raw TCP
+
+
+class RawLink:
+    """One TCP connection between the two workers, for the raw-socket baselines."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self._job: memoryview | None = None
+        self._go = threading.Semaphore(0)
+        self._done = threading.Semaphore(0)
+        self._error: OSError | None = None
+        self._ack = bytearray(1)
+        self._closing = False
+        self._sender = threading.Thread(target=self._send_loop, daemon=True, name="raw-sender")
+        self._sender.start()
+
+    def _send_loop(self) -> None:
+        while True:
+            self._go.acquire()
+            if self._closing:
+                return
+            try:
+                assert self._job is not None
+                self.sock.sendall(self._job)
+            except OSError as exc:
+                self._error = exc
+            self._done.release()
+
+    def send_oneway(self, data: memoryview) -> None:
+        """Send ``data``, return when the receiver's 1-byte answer arrived."""
+        self.sock.sendall(data)
+        recv_exact(self.sock, memoryview(self._ack))
+
+    def recv_oneway(self, buf: memoryview) -> None:
+        """Receive exactly ``len(buf)`` bytes into ``buf``, then answer 1 byte."""
+        recv_exact(self.sock, buf)
+        self.sock.sendall(b"k")
+
+    def exchange(self, send: memoryview, recv: memoryview) -> None:
+        """Send ``send`` and receive ``len(recv)`` bytes at the same time."""
+        if len(send) <= EXCHANGE_THREAD_MIN:  # fits the socket buffers: no deadlock possible
+            self.sock.sendall(send)
+            recv_exact(self.sock, recv)
+            return
+        self._job = send
+        self._go.release()
+        recv_exact(self.sock, recv)
+        self._done.acquire()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Stop the sender thread and close the socket."""
+        self._closing = True
+        self._go.release()
+        self._sender.join(2)
+        self.sock.close()
+
+
 # ---------------------------------------------------------------------------------- measurement
 
 
 @dataclass
-class SizeResult:
-    """Everything measured for one tensor size (statistics already maxed over ranks)."""
+class Op:
+    """One timed series: ``call`` returns what ``check`` compares with the closed form."""
 
-    nbytes: int
-    repeats: dict[str, int]
-    stats: dict[str, dict[str, float]]
-    errors: dict[str, float]
-    ok: dict[str, bool] = field(default_factory=dict)
+    name: str
+    call: Callable[[], Any]
+    check: Callable[[Any], float]
+    before: Callable[[], object] | None = None
 
 
 class Bench:
-    """One worker's side of the benchmark: a decent client plus a gloo process group."""
+    """One worker's side: a decent client, a gloo process group and a raw TCP link."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.client = dt.init()
-        self.rank = self.client.rank
-        self.size = self.client.size
+        self.rank, self.size = self.client.rank, self.client.size
         env_rank = os.environ.get("DECENT_RANK")
         if env_rank is not None and int(env_rank) != self.rank:
             raise RuntimeError(f"$DECENT_RANK={env_rank} but the daemon says rank {self.rank}")
-        port = self._agree_port()
+        if self.size != 2:
+            raise SystemExit(f"this benchmark needs exactly 2 ranks (decentrun -np 2), "
+                             f"got {self.size}")
+        info = self.client.topology_at()
+        if sorted(info.in_neighbors) != [1 - self.rank] or \
+                abs(float(info.self_weight) - 0.5) > 1e-12:
+            raise SystemExit("the closed-form checks assume a 2-rank ring with weights 1/2; "
+                             f"got in-neighbors {list(info.in_neighbors)}, self weight "
+                             f"{info.self_weight}")
+        self.port = self._agree_port()
         dist.init_process_group("gloo", rank=self.rank, world_size=self.size,
-                                init_method=f"tcp://127.0.0.1:{port}",
-                                timeout=datetime.timedelta(seconds=120))
-        self.port = port
+                                init_method=f"tcp://127.0.0.1:{self.port}",
+                                timeout=datetime.timedelta(seconds=args.gloo_timeout))
+        self.link = self._connect_raw()
+        self.failures: list[str] = []
 
     def _agree_port(self) -> int:
         """Rank 0 picks a free loopback port (or $BENCH_GLOO_PORT) and broadcasts it via decent."""
@@ -260,270 +394,316 @@ class Bench:
                                     name="bench.port")
         return int(got[0])
 
-    # -------------------------------------------------------------- collectives on gloo (control)
+    def _connect_raw(self) -> RawLink:
+        """Rank 0 listens on a free loopback port, tells rank 1 via gloo, rank 1 connects."""
+        port = torch.zeros(1, dtype=torch.int64)
+        if self.rank == 0:
+            srv = socket.socket()
+            srv.bind(("127.0.0.1", 0))
+            srv.listen(1)
+            port[0] = srv.getsockname()[1]
+            dist.broadcast(port, src=0)
+            srv.settimeout(60)
+            conn, _ = srv.accept()
+            conn.settimeout(None)
+            srv.close()
+            return RawLink(conn)
+        dist.broadcast(port, src=0)
+        return RawLink(socket.create_connection(("127.0.0.1", int(port[0])), timeout=60))
 
-    def max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
-        """Elementwise max over ranks (gloo, outside any timed region)."""
-        out = values.clone().to(torch.float64)
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
-        return out
+    # -------------------------------------------------------------- control (gloo, untimed)
+
+    def max_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """Elementwise max over ranks."""
+        t = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [float(v) for v in t.tolist()]
 
     def sync(self) -> None:
-        """Line both ranks up before a timed block: gloo barrier, then decent barrier."""
+        """Line both ranks up: gloo barrier, then decent barrier."""
         dist.barrier()
         self.client.barrier(name="bench.sync")
 
-    # -------------------------------------------------------------- one size
+    # -------------------------------------------------------------- generic timing
 
-    def expected_neighbor(self, inputs: list[torch.Tensor], name: str) -> torch.Tensor:
-        """``self_w * x_self + sum_j w_j * x_j`` at the step the next call of ``name`` uses."""
-        info = self.client.topology_at(name)
-        want = inputs[self.rank] * float(info.self_weight)
-        for j, w in sorted(info.src_weights.items()):
-            want = want + inputs[int(j)] * float(w)
-        return want
-
-    def run_size(self, nbytes: int, on_op: Callable[[str], None]) -> SizeResult:
-        """Warm up, check, and time the three ops for one tensor size."""
+    def run_ops(self, ops: list[Op], cap: int, budget: float,
+                tick: Callable[[str], None]) -> dict[str, Any]:
+        """Warm up and check every op, agree on repeats, time them, check again, aggregate."""
         args = self.args
-        numel = nbytes // 4
-        inputs = [make_input(r, numel) for r in range(self.size)]
-        x = inputs[self.rank]
-        total = torch.stack(inputs).sum(0) if self.size > 1 else x.clone()
-        avg = total / self.size
-        buf = torch.empty_like(x)
-        nar_name, ar_name = f"nar.{nbytes}", f"ar.{nbytes}"
-        want_nar = self.expected_neighbor(inputs, nar_name)
-        del inputs
-
-        def gloo_call() -> torch.Tensor:
-            dist.all_reduce(buf)
-            return buf
-
-        def refill() -> None:
-            buf.copy_(x)
-
-        def nar_call() -> torch.Tensor:
-            return self.client.neighbor_allreduce_async(x, name=nar_name).wait()
-
-        def ar_call() -> torch.Tensor:
-            return self.client.allreduce(x, op="average", name=ar_name)
-
-        calls: dict[str, tuple[Callable[[], torch.Tensor], Callable[[], None] | None,
-                               torch.Tensor]] = {
-            "gloo": (gloo_call, refill, total),
-            "nar": (nar_call, None, want_nar),
-            "ar": (ar_call, None, avg),
-        }
-        repeats: dict[str, int] = {}
+        failures: dict[str, str] = {}
         errors: dict[str, float] = {}
-        samples: dict[str, list[float]] = {}
-        for op, (call, before, want) in calls.items():
-            on_op(op)
+        warm: dict[str, float] = {}
+        last: dict[str, Any] = {}
+        for op in ops:
+            tick(op.name)
             self.sync()
-            # warm-up; the first result is the correctness check
-            warm_times: list[float] = []
-            for i in range(args.warmup):
-                if before is not None:
-                    before()
-                t0 = time.perf_counter()
-                got = call()
-                warm_times.append(time.perf_counter() - t0)
-                if i == 0:
-                    errors[op] = max_abs_err(got, want)
-                del got
-            slow = float(self.max_over_ranks(torch.tensor([warm_times[-1]]))[0])
-            if args.repeats:
-                repeats[op] = args.repeats
-            else:
-                repeats[op] = min(default_repeats(nbytes),
-                                  max(args.min_repeats, int(args.budget / slow)))
-            if not args.interleave:
+            try:
+                for i in range(args.warmup):
+                    if op.before is not None:
+                        op.before()
+                    t0 = time.perf_counter()
+                    got = op.call()
+                    warm[op.name] = time.perf_counter() - t0
+                    if i == 0:
+                        errors[op.name] = op.check(got)
+                    last[op.name] = got
+            except Exception as exc:
+                failures[op.name] = describe(exc)
+        # both ranks drop an op that failed on either; both agree on the repeats
+        flags = self.max_over_ranks([1.0 if op.name in failures else 0.0 for op in ops]
+                                    + [warm.get(op.name, 0.0) for op in ops])
+        live = [op for i, op in enumerate(ops) if flags[i] == 0.0]
+        repeats: dict[str, int] = {}
+        for i, op in enumerate(ops):
+            if flags[i] == 0.0:
+                slow = max(flags[len(ops) + i], 1e-6)
+                repeats[op.name] = args.repeats or min(
+                    cap, max(args.min_repeats, int(budget / slow)))
+        samples: dict[str, list[float]] = {op.name: [] for op in live}
+
+        def timed(op: Op) -> bool:
+            if op.before is not None:
+                op.before()
+            t0 = time.perf_counter()
+            try:
+                got = op.call()
+            except Exception as exc:
+                failures[op.name] = describe(exc)
+                return False
+            samples[op.name].append(time.perf_counter() - t0)
+            last[op.name] = got
+            return True
+
+        if args.blocks:
+            for op in live:
                 self.sync()
-                samples[op] = time_calls(call, repeats[op], before)
-        if args.interleave:
-            # one call of each op per iteration: load changes hit all ops alike
+                for _ in range(repeats[op.name]):
+                    if not timed(op):
+                        break
+        elif live:
             r = min(repeats.values())
-            repeats = dict.fromkeys(OPS, r)
-            samples = {op: [] for op in OPS}
+            repeats = dict.fromkeys(repeats, r)
+            running = list(live)
             self.sync()
             for _ in range(r):
-                for op, (call, before, _want) in calls.items():
-                    samples[op] += time_calls(call, 1, before)
+                running = [op for op in running if timed(op)]
+        for op in live:  # the last result must still be exact
+            if op.name not in failures and op.name in last:
+                errors[op.name] = max(errors.get(op.name, 0.0), op.check(last[op.name]))
+        last.clear()
+        # aggregate: max over ranks; a missing value (failed op) is inf
+        local: list[float] = []
+        for op in ops:
+            ok_local = op.name not in failures and samples.get(op.name)
+            s = summarize(samples[op.name]) if ok_local else None
+            local += [s[k] if s else math.inf for k in STATS]
+        agg = self.max_over_ranks(local)
+        err = self.max_over_ranks([errors.get(op.name, math.inf) for op in ops])
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, failures)
+        merged: dict[str, str] = {}
+        for rank, fails in enumerate(gathered):
+            for name, text in fails.items():
+                merged[name] = (merged.get(name, "") + f"rank {rank}: {text}\n")
         stats: dict[str, dict[str, float]] = {}
-        for op in OPS:
-            local = summarize(samples[op])
-            agg = self.max_over_ranks(torch.tensor([local[s] for s in STATS]))
-            stats[op] = {s: float(v) for s, v in zip(STATS, agg.tolist(), strict=True)}
-        err_t = self.max_over_ranks(torch.tensor([errors[op] for op in OPS]))
-        errors = {op: float(v) for op, v in zip(OPS, err_t.tolist(), strict=True)}
-        ok = {op: errors[op] <= args.atol for op in OPS}
-        return SizeResult(nbytes, repeats, stats, errors, ok)
+        for i, op in enumerate(ops):
+            vals = agg[i * len(STATS):(i + 1) * len(STATS)]
+            if all(math.isfinite(v) for v in vals) and op.name not in merged:
+                stats[op.name] = dict(zip(STATS, vals, strict=True))
+        return {
+            "repeats": repeats,
+            "stats": stats,
+            "errors": {op.name: (e if math.isfinite(e) else None)
+                       for op, e in zip(ops, err, strict=True)},
+            "ok": {op.name: op.name not in merged and err[i] == 0.0
+                   for i, op in enumerate(ops)},
+            "failures": merged,
+        }
+
+    # -------------------------------------------------------------- one size
+
+    def size_ops(self, nbytes: int) -> list[Op]:
+        """The per-size series (see the module docs); inputs are exact small integers."""
+        c, rank = self.client, self.rank
+        numel = nbytes // 4
+        a = pattern(numel)
+        x = a + float(rank + 1)
+        want_sum, want_avg = 2 * a + 3.0, a + 1.5
+        want_x0, want_other = a + 1.0, a + float(2 - rank)
+        del a
+        gbuf, nar_t, ar_t, one_t = x.clone(), x.clone(), x.clone(), x.clone()
+        rbuf = torch.empty_like(x)
+        x_bytes, r_bytes = byte_view(x), byte_view(rbuf)
+        names = {op: f"{op}.{nbytes}" for op in OPS}
+        if rank == 0:
+            one_kw: dict[str, Any] = dict(self_weight=1.0, src_weights={}, dst_weights=[1])
+        else:
+            one_kw = dict(self_weight=0.0, src_weights={0: 1.0}, dst_weights=[])
+
+        def gloo() -> torch.Tensor:
+            dist.all_reduce(gbuf)
+            return gbuf
+
+        def nar_() -> torch.Tensor:
+            return c.neighbor_allreduce_(nar_t, name=names["nar_"])
+
+        def nar() -> torch.Tensor:
+            return c.neighbor_allreduce(x, name=names["nar"])
+
+        def ar_() -> torch.Tensor:
+            return c.allreduce_(ar_t, name=names["ar_"])
+
+        def tcp_exchange() -> torch.Tensor:
+            self.link.exchange(x_bytes, r_bytes)
+            return rbuf
+
+        def tcp_oneway() -> torch.Tensor | None:
+            if rank == 0:
+                self.link.send_oneway(x_bytes)
+                return None
+            self.link.recv_oneway(r_bytes)
+            return rbuf
+
+        def oneway() -> torch.Tensor:
+            return c.neighbor_allreduce_(one_t, name=names["oneway"], **one_kw)
+
+        def exact(want: torch.Tensor) -> Callable[[Any], float]:
+            return lambda got: max_abs_err(got, want)
+
+        return [
+            Op("gloo", gloo, exact(want_sum), lambda: gbuf.copy_(x)),
+            Op("nar_", nar_, exact(want_avg)),
+            Op("nar", nar, exact(want_avg)),
+            Op("ar_", ar_, exact(want_avg)),
+            Op("tcp_exchange", tcp_exchange, exact(want_other)),
+            Op("tcp_oneway", tcp_oneway,
+               (lambda got: 0.0) if rank == 0 else exact(want_x0)),
+            Op("oneway", oneway, exact(want_x0)),
+        ]
+
+    def run_size(self, nbytes: int, tick: Callable[[str], None]) -> dict[str, Any]:
+        """Every per-size series for one tensor size."""
+        res = self.run_ops(self.size_ops(nbytes), default_repeats(nbytes), self.args.budget, tick)
+        return {"nbytes": nbytes, **res}
+
+    # -------------------------------------------------------------- ResNet-18
+
+    def resnet_ops(self) -> tuple[list[Op], dict[str, int]]:
+        """The ResNet-18 list variants; each step averages all 62 tensors once."""
+        c, rank = self.client, self.rank
+        shapes = resnet18_shapes()
+        base = [pattern(math.prod(s), i).view(s) for i, s in enumerate(shapes)]
+        xs = [b + float(rank + 1) for b in base]
+        want_sum = [2 * b + 3.0 for b in base]
+        want_avg = [b + 1.5 for b in base]
+        del base
+        gl = [x.clone() for x in xs]
+        gf = [x.clone() for x in xs]
+        nl = [x.clone() for x in xs]
+        al = [x.clone() for x in xs]
+        numel = sum(x.numel() for x in xs)
+        flat = torch.empty(numel, dtype=torch.float32)
+
+        def refill(ts: list[torch.Tensor]) -> Callable[[], None]:
+            def go() -> None:
+                for t, x in zip(ts, xs, strict=True):
+                    t.copy_(x)
+            return go
+
+        def gloo_list() -> list[torch.Tensor]:
+            works = [dist.all_reduce(t, async_op=True) for t in gl]
+            for w in works:
+                assert w is not None
+                w.wait()
+            return gl
+
+        def gloo_flat() -> list[torch.Tensor]:
+            torch.cat([t.view(-1) for t in gf], out=flat)
+            dist.all_reduce(flat)
+            off = 0
+            for t in gf:
+                n = t.numel()
+                t.view(-1).copy_(flat[off:off + n])
+                off += n
+            return gf
+
+        def nar_list() -> list[torch.Tensor]:
+            hs = [c.neighbor_allreduce_async_(t, name=f"rn.nar.{i}") for i, t in enumerate(nl)]
+            for h in hs:
+                h.wait()
+            return nl
+
+        def ar_list() -> list[torch.Tensor]:
+            hs = [c.allreduce_async_(t, name=f"rn.ar.{i}") for i, t in enumerate(al)]
+            for h in hs:
+                h.wait()
+            return al
+
+        def exact(want: list[torch.Tensor]) -> Callable[[Any], float]:
+            return lambda got: max_abs_err(got, want)
+
+        ops = [
+            Op("gloo_list", gloo_list, exact(want_sum), refill(gl)),
+            Op("gloo_flat", gloo_flat, exact(want_sum), refill(gf)),
+            Op("nar_list", nar_list, exact(want_avg)),
+            Op("ar_list", ar_list, exact(want_avg)),
+        ]
+        return ops, {"tensors": len(shapes), "numel": numel, "nbytes": 4 * numel}
+
+    def run_resnet(self, tick: Callable[[str], None]) -> dict[str, Any]:
+        """All ResNet-18 list variants."""
+        ops, info = self.resnet_ops()
+        cap = self.args.resnet_repeats or 40
+        res = self.run_ops(ops, cap, 2 * self.args.budget, tick)
+        return {**info, **res}
+
+    # -------------------------------------------------------------- daemon
+
+    def daemon_status(self) -> dict[str, Any]:
+        """This rank's daemon counters (``client.status()``)."""
+        st = self.client.status()
+        return {"ops_completed": int(st.ops_completed), "ops_failed": int(st.ops_failed),
+                "ops_in_flight": int(st.ops_in_flight),
+                "early_arrival_bytes": int(st.early_arrival_bytes),
+                "peers": [{"rank": int(p.rank), "bytes_sent": int(p.bytes_sent),
+                           "bytes_received": int(p.bytes_received)} for p in st.peers]}
 
     def close(self) -> None:
-        """Tear down gloo and the decent client."""
+        """Tear down the raw link, gloo and the decent client."""
+        with contextlib.suppress(Exception):
+            self.link.close()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         dt.shutdown()
 
 
-# ---------------------------------------------------------------------------------- reporting
+# ---------------------------------------------------------------------------------- hivemind
 
 
-def ms(seconds: float) -> str:
-    """Milliseconds with sensible precision."""
-    v = seconds * 1e3
-    return f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 100 else f"{v:.0f}"
-
-
-def ratio(res: SizeResult, op: str) -> float:
-    """decent median / gloo median."""
-    return res.stats[op]["median"] / res.stats["gloo"]["median"]
-
-
-def rich_table(results: list[SizeResult]) -> Any:
-    """The console table (rich)."""
-    from rich.table import Table
-
-    table = Table(title="decent vs gloo, float32: median ms (p10-p90), max over ranks; "
-                  "ratio = decent / gloo; R = timed calls gloo/nar/ar")
-    table.add_column("size", justify="right")
-    table.add_column("gloo allreduce ms", justify="right")
-    table.add_column("decent neighbor_allreduce ms", justify="right")
-    table.add_column("ratio", justify="right")
-    table.add_column("decent allreduce ms", justify="right")
-    table.add_column("ratio", justify="right")
-    table.add_column("R", justify="right")
-    for res in results:
-        table.add_row(*row_cells(res, lambda err: f" WRONG (err {err:.2g})", "{:.1f}x"))
-    return table
-
-
-def row_cells(res: SizeResult, wrong: Callable[[float], str], ratio_fmt: str) -> list[str]:
-    """One size's cells: size, per op median (p10-p90) with ratios to gloo, repeats."""
-    cells = [human_bytes(res.nbytes)]
-    for op in OPS:
-        s = res.stats[op]
-        cell = f"{ms(s['median'])} ({ms(s['p10'])}-{ms(s['p90'])})"
-        if not res.ok[op]:
-            cell += wrong(res.errors[op])
-        cells.append(cell)
-        if op != "gloo":
-            cells.append(ratio_fmt.format(ratio(res, op)))
-    cells.append("/".join(str(res.repeats[op]) for op in OPS))
-    return cells
-
-
-def markdown(results: list[SizeResult], meta: dict[str, Any]) -> str:
-    """The results file: command, machine, method, tables."""
-    lines = [
-        "# decent vs gloo: neighbor_allreduce / allreduce between 2 daemons",
-        "",
-        f"- command: `{meta['command']}`",
-        f"- date: {meta['date']}",
-        f"- machine: {meta['nproc']} CPUs ({meta['cpu']}), {meta['platform']}",
-        f"- load average at start / end: {meta['load_start']} / {meta['load_end']}",
-        f"- python {meta['python']}, torch {meta['torch']}, numpy {meta['numpy']}, "
-        f"decent {meta['git']}",
-        f"- torch threads: {meta['threads']}; warm-up calls: {meta['warmup']}; "
-        f"budget per block: {meta['budget']} s; timing: {meta['mode']}; "
-        f"total runtime: {meta['runtime_s']:.1f} s",
-        "",
-        "Times are per call (median, p10-p90) in milliseconds; every statistic is the maximum "
-        "over the ranks of that rank's own statistic. gloo: `dist.all_reduce` (SUM, in place). "
-        "decent: `neighbor_allreduce_async(x).wait()` and `allreduce(x, op='average')`, "
-        "including the copies into and out of the shared-memory arena. Ratio = decent median / "
-        "gloo median. Throughput = tensor bytes / median time. R = timed calls "
-        "(gloo/nar/ar). Each op's first warm-up result was checked against the exact expected "
-        "value (max abs error shown).",
-        "",
-        "| size | gloo ms | decent nar ms | nar / gloo | decent allreduce ms | ar / gloo | R |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for res in results:
-        cells = row_cells(res, lambda _err: " **WRONG**", "{:.2f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "Throughput (tensor bytes / median time), fastest call (min ms: less sensitive to other "
-        "load on the machine) and correctness (max abs error of the first result):",
-        "",
-        "| size | gloo | decent nar | decent allreduce | min ms gloo / nar / allreduce "
-        "| err gloo | err nar | err allreduce |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for res in results:
-        rates = [human_rate(res.nbytes / res.stats[op]["median"]) for op in OPS]
-        mins = " / ".join(ms(res.stats[op]["min"]) for op in OPS)
-        errs = [f"{res.errors[op]:.1e}" + ("" if res.ok[op] else " WRONG") for op in OPS]
-        lines.append("| " + " | ".join([human_bytes(res.nbytes), *rates, mins, *errs]) + " |")
-    lines += ["", "Daemons after the run (from `client.status()` and /proc):", ""]
-    for d in meta["daemons"]:
-        lines.append(f"- {d}")
-    lines.append("")
-    return "\n".join(lines)
-
-
-def plot(results: list[SizeResult], path: Path) -> None:
-    """Two panels: time vs size (log-log, p10-p90 band) and ratio vs size (line at 1.0)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullLocator
-
-    sizes = np.array([r.nbytes for r in results], dtype=float)
-    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for op, marker in zip(OPS, ("o", "s", "^"), strict=True):
-        med = np.array([r.stats[op]["median"] for r in results]) * 1e3
-        lo = np.array([r.stats[op]["p10"] for r in results]) * 1e3
-        hi = np.array([r.stats[op]["p90"] for r in results]) * 1e3
-        ax_t.plot(sizes, med, marker=marker, label=OP_TITLES[op])
-        ax_t.fill_between(sizes, lo, hi, alpha=0.2)
-    ax_t.set_xscale("log", base=2)
-    ax_t.set_yscale("log")
-    ax_t.set_xlabel("tensor size (bytes, float32)")
-    ax_t.set_ylabel("time per call (ms, median; band p10-p90)")
-    ax_t.set_title("time vs size")
-    ax_t.grid(True, which="both", alpha=0.3)
-    ax_t.legend()
-    for op, marker in (("nar", "s"), ("ar", "^")):
-        ax_r.plot(sizes, [ratio(r, op) for r in results], marker=marker,
-                  label=f"{OP_TITLES[op]} / gloo")
-    ax_r.axhline(1.0, color="black", linestyle="--", linewidth=1)
-    ax_r.set_xscale("log", base=2)
-    ax_r.set_yscale("log")
-    ax_r.set_xlabel("tensor size (bytes, float32)")
-    ax_r.set_ylabel("decent median / gloo median")
-    ax_r.set_title("ratio (>1: decent slower)")
-    ax_r.grid(True, which="both", alpha=0.3)
-    ax_r.legend()
-    for ax in (ax_t, ax_r):
-        ax.set_xticks(sizes, [human_bytes(s) for s in sizes], rotation=45)
-        ax.xaxis.set_minor_locator(NullLocator())
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def daemon_summary(bench: Bench, pid: int | None, mem_start: dict[str, int]) -> str:
-    """One line about this rank's daemon: traffic counters and memory."""
-    st = bench.client.status()
-    peers = ", ".join(
-        f"to/from rank {p.rank}: {human_bytes(p.bytes_sent)} / {human_bytes(p.bytes_received)}"
-        for p in st.peers
-    )
-    text = (f"rank {st.rank} daemon: ops completed {st.ops_completed}, failed {st.ops_failed}, "
-            f"in flight {st.ops_in_flight}, early-arrival bytes {st.early_arrival_bytes}; "
-            f"{peers}")
-    if pid is not None:
-        mem = proc_memory(pid)
-        if mem:
-            text += (f"; pid {pid} RSS {mib(mem_start.get('VmRSS', 0))} at start "
-                     f"(anon {mib(mem_start.get('RssAnon', 0))}), "
-                     f"{mib(mem.get('VmRSS', 0))} at end (anon {mib(mem.get('RssAnon', 0))}, "
-                     f"shmem {mib(mem.get('RssShmem', 0))}), peak {mib(mem.get('VmHWM', 0))}")
-    return text
+def run_hivemind(sizes: Sequence[int], repeats: int, timeout: float) -> dict[str, Any]:
+    """``benchmarks/hivemind_avg.py`` on ``sizes`` + ResNet-18 in a subprocess; its JSON."""
+    with tempfile.TemporaryDirectory(prefix="bench-hivemind-") as tmp:
+        out = Path(tmp) / "hivemind.json"
+        cmd = [sys.executable, str(REPO / "benchmarks" / "hivemind_avg.py"),
+               "--sizes", ",".join(str(s) for s in sizes), "--resnet18",
+               "--repeats", str(repeats), "--timeout", str(int(timeout)),
+               "--json", str(out), "--no-progress"]
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, timeout=timeout + 120, check=False)
+            code: int | str = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        data: dict[str, Any]
+        try:
+            data = json.loads(out.read_text())
+        except (OSError, ValueError):
+            data = {"error": f"hivemind_avg.py exited with {code} without a JSON result"}
+        if code != 0 and "error" not in data and "skipped" not in data:
+            data["error"] = f"hivemind_avg.py exited with {code}"
+        data["command"] = shlex.join(["python", *cmd[1:]])
+        data["subprocess_wall_s"] = time.monotonic() - started
+        return data
 
 
 # ---------------------------------------------------------------------------------- main
@@ -532,117 +712,160 @@ def daemon_summary(bench: Bench, pid: int | None, mem_start: dict[str, int]) -> 
 def build_parser() -> argparse.ArgumentParser:
     """Command line of the benchmark."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="",
+                   help="comma-separated sizes, e.g. 4K,64K,1M,16M,64M (default 4K..64M, x4)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: sizes 4K,64K,1M, few repeats, ResNet-18 x3, no hivemind")
+    p.add_argument("--no-hivemind", action="store_true", help="skip the hivemind baseline")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results",
+                   help="directory for p2p_vs_gloo.{json,md,png}")
     p.add_argument("--repeats", type=int, default=0,
                    help="timed calls per size and op (default: adapted to size and --budget)")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results",
-                   help="directory for p2p_vs_gloo.{md,png,json}")
-    p.add_argument("--sizes", default="",
-                   help="comma-separated sizes in bytes, e.g. 4K,1M,64M (default 4K..64M, x4)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per size and op")
-    p.add_argument("--budget", type=float, default=5.0,
-                   help="approximate seconds per (size, op) timed block when --repeats is unset")
-    p.add_argument("--min-repeats", type=int, default=5, help="lower bound of the adapted R")
-    p.add_argument("--interleave", action="store_true",
-                   help="time the ops round-robin (gloo, nar, ar, gloo, ...) instead of one block "
-                   "per op: fairer ratios on a machine with fluctuating load")
-    p.add_argument("--atol", type=float, default=1e-5,
-                   help="max abs error accepted by the correctness check")
+    p.add_argument("--budget", type=float, default=4.0,
+                   help="approximate seconds of timed calls per (size, op)")
+    p.add_argument("--min-repeats", type=int, default=10, help="lower bound of the adapted R")
+    p.add_argument("--resnet-repeats", type=int, default=0,
+                   help="cap of timed ResNet-18 steps per variant (default 40, budget-adapted)")
+    p.add_argument("--blocks", action="store_true",
+                   help="time one block per op instead of interleaving the ops round-robin")
+    p.add_argument("--hivemind-sizes", default="",
+                   help="sizes for hivemind (default: the same as --sizes)")
+    p.add_argument("--hivemind-repeats", type=int, default=3,
+                   help="timed hivemind steps per case and mode")
+    p.add_argument("--hivemind-timeout", type=float, default=1500.0,
+                   help="give the hivemind subprocess this many seconds")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark on this rank; rank 0 reports. 1 when a correctness check failed."""
+    """Run the benchmark on this rank; rank 0 writes the results. 1 when a decent op failed."""
     args = build_parser().parse_args(argv)
     if args.warmup < 1:
         raise SystemExit("--warmup must be >= 1 (the first warm-up call is the correctness check)")
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s] or list(DEFAULT_SIZES)
+    if args.quick:
+        args.no_hivemind = True
+        args.warmup = min(args.warmup, 2)
+        args.budget = min(args.budget, 0.3)
+        args.min_repeats = min(args.min_repeats, 5)
+        args.resnet_repeats = args.resnet_repeats or 3
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()] or list(
+        QUICK_SIZES if args.quick else DEFAULT_SIZES)
     if any(s <= 0 or s % 4 for s in sizes):
         raise SystemExit(f"sizes must be positive multiples of 4 bytes, got {sizes}")
+    hm_sizes = [parse_size(s) for s in args.hivemind_sizes.split(",") if s.strip()] or sizes
+    args.gloo_timeout = 120.0 if args.no_hivemind else args.hivemind_timeout + 300.0
     torch.set_num_threads(1)
     started = time.monotonic()
-    load_start = os.getloadavg()
-    pid = find_daemon_pid()
-    mem_start = proc_memory(pid) if pid is not None else {}
+    load_start, uptime_start = os.getloadavg(), uptime_text()
+    sampler = RssSampler(find_daemon_pid())
+    sampler.start()
 
     bench = Bench(args)
     rank = bench.rank
     if rank == 0:
-        print(f"decent vs gloo: {bench.size} ranks, sizes {', '.join(map(human_bytes, sizes))}; "
-              f"gloo on 127.0.0.1:{bench.port}; torch threads {torch.get_num_threads()}",
-              flush=True)
-    dist.barrier()  # gloo is up on every rank
+        listed = ", ".join(map(report.human_bytes, sizes))
+        print(f"decent vs gloo vs raw TCP: 2 ranks, sizes {listed}; gloo on "
+              f"127.0.0.1:{bench.port}; {uptime_start}", flush=True)
+        if load_start[0] > report.LOAD_WARNING:
+            print(f"note: load average {load_start[0]:.2f} > {report.LOAD_WARNING} at start: "
+                  "the machine is busy with other work", flush=True)
+    dist.barrier()
 
-    results: list[SizeResult] = []
     progress: Any = None
     if rank == 0:
         from tqdm import tqdm
 
-        progress = tqdm(total=len(sizes) * len(OPS), desc="benchmark", unit="block",
-                        file=sys.stdout, mininterval=1.0, ncols=90)
-    try:
-        for nbytes in sizes:
-            def on_op(op: str, nbytes: int = nbytes) -> None:
-                if progress is not None:
-                    if op != OPS[0]:
-                        progress.update(1)
-                    progress.set_postfix_str(f"{human_bytes(nbytes)} {op}")
+        total = len(sizes) * len(OPS) + len(RN_OPS) + (0 if args.no_hivemind else 1)
+        progress = tqdm(total=total, desc="benchmark", unit="op", file=sys.stdout,
+                        mininterval=1.0, ncols=100)
 
-            res = bench.run_size(nbytes, on_op)
-            results.append(res)
+    def ticker(label: str) -> Callable[[str], None]:
+        def tick(op: str) -> None:
             if progress is not None:
                 progress.update(1)
-                parts = [f"{op} {ms(res.stats[op]['median'])} ms"
-                         + ("" if res.ok[op] else " WRONG") for op in OPS]
-                progress.write(f"{human_bytes(res.nbytes):>8}: " + ", ".join(parts)
-                               + f"; nar/gloo {ratio(res, 'nar'):.1f}x, "
-                               f"ar/gloo {ratio(res, 'ar'):.1f}x")
+                progress.set_postfix_str(f"{label} {op}")
+        return tick
+
+    results: list[dict[str, Any]] = []
+    resnet: dict[str, Any] = {}
+    hivemind: dict[str, Any] | None = None
+    try:
+        sampler.phase = "sizes"
+        for nbytes in sizes:
+            res = bench.run_size(nbytes, ticker(report.human_bytes(nbytes)))
+            results.append(res)
+            if progress is not None:
+                parts = [f"{op} {report.ms(report.median(res, op))}"
+                         + (f" {report.op_status(res, op)}" if report.op_status(res, op) else "")
+                         for op in OPS]
+                progress.write(f"{report.human_bytes(nbytes):>8} ms: " + ", ".join(parts))
+        sampler.phase = "resnet18"
+        resnet = bench.run_resnet(ticker("ResNet-18"))
+        if progress is not None:
+            progress.write("ResNet-18 ms/step: " + ", ".join(
+                f"{op} {report.ms(report.median(resnet, op))}" for op in RN_OPS))
+        sampler.phase = "hivemind (decent idle)"
+        if not args.no_hivemind:
+            if rank == 0:
+                progress.set_postfix_str("hivemind (subprocess, several minutes)")
+                progress.write("running benchmarks/hivemind_avg.py (rank 1 waits)")
+                hivemind = run_hivemind(hm_sizes, args.hivemind_repeats, args.hivemind_timeout)
+                progress.update(1)
+            dist.barrier()  # rank 1 waits here (gloo timeout covers the hivemind run)
     finally:
         if progress is not None:
             progress.close()
 
-    # daemon counters and memory of every rank, gathered to rank 0
-    summaries: list[Any] = [None] * bench.size
-    dist.all_gather_object(summaries, daemon_summary(bench, pid, mem_start))
+    status = bench.daemon_status()
+    mem = sampler.stop()
+    gathered: list[Any] = [None] * bench.size
+    dist.all_gather_object(gathered, {"rank": rank, **mem, "status": status})
     runtime = time.monotonic() - started
-    failed = any(not ok for res in results for ok in res.ok.values())
+    failed = any(not ok for e in [*results, resnet] for ok in e.get("ok", {}).values())
 
     if rank == 0:
-        from rich.console import Console
-
-        console = Console() if sys.stdout.isatty() else Console(width=150)
-        console.print(rich_table(results))
-        for line in summaries:
-            console.print(line)
         meta = {
             "command": launch_command(bench.size),
+            "argv": sys.argv,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "nproc": os.cpu_count(),
             "cpu": cpu_model(),
             "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "numpy": np.__version__,
+            "versions": versions(),
             "git": git_revision(),
             "threads": torch.get_num_threads(),
             "warmup": args.warmup,
             "budget": args.budget if not args.repeats else f"n/a (--repeats {args.repeats})",
-            "mode": "interleaved (--interleave)" if args.interleave else "one block per op",
-            "load_start": " ".join(f"{v:.2f}" for v in load_start),
-            "load_end": " ".join(f"{v:.2f}" for v in os.getloadavg()),
+            "mode": "one block per op (--blocks)" if args.blocks
+            else "interleaved round-robin over all series",
+            "quick": args.quick,
+            "sizes": sizes,
+            "loadavg_start": list(load_start),
+            "loadavg_end": list(os.getloadavg()),
+            "uptime_start": uptime_start,
+            "uptime_end": uptime_text(),
+            "loaded_at_start": load_start[0] > report.LOAD_WARNING,
             "runtime_s": runtime,
-            "daemons": summaries,
         }
+        data: dict[str, Any] = {"meta": meta, "ops": report.OPS, "resnet18_ops": report.RN_OPS,
+                                "sizes": results, "resnet18": resnet,
+                                "hivemind": hivemind, "daemons": gathered}
         out: Path = args.out
         out.mkdir(parents=True, exist_ok=True)
-        (out / "p2p_vs_gloo.md").write_text(markdown(results, meta))
-        plot(results, out / "p2p_vs_gloo.png")
-        (out / "p2p_vs_gloo.json").write_text(
-            json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=1) + "\n"
-        )
-        console.print(f"total runtime {runtime:.1f} s; wrote {out / 'p2p_vs_gloo.md'}, "
-                      f"{out / 'p2p_vs_gloo.png'}, {out / 'p2p_vs_gloo.json'}")
+        report.plot_sizes(data, out / report.P2P_PNGS[0])
+        report.plot_resnet(data, out / report.P2P_PNGS[1])
+        data["acceptance"] = report.acceptance(data, None, [out / n for n in report.P2P_PNGS])
+        (out / "p2p_vs_gloo.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+        (out / "p2p_vs_gloo.md").write_text(report.render_p2p(data, out))
+        print("\n".join(report.acceptance_lines(data["acceptance"])))
+        for line in report.failure_lines(data):
+            print(line)
+        print(f"total runtime {runtime:.1f} s; wrote {out / 'p2p_vs_gloo.json'}, "
+              f"{out / 'p2p_vs_gloo.md'}, {out / report.P2P_PNGS[0]}, "
+              f"{out / report.P2P_PNGS[1]}", flush=True)
         if failed:
-            console.print("[bold red]correctness check FAILED for some op/size (see WRONG)")
+            print("an op FAILED or returned a wrong result (see the report)", flush=True)
     dist.barrier()
     bench.close()
     return 1 if failed else 0

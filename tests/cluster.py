@@ -45,10 +45,17 @@ class Cluster:
         with open(self.logs[i], "ab") as log:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
-    def connect(self) -> list[Client[Any]]:
-        """One client per rank (registration waits until each daemon has all its peers)."""
+    def connect(self, **options: Any) -> list[Client[Any]]:
+        """One client per rank (registration waits until each daemon has all its peers).
+
+        ``options`` go to every client; a list value gives one per rank.
+        """
+        def kwargs(rank: int) -> dict[str, Any]:
+            return {k: v[rank] if isinstance(v, list) else v for k, v in options.items()}
+
         with ThreadPoolExecutor(self.n) as pool:
-            futures = [pool.submit(dt.connect, f"unix://{s}", 60) for s in self.sockets]
+            futures = [pool.submit(dt.connect, f"unix://{s}", 60, **kwargs(i))
+                       for i, s in enumerate(self.sockets)]
             clients, failed = [], None
             for f in futures:
                 try:

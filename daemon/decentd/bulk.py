@@ -189,13 +189,27 @@ class Sender:
         self.sock.close()
 
 
+class Stream(Protocol):
+    """A payload consumed as it arrives (instead of landing in one payload-sized buffer)."""
+
+    #: where the next bytes are received (a small buffer that stays in cache)
+    staging: np.ndarray
+
+    def feed(self, offset: int, nbytes: int) -> None:
+        """``staging[:nbytes]`` holds the payload's bytes ``[offset, offset + nbytes)``."""
+
+
+Dest = np.ndarray | Stream
+
+
 class FrameSink(Protocol):
     """Where an :class:`Inbound` connection delivers what it reads."""
 
-    def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
-        """A header arrived; return the uint8 buffer its payload goes into (None: no payload)."""
+    def on_header(self, conn: Inbound, header: pb.BulkHeader) -> Dest | None:
+        """A header arrived; return where its payload goes: a uint8 buffer of exactly its size,
+        or a Stream (None: no payload)."""
 
-    def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
+    def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: Dest | None) -> None:
         """A whole frame (header and payload) arrived."""
 
     def on_lost(self, conn: Inbound, reason: str) -> None:
@@ -204,10 +218,32 @@ class FrameSink(Protocol):
 
 @dataclass
 class _Partial:
+    """A payload being received: into ``dest`` directly, or chunk by chunk into a stream."""
+
     header: pb.BulkHeader
-    dest: np.ndarray
-    view: memoryview
-    filled: int = 0
+    dest: Dest
+    size: int
+    view: memoryview  # where bytes land: the whole buffer, or the stream's staging buffer
+    filled: int = 0  # payload bytes received (streams: handed over)
+    staged: int = 0  # streams: bytes in the staging buffer not handed over yet
+
+    def want(self) -> memoryview:
+        """The buffer the next read goes into."""
+        if isinstance(self.dest, np.ndarray):
+            return self.view[self.filled:]
+        return self.view[self.staged:min(len(self.view), self.size - self.filled)]
+
+    def add(self, nbytes: int) -> bool:
+        """Account ``nbytes`` received; True once the payload is complete."""
+        if isinstance(self.dest, np.ndarray):
+            self.filled += nbytes
+        else:
+            self.staged += nbytes
+            if self.staged == min(len(self.view), self.size - self.filled):
+                self.dest.feed(self.filled, self.staged)
+                self.filled += self.staged
+                self.staged = 0
+        return self.filled == self.size
 
 
 @dataclass(eq=False)
@@ -235,7 +271,7 @@ class Inbound(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         """The payload being received, else free scratch space."""
         if self._partial is not None:
-            return self._partial.view[self._partial.filled:]
+            return self._partial.want()
         if self._end == len(self._scratch):
             pending = self._end - self._start
             if self._start:
@@ -252,8 +288,7 @@ class Inbound(asyncio.BufferedProtocol):
         self.bytes_received += nbytes
         part = self._partial
         if part is not None:
-            part.filled += nbytes
-            if part.filled == part.dest.size:
+            if part.add(nbytes):
                 self._partial = None
                 self._deliver(part.header, part.dest)
             return
@@ -282,26 +317,30 @@ class Inbound(asyncio.BufferedProtocol):
             self._start += LENGTH + hlen
             size = header.payload_bytes
             dest = self.sink.on_header(self, header) if size else None
-            if size and (dest is None or dest.size != size):
+            if size and (dest is None or (isinstance(dest, np.ndarray) and dest.size != size)):
                 raise ValueError(f"no buffer for a {size}-byte payload")
             if dest is None:
                 self._deliver(header, None)
                 continue
-            take = min(size, self._end - self._start)
-            if take:
-                dest[:take] = np.frombuffer(buf, np.uint8, take, self._start)
+            view = dest.data if isinstance(dest, np.ndarray) else dest.staging.data
+            part = _Partial(header, dest, size, view)
+            while self._start < self._end and part.filled != size:
+                into = part.want()
+                take = min(len(into), self._end - self._start)
+                into[:take] = buf[self._start:self._start + take]
                 self._start += take
-            if take == size:
+                part.add(take)
+            if part.filled == size:
                 self._deliver(header, dest)
                 continue
-            self._partial = _Partial(header, dest, dest.data, take)
+            self._partial = part
             break
         if self._start == self._end:
             self._start = self._end = 0
         if self._partial is not None and len(self._scratch) > SCRATCH:
             self._scratch = bytearray(SCRATCH)  # shrink after a huge header
 
-    def _deliver(self, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
+    def _deliver(self, header: pb.BulkHeader, payload: Dest | None) -> None:
         try:
             self.sink.on_frame(self, header, payload)
         except ValueError as exc:

@@ -22,13 +22,14 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 import numpy as np
 
 from decentd import PROTOCOL_VERSION
 from decentd.bufpool import BufferPool
-from decentd.bulk import Buffer, Inbound, Outgoing, Sender, encode, tune
+from decentd.bulk import Buffer, Dest, Inbound, Outgoing, Sender, Stream, encode, tune
 from decentd.errors import OpError, StartupError
 from decentd.wire import pb, pb_grpc
 
@@ -48,6 +49,8 @@ GRPC_OPTIONS = [
 
 #: a cancelled op whose half-written message is still not out after this long says so in the log
 WRITE_GRACE = 5.0
+#: credit owed to a peer is sent on its own after this long if no other frame carried it
+CREDIT_DELAY = 0.002
 #: the smallest receive window a peer gets, however many peers share the early-arrival budget
 MIN_WINDOW = 1 << 20
 
@@ -84,9 +87,17 @@ class Arrival:
     dtype: int
     shape: tuple[int, ...]
     weight: float
-    data: np.ndarray  # uint8, exactly this part's bytes
+    data: np.ndarray  # uint8, exactly this part's bytes (empty when streamed)
     message: _Message | None = None
     released: bool = False
+    streamed: bool = False  # the bytes went to the op's StreamTarget as they arrived
+
+
+class StreamTarget(Stream, Protocol):
+    """An op that consumes a tensor while it arrives (e.g. combines it into its output)."""
+
+    def accept(self, part: pb.Part) -> bool:
+        """Whether this part (its op, dtype, shape) can be streamed; False: buffer it instead."""
 
 
 @dataclass(eq=False)
@@ -115,6 +126,8 @@ class PeerLink:
     credits: int = 0  # eager bytes we may still send before the peer consumes some
     window: int = 0
     rendezvous: dict[int, _Rendezvous] = field(default_factory=dict)
+    owed: int = 0  # credit for consumed payloads not yet given back
+    owed_flush: bool = False
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     @property
@@ -162,6 +175,7 @@ class Transport:
         self.data_port = 0
         self._server: asyncio.Server | None = None
         self._waiters: dict[Key, asyncio.Future[Arrival]] = {}
+        self._streams: dict[Key, StreamTarget] = {}
         self._early: dict[Key, Arrival] = {}
         self._held: dict[tuple[str, int], list[Arrival]] = {}
         self._acks: dict[Key, asyncio.Future[None]] = {}
@@ -385,13 +399,13 @@ class Transport:
         if size <= link.credits:
             link.credits -= size
             header = pb.BulkHeader(kind=pb.DATA, message_id=mid, payload_bytes=size, parts=parts)
-            await self._write(link, [encode(header), *payload], name)
+            await self._write(link, [self._stamp(link, header), *payload], name)
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         rdv = _Rendezvous(payload, name, done)
         link.rendezvous[mid] = rdv
         try:
-            await self._write(link, [encode(pb.BulkHeader(kind=pb.RTS, message_id=mid,
+            await self._write(link, [self._stamp(link, pb.BulkHeader(kind=pb.RTS, message_id=mid,
                                                           payload_bytes=0, parts=parts))], name)
             await asyncio.shield(done)  # the CTS queues the payload; this is its write
         except BaseException:
@@ -407,7 +421,7 @@ class Transport:
         size = sum(len(b) for b in rdv.payload)
         header = pb.BulkHeader(kind=pb.PAYLOAD, message_id=mid, payload_bytes=size)
         done = rdv.done
-        item = link.sender.send([encode(header), *rdv.payload],
+        item = link.sender.send([self._stamp(link, header), *rdv.payload],
                                 lambda err: _settle(done, err, link.rank, rdv.name))
         rdv.item = item if item is not None else Outgoing([], None, started=True)
 
@@ -424,7 +438,7 @@ class Transport:
         link = self.links.get(dst)
         if link is None or link.sender is None or not link.connected:
             return
-        link.sender.send([encode(header)])
+        link.sender.send([self._stamp(link, header)])
 
     def send_acks(self, dst: int, keys: list[tuple[str, int]], tag: int) -> None:
         """Tell ``dst`` that its parts ``(name, round)`` with ``tag`` were matched here."""
@@ -438,8 +452,13 @@ class Transport:
 
     # ------------------------------------------------------------------ receiving
 
-    def expect(self, src: int, name: str, round_: int, tag: int) -> asyncio.Future[Arrival]:
-        """A future for the part ``(name, round, tag)`` from ``src``."""
+    def expect(self, src: int, name: str, round_: int, tag: int,
+               stream: StreamTarget | None = None) -> asyncio.Future[Arrival]:
+        """A future for the part ``(name, round, tag)`` from ``src``.
+
+        With ``stream``, a part that arrives from now on (alone in its message) is handed to it
+        chunk by chunk as it comes off the socket; the arrival then has ``streamed`` set.
+        """
         key = (src, name, round_, tag)
         fut: asyncio.Future[Arrival] = asyncio.get_running_loop().create_future()
         early = self._early.pop(key, None)
@@ -449,6 +468,8 @@ class Transport:
             fut.set_result(early)
         else:
             self._waiters[key] = fut
+            if stream is not None:
+                self._streams[key] = stream
             rts = self._rts_keys.get(key)
             if rts is not None:
                 self._clear_to_send(rts)
@@ -476,8 +497,26 @@ class Transport:
             if msg.buf is not None:
                 self.pool.put(msg.buf)
                 msg.buf = None
-            if msg.credit:
-                self._control(msg.src, pb.BulkHeader(kind=pb.ACK, credit=msg.credit))
+            link = self.links.get(msg.src)
+            if msg.credit and link is not None:
+                # given back on the next frame to that peer, or by itself a moment later
+                link.owed += msg.credit
+                if not link.owed_flush:
+                    link.owed_flush = True
+                    asyncio.get_running_loop().call_later(CREDIT_DELAY, self._flush_credit, link)
+
+    def _flush_credit(self, link: PeerLink) -> None:
+        link.owed_flush = False
+        if link.owed:
+            self._control(link.rank, pb.BulkHeader(kind=pb.ACK))
+
+    @staticmethod
+    def _stamp(link: PeerLink, header: pb.BulkHeader) -> bytes:
+        """The encoded frame header, carrying the credit we owe ``link``'s peer."""
+        if link.owed:
+            header.credit += link.owed
+            link.owed = 0
+        return encode(header)
 
     def close_op(self, name: str, round_: int) -> None:
         """Forget everything about a finished op; later arrivals for it are dropped."""
@@ -489,6 +528,8 @@ class Transport:
                 fut = table.pop(key)
                 if not fut.done():
                     fut.cancel()
+        for key in [k for k in self._streams if k[1] == name and k[2] == round_]:
+            del self._streams[key]
         for arrival in self._held.pop((name, round_), ()):
             self.release(arrival)
         self._drop_early(name, round_)
@@ -541,19 +582,30 @@ class Transport:
 
     # ------------------------------------------------------------------ the bulk sink
 
-    def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
-        """Where a frame's payload goes: a pooled buffer of exactly its size."""
+    def on_header(self, conn: Inbound, header: pb.BulkHeader) -> Dest | None:
+        """Where a frame's payload goes: the waiting op's stream, else a pooled buffer."""
         if conn.src < 0:
             raise ValueError("data before HELLO")
         kind = header.kind
-        if kind == pb.PAYLOAD and (conn.src, header.message_id) not in self._cts_sent:
-            raise ValueError(f"a payload for message {header.message_id}, which was not "
-                             "cleared to send")
-        if kind not in (pb.DATA, pb.PAYLOAD):
+        parts = header.parts
+        if kind == pb.PAYLOAD:
+            rts = self._cts_sent.get((conn.src, header.message_id))
+            if rts is None:
+                raise ValueError(f"a payload for message {header.message_id}, which was not "
+                                 "cleared to send")
+            parts = rts.parts
+        elif kind != pb.DATA:
             raise ValueError(f"a payload on a frame of kind {kind}")
+        if len(parts) == 1 and parts[0].nbytes == header.payload_bytes:
+            p = parts[0]
+            key = (conn.src, p.name, int(p.round), int(p.tag))
+            target = self._streams.get(key)
+            if target is not None and key in self._waiters and target.accept(p):
+                del self._streams[key]
+                return target
         return self.pool.get(int(header.payload_bytes))
 
-    def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
+    def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: Dest | None) -> None:
         """Dispatch one complete frame; ValueError closes the connection it came on."""
         kind = header.kind
         if kind == pb.HELLO:
@@ -564,17 +616,18 @@ class Transport:
         if link is None:
             raise ValueError("data before HELLO")
         link.last_heartbeat = time.monotonic()
+        link.credits += int(header.credit)
+        size = int(header.payload_bytes)
         if kind == pb.DATA:
-            self._on_data(src, header.parts, payload, header.payload_bytes)
+            self._on_data(src, header.parts, payload, size, size)
         elif kind == pb.PAYLOAD:
             rts = self._cts_sent.pop((src, header.message_id))
-            self._on_data(src, rts.parts, payload, 0)
+            self._on_data(src, rts.parts, payload, size, 0)
         elif kind == pb.RTS:
             self._on_rts(src, header)
         elif kind == pb.CTS:
             self._on_cts(link, header.message_id)
         elif kind == pb.ACK:
-            link.credits += int(header.credit)
             for p in header.parts:
                 fut = self._acks.pop((src, p.name, p.round, p.tag), None)
                 if fut is not None and not fut.done():
@@ -603,16 +656,23 @@ class Transport:
         link.inbound = conn
         link.inbound_lost = False
 
-    def _on_data(self, src: int, parts: Iterable[pb.Part], payload: np.ndarray | None,
+    def _on_data(self, src: int, parts: Iterable[pb.Part], dest: Dest | None, total: int,
                  credit: int) -> None:
         plist = list(parts)
-        total = payload.size if payload is not None else 0
+        payload = dest if isinstance(dest, np.ndarray) else None
         if sum(int(p.nbytes) for p in plist) != total or not plist:
             if payload is not None:
                 self.pool.put(payload)
             raise ValueError(f"parts of {sum(int(p.nbytes) for p in plist)} bytes in a "
                              f"{total}-byte payload")
         msg = _Message(src, payload, len(plist), credit)
+        if dest is not None and payload is None:  # streamed: the op already has the bytes
+            p = plist[0]
+            shape = tuple(int(s) for s in p.meta.shape)
+            arrival = Arrival(src, int(p.op), int(p.meta.dtype), shape, float(p.weight),
+                              np.empty(0, np.uint8), msg, streamed=True)
+            self._deliver((src, p.name, int(p.round), int(p.tag)), arrival)
+            return
         empty = np.empty(0, np.uint8)
         offset = 0
         for p in plist:

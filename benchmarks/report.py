@@ -1,0 +1,795 @@
+"""Render the benchmark results: markdown tables, acceptance verdicts and PNG plots.
+
+Run it after the benchmarks::
+
+    python benchmarks/report.py [--results benchmarks/results]
+
+It reads ``p2p_vs_gloo.json`` (written by ``benchmarks/p2p_vs_gloo.py``) and ``netns_dsgd.json``
+(written by ``benchmarks/netns_dsgd.py``; either may be missing or say ``skipped``), writes
+``REPORT.md`` with every table and the acceptance table of all criteria, writes
+``README_TABLE.md`` (a compact table to paste into the README) and prints that table.
+
+``p2p_vs_gloo.py`` uses the same functions (:func:`render_p2p`, :func:`plot_sizes`,
+:func:`plot_resnet`, :func:`acceptance`) for its own ``p2p_vs_gloo.md`` and PNGs, so the JSON is
+the single source of every number shown. Only the standard library and matplotlib are needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+#: per-size series measured by p2p_vs_gloo.py, in table order
+OPS: dict[str, str] = {
+    "gloo": "gloo all_reduce (in place)",
+    "nar_": "decent neighbor_allreduce_ (in place)",
+    "nar": "decent neighbor_allreduce (new tensor)",
+    "ar_": "decent allreduce_ (in place)",
+    "tcp_exchange": "raw TCP exchange (both ways at once)",
+    "tcp_oneway": "raw TCP one-way 0->1",
+    "oneway": "decent one-way 0->1 (neighbor_allreduce_ with dst_weights)",
+}
+#: decent ops among OPS (the ones whose results are checked against the closed form)
+DECENT_OPS = ("nar_", "nar", "ar_", "oneway")
+#: ResNet-18 list variants
+RN_OPS: dict[str, str] = {
+    "gloo_list": "gloo: all_reduce(async_op=True) per tensor, wait all",
+    "gloo_flat": "gloo: flatten into one buffer, one all_reduce, copy back",
+    "nar_list": "decent: neighbor_allreduce_async_ per tensor, wait all (fused)",
+    "ar_list": "decent: allreduce_async_ per tensor, wait all (fused)",
+}
+STYLE: dict[str, tuple[str, str]] = {  # series -> (marker, linestyle)
+    "gloo": ("o", "-"),
+    "nar_": ("s", "-"),
+    "nar": ("D", ":"),
+    "ar_": ("^", "-"),
+    "tcp_exchange": ("x", "--"),
+    "tcp_oneway": ("+", "--"),
+    "oneway": ("v", "-."),
+    "hm_allreduce": ("*", "-"),
+    "hm_step": ("P", ":"),
+}
+HM_TITLES = {
+    "hm_allreduce": "hivemind DecentralizedAverager all-reduce only",
+    "hm_step": "hivemind DecentralizedAverager step() (matchmaking incl.)",
+}
+MIB64 = 64 << 20
+KIB4 = 4 << 10
+LOAD_WARNING = 1.5
+
+
+# ------------------------------------------------------------------------------ formatting
+
+
+def human_bytes(n: float) -> str:
+    """``4 KiB``, ``16 MiB``... (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if float(n).is_integer() else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def ms(seconds: float | None) -> str:
+    """Seconds as milliseconds with sensible precision; ``-`` for a missing value."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    v = seconds * 1e3
+    return f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 100 else f"{v:.0f}"
+
+
+def gbps(nbytes: float, seconds: float | None) -> str:
+    """Throughput in GB/s (decimal) of ``nbytes`` moved in ``seconds``."""
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        return "-"
+    return f"{nbytes / seconds / 1e9:.3f}"
+
+
+def ratio_text(value: float | None, digits: int = 2) -> str:
+    """``1.23x``, or ``-``."""
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}x"
+
+
+def mib(n: float | None) -> str:
+    """Bytes as ``12.3 MiB``."""
+    return "-" if n is None else f"{n / (1 << 20):.1f} MiB"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> list[str]:
+    """A markdown table; ``align`` has one ``l``/``r`` per column (default: first left)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+# ------------------------------------------------------------------------------ accessors
+
+
+def median(entry: dict[str, Any], op: str) -> float | None:
+    """The reported median of ``op`` in a size (or ResNet-18) entry; None if it failed/missing."""
+    s = entry.get("stats", {}).get(op)
+    if not s:
+        return None
+    v = s.get("median")
+    return float(v) if v is not None and math.isfinite(v) else None
+
+
+def ratio_to(entry: dict[str, Any], op: str, base: str = "gloo") -> float | None:
+    """``median(op) / median(base)`` in the same entry."""
+    a, b = median(entry, op), median(entry, base)
+    return a / b if a is not None and b else None
+
+
+def size_entry(p2p: dict[str, Any], nbytes: int) -> dict[str, Any] | None:
+    """The per-size entry for exactly ``nbytes``."""
+    for e in p2p.get("sizes", []):
+        if int(e["nbytes"]) == nbytes:
+            return dict(e)
+    return None
+
+
+def hivemind_rows(p2p: dict[str, Any]) -> list[dict[str, Any]]:
+    """hivemind result rows (empty when skipped or failed)."""
+    hm = p2p.get("hivemind") or {}
+    return list(hm.get("results", [])) if isinstance(hm, dict) else []
+
+
+def hivemind_state(p2p: dict[str, Any]) -> str:
+    """``ok``, or why there are no hivemind numbers."""
+    hm = p2p.get("hivemind")
+    if not hm:
+        return "not run (--no-hivemind or --quick)"
+    if "skipped" in hm:
+        return f"skipped: {hm['skipped']}"
+    if "error" in hm:
+        return f"failed: {hm['error']}"
+    return "ok"
+
+
+def hivemind_case(p2p: dict[str, Any], case: str) -> dict[str, Any] | None:
+    """The hivemind row for ``case`` (``resnet18`` or ``float32x<numel>``)."""
+    for r in hivemind_rows(p2p):
+        if r.get("case") == case:
+            return r
+    return None
+
+
+def op_status(entry: dict[str, Any], op: str) -> str:
+    """``""`` when ``op`` ran and was exact, else a short marker."""
+    if entry.get("failures", {}).get(op):
+        return "FAILED"
+    if not entry.get("ok", {}).get(op, True):
+        return "WRONG"
+    return ""
+
+
+def cell(entry: dict[str, Any], op: str) -> str:
+    """Median ms of ``op``, marked when it failed or was wrong."""
+    flag = op_status(entry, op)
+    if flag == "FAILED":
+        return "**FAILED**"
+    return ms(median(entry, op)) + (" **WRONG**" if flag else "")
+
+
+# ------------------------------------------------------------------------------ acceptance
+
+
+def _verdict(value: float | None, target: float, at_least: bool) -> bool | None:
+    if value is None:
+        return None
+    return value >= target if at_least else value <= target
+
+
+def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
+               pngs: Sequence[Path] = ()) -> list[dict[str, Any]]:
+    """One row per acceptance criterion: id, criterion, measured text, value, target, pass.
+
+    ``pass`` is True/False, or None when the number is missing (not measured, skipped, failed).
+    ``netns`` None leaves the netns criterion out (``p2p_vs_gloo.md`` does not cover it).
+    """
+    rows: list[dict[str, Any]] = []
+
+    def add(cid: str, criterion: str, value: float | None, target: float, at_least: bool,
+            measured: str, unit: Callable[[float], str] = ratio_text) -> None:
+        op = ">=" if at_least else "<="
+        rows.append({"id": cid, "criterion": criterion, "value": value,
+                     "measured": measured if value is not None else measured or "not measured",
+                     "target": f"{op} {unit(target)}",
+                     "pass": _verdict(value, target, at_least)})
+
+    def pct(v: float) -> str:
+        return f"{v * 100:.0f}%"
+
+    p2p = p2p or {}
+    big = size_entry(p2p, MIB64)
+    small = size_entry(p2p, KIB4)
+    # (1) bulk transfer vs raw TCP, 64 MiB neighbor_allreduce vs gloo
+    if big is not None:
+        raw, dec = median(big, "tcp_oneway"), median(big, "oneway")
+        share = raw / dec if raw and dec else None
+        add("1a", "peer bulk transfer (one-way 64 MiB, decent vs raw TCP, same script)", share,
+            0.70, True, f"{pct(share)} ({gbps(MIB64, dec)} vs {gbps(MIB64, raw)} GB/s)"
+            if share is not None else _why(big, "oneway"), pct)
+        r = ratio_to(big, "nar_")
+        add("1b", "64 MiB neighbor_allreduce_ (in place) / gloo allreduce", r, 1.0, False,
+            f"{ratio_text(r)} ({ms(median(big, 'nar_'))} vs {ms(median(big, 'gloo'))} ms)"
+            if r is not None else _why(big, "nar_"))
+    else:
+        add("1a", "peer bulk transfer (one-way 64 MiB) vs raw TCP", None, 0.70, True,
+            "64 MiB not measured", pct)
+        add("1b", "64 MiB neighbor_allreduce_ / gloo allreduce", None, 1.0, False,
+            "64 MiB not measured")
+    # (2) small ops
+    if small is not None:
+        for cid, op, what in (("2", "nar_", "neighbor_allreduce_"),
+                              ("2'", "ar_", "allreduce_")):
+            r = ratio_to(small, op)
+            add(cid, f"4 KiB {what} end to end / gloo allreduce", r, 2.0, False,
+                f"{ratio_text(r)} ({ms(median(small, op))} vs {ms(median(small, 'gloo'))} ms)"
+                if r is not None else _why(small, op))
+    else:
+        add("2", "4 KiB neighbor_allreduce_ / gloo allreduce", None, 2.0, False,
+            "4 KiB not measured")
+    # (3) ResNet-18 list
+    rn = p2p.get("resnet18")
+    if rn:
+        dec = median(rn, "nar_list")
+        for cid, base in (("3a", "gloo_list"), ("3a'", "gloo_flat")):
+            r = ratio_to(rn, "nar_list", base)
+            add(cid, f"ResNet-18 list (62 tensors) decent nar step / {base.replace('_', ' ')}",
+                r, 1.2, False,
+                f"{ratio_text(r)} ({ms(dec)} vs {ms(median(rn, base))} ms)"
+                if r is not None else _why(rn, "nar_list"))
+        hm = hivemind_case(p2p, "resnet18")
+        for cid, key, what in (("3b", "step_s", "step()"),
+                               ("3b'", "allreduce_s", "all-reduce only")):
+            v = hm[key] / dec if hm and dec else None
+            add(cid, f"ResNet-18: hivemind {what} / decent nar step (speedup)", v, 3.0, True,
+                f"{ratio_text(v, 1)} ({ms(hm[key])} vs {ms(dec)} ms)" if v is not None and hm
+                else f"hivemind {hivemind_state(p2p)}" if not hm else _why(rn, "nar_list"))
+    else:
+        add("3a", "ResNet-18 list decent / gloo", None, 1.2, False, "not measured")
+        add("3b", "ResNet-18 hivemind step() / decent", None, 3.0, True, "not measured")
+    # (4) netns
+    if netns is not None:
+        if "skipped" in netns or "speedup" not in netns:
+            why = netns.get("skipped") or netns.get("error") or "no result"
+            add("4", "8 netns at 1 Gbit/s, 25 MB: gloo ring allreduce / one-peer D-SGD step",
+                None, 1.6, True, f"not measured ({why})")
+        else:
+            v = float(netns["speedup"])
+            add("4", f"{netns.get('nodes')} netns at {netns.get('rate')}, "
+                f"{netns.get('mbytes')} MB: gloo ring allreduce / one-peer D-SGD step", v, 1.6,
+                True, f"{ratio_text(v)} ({ms(netns['gloo']['median_s'])} vs "
+                f"{ms(netns['decent']['median_s'])} ms)"
+                + ("" if netns.get("correct", True) else "; results WRONG"))
+    # (5) daemon RSS
+    daemons = p2p.get("daemons") or []
+    peaks = [d.get("peak", {}).get("VmRSS") for d in daemons]
+    reported = bool(daemons) and all(p is not None for p in peaks)
+    rows.append({"id": "5", "criterion": "daemon RSS reported by the benchmarks",
+                 "value": None, "target": "reported",
+                 "measured": "; ".join(f"rank {d['rank']}: start {mib(d['start'].get('VmRSS'))},"
+                                       f" peak {mib(d['peak'].get('VmRSS'))}, "
+                                       f"end {mib(d['end'].get('VmRSS'))}" for d in daemons)
+                 if reported else "not available",
+                 "pass": reported})
+    # (6) report and plots
+    have = [p for p in pngs if p.exists()]
+    rows.append({"id": "6", "criterion": "markdown report + PNG plots (each also as ratio to gloo)",
+                 "value": None, "target": "written",
+                 "measured": ", ".join(p.name for p in have) or "no PNG",
+                 "pass": bool(pngs) and len(have) == len(pngs)})
+    # exactness of every decent result
+    wrong = [f"{human_bytes(e['nbytes'])} {op}" for e in p2p.get("sizes", [])
+             for op in DECENT_OPS if op_status(e, op)]
+    if rn:
+        wrong += [f"ResNet-18 {op}" for op in ("nar_list", "ar_list") if op_status(rn, op)]
+    rows.append({"id": "-", "criterion": "every decent result equals the closed form exactly",
+                 "value": None, "target": "exact", "measured": "all exact" if not wrong
+                 else "failed/wrong: " + ", ".join(wrong), "pass": not wrong and bool(p2p)})
+    return rows
+
+
+def _why(entry: dict[str, Any], op: str) -> str:
+    text = entry.get("failures", {}).get(op)
+    if text:
+        return f"{op} FAILED: {text.splitlines()[0][:160]}"
+    return f"{op} not measured"
+
+
+def acceptance_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The acceptance table as markdown."""
+    verdict = {True: "**PASS**", False: "**FAIL**", None: "n/a"}
+    return table(["#", "criterion", "measured", "target", "result"],
+                 [[r["id"], r["criterion"], r["measured"], r["target"], verdict[r["pass"]]]
+                  for r in rows], "lllll")
+
+
+# ------------------------------------------------------------------------------ p2p markdown
+
+
+def environment_lines(meta: dict[str, Any]) -> list[str]:
+    """Command, machine, versions, load."""
+    v = meta.get("versions", {})
+    load0 = meta.get("loadavg_start", [0.0])[0]
+    lines = [
+        f"- command: `{meta.get('command')}`",
+        f"- date: {meta.get('date')}; total runtime {meta.get('runtime_s', 0):.0f} s",
+        f"- machine: {meta.get('nproc')} CPUs ({meta.get('cpu')}), {meta.get('platform')}",
+        "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items())
+        + f"; decent {meta.get('git')}",
+        f"- load average (1/5/15 min) at start: {_load(meta.get('loadavg_start'))}, at end: "
+        f"{_load(meta.get('loadavg_end'))}",
+        f"- settings: torch threads {meta.get('threads')}, warm-up calls {meta.get('warmup')}, "
+        f"timing {meta.get('mode')}, budget {meta.get('budget')} s per op and size"
+        + (", --quick" if meta.get("quick") else ""),
+    ]
+    if load0 > LOAD_WARNING:
+        lines.append(f"- **note: load average {load0:.2f} > {LOAD_WARNING} at start: other "
+                     "processes were using the CPUs; every ratio compares numbers taken "
+                     "interleaved in the same run, but absolute times are inflated**")
+    return lines
+
+
+def _load(values: Sequence[float] | None) -> str:
+    return " / ".join(f"{x:.2f}" for x in values) if values else "-"
+
+
+def size_table(p2p: dict[str, Any]) -> list[str]:
+    """Main per-size table: medians, ratios to gloo, raw TCP, one-way throughput."""
+    rows = []
+    for e in p2p.get("sizes", []):
+        n = int(e["nbytes"])
+        raw, one = median(e, "tcp_oneway"), median(e, "oneway")
+        rows.append([
+            human_bytes(n), cell(e, "gloo"),
+            cell(e, "nar_"), ratio_text(ratio_to(e, "nar_")),
+            cell(e, "nar"), ratio_text(ratio_to(e, "nar")),
+            cell(e, "ar_"), ratio_text(ratio_to(e, "ar_")),
+            cell(e, "tcp_exchange"), ratio_text(ratio_to(e, "tcp_exchange")),
+            gbps(n, raw), gbps(n, one) if not op_status(e, "oneway") else cell(e, "oneway"),
+            f"{raw / one * 100:.0f}%" if raw and one else "-",
+        ])
+    return table(["size", "gloo ms", "nar_ ms", "/gloo", "nar ms", "/gloo", "allreduce_ ms",
+                  "/gloo", "raw TCP exchange ms", "/gloo", "raw one-way GB/s",
+                  "decent one-way GB/s", "% of raw"], rows)
+
+
+def detail_table(p2p: dict[str, Any]) -> list[str]:
+    """Every series: median (p10-p90), min, repeats, max abs error."""
+    rows = []
+    for e in p2p.get("sizes", []):
+        for op in OPS:
+            s = e.get("stats", {}).get(op)
+            err = e.get("errors", {}).get(op)
+            rows.append([
+                human_bytes(int(e["nbytes"])), op,
+                f"{ms(s['median'])} ({ms(s['p10'])}-{ms(s['p90'])})" if s else cell(e, op),
+                ms(s["min"]) if s else "-",
+                gbps(int(e["nbytes"]), s["median"]) if s else "-",
+                ratio_text(ratio_to(e, op)),
+                str(e.get("repeats", {}).get(op, "-")),
+                "-" if err is None else f"{err:.1e}" + (" WRONG" if op_status(e, op) else ""),
+            ])
+    return table(["size", "series", "median ms (p10-p90)", "min ms", "GB/s", "/gloo", "R",
+                  "max abs err"], rows)
+
+
+def resnet_lines(p2p: dict[str, Any]) -> list[str]:
+    """ResNet-18 table (decent and gloo variants, hivemind) with ratios to both gloo variants."""
+    rn = p2p.get("resnet18")
+    if not rn:
+        return ["ResNet-18 list: not measured."]
+    head = (f"{rn['tensors']} float32 tensors, {rn['numel']:,} values ({mib(rn['nbytes'])}), "
+            "one step = the whole list averaged once; median ms per step, max over ranks.")
+    rows = []
+    gl, gf = median(rn, "gloo_list"), median(rn, "gloo_flat")
+    for op, title in RN_OPS.items():
+        m = median(rn, op)
+        rows.append([title, cell(rn, op), gbps(rn["nbytes"], m),
+                     ratio_text(m / gl if m and gl else None),
+                     ratio_text(m / gf if m and gf else None),
+                     str(rn.get("repeats", {}).get(op, "-"))])
+    hm = hivemind_case(p2p, "resnet18")
+    for key, title in (("allreduce_s", "hivemind DecentralizedAverager: all-reduce only"),
+                       ("step_s", "hivemind DecentralizedAverager: step() (matchmaking incl.)")):
+        m = hm[key] if hm else None
+        rows.append([title, ms(m) if hm else hivemind_state(p2p), gbps(rn["nbytes"], m),
+                     ratio_text(m / gl if m and gl else None),
+                     ratio_text(m / gf if m and gf else None),
+                     str(hm["repeats"]) if hm else "-"])
+    return [head, "", *table(["variant", "ms / step", "GB/s", "/ gloo list", "/ gloo flat", "R"],
+                             rows)]
+
+
+def hivemind_lines(p2p: dict[str, Any]) -> list[str]:
+    """hivemind results next to decent's and gloo's numbers from the same run."""
+    state = hivemind_state(p2p)
+    if state != "ok":
+        return [f"hivemind: {state}."]
+    hm = p2p["hivemind"]
+    settings = hm.get("settings", {})
+    lines = [f"hivemind {hm.get('hivemind')} `DecentralizedAverager`, 2 peers on loopback, run by "
+             "rank 0 in a subprocess after decent and gloo were done (rank 1 idle at a gloo "
+             f"barrier); min_matchmaking_time {settings.get('min_matchmaking_time_s')} s, "
+             f"{settings.get('statistic', '')}. step() = what a user sees (matchmaking "
+             "included); all-reduce = after the group was formed.", ""]
+    rows = []
+    for r in hivemind_rows(p2p):
+        if r["case"] == "resnet18":
+            e: dict[str, Any] | None = p2p.get("resnet18")
+            gloo_key, dec_key, label = "gloo_list", "nar_list", "ResNet-18 list"
+        else:
+            e = size_entry(p2p, int(r["bytes"]))
+            gloo_key, dec_key, label = "gloo", "nar_", human_bytes(int(r["bytes"]))
+        g = median(e, gloo_key) if e else None
+        d = median(e, dec_key) if e else None
+        rows.append([label, ms(r["allreduce_s"]), ms(r["step_s"]), ms(r["matchmaking_s"]),
+                     ms(d), ms(g),
+                     ratio_text(r["allreduce_s"] / g if g else None, 1),
+                     ratio_text(r["step_s"] / g if g else None, 1),
+                     ratio_text(r["step_s"] / d if d else None, 1),
+                     ratio_text(r["allreduce_s"] / d if d else None, 1),
+                     "yes" if r.get("correct") else "NO"])
+    lines += table(["case", "hm all-reduce ms", "hm step() ms", "hm matchmaking ms",
+                    "decent nar ms", "gloo ms", "hm all-reduce / gloo", "hm step / gloo",
+                    "hm step / decent", "hm all-reduce / decent", "exact"], rows)
+    return lines
+
+
+def daemon_lines(p2p: dict[str, Any]) -> list[str]:
+    """Daemon memory (start, peak sampled every 50 ms, end) and counters."""
+    daemons = p2p.get("daemons") or []
+    if not daemons:
+        return ["Daemon memory: not available."]
+    rows = []
+    for d in daemons:
+        s, pk, en = d.get("start", {}), d.get("peak", {}), d.get("end", {})
+        rows.append([str(d["rank"]), str(d.get("pid")),
+                     f"{mib(s.get('VmRSS'))} ({mib(s.get('RssAnon'))} / {mib(s.get('RssShmem'))})",
+                     f"{mib(pk.get('VmRSS'))} ({mib(pk.get('RssAnon'))} / "
+                     f"{mib(pk.get('RssShmem'))})",
+                     f"{mib(en.get('VmRSS'))} ({mib(en.get('RssAnon'))} / "
+                     f"{mib(en.get('RssShmem'))})",
+                     mib(en.get("VmHWM")), str(d.get("samples", 0)),
+                     ", ".join(f"{k} {mib(v)}" for k, v in d.get("phase_peak_rss", {}).items()),
+                     str(d.get("status", {}).get("ops_completed", "-")),
+                     str(d.get("status", {}).get("ops_failed", "-"))])
+    return ["Daemon memory: VmRSS (RssAnon / RssShmem) from /proc/PID/status, sampled every "
+            "50 ms in each worker; RssShmem counts the touched pages of the shared-memory arenas.",
+            "", *table(["rank", "pid", "start", "peak", "end", "VmHWM", "samples",
+                        "peak RSS per phase", "ops done", "ops failed"], rows)]
+
+
+def failure_lines(p2p: dict[str, Any]) -> list[str]:
+    """Every failed decent op with the error text."""
+    out = []
+    entries = [(human_bytes(int(e["nbytes"])), e) for e in p2p.get("sizes", [])]
+    if p2p.get("resnet18"):
+        entries.append(("ResNet-18", p2p["resnet18"]))
+    for label, e in entries:
+        for op, text in e.get("failures", {}).items():
+            if text:
+                out.append(f"- {label} `{op}`: `{text.strip()[:600]}`")
+    return ["Failures (error text as raised):", "", *out] if out else []
+
+
+P2P_PNGS = ("p2p_vs_gloo.png", "p2p_vs_gloo_resnet18.png")
+
+
+def render_p2p(p2p: dict[str, Any], out_dir: Path) -> str:
+    """``p2p_vs_gloo.md``: environment, acceptance, per-size, ResNet-18, hivemind, daemons."""
+    meta = p2p.get("meta", {})
+    rows = acceptance(p2p, None, [out_dir / n for n in P2P_PNGS])
+    lines = [
+        "# decent vs gloo (and hivemind, raw TCP): 2 daemons on loopback, one run",
+        "",
+        *environment_lines(meta),
+        "",
+        "Method: both worker processes (under `decentrun -np 2`, ring topology: each rank's "
+        "neighbor_allreduce result is (x0+x1)/2) also join a gloo group and open one raw TCP "
+        "connection to each other. Inputs are `(arange % 1024) + rank + 1`, so every result is "
+        "exact in float32 and is compared with `torch.equal` against the closed form. Times are "
+        "per call; each statistic is the maximum over the 2 ranks of that rank's own statistic; "
+        "ratio = series median / gloo median from the same run (> 1: slower than gloo). "
+        f"Timed calls are {meta.get('mode', '')}. Throughput = tensor bytes / median time. "
+        "Raw TCP one-way: rank 0 `sendall`s the bytes, rank 1 `recv_into`s a preallocated "
+        "buffer and answers 1 byte; exchange: both send and receive at once (a sender thread "
+        "above 64 KiB), the physical floor of a 2-peer neighbor_allreduce. Decent one-way: rank "
+        "0 `neighbor_allreduce_(t, self_weight=1, src_weights={}, dst_weights=[1])`, rank 1 "
+        "`neighbor_allreduce_(t, self_weight=0, src_weights={0: 1}, dst_weights=[])`.",
+        "",
+        "## Acceptance",
+        "",
+        *acceptance_lines(rows),
+        "",
+        "## Per size (median ms, ratio to gloo)",
+        "",
+        *size_table(p2p),
+        "",
+        "![time, throughput, ratio](p2p_vs_gloo.png)",
+        "",
+        "## ResNet-18 parameter list",
+        "",
+        *resnet_lines(p2p),
+        "",
+        "![ResNet-18](p2p_vs_gloo_resnet18.png)",
+        "",
+        "## hivemind",
+        "",
+        *hivemind_lines(p2p),
+        "",
+        "## Daemons",
+        "",
+        *daemon_lines(p2p),
+        "",
+        *failure_lines(p2p),
+        "",
+        "## Every series",
+        "",
+        *detail_table(p2p),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ plots
+
+
+def _size_series(p2p: dict[str, Any]) -> dict[str, tuple[list[float], list[float]]]:
+    """series -> (sizes in bytes, median seconds), per-size ops and hivemind."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for op in OPS:
+        pts = [(float(e["nbytes"]), median(e, op)) for e in p2p.get("sizes", [])]
+        xs = [x for x, y in pts if y is not None]
+        ys = [y for _, y in pts if y is not None]
+        if xs:
+            out[op] = (xs, ys)
+    rows = [r for r in hivemind_rows(p2p) if r["case"] != "resnet18"]
+    for key, col in (("hm_allreduce", "allreduce_s"), ("hm_step", "step_s")):
+        if rows:
+            out[key] = ([float(r["bytes"]) for r in rows], [float(r[col]) for r in rows])
+    return out
+
+
+def plot_sizes(p2p: dict[str, Any], path: Path) -> None:
+    """Three panels vs tensor size: time (log-log), throughput (GB/s), ratio to gloo."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
+
+    series = _size_series(p2p)
+    gloo = dict(zip(*series["gloo"], strict=True)) if "gloo" in series else {}
+    sizes = sorted({x for xs, _ in series.values() for x in xs})
+    titles = {**OPS, **HM_TITLES}
+    fig, (ax_t, ax_b, ax_r) = plt.subplots(1, 3, figsize=(19, 6))
+    for key, (xs, ys) in series.items():
+        marker, ls = STYLE[key]
+        ax_t.plot(xs, [y * 1e3 for y in ys], marker=marker, linestyle=ls, label=titles[key])
+        ax_b.plot(xs, [x / y / 1e9 for x, y in zip(xs, ys, strict=True)], marker=marker,
+                  linestyle=ls, label=titles[key])
+        if key != "gloo" and gloo:
+            pts = [(x, y / gloo[x]) for x, y in zip(xs, ys, strict=True) if x in gloo]
+            if pts:
+                ax_r.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker,
+                          linestyle=ls, label=f"{titles[key]} / gloo")
+    ax_r.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    labels = [("time per call (ms, median, max over ranks)", "time vs size"),
+              ("throughput (GB/s = bytes / median time)", "throughput vs size"),
+              ("median / gloo median (same run)", "ratio to gloo (> 1: slower than gloo)")]
+    for ax, (ylabel, title) in zip((ax_t, ax_b, ax_r), labels, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tensor size (bytes, float32)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        if sizes:
+            ax.set_xticks(sizes, [human_bytes(s) for s in sizes], rotation=45)
+            ax.xaxis.set_minor_locator(NullLocator())
+    ax_t.legend(fontsize=7)
+    ax_r.legend(fontsize=7)
+    meta = p2p.get("meta", {})
+    fig.suptitle(f"2 daemons on loopback, {meta.get('nproc')} CPUs, load at start "
+                 f"{_load(meta.get('loadavg_start'))}, decent {meta.get('git')}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_resnet(p2p: dict[str, Any], path: Path) -> None:
+    """ResNet-18 bar chart (ms per step, log scale) with ratios to both gloo variants."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rn = p2p.get("resnet18") or {}
+    bars: list[tuple[str, float]] = []
+    names = {"nar_list": "decent\nneighbor_allreduce", "ar_list": "decent\nallreduce",
+             "gloo_list": "gloo\nlist (async)", "gloo_flat": "gloo\nflat buffer"}
+    for op, label in names.items():
+        m = median(rn, op)
+        if m is not None:
+            bars.append((label, m))
+    hm = hivemind_case(p2p, "resnet18")
+    if hm:
+        bars += [("hivemind\nall-reduce", float(hm["allreduce_s"])),
+                 ("hivemind\nstep()", float(hm["step_s"]))]
+    gl, gf = median(rn, "gloo_list"), median(rn, "gloo_flat")
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    colors = ["tab:blue", "tab:cyan", "tab:orange", "tab:red", "tab:green", "tab:olive"]
+    xs = range(len(bars))
+    ax.bar(list(xs), [b[1] * 1e3 for b in bars], color=colors[:len(bars)])
+    for x, (_, v) in zip(xs, bars, strict=True):
+        text = f"{v * 1e3:.1f} ms"
+        if gl:
+            text += f"\n{v / gl:.2f}x gloo list"
+        if gf:
+            text += f"\n{v / gf:.2f}x gloo flat"
+        ax.annotate(text, (x, v * 1e3), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 3), textcoords="offset points")
+    ax.set_xticks(list(xs), [b[0] for b in bars])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per step (median, max over ranks; log scale)")
+    state = hivemind_state(p2p)
+    ax.set_title(f"ResNet-18 parameter list ({rn.get('tensors', 62)} tensors, "
+                 f"{mib(rn.get('nbytes'))}), 2 peers on loopback"
+                 + ("" if state == "ok" else f"\nhivemind {state[:80]}"), fontsize=10)
+    top = max((b[1] for b in bars), default=1.0) * 1e3
+    ax.set_ylim(top=top * 8)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ merged report
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    """A JSON file as a dict, None if missing; ``{"error": ...}`` if unreadable."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return {"error": f"cannot read {path.name}: {exc}"}
+    return data if isinstance(data, dict) else {"error": f"{path.name} is not a JSON object"}
+
+
+def netns_lines(netns: dict[str, Any] | None) -> list[str]:
+    """Summary of the network-namespace D-SGD benchmark."""
+    if netns is None:
+        return ["`netns_dsgd.json` is missing: `benchmarks/netns_dsgd.py` has not been run."]
+    if "skipped" in netns or "speedup" not in netns:
+        return [f"Not measured: {netns.get('skipped') or netns.get('error') or 'no result'}."]
+    g, d, th = netns["gloo"], netns["decent"], netns.get("theory", {})
+    link = netns.get("link", {})
+    rows = [
+        ["gloo ring allreduce", ms(g["median_s"]), ms(th.get("ring_allreduce_s")),
+         f"{g.get('cpu_cores_busy', 0):.2f}", "yes" if g.get("correct") else "NO"],
+        ["decent one-peer D-SGD step", ms(d["median_s"]), ms(th.get("one_peer_step_s")),
+         f"{d.get('cpu_cores_busy', 0):.2f}", "yes" if d.get("correct") else "NO"],
+    ]
+    return [
+        f"{netns['nodes']} network namespaces on a bridge, every link limited to "
+        f"{netns['rate']} both ways (tc tbf), {netns['mbytes']} MB float32 model, median of "
+        f"{netns['repeats']} repeats (slowest rank each). Raw TCP check: "
+        f"{link.get('single_gbit_s', float('nan')):.3f} Gbit/s one flow. Load average at start "
+        f"{_load(netns.get('loadavg_start'))}; date {netns.get('date')}; decent "
+        f"{netns.get('decent_source', {}).get('repo_commit', '?')}.",
+        "",
+        *table(["op", "median ms", "link-only bound ms", "CPU cores busy", "exact"], rows),
+        "",
+        f"Speedup gloo / decent: **{netns['speedup']:.2f}x** (link-only bound "
+        f"{th.get('speedup', float('nan')):.2f}x, target {netns.get('target_speedup', 1.6)}x).",
+    ]
+
+
+def readme_table(p2p: dict[str, Any] | None, netns: dict[str, Any] | None) -> str:
+    """Compact markdown for the README: per-size ratios, ResNet-18, acceptance verdicts."""
+    p2p = p2p or {}
+    meta = p2p.get("meta", {})
+    lines = [f"Loopback, 2 daemons, {meta.get('nproc', '?')} CPUs, decent {meta.get('git', '?')}"
+             f" (load average at start {_load(meta.get('loadavg_start'))}); median ms, "
+             "ratio = decent / gloo from the same run:", ""]
+    rows = []
+    for e in p2p.get("sizes", []):
+        n = int(e["nbytes"])
+        raw, one = median(e, "tcp_oneway"), median(e, "oneway")
+        rows.append([human_bytes(n), cell(e, "gloo"),
+                     f"{cell(e, 'nar_')} ({ratio_text(ratio_to(e, 'nar_'))})",
+                     f"{cell(e, 'ar_')} ({ratio_text(ratio_to(e, 'ar_'))})",
+                     ms(median(e, "tcp_exchange")),
+                     f"{raw / one * 100:.0f}%" if raw and one else "-"])
+    lines += table(["size", "gloo allreduce", "decent neighbor_allreduce_", "decent allreduce_",
+                    "raw TCP exchange", "one-way vs raw TCP"], rows)
+    rn = p2p.get("resnet18")
+    if rn:
+        hm = hivemind_case(p2p, "resnet18")
+        d = median(rn, "nar_list")
+        lines += ["", f"ResNet-18 list (62 tensors): decent {ms(d)} ms/step, "
+                  f"{ratio_text(ratio_to(rn, 'nar_list', 'gloo_list'))} gloo list, "
+                  f"{ratio_text(ratio_to(rn, 'nar_list', 'gloo_flat'))} gloo flat; "
+                  + (f"hivemind step() {ms(hm['step_s'])} ms ({hm['step_s'] / d:.1f}x slower), "
+                     f"all-reduce only {ms(hm['allreduce_s'])} ms" if hm and d
+                     else f"hivemind {hivemind_state(p2p)}") + "."]
+    rows_a = acceptance(p2p, netns if netns is not None else {"skipped": "not run"})
+    verdict = {True: "PASS", False: "FAIL", None: "n/a"}
+    lines += ["", *table(["#", "criterion", "measured", "target", ""],
+                         [[r["id"], r["criterion"], r["measured"], r["target"],
+                           verdict[r["pass"]]] for r in rows_a if r["id"] not in ("5", "6")],
+                         "lllll")]
+    return "\n".join(lines) + "\n"
+
+
+def render_report(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
+                  results: Path) -> str:
+    """``REPORT.md``: acceptance over all criteria, then each benchmark's tables."""
+    pngs = [results / n for n in P2P_PNGS]
+    rows = acceptance(p2p, netns if netns is not None else {"skipped": "netns_dsgd.json missing"},
+                      pngs if p2p else [])
+    lines = ["# Benchmark report", "",
+             "Merged from `p2p_vs_gloo.json` (`decentrun -np 2 -- python "
+             "benchmarks/p2p_vs_gloo.py`) and `netns_dsgd.json` (`python "
+             "benchmarks/netns_dsgd.py`, as root) by `python benchmarks/report.py`.", "",
+             "## Acceptance", "", *acceptance_lines(rows), ""]
+    if p2p is None or "sizes" not in p2p:
+        lines += ["## Loopback (2 daemons)", "",
+                  "`p2p_vs_gloo.json` is missing or unreadable"
+                  + (f": {p2p['error']}" if p2p else "") + ".", ""]
+    else:
+        lines += ["## Loopback (2 daemons): environment", "",
+                  *environment_lines(p2p.get("meta", {})), "",
+                  "## Per size (median ms, ratio to gloo)", "", *size_table(p2p), "",
+                  "![time, throughput, ratio](p2p_vs_gloo.png)", "",
+                  "## ResNet-18 parameter list", "", *resnet_lines(p2p), "",
+                  "![ResNet-18](p2p_vs_gloo_resnet18.png)", "",
+                  "## hivemind", "", *hivemind_lines(p2p), "",
+                  "## Daemons", "", *daemon_lines(p2p), "", *failure_lines(p2p), ""]
+    lines += ["## D-SGD across network namespaces", "", *netns_lines(netns), ""]
+    if p2p is not None and "sizes" in p2p:
+        lines += ["Full per-series details: `p2p_vs_gloo.md`.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write REPORT.md and README_TABLE.md from the JSON results; print the README table."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="directory with p2p_vs_gloo.json / netns_dsgd.json (output goes there)")
+    ap.add_argument("--plots", action="store_true",
+                    help="also redraw p2p_vs_gloo.png and p2p_vs_gloo_resnet18.png from the JSON")
+    args = ap.parse_args(argv)
+    results: Path = args.results
+    p2p = load(results / "p2p_vs_gloo.json")
+    netns = load(results / "netns_dsgd.json")
+    if p2p is not None and args.plots and "sizes" in p2p:
+        plot_sizes(p2p, results / P2P_PNGS[0])
+        plot_resnet(p2p, results / P2P_PNGS[1])
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "REPORT.md").write_text(render_report(p2p, netns, results))
+    short = readme_table(p2p if p2p and "sizes" in p2p else None, netns)
+    (results / "README_TABLE.md").write_text(short)
+    sys.stdout.write(short)
+    print(f"\nwrote {results / 'REPORT.md'} and {results / 'README_TABLE.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

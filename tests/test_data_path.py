@@ -1,0 +1,158 @@
+"""The bulk data path and tensor fusion, checked for exact results at every size boundary.
+
+Boundaries: the combine block (BLOCK elements), the receive window (eager vs. rendezvous, set to
+1 MiB here), the receiver's scratch buffer and the ring threshold; 0 and 1 element too.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from cluster import Cluster
+from decent.core import Client
+from decentd.bulk import SCRATCH
+from decentd.ops import BLOCK
+
+WINDOW = 1 << 20
+F32 = 4
+#: element counts (float32) at and around each boundary
+SIZES = sorted({0, 1, BLOCK - 1, BLOCK, BLOCK + 1,
+                SCRATCH // F32 - 1, SCRATCH // F32, SCRATCH // F32 + 1,
+                WINDOW // F32 - 1, WINDOW // F32, WINDOW // F32 + 1})
+
+
+@pytest.fixture(scope="module")
+def small_window() -> Iterator[Cluster]:
+    """3 daemons on a ring whose receive window is 1 MiB per peer."""
+    c = Cluster(3, "ring", "--set", f"memory.early_arrival_bytes={2 * WINDOW}",
+                "--set", "memory.arena_bytes=67108864")
+    try:
+        c.connect()
+        yield c
+    finally:
+        assert c.stop() == [0, 0, 0]
+
+
+def _pattern(n: int, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return ((torch.arange(n) % 7) * (rank + 1)).to(dtype)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_neighbor_allreduce_exact_at_boundaries(small_window: Cluster, n: int) -> None:
+    # ring of 3, uniform weights 1/3: (x_{r-1} + x_r + x_{r+1}) / 3 = (arange % 7) * 6 / 3
+    got = small_window.run(lambda cl: cl.neighbor_allreduce(_pattern(n, cl.rank, torch.float64),
+                                                            name=f"b{n}"))
+    want = (torch.arange(n) % 7).to(torch.float64) * 2
+    for out in got:
+        assert torch.allclose(out, want, rtol=0, atol=1e-12), (n, out[:4])
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_allreduce_and_broadcast_exact_at_boundaries(small_window: Cluster, n: int) -> None:
+    sums = small_window.run(lambda cl: cl.allreduce(_pattern(n, cl.rank), op="sum",
+                                                    name=f"s{n}"))
+    bcast = small_window.run(lambda cl: cl.broadcast(_pattern(n, cl.rank), root=2,
+                                                     name=f"c{n}"))
+    for s, b in zip(sums, bcast, strict=True):
+        assert torch.equal(s, _pattern(n, 5))  # (1 + 2 + 3) * pattern
+        assert torch.equal(b, _pattern(n, 2))
+
+
+def test_in_place_ops_write_into_the_tensor(small_window: Cluster) -> None:
+    def run(cl: Client[torch.Tensor]) -> tuple[bool, torch.Tensor]:
+        t = _pattern(1000, cl.rank)
+        out = cl.neighbor_allreduce_(t, name="inplace")
+        return out is t, t
+    for same, t in small_window.run(run):
+        assert same and torch.equal(t, (torch.arange(1000) % 7).float() * 2)
+
+
+MIXED = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
+
+
+def _mixed_tensors(rank: int) -> list[torch.Tensor]:
+    shapes = [(), (0,), (1,), (3, 4), (BLOCK + 3,), (2, 0, 5), (17,)]
+    out = []
+    for i in range(42):
+        dtype = MIXED[i % len(MIXED)]
+        shape = shapes[i % len(shapes)]
+        out.append(torch.full(shape, 2 * (rank + 1) + i % 5, dtype=dtype))
+    return out
+
+
+def test_fusion_mixed_dtypes_and_shapes(small_window: Cluster) -> None:
+    before = [cl.status().ops_completed for cl in small_window.clients]
+
+    def run(cl: Client[torch.Tensor]) -> list[torch.Tensor]:
+        hs = [cl.neighbor_allreduce_async(t, name=f"mix{i}")
+              for i, t in enumerate(_mixed_tensors(cl.rank))]
+        return [h.wait() for h in reversed(hs)][::-1]
+
+    got = small_window.run(run)
+    after = [cl.status().ops_completed for cl in small_window.clients]
+    want = [(t.double() * 0 + 4 + i % 5).to(t.dtype)  # the mean of 2(r+1) over r=0..2 is 4
+            for i, t in enumerate(_mixed_tensors(0))]
+    for rank_out in got:
+        for i, (o, w) in enumerate(zip(rank_out, want, strict=True)):
+            assert o.dtype == w.dtype and o.shape == w.shape, (i, o, w)
+            # weights are 1/3: floats are right to their precision, integers round exactly
+            tol = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-6}.get(
+                o.dtype, 1e-12)
+            assert torch.allclose(o.double(), w.double(), rtol=tol, atol=0), (i, o, w)
+            if not o.is_floating_point():
+                assert torch.equal(o, w), (i, o, w)
+    # 42 tensors went to each daemon in far fewer requests
+    assert all(a - b < 42 for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_fused_allreduce_and_broadcast(small_window: Cluster) -> None:
+    def run(cl: Client[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ts = _mixed_tensors(cl.rank)
+        ar = [cl.allreduce_async(t, op="sum", name=f"far{i}") for i, t in enumerate(ts)]
+        bc = [cl.broadcast_async(t, root=1, name=f"fbc{i}") for i, t in enumerate(ts)]
+        return [h.wait() for h in ar], [h.wait() for h in bc]
+
+    for sums, bcasts in small_window.run(run):
+        for i, (s, b) in enumerate(zip(sums, bcasts, strict=True)):
+            base = _mixed_tensors(0)[i]
+            assert torch.equal(s, (base.double() * 0 + 12 + 3 * (i % 5)).to(base.dtype)), i
+            assert torch.equal(b, _mixed_tensors(1)[i]), i
+
+
+def test_ranks_fusing_differently_still_match() -> None:
+    # rank 0 sends every tensor alone, rank 1 fuses them all, rank 2 in buckets of ~3 tensors:
+    # each tensor is matched by its own key, whatever message it travelled in
+    c = Cluster(3, "ring", "--set", "memory.arena_bytes=67108864")
+    try:
+        c.connect(fusion_threshold=[0, 64 << 20, 3 * 4000], cycle_time=[0.001, 10.0, 10.0])
+
+        def run(cl: Client[torch.Tensor]) -> list[torch.Tensor]:
+            hs = [cl.neighbor_allreduce_async(torch.full((1000,), float(cl.rank + i)),
+                                              name=f"g{i}") for i in range(30)]
+            return [h.wait() for h in hs]
+
+        for out in c.run(run):
+            for i, t in enumerate(out):
+                assert torch.allclose(t, torch.full((1000,), 1.0 + i), rtol=1e-6), (i, t[:2])
+    finally:
+        assert c.stop() == [0, 0, 0]
+
+
+def test_many_ops_in_flight_random_order(small_window: Cluster) -> None:
+    sizes = [random.Random(7).randint(0, 300_000) for _ in range(60)]
+
+    def run(cl: Client[torch.Tensor]) -> list[torch.Tensor]:
+        hs = [cl.neighbor_allreduce_async(_pattern(n, cl.rank), name=f"fl{i}")
+              for i, n in enumerate(sizes)]
+        order = list(range(len(hs)))
+        random.Random(cl.rank).shuffle(order)
+        out: dict[int, torch.Tensor] = {i: hs[i].wait(timeout=120) for i in order}
+        return [out[i] for i in range(len(hs))]
+
+    for out in small_window.run(run, timeout=300):
+        for n, t in zip(sizes, out, strict=True):
+            assert torch.equal(t, (torch.arange(n) % 7).float() * 2), n
