@@ -123,8 +123,13 @@ def pattern(numel: int, offset: int = 0) -> torch.Tensor:
     return ((torch.arange(numel, dtype=torch.int64) + offset) % 1024).to(torch.float32)
 
 
-def max_abs_err(got: Any, want: torch.Tensor | Sequence[torch.Tensor]) -> float:
-    """0.0 when ``got`` equals ``want`` exactly (tensor or list), else the largest difference."""
+def max_abs_err(got: Any, want: torch.Tensor | Sequence[torch.Tensor] | None) -> float:
+    """0.0 when ``got`` equals ``want`` exactly (tensor or list), else the largest difference.
+
+    ``want`` None: nothing to check (0.0).
+    """
+    if want is None:
+        return 0.0
     if isinstance(want, torch.Tensor):
         if not isinstance(got, torch.Tensor) or got.shape != want.shape \
                 or got.dtype != want.dtype:
@@ -135,6 +140,27 @@ def max_abs_err(got: Any, want: torch.Tensor | Sequence[torch.Tensor]) -> float:
     if not isinstance(got, (list, tuple)) or len(got) != len(want):
         return math.inf
     return max((max_abs_err(g, w) for g, w in zip(got, want, strict=True)), default=0.0)
+
+
+def mismatch_detail(got: Any, want: torch.Tensor | Sequence[torch.Tensor] | None) -> str:
+    """Where ``got`` differs from ``want``: count, first/last index, values (for the report)."""
+    if want is None:
+        return ""
+    if not isinstance(want, torch.Tensor):
+        got_list = list(got) if isinstance(got, (list, tuple)) else []
+        for i, (g, w) in enumerate(zip(got_list, want, strict=False)):
+            if max_abs_err(g, w):
+                return f"tensor {i} of {len(want)}: {mismatch_detail(g, w)}"
+        return f"got {type(got).__name__} of length {len(got_list)}, want {len(want)} tensors"
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+        what = (f"{got.dtype}{list(got.shape)}" if isinstance(got, torch.Tensor)
+                else type(got).__name__)
+        return f"got {what}, want {want.dtype}{list(want.shape)}"
+    bad = (got != want).nonzero().flatten()
+    i, j = int(bad[0]), int(bad[-1])
+    return (f"{bad.numel()} of {want.numel()} values differ (indices {i}..{j}); "
+            f"[{i}] = {float(got[i])!r}, want {float(want[i])!r}; "
+            f"[{j}] = {float(got[j])!r}, want {float(want[j])!r}")
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -347,11 +373,11 @@ class RawLink:
 
 @dataclass
 class Op:
-    """One timed series: ``call`` returns what ``check`` compares with the closed form."""
+    """One timed series: ``call`` returns what must equal ``want`` (None: nothing to check)."""
 
     name: str
     call: Callable[[], Any]
-    check: Callable[[Any], float]
+    want: torch.Tensor | list[torch.Tensor] | None
     before: Callable[[], object] | None = None
 
 
@@ -432,8 +458,15 @@ class Bench:
         args = self.args
         failures: dict[str, str] = {}
         errors: dict[str, float] = {}
+        mismatches: dict[str, str] = {}
         warm: dict[str, float] = {}
         last: dict[str, Any] = {}
+
+        def check(op: Op, got: Any, when: str) -> None:
+            err = max_abs_err(got, op.want)
+            errors[op.name] = max(errors.get(op.name, 0.0), err)
+            if err and op.name not in mismatches:
+                mismatches[op.name] = f"{when}: {mismatch_detail(got, op.want)}"
         for op in ops:
             tick(op.name)
             self.sync()
@@ -445,7 +478,7 @@ class Bench:
                     got = op.call()
                     warm[op.name] = time.perf_counter() - t0
                     if i == 0:
-                        errors[op.name] = op.check(got)
+                        check(op, got, "first warm-up call")
                     last[op.name] = got
             except Exception as exc:
                 failures[op.name] = describe(exc)
@@ -489,7 +522,7 @@ class Bench:
                 running = [op for op in running if timed(op)]
         for op in live:  # the last result must still be exact
             if op.name not in failures and op.name in last:
-                errors[op.name] = max(errors.get(op.name, 0.0), op.check(last[op.name]))
+                check(op, last[op.name], f"last of {repeats[op.name]} timed calls")
         last.clear()
         # aggregate: max over ranks; a missing value (failed op) is inf
         local: list[float] = []
@@ -500,11 +533,14 @@ class Bench:
         agg = self.max_over_ranks(local)
         err = self.max_over_ranks([errors.get(op.name, math.inf) for op in ops])
         gathered: list[Any] = [None] * self.size
-        dist.all_gather_object(gathered, failures)
+        dist.all_gather_object(gathered, (failures, mismatches))
         merged: dict[str, str] = {}
-        for rank, fails in enumerate(gathered):
+        wrong: dict[str, str] = {}
+        for rank, (fails, mism) in enumerate(gathered):
             for name, text in fails.items():
-                merged[name] = (merged.get(name, "") + f"rank {rank}: {text}\n")
+                merged[name] = merged.get(name, "") + f"rank {rank}: {text}\n"
+            for name, text in mism.items():
+                wrong[name] = wrong.get(name, "") + f"rank {rank}: {text}\n"
         stats: dict[str, dict[str, float]] = {}
         for i, op in enumerate(ops):
             vals = agg[i * len(STATS):(i + 1) * len(STATS)]
@@ -518,6 +554,7 @@ class Bench:
             "ok": {op.name: op.name not in merged and err[i] == 0.0
                    for i, op in enumerate(ops)},
             "failures": merged,
+            "mismatches": wrong,
         }
 
     # -------------------------------------------------------------- one size
@@ -567,18 +604,14 @@ class Bench:
         def oneway() -> torch.Tensor:
             return c.neighbor_allreduce_(one_t, name=names["oneway"], **one_kw)
 
-        def exact(want: torch.Tensor) -> Callable[[Any], float]:
-            return lambda got: max_abs_err(got, want)
-
         return [
-            Op("gloo", gloo, exact(want_sum), lambda: gbuf.copy_(x)),
-            Op("nar_", nar_, exact(want_avg)),
-            Op("nar", nar, exact(want_avg)),
-            Op("ar_", ar_, exact(want_avg)),
-            Op("tcp_exchange", tcp_exchange, exact(want_other)),
-            Op("tcp_oneway", tcp_oneway,
-               (lambda got: 0.0) if rank == 0 else exact(want_x0)),
-            Op("oneway", oneway, exact(want_x0)),
+            Op("gloo", gloo, want_sum, lambda: gbuf.copy_(x)),
+            Op("nar_", nar_, want_avg),
+            Op("nar", nar, want_avg),
+            Op("ar_", ar_, want_avg),
+            Op("tcp_exchange", tcp_exchange, want_other),
+            Op("tcp_oneway", tcp_oneway, None if rank == 0 else want_x0),
+            Op("oneway", oneway, want_x0),
         ]
 
     def run_size(self, nbytes: int, tick: Callable[[str], None]) -> dict[str, Any]:
@@ -639,14 +672,11 @@ class Bench:
                 h.wait()
             return al
 
-        def exact(want: list[torch.Tensor]) -> Callable[[Any], float]:
-            return lambda got: max_abs_err(got, want)
-
         ops = [
-            Op("gloo_list", gloo_list, exact(want_sum), refill(gl)),
-            Op("gloo_flat", gloo_flat, exact(want_sum), refill(gf)),
-            Op("nar_list", nar_list, exact(want_avg)),
-            Op("ar_list", ar_list, exact(want_avg)),
+            Op("gloo_list", gloo_list, want_sum, refill(gl)),
+            Op("gloo_flat", gloo_flat, want_sum, refill(gf)),
+            Op("nar_list", nar_list, want_avg),
+            Op("ar_list", ar_list, want_avg),
         ]
         return ops, {"tensors": len(shapes), "numel": numel, "nbytes": 4 * numel}
 

@@ -480,8 +480,13 @@ def failure_lines(p2p: dict[str, Any]) -> list[str]:
     for label, e in entries:
         for op, text in e.get("failures", {}).items():
             if text:
-                out.append(f"- {label} `{op}`: `{text.strip()[:600]}`")
-    return ["Failures (error text as raised):", "", *out] if out else []
+                flat = " | ".join(text.strip().splitlines())[:600]
+                out.append(f"- {label} `{op}` raised: `{flat}`")
+        for op, text in e.get("mismatches", {}).items():
+            if text:
+                out.append(f"- {label} `{op}` WRONG result: "
+                           f"{' | '.join(text.strip().splitlines())[:600]}")
+    return ["Failures and wrong results (error text as raised):", "", *out] if out else []
 
 
 P2P_PNGS = ("p2p_vs_gloo.png", "p2p_vs_gloo_resnet18.png")

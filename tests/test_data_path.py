@@ -156,3 +156,27 @@ def test_many_ops_in_flight_random_order(small_window: Cluster) -> None:
     for out in small_window.run(run, timeout=300):
         for n, t in zip(sizes, out, strict=True):
             assert torch.equal(t, (torch.arange(n) % 7).float() * 2), n
+
+
+def test_shared_tensors_skip_the_copies(small_window: Cluster) -> None:
+    def run(cl: Client[torch.Tensor]) -> tuple[bool, torch.Tensor, torch.Tensor, int]:
+        free = cl.arena.free_bytes
+        t = cl.shared(_pattern(BLOCK + 5, cl.rank))
+        ptr = t.data_ptr()
+        out = cl.neighbor_allreduce_(t, name="sh")  # in place: the daemon writes into t
+        copy = cl.neighbor_allreduce(t, name="sh2")  # not in place: t stays, a new tensor back
+        fused = [cl.shared(torch.full((3,), float(cl.rank + i))) for i in range(5)]
+        hs = [cl.neighbor_allreduce_async_(f, name=f"shf{i}") for i, f in enumerate(fused)]
+        for h in hs:
+            h.wait()
+        del h
+        ok = out is t and t.data_ptr() == ptr and all(
+            torch.equal(f, torch.full((3,), 1.0 + i)) for i, f in enumerate(fused))
+        del t, out, fused, hs
+        return ok, copy, torch.empty(0), cl.arena.free_bytes - free
+
+    for ok, copy, _, leaked in small_window.run(run):
+        want = (torch.arange(BLOCK + 5) % 7).float() * 2
+        assert ok
+        assert torch.allclose(copy, want, rtol=1e-6)  # (2, 2, 2) averaged again is the same
+        assert leaked == 0  # the shared tensors' arena space came back

@@ -182,7 +182,10 @@ async def neighbor_allreduce(ctx: OpContext) -> OpResult:
     self_weight, recv, send = neighbor_plan(ctx)
     srcs = sorted(recv)
     stream = None
-    if len(srcs) == 1 and len(ctx.parts) == 1:
+    p0 = ctx.parts[0]
+    # in place on a shared tensor: the output is the input, which must be sent before it changes
+    aliased = np.may_share_memory(_out(ctx, p0, p0.nbytes), p0.x)
+    if len(srcs) == 1 and len(ctx.parts) == 1 and not aliased:
         stream = CombineStream(ctx, ctx.parts[0], self_weight, recv[srcs[0]])
     try:
         # a peer we also receive from checks our tensor against its own and we check its: a

@@ -31,6 +31,15 @@ SHM_PREFIX = "decent"
 ATTACH_TIMEOUT = 30.0
 
 
+def rss_bytes() -> int:
+    """This process's resident set size (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 def topology_info(topology: Topology, rank: int, step: int) -> pb.TopologyInfo:
     """The wire form of ``rank``'s view of ``topology`` at ``step``."""
     s = topology.step(rank, step)
@@ -103,6 +112,10 @@ class WorkerService(pb_grpc.WorkerServicer):
             ops_failed=d.engine.failed,
             topology_kind=d.topology.kind,
             early_arrival_bytes=d.transport.early_bytes,
+            pid=os.getpid(),
+            rss_bytes=rss_bytes(),
+            pool_bytes=d.transport.pool.in_use_bytes + d.transport.pool.idle_bytes,
+            pool_peak_bytes=d.transport.pool.peak_in_use,
             peers=[
                 pb.PeerStatus(
                     rank=link.rank,

@@ -30,7 +30,11 @@ class ClientArena:
         buf = self._shm.buf
         assert buf is not None
         self.buf: memoryview = buf
-        int(np.frombuffer(self.buf, np.uint8)[::PAGE].sum())  # map every page now
+        pages = np.frombuffer(self.buf, np.uint8)
+        int(pages[::PAGE].sum())  # map every page now
+        #: the arena's address in this process (to recognize tensors that live in it)
+        self.address = int(pages.ctypes.data)
+        del pages
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted by offset
         self._cond = threading.Condition()
 
@@ -94,6 +98,13 @@ class ClientArena:
         """Bytes ``[offset, offset + nbytes)`` of the arena."""
         return self.buf[offset:offset + nbytes]
 
+    def offset_of(self, address: int, nbytes: int) -> int | None:
+        """The arena offset of memory at ``address`` if all ``nbytes`` lie in the arena."""
+        offset = address - self.address
+        if offset >= 0 and offset + nbytes <= self.nbytes:
+            return offset
+        return None
+
     @property
     def free_bytes(self) -> int:
         """Bytes not allocated right now."""
@@ -103,5 +114,7 @@ class ClientArena:
     def close(self) -> None:
         """Unmap (views still held elsewhere keep it mapped until they go)."""
         self.buf = memoryview(b"")
-        with contextlib.suppress(BufferError):
+        try:
             self._shm.close()
+        except BufferError:  # shared() tensors still use it: it stays mapped until they go
+            self._shm.close = lambda: None  # type: ignore[method-assign]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
+import numpy as np
 
 from decent.core.arena import ClientArena
 from decent.core.errors import DecentError
@@ -52,6 +53,12 @@ class TensorCodec(Protocol[T]):
 
     def read_into(self, src: memoryview, into: T) -> T:
         """Copy ``src`` (``into``'s dtype and shape) into ``into``, finished on return."""
+
+    def address(self, tensor: T) -> int | None:
+        """The host address of ``tensor``'s bytes if they are contiguous in host memory."""
+
+    def wrap(self, owner: Any, dtype: int, shape: tuple[int, ...]) -> T:
+        """A tensor over the bytes of buffer ``owner``, keeping ``owner`` alive as long as it."""
 
     def attach(self, arena: ClientArena) -> None:
         """Called once the arena is mapped (e.g. to pin it for GPU copies)."""
@@ -109,6 +116,7 @@ class _Pending:
     nbytes: int = 0  # the result's size when the daemon's completion covers several tensors
     into: Any = None  # in-place ops: the tensor the result is copied into
     fused: bool = False  # completed as part of a fused request
+    resident: bool = False  # in place on a shared() tensor: the daemon wrote into it
     bucketed: bool = False  # waits in a fusion bucket (not sent yet)
 
 
@@ -326,7 +334,9 @@ class Client(Generic[T]):
                     else:
                         nbytes, shape = int(c.out_nbytes), tuple(c.out_meta.shape)
                     view = self.arena.view(p.out_offset, nbytes)
-                    if p.into is not None:
+                    if p.resident:
+                        p.result = p.into
+                    elif p.into is not None:
                         p.result = self.codec.read_into(view, p.into)
                     else:
                         p.result = self.codec.read(view, p.dtype, shape, p.like)
@@ -401,26 +411,36 @@ class Client(Generic[T]):
         except (ValueError, TypeError) as exc:
             raise ValueError(f"tensor '{name}': bad argument: {exc}") from None
         slots: list[tuple[int, int]] = []
+        # a shared() tensor is already in the arena: no copy in, and in place no copy out
+        at = None if tensor is None or not nbytes else self.codec.address(tensor)
+        resident = None if at is None else self.arena.offset_of(at, nbytes)
+        in_place = resident is not None and into is tensor and out_factor == 1
         try:
-            slots.append((self.arena.alloc(nbytes, f"tensor '{name}'", self._reclaim), nbytes))
-            if out_factor != 1:
+            if resident is None:
+                slots.append((self.arena.alloc(nbytes, f"tensor '{name}'", self._reclaim),
+                              nbytes))
+            if out_factor != 1 or (resident is not None and not in_place):
                 out_bytes = nbytes * out_factor
                 slots.append((self.arena.alloc(out_bytes, f"tensor '{name}' output",
                                                self._reclaim), out_bytes))
-            if tensor is not None and nbytes:
+            if tensor is not None and nbytes and resident is None:
                 self.codec.write(tensor, self.arena.view(slots[0][0], nbytes))
         except BaseException:
             for s in slots:
                 self.arena.free(*s)
             raise
+        in_offset = slots[0][0] if resident is None else resident
+        out_offset, out_capacity = (in_offset, nbytes) if in_place else (
+            slots[-1] if slots else (in_offset, nbytes))
         # from here on nothing can fail before the request is sent: the round is spent only now,
         # so a refused argument above does not put this name's rounds out of step with the peers
         req.round = self._next_round(name)
         req.request_id = rid = next(self._ids)
-        req.offset = slots[0][0]
-        req.out_offset, req.out_capacity = slots[-1]
+        req.offset = in_offset
+        req.out_offset, req.out_capacity = out_offset, out_capacity
         p = _Pending(rid, f"{label} '{name}' round {req.round}", slots, dtype, tensor,
-                     out_offset=req.out_offset, shape=shape, nbytes=nbytes, into=into)
+                     out_offset=req.out_offset, shape=shape, nbytes=nbytes, into=into,
+                     resident=in_place)
         if fuse is not None and self._fusion.enabled:
             p.bucketed = True
             self._fusion.add((fuse, req.round, req.timeout_s), (req, p), nbytes, fuse_limit)
@@ -581,6 +601,29 @@ class Client(Generic[T]):
     def broadcast_(self, tensor: T, **kwargs: Any) -> T:
         """Blocking in-place :meth:`broadcast_async`."""
         return self.broadcast_async_(tensor, **kwargs).wait()
+
+    def shared(self, tensor: T) -> T:
+        """A copy of ``tensor`` that lives in the shared-memory arena (CPU only).
+
+        Ops take such a tensor without copying it to the daemon, and in-place ops
+        (``neighbor_allreduce_`` and co.) have the daemon write the result straight into it: no
+        copy either way. Keep model parameters there (``p.data = client.shared(p.data)``) for the
+        cheapest steps. Its arena space is freed when the last tensor using it is gone. As with
+        any asynchronous in-place op, do not modify it until the op's handle is waited for.
+        """
+        dtype, shape = self.codec.describe(tensor)
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        offset = self.arena.alloc(nbytes, "shared tensor", self._reclaim)
+        owner = np.frombuffer(self.arena.buf, np.uint8, count=nbytes, offset=offset)
+        weakref.finalize(owner, self._free_shared, offset, nbytes)
+        out = self.codec.wrap(owner, dtype, shape)
+        if nbytes:
+            self.codec.write(tensor, self.arena.view(offset, nbytes))
+        return out
+
+    def _free_shared(self, offset: int, nbytes: int) -> None:
+        if not self._closed:
+            self.arena.free(offset, nbytes)
 
     def flush(self) -> None:
         """Send every request still waiting in a fusion bucket now."""

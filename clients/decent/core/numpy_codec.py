@@ -44,5 +44,13 @@ class NumpyCodec:
         into[...] = np.frombuffer(src, into.dtype).reshape(into.shape)
         return into
 
+    def address(self, tensor: np.ndarray) -> int | None:
+        """Address of a C-contiguous array's bytes."""
+        return int(tensor.ctypes.data) if tensor.flags.c_contiguous else None
+
+    def wrap(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...]) -> np.ndarray:
+        """An array over ``owner``'s bytes (a view keeps it alive)."""
+        return owner.view(_FROM_WIRE[dtype]).reshape(shape)
+
     def attach(self, arena: ClientArena) -> None:
         """Nothing to do for host memory."""

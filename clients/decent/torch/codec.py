@@ -93,3 +93,15 @@ class TorchCodec:
         if into.is_cuda:
             torch.cuda.current_stream(into.device).synchronize()
         return into
+
+    def address(self, tensor: torch.Tensor) -> int | None:
+        """Host address of a contiguous CPU tensor's bytes (None otherwise)."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        return int(tensor.data_ptr())
+
+    def wrap(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor over ``owner``'s bytes (torch keeps ``owner`` alive as long as the storage)."""
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=_FROM_WIRE[dtype])
+        return torch.frombuffer(owner, dtype=_FROM_WIRE[dtype]).view(shape)
