@@ -18,9 +18,14 @@ lint: setup
 	$(VENV)/ruff check daemon clients tests benchmarks examples setup.py
 	$(VENV)/mypy daemon/decentd clients/decent benchmarks examples tests
 
-## neighbor_allreduce vs torch.distributed gloo, 4 KiB to 64 MiB, 2 daemons
-bench: setup
+## the data-plane benchmarks, side by side with gloo (and hivemind, raw TCP) in the same run:
+## 2 daemons on loopback, then 8 nodes in network namespaces at 1 Gbit/s (root only), then the
+## report (benchmarks/results/REPORT.md and PNGs)
+bench:
+	@bash scripts/setup.sh bench
 	$(VENV)/decentrun -np 2 -- $(VENV)/python benchmarks/p2p_vs_gloo.py
+	$(VENV)/python benchmarks/netns_dsgd.py
+	$(VENV)/python benchmarks/report.py
 
 clean:
 	rm -rf .venv build *.egg-info clients/decent/v1/*_pb2*.py clients/decent/v1/*_pb2*.pyi

@@ -23,13 +23,16 @@ closed form of 2 ranks on a ring (``neighbor_allreduce`` = ``allreduce`` average
   buffer and answers 1 byte;
 * ``oneway``: decent bulk transfer, rank 0 ``neighbor_allreduce_(t, self_weight=1.0,
   src_weights={}, dst_weights=[1])``, rank 1 ``neighbor_allreduce_(t, self_weight=0.0,
-  src_weights={0: 1.0}, dst_weights=[])`` (rank 1 receives rank 0's tensor).
+  src_weights={0: 1.0}, dst_weights=[])`` (rank 1 receives rank 0's tensor);
+* ``nar_shared`` (when the client has ``shared()``): ``neighbor_allreduce_`` of a tensor that
+  lives in the shared-memory arena (``client.shared(x)``: no copy in or out).
 
 Then the 62 tensors of ResNet-18 (11.69M float32 values; shapes from
 ``benchmarks/hivemind_avg.py``), one step each: ``gloo_list`` (``all_reduce(t, async_op=True)``
 per tensor, then wait all), ``gloo_flat`` (``torch.cat`` into one preallocated buffer, one
 all_reduce, copy back; all included), ``nar_list`` (``neighbor_allreduce_async_`` per tensor, then
-``wait()`` all: the client fuses them) and ``ar_list`` (the same with ``allreduce_async_``).
+``wait()`` all: the client fuses them), ``ar_list`` (the same with ``allreduce_async_``) and
+``nar_list_shared`` (``nar_list`` on ``client.shared()`` tensors).
 
 Last, rank 0 runs ``benchmarks/hivemind_avg.py`` (hivemind's ``DecentralizedAverager``, 2 peers)
 in a subprocess on the same sizes and ResNet-18 while rank 1 waits at a gloo barrier; when
@@ -405,7 +408,8 @@ class Bench:
                                 init_method=f"tcp://127.0.0.1:{self.port}",
                                 timeout=datetime.timedelta(seconds=args.gloo_timeout))
         self.link = self._connect_raw()
-        self.failures: list[str] = []
+        #: ``client.shared()`` (arena-resident tensors) exists in this client version
+        self.has_shared = callable(getattr(self.client, "shared", None))
 
     def _agree_port(self) -> int:
         """Rank 0 picks a free loopback port (or $BENCH_GLOO_PORT) and broadcasts it via decent."""
@@ -569,6 +573,7 @@ class Bench:
         want_x0, want_other = a + 1.0, a + float(2 - rank)
         del a
         gbuf, nar_t, ar_t, one_t = x.clone(), x.clone(), x.clone(), x.clone()
+        shared_t = c.shared(x) if self.has_shared else None
         rbuf = torch.empty_like(x)
         x_bytes, r_bytes = byte_view(x), byte_view(rbuf)
         names = {op: f"{op}.{nbytes}" for op in OPS}
@@ -589,6 +594,10 @@ class Bench:
 
         def ar_() -> torch.Tensor:
             return c.allreduce_(ar_t, name=names["ar_"])
+
+        def nar_shared() -> torch.Tensor:
+            assert shared_t is not None
+            return c.neighbor_allreduce_(shared_t, name=names["nar_shared"])
 
         def tcp_exchange() -> torch.Tensor:
             self.link.exchange(x_bytes, r_bytes)
@@ -612,7 +621,7 @@ class Bench:
             Op("tcp_exchange", tcp_exchange, want_other),
             Op("tcp_oneway", tcp_oneway, None if rank == 0 else want_x0),
             Op("oneway", oneway, want_x0),
-        ]
+        ] + ([Op("nar_shared", nar_shared, want_avg)] if shared_t is not None else [])
 
     def run_size(self, nbytes: int, tick: Callable[[str], None]) -> dict[str, Any]:
         """Every per-size series for one tensor size."""
@@ -634,6 +643,7 @@ class Bench:
         gf = [x.clone() for x in xs]
         nl = [x.clone() for x in xs]
         al = [x.clone() for x in xs]
+        sl = [c.shared(x) for x in xs] if self.has_shared else []
         numel = sum(x.numel() for x in xs)
         flat = torch.empty(numel, dtype=torch.float32)
 
@@ -672,12 +682,18 @@ class Bench:
                 h.wait()
             return al
 
+        def nar_list_shared() -> list[torch.Tensor]:
+            hs = [c.neighbor_allreduce_async_(t, name=f"rn.nars.{i}") for i, t in enumerate(sl)]
+            for h in hs:
+                h.wait()
+            return sl
+
         ops = [
             Op("gloo_list", gloo_list, want_sum, refill(gl)),
             Op("gloo_flat", gloo_flat, want_sum, refill(gf)),
             Op("nar_list", nar_list, want_avg),
             Op("ar_list", ar_list, want_avg),
-        ]
+        ] + ([Op("nar_list_shared", nar_list_shared, want_avg)] if sl else [])
         return ops, {"tensors": len(shapes), "numel": numel, "nbytes": 4 * numel}
 
     def run_resnet(self, tick: Callable[[str], None]) -> dict[str, Any]:
@@ -692,7 +708,10 @@ class Bench:
     def daemon_status(self) -> dict[str, Any]:
         """This rank's daemon counters (``client.status()``)."""
         st = self.client.status()
-        return {"ops_completed": int(st.ops_completed), "ops_failed": int(st.ops_failed),
+        extra = {k: int(getattr(st, k)) for k in ("pid", "rss_bytes", "pool_bytes",
+                                                   "pool_peak_bytes") if hasattr(st, k)}
+        return {**extra,
+                "ops_completed": int(st.ops_completed), "ops_failed": int(st.ops_failed),
                 "ops_in_flight": int(st.ops_in_flight),
                 "early_arrival_bytes": int(st.early_arrival_bytes),
                 "peers": [{"rank": int(p.rank), "bytes_sent": int(p.bytes_sent),
@@ -788,11 +807,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     started = time.monotonic()
     load_start, uptime_start = os.getloadavg(), uptime_text()
-    sampler = RssSampler(find_daemon_pid())
-    sampler.start()
-
     bench = Bench(args)
     rank = bench.rank
+    status_start = bench.daemon_status()
+    sampler = RssSampler(status_start.get("pid") or find_daemon_pid())
+    sampler.start()
     if rank == 0:
         listed = ", ".join(map(report.human_bytes, sizes))
         print(f"decent vs gloo vs raw TCP: 2 ranks, sizes {listed}; gloo on "
@@ -806,7 +825,10 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         from tqdm import tqdm
 
-        total = len(sizes) * len(OPS) + len(RN_OPS) + (0 if args.no_hivemind else 1)
+        n_ops, n_rn = len(OPS), len(RN_OPS)
+        if not bench.has_shared:
+            n_ops, n_rn = n_ops - 1, n_rn - 1
+        total = len(sizes) * n_ops + n_rn + (0 if args.no_hivemind else 1)
         progress = tqdm(total=total, desc="benchmark", unit="op", file=sys.stdout,
                         mininterval=1.0, ncols=100)
 
@@ -850,7 +872,8 @@ def main(argv: list[str] | None = None) -> int:
     status = bench.daemon_status()
     mem = sampler.stop()
     gathered: list[Any] = [None] * bench.size
-    dist.all_gather_object(gathered, {"rank": rank, **mem, "status": status})
+    dist.all_gather_object(gathered, {"rank": rank, **mem, "status_start": status_start,
+                                      "status": status})
     runtime = time.monotonic() - started
     failed = any(not ok for e in [*results, resnet] for ok in e.get("ok", {}).values())
 

@@ -35,26 +35,29 @@ OPS: dict[str, str] = {
     "tcp_exchange": "raw TCP exchange (both ways at once)",
     "tcp_oneway": "raw TCP one-way 0->1",
     "oneway": "decent one-way 0->1 (neighbor_allreduce_ with dst_weights)",
+    "nar_shared": "decent neighbor_allreduce_ on a client.shared() tensor (no copies)",
 }
 #: decent ops among OPS (the ones whose results are checked against the closed form)
-DECENT_OPS = ("nar_", "nar", "ar_", "oneway")
+DECENT_OPS = ("nar_", "nar", "ar_", "oneway", "nar_shared")
 #: ResNet-18 list variants
 RN_OPS: dict[str, str] = {
     "gloo_list": "gloo: all_reduce(async_op=True) per tensor, wait all",
     "gloo_flat": "gloo: flatten into one buffer, one all_reduce, copy back",
     "nar_list": "decent: neighbor_allreduce_async_ per tensor, wait all (fused)",
     "ar_list": "decent: allreduce_async_ per tensor, wait all (fused)",
+    "nar_list_shared": "decent: neighbor_allreduce_async_ per client.shared() tensor, wait all",
 }
-STYLE: dict[str, tuple[str, str]] = {  # series -> (marker, linestyle)
-    "gloo": ("o", "-"),
-    "nar_": ("s", "-"),
-    "nar": ("D", ":"),
-    "ar_": ("^", "-"),
-    "tcp_exchange": ("x", "--"),
-    "tcp_oneway": ("+", "--"),
-    "oneway": ("v", "-."),
-    "hm_allreduce": ("*", "-"),
-    "hm_step": ("P", ":"),
+STYLE: dict[str, tuple[str, str, str]] = {  # series -> (marker, linestyle, color)
+    "gloo": ("o", "-", "tab:orange"),
+    "nar_": ("s", "-", "tab:blue"),
+    "nar": ("D", ":", "tab:blue"),
+    "ar_": ("^", "-", "tab:cyan"),
+    "tcp_exchange": ("x", "--", "black"),
+    "tcp_oneway": ("+", "--", "tab:gray"),
+    "oneway": ("v", "-.", "tab:brown"),
+    "nar_shared": ("h", "-", "tab:purple"),
+    "hm_allreduce": ("*", "-", "tab:green"),
+    "hm_step": ("P", ":", "tab:olive"),
 }
 HM_TITLES = {
     "hm_allreduce": "hivemind DecentralizedAverager all-reduce only",
@@ -219,10 +222,14 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
         add("1a", "peer bulk transfer (one-way 64 MiB, decent vs raw TCP, same script)", share,
             0.70, True, f"{pct(share)} ({gbps(MIB64, dec)} vs {gbps(MIB64, raw)} GB/s)"
             if share is not None else _why(big, "oneway"), pct)
-        r = ratio_to(big, "nar_")
-        add("1b", "64 MiB neighbor_allreduce_ (in place) / gloo allreduce", r, 1.0, False,
-            f"{ratio_text(r)} ({ms(median(big, 'nar_'))} vs {ms(median(big, 'gloo'))} ms)"
-            if r is not None else _why(big, "nar_"))
+        for cid, op, what in (("1b", "nar_", "neighbor_allreduce_ (in place)"),
+                              ("1b*", "nar_shared", "neighbor_allreduce_ on client.shared()")):
+            if cid.endswith("*") and op not in big.get("repeats", {}):
+                continue
+            r = ratio_to(big, op)
+            add(cid, f"64 MiB {what} / gloo allreduce", r, 1.0, False,
+                f"{ratio_text(r)} ({ms(median(big, op))} vs {ms(median(big, 'gloo'))} ms)"
+                if r is not None else _why(big, op))
     else:
         add("1a", "peer bulk transfer (one-way 64 MiB) vs raw TCP", None, 0.70, True,
             "64 MiB not measured", pct)
@@ -231,7 +238,10 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
     # (2) small ops
     if small is not None:
         for cid, op, what in (("2", "nar_", "neighbor_allreduce_"),
-                              ("2'", "ar_", "allreduce_")):
+                              ("2'", "ar_", "allreduce_"),
+                              ("2*", "nar_shared", "neighbor_allreduce_ on client.shared()")):
+            if cid.endswith("*") and op not in small.get("repeats", {}):
+                continue
             r = ratio_to(small, op)
             add(cid, f"4 KiB {what} end to end / gloo allreduce", r, 2.0, False,
                 f"{ratio_text(r)} ({ms(median(small, op))} vs {ms(median(small, 'gloo'))} ms)"
@@ -243,12 +253,16 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
     rn = p2p.get("resnet18")
     if rn:
         dec = median(rn, "nar_list")
-        for cid, base in (("3a", "gloo_list"), ("3a'", "gloo_flat")):
-            r = ratio_to(rn, "nar_list", base)
-            add(cid, f"ResNet-18 list (62 tensors) decent nar step / {base.replace('_', ' ')}",
+        for cid, op, base in (("3a", "nar_list", "gloo_list"), ("3a'", "nar_list", "gloo_flat"),
+                              ("3a*", "nar_list_shared", "gloo_list")):
+            if cid.endswith("*") and op not in rn.get("repeats", {}):
+                continue
+            r = ratio_to(rn, op, base)
+            what = "decent nar step" + (" (client.shared() tensors)" if "shared" in op else "")
+            add(cid, f"ResNet-18 list (62 tensors) {what} / {base.replace('_', ' ')}",
                 r, 1.2, False,
-                f"{ratio_text(r)} ({ms(dec)} vs {ms(median(rn, base))} ms)"
-                if r is not None else _why(rn, "nar_list"))
+                f"{ratio_text(r)} ({ms(median(rn, op))} vs {ms(median(rn, base))} ms)"
+                if r is not None else _why(rn, op))
         hm = hivemind_case(p2p, "resnet18")
         for cid, key, what in (("3b", "step_s", "step()"),
                                ("3b'", "allreduce_s", "all-reduce only")):
@@ -293,7 +307,8 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
     wrong = [f"{human_bytes(e['nbytes'])} {op}" for e in p2p.get("sizes", [])
              for op in DECENT_OPS if op_status(e, op)]
     if rn:
-        wrong += [f"ResNet-18 {op}" for op in ("nar_list", "ar_list") if op_status(rn, op)]
+        wrong += [f"ResNet-18 {op}" for op in ("nar_list", "ar_list", "nar_list_shared")
+                  if op_status(rn, op)]
     rows.append({"id": "-", "criterion": "every decent result equals the closed form exactly",
                  "value": None, "target": "exact", "measured": "all exact" if not wrong
                  else "failed/wrong: " + ", ".join(wrong), "pass": not wrong and bool(p2p)})
@@ -327,7 +342,7 @@ def environment_lines(meta: dict[str, Any]) -> list[str]:
         f"- date: {meta.get('date')}; total runtime {meta.get('runtime_s', 0):.0f} s",
         f"- machine: {meta.get('nproc')} CPUs ({meta.get('cpu')}), {meta.get('platform')}",
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items())
-        + f"; decent {meta.get('git')}",
+        + f"; git {meta.get('git')}",
         f"- load average (1/5/15 min) at start: {_load(meta.get('loadavg_start'))}, at end: "
         f"{_load(meta.get('loadavg_end'))}",
         f"- settings: torch threads {meta.get('threads')}, warm-up calls {meta.get('warmup')}, "
@@ -356,12 +371,14 @@ def size_table(p2p: dict[str, Any]) -> list[str]:
             cell(e, "nar_"), ratio_text(ratio_to(e, "nar_")),
             cell(e, "nar"), ratio_text(ratio_to(e, "nar")),
             cell(e, "ar_"), ratio_text(ratio_to(e, "ar_")),
+            cell(e, "nar_shared"), ratio_text(ratio_to(e, "nar_shared")),
             cell(e, "tcp_exchange"), ratio_text(ratio_to(e, "tcp_exchange")),
             gbps(n, raw), gbps(n, one) if not op_status(e, "oneway") else cell(e, "oneway"),
             f"{raw / one * 100:.0f}%" if raw and one else "-",
         ])
     return table(["size", "gloo ms", "nar_ ms", "/gloo", "nar ms", "/gloo", "allreduce_ ms",
-                  "/gloo", "raw TCP exchange ms", "/gloo", "raw one-way GB/s",
+                  "/gloo", "nar_ shared() ms", "/gloo", "raw TCP exchange ms", "/gloo",
+                  "raw one-way GB/s",
                   "decent one-way GB/s", "% of raw"], rows)
 
 
@@ -581,15 +598,16 @@ def plot_sizes(p2p: dict[str, Any], path: Path) -> None:
     titles = {**OPS, **HM_TITLES}
     fig, (ax_t, ax_b, ax_r) = plt.subplots(1, 3, figsize=(19, 6))
     for key, (xs, ys) in series.items():
-        marker, ls = STYLE[key]
-        ax_t.plot(xs, [y * 1e3 for y in ys], marker=marker, linestyle=ls, label=titles[key])
+        marker, ls, color = STYLE[key]
+        ax_t.plot(xs, [y * 1e3 for y in ys], marker=marker, linestyle=ls, color=color,
+                  label=titles[key])
         ax_b.plot(xs, [x / y / 1e9 for x, y in zip(xs, ys, strict=True)], marker=marker,
-                  linestyle=ls, label=titles[key])
+                  linestyle=ls, color=color, label=titles[key])
         if key != "gloo" and gloo:
             pts = [(x, y / gloo[x]) for x, y in zip(xs, ys, strict=True) if x in gloo]
             if pts:
                 ax_r.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker,
-                          linestyle=ls, label=f"{titles[key]} / gloo")
+                          linestyle=ls, color=color, label=f"{titles[key]} / gloo")
     ax_r.axhline(1.0, color="black", linestyle="--", linewidth=1)
     labels = [("time per call (ms, median, max over ranks)", "time vs size"),
               ("throughput (GB/s = bytes / median time)", "throughput vs size"),
@@ -625,6 +643,7 @@ def plot_resnet(p2p: dict[str, Any], path: Path) -> None:
     rn = p2p.get("resnet18") or {}
     bars: list[tuple[str, float]] = []
     names = {"nar_list": "decent\nneighbor_allreduce", "ar_list": "decent\nallreduce",
+             "nar_list_shared": "decent nar\nshared() tensors",
              "gloo_list": "gloo\nlist (async)", "gloo_flat": "gloo\nflat buffer"}
     for op, label in names.items():
         m = median(rn, op)
@@ -636,7 +655,8 @@ def plot_resnet(p2p: dict[str, Any], path: Path) -> None:
                  ("hivemind\nstep()", float(hm["step_s"]))]
     gl, gf = median(rn, "gloo_list"), median(rn, "gloo_flat")
     fig, ax = plt.subplots(figsize=(10, 5.5))
-    colors = ["tab:blue", "tab:cyan", "tab:orange", "tab:red", "tab:green", "tab:olive"]
+    colors = ["tab:blue", "tab:cyan", "tab:purple", "tab:orange", "tab:red", "tab:green",
+              "tab:olive"]
     xs = range(len(bars))
     ax.bar(list(xs), [b[1] * 1e3 for b in bars], color=colors[:len(bars)])
     for x, (_, v) in zip(xs, bars, strict=True):
@@ -655,7 +675,8 @@ def plot_resnet(p2p: dict[str, Any], path: Path) -> None:
                  f"{mib(rn.get('nbytes'))}), 2 peers on loopback"
                  + ("" if state == "ok" else f"\nhivemind {state[:80]}"), fontsize=10)
     top = max((b[1] for b in bars), default=1.0) * 1e3
-    ax.set_ylim(top=top * 8)
+    low = min((b[1] for b in bars), default=1.0) * 1e3
+    ax.set_ylim(bottom=low / 4, top=top * 8)
     ax.grid(True, axis="y", which="both", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -720,10 +741,12 @@ def readme_table(p2p: dict[str, Any] | None, netns: dict[str, Any] | None) -> st
         rows.append([human_bytes(n), cell(e, "gloo"),
                      f"{cell(e, 'nar_')} ({ratio_text(ratio_to(e, 'nar_'))})",
                      f"{cell(e, 'ar_')} ({ratio_text(ratio_to(e, 'ar_'))})",
+                     f"{cell(e, 'nar_shared')} ({ratio_text(ratio_to(e, 'nar_shared'))})",
                      ms(median(e, "tcp_exchange")),
                      f"{raw / one * 100:.0f}%" if raw and one else "-"])
     lines += table(["size", "gloo allreduce", "decent neighbor_allreduce_", "decent allreduce_",
-                    "raw TCP exchange", "one-way vs raw TCP"], rows)
+                    "neighbor_allreduce_ on shared()", "raw TCP exchange",
+                    "one-way vs raw TCP"], rows)
     rn = p2p.get("resnet18")
     if rn:
         hm = hivemind_case(p2p, "resnet18")
@@ -734,7 +757,7 @@ def readme_table(p2p: dict[str, Any] | None, netns: dict[str, Any] | None) -> st
                   + (f"hivemind step() {ms(hm['step_s'])} ms ({hm['step_s'] / d:.1f}x slower), "
                      f"all-reduce only {ms(hm['allreduce_s'])} ms" if hm and d
                      else f"hivemind {hivemind_state(p2p)}") + "."]
-    rows_a = acceptance(p2p, netns if netns is not None else {"skipped": "not run"})
+    rows_a = acceptance(p2p, netns if netns is not None else {"skipped": "netns_dsgd.json missing"})
     verdict = {True: "PASS", False: "FAIL", None: "n/a"}
     lines += ["", *table(["#", "criterion", "measured", "target", ""],
                          [[r["id"], r["criterion"], r["measured"], r["target"],

@@ -375,16 +375,14 @@ class Engine:
                 raise
             if ctx.failure is not None:  # aborted by a peer, or shut down, before it started
                 raise asyncio.CancelledError
-            result = await asyncio.wait_for(spec.run(ctx), timeout)
+            # a timer instead of asyncio.wait_for: no extra task per op on the hot path
+            timer = asyncio.get_running_loop().call_later(timeout, self._time_out, ctx, timeout)
+            try:
+                result = await spec.run(ctx)
+            finally:
+                timer.cancel()
         except asyncio.CancelledError:
             err = ctx.failure or OpError(pb.SHUTTING_DOWN, f"{ctx.label} was cancelled")
-            self._fail(ctx, err, completion)
-        except TimeoutError:
-            err = OpError(
-                pb.TIMEOUT,
-                f"{ctx.label} timed out after {timeout:g}s on rank {self.rank}; "
-                f"still waiting for {ctx.waiting_for()}",
-            )
             self._fail(ctx, err, completion)
         except OpError as err:
             if not err.message.startswith(ctx.label) and ctx.display not in err.message:
@@ -407,6 +405,10 @@ class Engine:
                 self.transport.close_op(p.name, p.round)
             ctx.release_views()
         ctx.session.complete(completion)
+
+    def _time_out(self, ctx: OpContext, timeout: float) -> None:
+        ctx.fail(OpError(pb.TIMEOUT, f"{ctx.label} timed out after {timeout:g}s on rank "
+                                     f"{self.rank}; still waiting for {ctx.waiting_for()}"))
 
     def _fail(self, ctx: OpContext, err: OpError, completion: pb.Completion) -> None:
         self.failed += 1
