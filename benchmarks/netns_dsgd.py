@@ -6,6 +6,11 @@ Needs root (it creates network namespaces)::
         [--repeats 5] [--json benchmarks/results/netns_dsgd.json] [--png PATH]
     sudo .venv/bin/python benchmarks/netns_dsgd.py --cleanup     # remove leftovers of a killed run
 
+``--cleanup`` deletes ``dcnt*`` namespaces and ``/tmp/dcnt<pid>-*`` run directories (logs kept
+after a failed run) whose run is no longer alive. Daemons and workers import ``decentd``/``decent``
+the way this interpreter does, so ``PYTHONPATH=<tree>/daemon:<tree>/clients`` benchmarks another
+source tree; the JSON records which one was used.
+
 What it builds: one "switch" namespace holding a Linux bridge, and ``--nodes`` node namespaces
 (``dcnt<pid>-<i>``), each joined to the bridge by one veth pair (``veth0`` inside the node,
 10.77.0.(i+1)/24). Every node's link is rate-limited in both directions with ``tc tbf``: on the

@@ -807,6 +807,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     started = time.monotonic()
     load_start, uptime_start = os.getloadavg(), uptime_text()
+    git_start = git_revision()  # the daemons run the code checked out now
     bench = Bench(args)
     rank = bench.rank
     status_start = bench.daemon_status()
@@ -886,7 +887,8 @@ def main(argv: list[str] | None = None) -> int:
             "cpu": cpu_model(),
             "platform": platform.platform(),
             "versions": versions(),
-            "git": git_revision(),
+            "git": git_start,
+            "git_end": git_revision(),
             "threads": torch.get_num_threads(),
             "warmup": args.warmup,
             "budget": args.budget if not args.repeats else f"n/a (--repeats {args.repeats})",

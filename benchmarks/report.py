@@ -342,7 +342,9 @@ def environment_lines(meta: dict[str, Any]) -> list[str]:
         f"- date: {meta.get('date')}; total runtime {meta.get('runtime_s', 0):.0f} s",
         f"- machine: {meta.get('nproc')} CPUs ({meta.get('cpu')}), {meta.get('platform')}",
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items())
-        + f"; git {meta.get('git')}",
+        + f"; git {meta.get('git')} at start"
+        + (f", {meta['git_end']} at end" if meta.get("git_end", meta.get("git")) != meta.get("git")
+           else ""),
         f"- load average (1/5/15 min) at start: {_load(meta.get('loadavg_start'))}, at end: "
         f"{_load(meta.get('loadavg_end'))}",
         f"- settings: torch threads {meta.get('threads')}, warm-up calls {meta.get('warmup')}, "
@@ -480,12 +482,17 @@ def daemon_lines(p2p: dict[str, Any]) -> list[str]:
                      f"{mib(en.get('RssShmem'))})",
                      mib(en.get("VmHWM")), str(d.get("samples", 0)),
                      ", ".join(f"{k} {mib(v)}" for k, v in d.get("phase_peak_rss", {}).items()),
+                     mib(d.get("status", {}).get("pool_bytes")),
+                     mib(d.get("status", {}).get("pool_peak_bytes")),
                      str(d.get("status", {}).get("ops_completed", "-")),
                      str(d.get("status", {}).get("ops_failed", "-"))])
     return ["Daemon memory: VmRSS (RssAnon / RssShmem) from /proc/PID/status, sampled every "
             "50 ms in each worker; RssShmem counts the touched pages of the shared-memory arenas.",
+            "Receive pool: buffers the daemon holds at the end / most in use at once "
+            "(`client.status()`).",
             "", *table(["rank", "pid", "start", "peak", "end", "VmHWM", "samples",
-                        "peak RSS per phase", "ops done", "ops failed"], rows)]
+                        "peak RSS per phase", "receive pool", "pool peak", "ops done",
+                        "ops failed"], rows)]
 
 
 def failure_lines(p2p: dict[str, Any]) -> list[str]:
@@ -596,7 +603,7 @@ def plot_sizes(p2p: dict[str, Any], path: Path) -> None:
     gloo = dict(zip(*series["gloo"], strict=True)) if "gloo" in series else {}
     sizes = sorted({x for xs, _ in series.values() for x in xs})
     titles = {**OPS, **HM_TITLES}
-    fig, (ax_t, ax_b, ax_r) = plt.subplots(1, 3, figsize=(19, 6))
+    fig, (ax_t, ax_b, ax_r) = plt.subplots(1, 3, figsize=(19, 7.2))
     for key, (xs, ys) in series.items():
         marker, ls, color = STYLE[key]
         ax_t.plot(xs, [y * 1e3 for y in ys], marker=marker, linestyle=ls, color=color,
@@ -622,12 +629,13 @@ def plot_sizes(p2p: dict[str, Any], path: Path) -> None:
         if sizes:
             ax.set_xticks(sizes, [human_bytes(s) for s in sizes], rotation=45)
             ax.xaxis.set_minor_locator(NullLocator())
-    ax_t.legend(fontsize=7)
-    ax_r.legend(fontsize=7)
+    handles, names = ax_t.get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=4, fontsize=8, frameon=False)
     meta = p2p.get("meta", {})
     fig.suptitle(f"2 daemons on loopback, {meta.get('nproc')} CPUs, load at start "
-                 f"{_load(meta.get('loadavg_start'))}, decent {meta.get('git')}", fontsize=10)
-    fig.tight_layout()
+                 f"{_load(meta.get('loadavg_start'))}, decent {meta.get('git')}; the ratio "
+                 "panel uses the same series (each divided by gloo's median)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -801,15 +809,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--results", type=Path, default=RESULTS,
                     help="directory with p2p_vs_gloo.json / netns_dsgd.json (output goes there)")
-    ap.add_argument("--plots", action="store_true",
-                    help="also redraw p2p_vs_gloo.png and p2p_vs_gloo_resnet18.png from the JSON")
+    ap.add_argument("--rerender", action="store_true",
+                    help="also rewrite p2p_vs_gloo.md and redraw its PNGs from the JSON")
     args = ap.parse_args(argv)
     results: Path = args.results
     p2p = load(results / "p2p_vs_gloo.json")
     netns = load(results / "netns_dsgd.json")
-    if p2p is not None and args.plots and "sizes" in p2p:
+    if p2p is not None and args.rerender and "sizes" in p2p:
         plot_sizes(p2p, results / P2P_PNGS[0])
         plot_resnet(p2p, results / P2P_PNGS[1])
+        (results / "p2p_vs_gloo.md").write_text(render_p2p(p2p, results))
     results.mkdir(parents=True, exist_ok=True)
     (results / "REPORT.md").write_text(render_report(p2p, netns, results))
     short = readme_table(p2p if p2p and "sizes" in p2p else None, netns)

@@ -180,3 +180,26 @@ def test_shared_tensors_skip_the_copies(small_window: Cluster) -> None:
         assert ok
         assert torch.allclose(copy, want, rtol=1e-6)  # (2, 2, 2) averaged again is the same
         assert leaked == 0  # the shared tensors' arena space came back
+
+
+def test_streamed_results_stay_exact_under_repetition() -> None:
+    # a lone neighbor (2 ranks), tensors larger than the sockets' buffers, so sending and the
+    # streaming combine overlap: the result must never be written over an input still being sent
+    c = Cluster(2, "ring", "--set", "memory.arena_bytes=134217728")
+    try:
+        c.connect()
+        n = (24 << 20) // F32
+
+        def run(cl: Client[torch.Tensor]) -> list[bool]:
+            t = torch.full((n,), float(2 * cl.rank))
+            ok = []
+            for _ in range(15):
+                t = cl.neighbor_allreduce(t, name="rep")
+                ok.append(bool(torch.equal(t, torch.full((n,), 1.0))))
+            return ok
+
+        for ok in c.run(run, timeout=300):
+            assert all(ok), ok
+        assert all(cl.status().streamed_messages > 0 for cl in c.clients)
+    finally:
+        assert c.stop() == [0, 0]

@@ -35,7 +35,7 @@ def test_train_digits_dsgd_and_allreduce_learn() -> None:
 def test_p2p_benchmark_quick(tmp_path: Path) -> None:
     proc = subprocess.run(
         [*RUN, "-np", "2", "--", sys.executable, str(REPO / "benchmarks" / "p2p_vs_gloo.py"),
-         "--sizes", "4K,1M", "--repeats", "3", "--warmup", "1", "--out", str(tmp_path)],
+         "--quick", "--sizes", "4K,1M", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -126,6 +126,11 @@ class Sender:
                     return None
                 buffers = _advance(buffers, sent)
                 total -= sent
+                # part of the frame is on the wire: the rest must follow, whatever happens
+                item = Outgoing(buffers, on_done, nbytes=total, started=sent > 0)
+                self._queue.append(item)
+                self._cv.notify()
+                return item
             item = Outgoing(buffers, on_done, nbytes=total)
             self._queue.append(item)
             self._cv.notify()
@@ -145,7 +150,7 @@ class Sender:
                 if not self._queue:
                     return
                 item = self._queue.popleft()
-                if item.abandoned:
+                if item.abandoned and not item.started:
                     self._done(item, asyncio.CancelledError())
                     continue
                 item.started = True
@@ -177,6 +182,11 @@ class Sender:
             self.error = exc
         while self._queue:
             self._done(self._queue.popleft(), exc)
+
+    def abort(self) -> None:
+        """Break the connection now: a write blocked on a peer that stopped reading fails."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         """Stop after what is queued; the socket is shut down for writing."""
@@ -345,6 +355,11 @@ class Inbound(asyncio.BufferedProtocol):
             self.sink.on_frame(self, header, payload)
         except ValueError as exc:
             self.fail(f"malformed frame: {exc}")
+
+    def take_partial(self) -> Dest | None:
+        """The destination of a payload cut off mid-way (for its buffer to be returned)."""
+        part, self._partial = self._partial, None
+        return None if part is None else part.dest
 
     def fail(self, reason: str) -> None:
         """Close this connection (and only this one) after a protocol error."""

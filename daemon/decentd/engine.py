@@ -399,10 +399,11 @@ class Engine:
             completion.out_meta.shape.extend(result.shape)
             completion.src_ranks.extend(result.src_ranks)
         finally:
-            for p in ctx.parts:
-                self.running.pop((p.name, p.round), None)
-                ctx.session.in_flight.discard((p.name, p.round))
-                self.transport.close_op(p.name, p.round)
+            keys = [(p.name, p.round) for p in ctx.parts]
+            for key in keys:
+                self.running.pop(key, None)
+                ctx.session.in_flight.discard(key)
+            self.transport.close_ops(keys)
             ctx.release_views()
         ctx.session.complete(completion)
 

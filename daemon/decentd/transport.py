@@ -127,6 +127,7 @@ class PeerLink:
     window: int = 0
     rendezvous: dict[int, _Rendezvous] = field(default_factory=dict)
     owed: int = 0  # credit for consumed payloads not yet given back
+    unconsumed: int = 0  # eager bytes received from the peer and not consumed yet
     owed_flush: bool = False
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
@@ -182,8 +183,11 @@ class Transport:
         self._rts: dict[tuple[int, int], pb.BulkHeader] = {}  # (src, message id): awaiting CTS
         self._rts_keys: dict[Key, tuple[int, int]] = {}
         self._cts_sent: dict[tuple[int, int], pb.BulkHeader] = {}
+        #: payloads cleared to send whose ops all ended here: read and dropped if they come
+        self._discard: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
         self._closed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self.early_bytes = 0
+        self.streamed = 0
 
     # ------------------------------------------------------------------ connection setup
 
@@ -342,7 +346,8 @@ class Transport:
             )
         return link
 
-    async def _write(self, link: PeerLink, buffers: list[Buffer], name: str) -> None:
+    async def _write(self, link: PeerLink, buffers: list[Buffer], name: str,
+                     refund: tuple[int, int] | None = None) -> None:
         """Write one frame to ``link`` and wait until the kernel has all of it.
 
         A frame is never abandoned half-way: its payload is read straight from the worker's arena
@@ -352,7 +357,14 @@ class Transport:
         """
         assert link.sender is not None
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        item = link.sender.send(buffers, lambda err: _settle(fut, err, link.rank, name))
+
+        def done(err: BaseException | None) -> None:
+            if isinstance(err, asyncio.CancelledError) and refund is not None:
+                link.credits += refund[0]  # skipped: the peer never saw it
+                link.owed += refund[1]
+            _settle(fut, err, link.rank, name)
+
+        item = link.sender.send(buffers, done)
         if item is not None:
             await self._await_write(fut, item, link, name)
         else:
@@ -381,8 +393,12 @@ class Transport:
                 continue
             if not fut.done() and not warned:
                 warned = True
-                log.warning("op '%s': a message to rank %d is still being written after its "
-                            "op ended; waiting for it", display_name(name), link.rank)
+                log.warning("op '%s': a message to rank %d is still being written %gs after "
+                            "its op ended; rank %d is not reading: closing the connection",
+                            display_name(name), link.rank, WRITE_GRACE, link.rank)
+                link.connected = False
+                if link.sender is not None:
+                    link.sender.abort()
 
     async def send_parts(self, dst: int, parts: list[pb.Part], payload: list[memoryview]) -> None:
         """Send one message to ``dst``: ``parts`` with their bytes ``payload`` (one buffer per
@@ -399,7 +415,8 @@ class Transport:
         if size <= link.credits:
             link.credits -= size
             header = pb.BulkHeader(kind=pb.DATA, message_id=mid, payload_bytes=size, parts=parts)
-            await self._write(link, [self._stamp(link, header), *payload], name)
+            stamped = self._stamp(link, header)
+            await self._write(link, [stamped, *payload], name, (size, int(header.credit)))
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         rdv = _Rendezvous(payload, name, done)
@@ -499,6 +516,7 @@ class Transport:
                 msg.buf = None
             link = self.links.get(msg.src)
             if msg.credit and link is not None:
+                link.unconsumed -= msg.credit
                 # given back on the next frame to that peer, or by itself a moment later
                 link.owed += msg.credit
                 if not link.owed_flush:
@@ -520,26 +538,45 @@ class Transport:
 
     def close_op(self, name: str, round_: int) -> None:
         """Forget everything about a finished op; later arrivals for it are dropped."""
-        self._closed[(name, round_)] = None
+        self.close_ops([(name, round_)])
+
+    def close_ops(self, keys: list[tuple[str, int]]) -> None:
+        """:meth:`close_op` for every tensor of a (fused) op, one pass over each table."""
+        closing = set(keys)
+        for key in keys:
+            self._closed[key] = None
         while len(self._closed) > 65536:
             self._closed.popitem(last=False)
         for table in (self._waiters, self._acks):
-            for key in [k for k in table if k[1] == name and k[2] == round_]:
-                fut = table.pop(key)
+            for k in [k for k in table if (k[1], k[2]) in closing]:
+                fut = table.pop(k)
                 if not fut.done():
                     fut.cancel()
-        for key in [k for k in self._streams if k[1] == name and k[2] == round_]:
-            del self._streams[key]
-        for arrival in self._held.pop((name, round_), ()):
-            self.release(arrival)
-        self._drop_early(name, round_)
+        for k in [k for k in self._streams if (k[1], k[2]) in closing]:
+            del self._streams[k]
+        for key in keys:
+            for arrival in self._held.pop(key, ()):
+                self.release(arrival)
+        self._drop_early(closing)
+        # a message cleared to send (or waiting for it) whose tensors are all closed here: its
+        # payload is dropped if it still comes
+        for rts in [r for r, h in self._rts.items() if self._all_closed(h)]:
+            del self._rts[rts]
+        for rts in [r for r, h in self._cts_sent.items() if self._all_closed(h)]:
+            del self._cts_sent[rts]
+            self._discard[rts] = None
+        while len(self._discard) > 4096:
+            self._discard.popitem(last=False)
 
-    def _drop_early(self, name: str, round_: int) -> None:
-        for key in [k for k in self._early if k[1] == name and k[2] == round_]:
+    def _all_closed(self, header: pb.BulkHeader) -> bool:
+        return all((p.name, int(p.round)) in self._closed for p in header.parts)
+
+    def _drop_early(self, closing: set[tuple[str, int]]) -> None:
+        for key in [k for k in self._early if (k[1], k[2]) in closing]:
             arrival = self._early.pop(key)
             self.early_bytes -= arrival.data.nbytes
             self.release(arrival)
-        for key in [k for k in self._rts_keys if k[1] == name and k[2] == round_]:
+        for key in [k for k in self._rts_keys if (k[1], k[2]) in closing]:
             self._rts_keys.pop(key, None)
 
     def forget_history(self) -> None:
@@ -549,6 +586,8 @@ class Transport:
             arrival = self._early.pop(key)
             self.early_bytes -= arrival.data.nbytes
             self.release(arrival)
+        self._discard.update((rts, None) for rts in self._cts_sent)
+        self._cts_sent.clear()
         self._rts.clear()
         self._rts_keys.clear()
 
@@ -588,13 +627,21 @@ class Transport:
             raise ValueError("data before HELLO")
         kind = header.kind
         parts = header.parts
+        link = self.links[conn.src]
         if kind == pb.PAYLOAD:
             rts = self._cts_sent.get((conn.src, header.message_id))
             if rts is None:
+                if (conn.src, header.message_id) in self._discard:
+                    return self.pool.get(int(header.payload_bytes))
                 raise ValueError(f"a payload for message {header.message_id}, which was not "
                                  "cleared to send")
             parts = rts.parts
-        elif kind != pb.DATA:
+        elif kind == pb.DATA:
+            if link.unconsumed + header.payload_bytes > self.window:
+                raise ValueError(f"rank {conn.src} sent {header.payload_bytes} eager bytes with "
+                                 f"{link.unconsumed} of its {self.window}-byte window in use")
+            link.unconsumed += int(header.payload_bytes)
+        else:
             raise ValueError(f"a payload on a frame of kind {kind}")
         if len(parts) == 1 and parts[0].nbytes == header.payload_bytes:
             p = parts[0]
@@ -602,6 +649,7 @@ class Transport:
             target = self._streams.get(key)
             if target is not None and key in self._waiters and target.accept(p):
                 del self._streams[key]
+                self.streamed += 1
                 return target
         return self.pool.get(int(header.payload_bytes))
 
@@ -621,7 +669,12 @@ class Transport:
         if kind == pb.DATA:
             self._on_data(src, header.parts, payload, size, size)
         elif kind == pb.PAYLOAD:
-            rts = self._cts_sent.pop((src, header.message_id))
+            rts = self._cts_sent.pop((src, header.message_id), None)
+            if rts is None:  # its ops ended here meanwhile
+                self._discard.pop((src, header.message_id), None)
+                if isinstance(payload, np.ndarray):
+                    self.pool.put(payload)
+                return
             self._on_data(src, rts.parts, payload, size, 0)
         elif kind == pb.RTS:
             self._on_rts(src, header)
@@ -637,7 +690,7 @@ class Transport:
                 raise ValueError("ABORT without the op it aborts")
             for p in header.parts:
                 name, round_ = p.name, int(p.round)
-                self._drop_early(name, round_)  # the op failed: its data is moot
+                self._drop_early({(name, round_)})  # the op failed: its data is moot
                 if (name, round_) not in self._closed:
                     self._on_abort(src, name, round_, header.error)
         else:
@@ -685,6 +738,8 @@ class Transport:
 
     def _on_rts(self, src: int, header: pb.BulkHeader) -> None:
         rts = (src, int(header.message_id))
+        if self._all_closed(header):
+            return  # late: its op ended here (the sender's fails by timeout or ABORT)
         self._rts[rts] = header
         wanted = False
         for p in header.parts:
@@ -697,6 +752,9 @@ class Transport:
 
     def on_lost(self, conn: Inbound, reason: str) -> None:
         """An incoming connection ended: when it was the peer's current one, the peer is down."""
+        partial = conn.take_partial()
+        if isinstance(partial, np.ndarray):
+            self.pool.put(partial)
         src = conn.src
         link = self.links.get(src)
         if link is None or link.inbound is not conn:

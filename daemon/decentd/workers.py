@@ -111,6 +111,7 @@ class WorkerChannel(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         """The worker went away (or closed its client)."""
         self.transport = None
+        self.daemon.channels.discard(self)
         if self.session is not None:
             self.session.deliver = None
             self.daemon.drop_session(self.session)
