@@ -183,8 +183,8 @@ def test_shared_tensors_skip_the_copies(small_window: Cluster) -> None:
 
 
 def test_streamed_results_stay_exact_under_repetition() -> None:
-    # a lone neighbor (2 ranks), tensors larger than the sockets' buffers, so sending and the
-    # streaming combine overlap: the result must never be written over an input still being sent
+    # a lone neighbor (2 ranks), tensors larger than the sockets' buffers, so sending and
+    # receiving overlap: the result must never be written over an input still being sent
     c = Cluster(2, "ring", "--set", "memory.arena_bytes=134217728")
     try:
         c.connect()
@@ -200,6 +200,5 @@ def test_streamed_results_stay_exact_under_repetition() -> None:
 
         for ok in c.run(run, timeout=300):
             assert all(ok), ok
-        assert all(cl.status().streamed_messages > 0 for cl in c.clients)
     finally:
         assert c.stop() == [0, 0]

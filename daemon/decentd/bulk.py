@@ -199,27 +199,14 @@ class Sender:
         self.sock.close()
 
 
-class Stream(Protocol):
-    """A payload consumed as it arrives (instead of landing in one payload-sized buffer)."""
-
-    #: where the next bytes are received (a small buffer that stays in cache)
-    staging: np.ndarray
-
-    def feed(self, offset: int, nbytes: int) -> None:
-        """``staging[:nbytes]`` holds the payload's bytes ``[offset, offset + nbytes)``."""
-
-
-Dest = np.ndarray | Stream
-
-
 class FrameSink(Protocol):
     """Where an :class:`Inbound` connection delivers what it reads."""
 
-    def on_header(self, conn: Inbound, header: pb.BulkHeader) -> Dest | None:
-        """A header arrived; return where its payload goes: a uint8 buffer of exactly its size,
-        or a Stream (None: no payload)."""
+    def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
+        """A header arrived; return the uint8 buffer of exactly its payload's size that the
+        payload is received into (None: no payload)."""
 
-    def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: Dest | None) -> None:
+    def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
         """A whole frame (header and payload) arrived."""
 
     def on_lost(self, conn: Inbound, reason: str) -> None:
@@ -228,32 +215,12 @@ class FrameSink(Protocol):
 
 @dataclass
 class _Partial:
-    """A payload being received: into ``dest`` directly, or chunk by chunk into a stream."""
+    """A payload being received in place."""
 
     header: pb.BulkHeader
-    dest: Dest
-    size: int
-    view: memoryview  # where bytes land: the whole buffer, or the stream's staging buffer
-    filled: int = 0  # payload bytes received (streams: handed over)
-    staged: int = 0  # streams: bytes in the staging buffer not handed over yet
-
-    def want(self) -> memoryview:
-        """The buffer the next read goes into."""
-        if isinstance(self.dest, np.ndarray):
-            return self.view[self.filled:]
-        return self.view[self.staged:min(len(self.view), self.size - self.filled)]
-
-    def add(self, nbytes: int) -> bool:
-        """Account ``nbytes`` received; True once the payload is complete."""
-        if isinstance(self.dest, np.ndarray):
-            self.filled += nbytes
-        else:
-            self.staged += nbytes
-            if self.staged == min(len(self.view), self.size - self.filled):
-                self.dest.feed(self.filled, self.staged)
-                self.filled += self.staged
-                self.staged = 0
-        return self.filled == self.size
+    dest: np.ndarray
+    view: memoryview
+    filled: int = 0
 
 
 @dataclass(eq=False)
@@ -281,7 +248,7 @@ class Inbound(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         """The payload being received, else free scratch space."""
         if self._partial is not None:
-            return self._partial.want()
+            return self._partial.view[self._partial.filled:]
         if self._end == len(self._scratch):
             pending = self._end - self._start
             if self._start:
@@ -298,7 +265,8 @@ class Inbound(asyncio.BufferedProtocol):
         self.bytes_received += nbytes
         part = self._partial
         if part is not None:
-            if part.add(nbytes):
+            part.filled += nbytes
+            if part.filled == part.dest.size:
                 self._partial = None
                 self._deliver(part.header, part.dest)
             return
@@ -327,36 +295,32 @@ class Inbound(asyncio.BufferedProtocol):
             self._start += LENGTH + hlen
             size = header.payload_bytes
             dest = self.sink.on_header(self, header) if size else None
-            if size and (dest is None or (isinstance(dest, np.ndarray) and dest.size != size)):
+            if size and (dest is None or dest.size != size):
                 raise ValueError(f"no buffer for a {size}-byte payload")
             if dest is None:
                 self._deliver(header, None)
                 continue
-            view = dest.data if isinstance(dest, np.ndarray) else dest.staging.data
-            part = _Partial(header, dest, size, view)
-            while self._start < self._end and part.filled != size:
-                into = part.want()
-                take = min(len(into), self._end - self._start)
-                into[:take] = buf[self._start:self._start + take]
+            take = min(size, self._end - self._start)
+            if take:
+                dest[:take] = np.frombuffer(buf, np.uint8, take, self._start)
                 self._start += take
-                part.add(take)
-            if part.filled == size:
+            if take == size:
                 self._deliver(header, dest)
                 continue
-            self._partial = part
+            self._partial = _Partial(header, dest, dest.data, take)
             break
         if self._start == self._end:
             self._start = self._end = 0
         if self._partial is not None and len(self._scratch) > SCRATCH:
             self._scratch = bytearray(SCRATCH)  # shrink after a huge header
 
-    def _deliver(self, header: pb.BulkHeader, payload: Dest | None) -> None:
+    def _deliver(self, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
         try:
             self.sink.on_frame(self, header, payload)
         except ValueError as exc:
             self.fail(f"malformed frame: {exc}")
 
-    def take_partial(self) -> Dest | None:
+    def take_partial(self) -> np.ndarray | None:
         """The destination of a payload cut off mid-way (for its buffer to be returned)."""
         part, self._partial = self._partial, None
         return None if part is None else part.dest

@@ -25,7 +25,6 @@ from decentd.topology import Step, Topology
 from decentd.transport import (
     JOB_SEPARATOR,
     Arrival,
-    StreamTarget,
     Transport,
     part,
     qualify,
@@ -156,8 +155,8 @@ class OpContext:
         self.unacked.discard(dst)
 
     async def recv_parts(self, src: int, tag: int, ack: bool = False,
-                         parts: list[PartSpec] | None = None, sized: bool = True,
-                         stream: StreamTarget | None = None) -> list[Arrival]:
+                         parts: list[PartSpec] | None = None, sized: bool = True
+                         ) -> list[Arrival]:
         """Receive this op's tensors (or ``parts`` of them) from ``src``, however the sender
         grouped them into messages.
 
@@ -168,7 +167,7 @@ class OpContext:
         if link is None:
             raise OpError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} is not a peer")
         want = self.parts if parts is None else parts
-        futs = [self.transport.expect(src, p.name, p.round, tag, stream) for p in want]
+        futs = [self.transport.expect(src, p.name, p.round, tag) for p in want]
         if link.inbound_lost and not all(f.done() for f in futs):
             for f in futs:
                 f.cancel()
@@ -205,7 +204,7 @@ class OpContext:
         elif arrival.dtype != p.dtype or arrival.shape != p.shape:
             problem = (f"rank {self.rank} has {dtypes.describe(p.dtype, p.shape)} but rank {src} "
                        f"sent {dtypes.describe(arrival.dtype, arrival.shape)}")
-        elif exact_size and not arrival.streamed and arrival.data.nbytes != p.nbytes:
+        elif exact_size and arrival.data.nbytes != p.nbytes:
             problem = (f"rank {src} sent {arrival.data.nbytes} bytes for "
                        f"{dtypes.describe(p.dtype, p.shape)} ({p.nbytes} bytes)")
         if problem is None:

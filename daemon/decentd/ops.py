@@ -127,82 +127,25 @@ def neighbor_plan(ctx: OpContext) -> tuple[float, dict[int, float], dict[int, fl
     return self_weight, recv, send
 
 
-class CombineStream:
-    """Combines a lone in-neighbor's tensor into the output while it arrives.
-
-    Each chunk is received into a small staging buffer and folded into ``out`` at once, while
-    it is still in cache: the tensor never lands in a tensor-sized buffer, and combining overlaps
-    with receiving.
-    """
-
-    STAGING = 512 << 10
-
-    def __init__(self, ctx: OpContext, p: PartSpec, self_weight: float, src_weight: float
-                 ) -> None:
-        self.ctx = ctx
-        self.part = p
-        self.out = _out(ctx, p, p.nbytes)
-        self.x = p.x
-        self.self_weight = self_weight
-        self.src_weight = src_weight
-        self.weight = 0.0
-        self.itemsize = dtypes.itemsize(p.dtype)
-        self.storage = dtypes.STORAGE[p.dtype]
-        self.staging = np.empty(min(self.STAGING, max(p.nbytes, 1)), np.uint8)
-        self.closed = False
-
-    def accept(self, part: pb.Part) -> bool:
-        """Stream only a part that matches ours exactly (anything else fails the usual way)."""
-        p = self.part
-        ok = (part.op == self.ctx.op and part.meta.dtype == p.dtype
-              and tuple(part.meta.shape) == p.shape and part.nbytes == p.nbytes)
-        self.weight = self.src_weight * float(part.weight)
-        return ok and not self.closed
-
-    def feed(self, offset: int, nbytes: int) -> None:
-        """Fold payload bytes ``[offset, offset + nbytes)`` into the output."""
-        if self.closed:  # the op ended (failed) while its data was still arriving
-            return
-        start, n = offset // self.itemsize, nbytes // self.itemsize
-        y = self.staging[:nbytes].view(self.storage)
-        weighted_sum(self.out[start:start + n], self.x[start:start + n], self.self_weight,
-                     [(y, self.weight)], self.part.dtype)
-
-    def close(self) -> None:
-        """Stop writing into the worker's arena (the op is over)."""
-        self.closed = True
-        self.out = self.x = _EMPTY
-
-
-_EMPTY = np.empty(0, np.float32)
-
-
 async def neighbor_allreduce(ctx: OpContext) -> OpResult:
-    """``out = self_w * x + sum_j src_w[j] * d_j * x_j`` over this step's in-neighbors."""
+    """``out = self_w * x + sum_j src_w[j] * d_j * x_j`` over this step's in-neighbors.
+
+    The result is combined once every send has gone out, so it may overwrite the input (the
+    client gives both one slot, and in-place ops on shared tensors rely on it).
+    """
     self_weight, recv, send = neighbor_plan(ctx)
     srcs = sorted(recv)
-    stream = None
-    p0 = ctx.parts[0]
-    # in place on a shared tensor: the output is the input, which must be sent before it changes
-    aliased = np.may_share_memory(_out(ctx, p0, p0.nbytes), p0.x)
-    if len(srcs) == 1 and len(ctx.parts) == 1 and not aliased:
-        stream = CombineStream(ctx, ctx.parts[0], self_weight, recv[srcs[0]])
-    try:
-        # a peer we also receive from checks our tensor against its own and we check its: a
-        # disagreement fails both sides without acknowledgements; one-way edges need them
-        got = await gather_all(
-            *(ctx.recv_parts(j, 0, ack=j not in send, stream=stream) for j in srcs),
-            *(ctx.send(d, 0, weight=w, ack=d not in recv) for d, w in send.items()))
-    finally:
-        if stream is not None:
-            stream.close()
+    # a peer we also receive from checks our tensor against its own and we check its: a
+    # disagreement fails both sides without acknowledgements; one-way edges need them
+    got = await gather_all(
+        *(ctx.recv_parts(j, 0, ack=j not in send) for j in srcs),
+        *(ctx.send(d, 0, weight=w, ack=d not in recv) for d, w in send.items()))
     total = 0
     for i, p in enumerate(ctx.parts):
         storage = dtypes.STORAGE[p.dtype]
-        if not (srcs and got[0][i].streamed):
-            terms = [(got[k][i].data.view(storage), recv[j] * got[k][i].weight)
-                     for k, j in enumerate(srcs)]
-            weighted_sum(_out(ctx, p, p.nbytes), p.x, self_weight, terms, p.dtype)
+        terms = [(got[k][i].data.view(storage), recv[j] * got[k][i].weight)
+                 for k, j in enumerate(srcs)]
+        weighted_sum(_out(ctx, p, p.nbytes), p.x, self_weight, terms, p.dtype)
         total += p.nbytes
     return OpResult(total, ctx.shape)
 

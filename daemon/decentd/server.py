@@ -116,7 +116,6 @@ class WorkerService(pb_grpc.WorkerServicer):
             rss_bytes=rss_bytes(),
             pool_bytes=d.transport.pool.in_use_bytes + d.transport.pool.idle_bytes,
             pool_peak_bytes=d.transport.pool.peak_in_use,
-            streamed_messages=d.transport.streamed,
             peers=[
                 pb.PeerStatus(
                     rank=link.rank,

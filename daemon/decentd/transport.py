@@ -22,14 +22,13 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import grpc
 import numpy as np
 
 from decentd import PROTOCOL_VERSION
 from decentd.bufpool import BufferPool
-from decentd.bulk import Buffer, Dest, Inbound, Outgoing, Sender, Stream, encode, tune
+from decentd.bulk import Buffer, Inbound, Outgoing, Sender, encode, tune
 from decentd.errors import OpError, StartupError
 from decentd.wire import pb, pb_grpc
 
@@ -87,17 +86,9 @@ class Arrival:
     dtype: int
     shape: tuple[int, ...]
     weight: float
-    data: np.ndarray  # uint8, exactly this part's bytes (empty when streamed)
+    data: np.ndarray  # uint8, exactly this part's bytes
     message: _Message | None = None
     released: bool = False
-    streamed: bool = False  # the bytes went to the op's StreamTarget as they arrived
-
-
-class StreamTarget(Stream, Protocol):
-    """An op that consumes a tensor while it arrives (e.g. combines it into its output)."""
-
-    def accept(self, part: pb.Part) -> bool:
-        """Whether this part (its op, dtype, shape) can be streamed; False: buffer it instead."""
 
 
 @dataclass(eq=False)
@@ -176,7 +167,6 @@ class Transport:
         self.data_port = 0
         self._server: asyncio.Server | None = None
         self._waiters: dict[Key, asyncio.Future[Arrival]] = {}
-        self._streams: dict[Key, StreamTarget] = {}
         self._early: dict[Key, Arrival] = {}
         self._held: dict[tuple[str, int], list[Arrival]] = {}
         self._acks: dict[Key, asyncio.Future[None]] = {}
@@ -187,7 +177,6 @@ class Transport:
         self._discard: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
         self._closed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self.early_bytes = 0
-        self.streamed = 0
 
     # ------------------------------------------------------------------ connection setup
 
@@ -469,13 +458,8 @@ class Transport:
 
     # ------------------------------------------------------------------ receiving
 
-    def expect(self, src: int, name: str, round_: int, tag: int,
-               stream: StreamTarget | None = None) -> asyncio.Future[Arrival]:
-        """A future for the part ``(name, round, tag)`` from ``src``.
-
-        With ``stream``, a part that arrives from now on (alone in its message) is handed to it
-        chunk by chunk as it comes off the socket; the arrival then has ``streamed`` set.
-        """
+    def expect(self, src: int, name: str, round_: int, tag: int) -> asyncio.Future[Arrival]:
+        """A future for the part ``(name, round, tag)`` from ``src``."""
         key = (src, name, round_, tag)
         fut: asyncio.Future[Arrival] = asyncio.get_running_loop().create_future()
         early = self._early.pop(key, None)
@@ -485,8 +469,6 @@ class Transport:
             fut.set_result(early)
         else:
             self._waiters[key] = fut
-            if stream is not None:
-                self._streams[key] = stream
             rts = self._rts_keys.get(key)
             if rts is not None:
                 self._clear_to_send(rts)
@@ -552,8 +534,6 @@ class Transport:
                 fut = table.pop(k)
                 if not fut.done():
                     fut.cancel()
-        for k in [k for k in self._streams if (k[1], k[2]) in closing]:
-            del self._streams[k]
         for key in keys:
             for arrival in self._held.pop(key, ()):
                 self.release(arrival)
@@ -621,21 +601,17 @@ class Transport:
 
     # ------------------------------------------------------------------ the bulk sink
 
-    def on_header(self, conn: Inbound, header: pb.BulkHeader) -> Dest | None:
-        """Where a frame's payload goes: the waiting op's stream, else a pooled buffer."""
+    def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
+        """Where a frame's payload goes: a pooled buffer of exactly its size."""
         if conn.src < 0:
             raise ValueError("data before HELLO")
         kind = header.kind
-        parts = header.parts
         link = self.links[conn.src]
         if kind == pb.PAYLOAD:
-            rts = self._cts_sent.get((conn.src, header.message_id))
-            if rts is None:
-                if (conn.src, header.message_id) in self._discard:
-                    return self.pool.get(int(header.payload_bytes))
+            rts = (conn.src, header.message_id)
+            if rts not in self._cts_sent and rts not in self._discard:
                 raise ValueError(f"a payload for message {header.message_id}, which was not "
                                  "cleared to send")
-            parts = rts.parts
         elif kind == pb.DATA:
             if link.unconsumed + header.payload_bytes > self.window:
                 raise ValueError(f"rank {conn.src} sent {header.payload_bytes} eager bytes with "
@@ -643,17 +619,9 @@ class Transport:
             link.unconsumed += int(header.payload_bytes)
         else:
             raise ValueError(f"a payload on a frame of kind {kind}")
-        if len(parts) == 1 and parts[0].nbytes == header.payload_bytes:
-            p = parts[0]
-            key = (conn.src, p.name, int(p.round), int(p.tag))
-            target = self._streams.get(key)
-            if target is not None and key in self._waiters and target.accept(p):
-                del self._streams[key]
-                self.streamed += 1
-                return target
         return self.pool.get(int(header.payload_bytes))
 
-    def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: Dest | None) -> None:
+    def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
         """Dispatch one complete frame; ValueError closes the connection it came on."""
         kind = header.kind
         if kind == pb.HELLO:
@@ -672,7 +640,7 @@ class Transport:
             rts = self._cts_sent.pop((src, header.message_id), None)
             if rts is None:  # its ops ended here meanwhile
                 self._discard.pop((src, header.message_id), None)
-                if isinstance(payload, np.ndarray):
+                if payload is not None:
                     self.pool.put(payload)
                 return
             self._on_data(src, rts.parts, payload, size, 0)
@@ -709,23 +677,15 @@ class Transport:
         link.inbound = conn
         link.inbound_lost = False
 
-    def _on_data(self, src: int, parts: Iterable[pb.Part], dest: Dest | None, total: int,
-                 credit: int) -> None:
+    def _on_data(self, src: int, parts: Iterable[pb.Part], payload: np.ndarray | None,
+                 total: int, credit: int) -> None:
         plist = list(parts)
-        payload = dest if isinstance(dest, np.ndarray) else None
         if sum(int(p.nbytes) for p in plist) != total or not plist:
             if payload is not None:
                 self.pool.put(payload)
             raise ValueError(f"parts of {sum(int(p.nbytes) for p in plist)} bytes in a "
                              f"{total}-byte payload")
         msg = _Message(src, payload, len(plist), credit)
-        if dest is not None and payload is None:  # streamed: the op already has the bytes
-            p = plist[0]
-            shape = tuple(int(s) for s in p.meta.shape)
-            arrival = Arrival(src, int(p.op), int(p.meta.dtype), shape, float(p.weight),
-                              np.empty(0, np.uint8), msg, streamed=True)
-            self._deliver((src, p.name, int(p.round), int(p.tag)), arrival)
-            return
         empty = np.empty(0, np.uint8)
         offset = 0
         for p in plist:
@@ -753,7 +713,7 @@ class Transport:
     def on_lost(self, conn: Inbound, reason: str) -> None:
         """An incoming connection ended: when it was the peer's current one, the peer is down."""
         partial = conn.take_partial()
-        if isinstance(partial, np.ndarray):
+        if partial is not None:
             self.pool.put(partial)
         src = conn.src
         link = self.links.get(src)

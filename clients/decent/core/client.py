@@ -25,7 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import grpc
 import numpy as np
 
-from decent.core.arena import ALIGN, ClientArena
+from decent.core.arena import ClientArena
 from decent.core.errors import DecentError
 from decent.core.fusion import Fusion, settings_from_env
 from decent.v1 import decent_pb2 as pb
@@ -419,13 +419,9 @@ class Client(Generic[T]):
             if resident is None:
                 slots.append((self.arena.alloc(nbytes, f"tensor '{name}'", self._reclaim),
                               nbytes))
-            # the result goes to its own slot when the daemon may write it while still sending
-            # the input (it folds a lone neighbor's tensor in as it arrives), or the input is
-            # a shared() tensor the op must not change
-            # (a tensor too big for two slots in the arena shares one: no streaming then)
-            own_out = resident is not None or (
-                op == pb.NEIGHBOR_ALLREDUCE and 2 * (nbytes + ALIGN) <= self.arena.nbytes)
-            if out_factor != 1 or (own_out and not in_place):
+            # the daemon writes a result over its input once the input is sent, so one slot
+            # serves both; a shared() tensor gets its own result slot unless the op is in place
+            if out_factor != 1 or (resident is not None and not in_place):
                 out_bytes = nbytes * out_factor
                 slots.append((self.arena.alloc(out_bytes, f"tensor '{name}' output",
                                                self._reclaim), out_bytes))

@@ -29,6 +29,16 @@ _TO_WIRE = {
 _FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
 
 
+def _address(buf: memoryview) -> int:
+    return int(np.frombuffer(buf, np.uint8).ctypes.data)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A contiguous CPU tensor: its bytes can be moved with one memmove (faster than a
+    single-threaded torch copy, and it releases the GIL)."""
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
 def _host_view(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     numel = math.prod(shape)
     if numel == 0:
@@ -66,8 +76,11 @@ class TorchCodec:
 
     def write(self, tensor: torch.Tensor, dst: memoryview) -> None:
         """Copy ``tensor`` into ``dst`` (device tensors: non-blocking D2H, then synchronize)."""
-        host = _host_view(dst, tensor.dtype, tuple(tensor.shape))
         src = tensor.detach()
+        if _plain(src) and len(dst):
+            ctypes.memmove(_address(dst), src.data_ptr(), len(dst))
+            return
+        host = _host_view(dst, tensor.dtype, tuple(tensor.shape))
         if src.is_cuda:
             host.copy_(src, non_blocking=self._pinned)
             torch.cuda.current_stream(src.device).synchronize()
@@ -83,10 +96,16 @@ class TorchCodec:
             out.copy_(host, non_blocking=self._pinned)
             torch.cuda.current_stream(like.device).synchronize()
             return out
-        return host.clone()
+        out = torch.empty(shape, dtype=host.dtype)
+        if len(src):
+            ctypes.memmove(out.data_ptr(), _address(src), len(src))
+        return out
 
     def read_into(self, src: memoryview, into: torch.Tensor) -> torch.Tensor:
         """Copy the result into ``into`` (same dtype and shape) and return it."""
+        if _plain(into) and len(src):
+            ctypes.memmove(into.data_ptr(), _address(src), len(src))
+            return into
         host = _host_view(src, into.dtype, tuple(into.shape))
         with torch.no_grad():
             into.copy_(host, non_blocking=into.is_cuda and self._pinned)
