@@ -498,6 +498,7 @@ class Client(Generic[T]):
         dst_weights: WeightsArg = None,
         timeout: float | None = None,
         _into: T | None = None,
+        _fuse: bool = True,
     ) -> Handle[T]:
         """Start ``self_weight*x + sum_j src_weights[j] * d_j * x_j``; returns at once.
 
@@ -511,7 +512,7 @@ class Client(Generic[T]):
                None if src is None else tuple(sorted(src.items())),
                None if dst is None else tuple(sorted(dst.items())))
         return self._submit(
-            pb.NEIGHBOR_ALLREDUCE, tensor, name, timeout, into=_into, fuse=key,
+            pb.NEIGHBOR_ALLREDUCE, tensor, name, timeout, into=_into, fuse=key if _fuse else None,
             has_self_weight=self_weight is not None, self_weight=self_weight or 0.0,
             has_src_weights=src is not None, src_weights=src or {},
             has_dst_weights=dst is not None, dst_weights=dst or {},
@@ -519,7 +520,7 @@ class Client(Generic[T]):
 
     def neighbor_allreduce(self, tensor: T, **kwargs: Any) -> T:
         """Blocking :meth:`neighbor_allreduce_async`."""
-        return self.neighbor_allreduce_async(tensor, **kwargs).wait()
+        return self.neighbor_allreduce_async(tensor, _fuse=False, **kwargs).wait()
 
     def neighbor_allreduce_async_(self, tensor: T, **kwargs: Any) -> Handle[T]:
         """In-place :meth:`neighbor_allreduce_async`: ``wait()`` writes the result into
@@ -528,7 +529,7 @@ class Client(Generic[T]):
 
     def neighbor_allreduce_(self, tensor: T, **kwargs: Any) -> T:
         """Blocking in-place :meth:`neighbor_allreduce_async`."""
-        return self.neighbor_allreduce_async_(tensor, **kwargs).wait()
+        return self.neighbor_allreduce_async_(tensor, _fuse=False, **kwargs).wait()
 
     def neighbor_allgather_async(
         self,
@@ -557,7 +558,7 @@ class Client(Generic[T]):
 
     def allreduce_async(
         self, tensor: T, op: str = "average", name: str | None = None,
-        timeout: float | None = None, _into: T | None = None,
+        timeout: float | None = None, _into: T | None = None, _fuse: bool = True,
     ) -> Handle[T]:
         """Start an average (or ``op="sum"``) over all ranks.
 
@@ -567,14 +568,14 @@ class Client(Generic[T]):
         if op not in ("average", "sum"):
             raise ValueError(f"allreduce op must be 'average' or 'sum', not {op!r}")
         reduce_op = pb.AVERAGE if op == "average" else pb.SUM
-        small = self._nbytes(tensor) < self.ring_threshold
+        small = _fuse and self._nbytes(tensor) < self.ring_threshold
         return self._submit(pb.ALLREDUCE, tensor, name, timeout, reduce_op=reduce_op,
                             into=_into, fuse=(pb.ALLREDUCE, reduce_op) if small else None,
                             fuse_limit=self.ring_threshold)
 
     def allreduce(self, tensor: T, **kwargs: Any) -> T:
         """Blocking :meth:`allreduce_async`."""
-        return self.allreduce_async(tensor, **kwargs).wait()
+        return self.allreduce_async(tensor, _fuse=False, **kwargs).wait()
 
     def allreduce_async_(self, tensor: T, **kwargs: Any) -> Handle[T]:
         """In-place :meth:`allreduce_async` (the result is written into ``tensor``)."""
@@ -582,19 +583,19 @@ class Client(Generic[T]):
 
     def allreduce_(self, tensor: T, **kwargs: Any) -> T:
         """Blocking in-place :meth:`allreduce_async`."""
-        return self.allreduce_async_(tensor, **kwargs).wait()
+        return self.allreduce_async_(tensor, _fuse=False, **kwargs).wait()
 
     def broadcast_async(
         self, tensor: T, root: int = 0, name: str | None = None, timeout: float | None = None,
-        _into: T | None = None,
+        _into: T | None = None, _fuse: bool = True,
     ) -> Handle[T]:
         """Start copying ``root``'s tensor to every rank (fused with other broadcasts)."""
         return self._submit(pb.BROADCAST, tensor, name, timeout, root=root, into=_into,
-                            fuse=(pb.BROADCAST, root))
+                            fuse=(pb.BROADCAST, root) if _fuse else None)
 
     def broadcast(self, tensor: T, **kwargs: Any) -> T:
         """Blocking :meth:`broadcast_async`."""
-        return self.broadcast_async(tensor, **kwargs).wait()
+        return self.broadcast_async(tensor, _fuse=False, **kwargs).wait()
 
     def broadcast_async_(self, tensor: T, **kwargs: Any) -> Handle[T]:
         """In-place :meth:`broadcast_async` (root's tensor is written into ``tensor``)."""
@@ -602,7 +603,7 @@ class Client(Generic[T]):
 
     def broadcast_(self, tensor: T, **kwargs: Any) -> T:
         """Blocking in-place :meth:`broadcast_async`."""
-        return self.broadcast_async_(tensor, **kwargs).wait()
+        return self.broadcast_async_(tensor, _fuse=False, **kwargs).wait()
 
     def shared(self, tensor: T) -> T:
         """A copy of ``tensor`` that lives in the shared-memory arena (CPU only).

@@ -52,6 +52,7 @@ class Fusion(Generic[M]):
         self._cv = threading.Condition()
         self._buckets: dict[Hashable, _Bucket[M]] = {}
         self._closed = False
+        self._idle = False
         self._thread: threading.Thread | None = None
 
     @property
@@ -68,7 +69,8 @@ class Fusion(Generic[M]):
             if bucket is None:
                 cap = self.threshold if limit is None else min(limit, self.threshold)
                 bucket = self._buckets[key] = _Bucket(cap, time.monotonic() + self.cycle_time)
-                self._cv.notify()
+                if self._idle:  # the timer sleeps without a deadline: give it one
+                    self._cv.notify()
             bucket.members.append(member)
             bucket.nbytes += nbytes
             if bucket.nbytes >= bucket.limit:
@@ -107,7 +109,9 @@ class Fusion(Generic[M]):
                 ready = [self._buckets.pop(k) for k in due]
                 if not ready:
                     soonest = min((b.deadline for b in self._buckets.values()), default=None)
+                    self._idle = soonest is None
                     self._cv.wait(None if soonest is None else max(0.0, soonest - now))
+                    self._idle = False
                     continue
             for bucket in ready:
                 self._send(bucket.members)
