@@ -428,7 +428,8 @@ def gloo_bench(runner: Runner, mbytes: float, repeats: int) -> dict[str, Any]:
     return summarize(runner.results("gloo"))
 
 
-def decent_bench(runner: Runner, mbytes: float, repeats: int, job: str) -> dict[str, Any]:
+def decent_bench(runner: Runner, mbytes: float, repeats: int, job: str,
+                 mode: str = "inplace") -> dict[str, Any]:
     """decentd per namespace plus one worker each timing ``neighbor_allreduce``."""
     net, run_dir, n = runner.net, runner.run_dir, runner.net.nodes
     peers = [f"{net.ip(i)}:{DECENT_PORT}" for i in range(n)]
@@ -463,7 +464,8 @@ def decent_bench(runner: Runner, mbytes: float, repeats: int, job: str) -> dict[
                 raise BenchError(f"decentd sockets missing after 60 s: {missing}\n"
                                  + runner.tails(list(daemons)))
             time.sleep(0.1)
-        args = ["--nodes", str(n), "--mbytes", str(mbytes), "--repeats", str(repeats)]
+        args = ["--nodes", str(n), "--mbytes", str(mbytes), "--repeats", str(repeats),
+                "--mode", mode]
         procs = {
             f"decent-{i}": runner.worker(
                 i, "decent", [*args, "--daemon-pid", str(daemons[f"decentd-{i}"].pid)],
@@ -616,6 +618,8 @@ def worker_decent(a: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"daemon says rank {client.rank} of {client.size}, expected "
                          f"{a.rank} of {a.nodes}")
     t = torch.full((numel(a.mbytes),), float(a.rank), dtype=torch.float32)
+    if a.mode == "shared":  # the model lives in the arena: no copies between worker and daemon
+        t = client.shared(t)
     times: list[float] = []
     cpu: list[float] = []
     busy: list[float] = []
@@ -628,7 +632,10 @@ def worker_decent(a: argparse.Namespace) -> dict[str, Any]:
         client.barrier(name="step")
         s0, c0, d0 = system_cpu(), time.process_time(), proc_cpu_seconds(a.daemon_pid)
         t0 = time.perf_counter()
-        out = client.neighbor_allreduce(t, name="model")
+        if a.mode == "copy":
+            out = client.neighbor_allreduce(t, name="model")
+        else:  # in place, like gloo's all_reduce; reset the values for the next check
+            out = client.neighbor_allreduce_(t, name="model")
         t1 = time.perf_counter()
         c1, d1, s1 = time.process_time(), proc_cpu_seconds(a.daemon_pid), system_cpu()
         expected = 0.5 * a.rank + 0.5 * (srcs[0] if srcs else want)
@@ -639,6 +646,8 @@ def worker_decent(a: argparse.Namespace) -> dict[str, Any]:
             times.append(t1 - t0)
             cpu.append((c1 - c0) + (d1 - d0))
             busy.append(busy_fraction(s0, s1))
+        if a.mode != "copy":
+            t.fill_(float(a.rank))
     client.close()
     return {"rank": a.rank, "times": times, "cpu": cpu, "busy": busy, "ok": not errors,
             "errors": errors}
@@ -656,7 +665,7 @@ WORKERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 
 
 def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 5,
-        status: Callable[[str], None] | None = None) -> dict[str, Any]:
+        status: Callable[[str], None] | None = None, mode: str = "inplace") -> dict[str, Any]:
     """Build the network, run the link test, gloo and decent, tear everything down.
 
     Returns the result dict, or ``{"skipped": reason}`` when this machine cannot run it.
@@ -679,6 +688,7 @@ def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 
             result: dict[str, Any] = {
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "nodes": nodes, "mbytes": mbytes, "rate": rate, "repeats": repeats,
+                "decent_mode": mode,
                 "warmup": WARMUP, "cpus": os.cpu_count(), "run_dir": str(run_dir),
                 "loadavg_start": list(os.getloadavg()),
                 "decent_source": decent_source(),
@@ -693,7 +703,8 @@ def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 
             say(f"gloo all_reduce of {mbytes:g} MB x {WARMUP}+{repeats} on {nodes} namespaces")
             result["gloo"] = gloo_bench(runner, mbytes, repeats)
             say(f"decent neighbor_allreduce (one-peer exponential) x {WARMUP}+{repeats}")
-            result["decent"] = decent_bench(runner, mbytes, repeats, job=f"netns-{prefix}")
+            result["decent"] = decent_bench(runner, mbytes, repeats, job=f"netns-{prefix}",
+                                            mode=mode)
             stats = net.qdisc_stats()
             result["tbf_dropped_packets"] = tbf_drops(stats)
             result["loadavg_end"] = list(os.getloadavg())
@@ -792,7 +803,9 @@ def print_report(res: dict[str, Any]) -> None:
               f"CPU floor {ms(gloo['cpu_floor_s'])}; {gloo['cpu_cores_busy']:.2f} cores, machine "
               f"{gloo['machine_busy_frac']:.0%} busy (other {gloo['other_cores_busy']:.2f}); "
               f"correct={gloo['correct']}")
-    t.add_row("decent one-peer D-SGD step", ms(dec["median_s"]), ms(th["one_peer_step_s"]),
+    mode = res.get("decent_mode", "copy")
+    t.add_row(f"decent one-peer D-SGD step ({mode})", ms(dec["median_s"]),
+              ms(th["one_peer_step_s"]),
               f"CPU floor {ms(dec['cpu_floor_s'])}; {dec['cpu_cores_busy']:.2f} cores, machine "
               f"{dec['machine_busy_frac']:.0%} busy (other {dec['other_cores_busy']:.2f}); "
               f"correct={dec['correct']}")
@@ -846,6 +859,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mbytes", type=float, default=25.0, help="model size in MB (10^6 bytes)")
     p.add_argument("--rate", default="1gbit", help="tc tbf rate per link and direction")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--mode", choices=("inplace", "shared", "copy"), default="inplace",
+                   help="decent's step: neighbor_allreduce_ in place on an ordinary tensor "
+                   "(like gloo's all_reduce), in place on a client.shared() tensor (no copies "
+                   "between worker and daemon), or neighbor_allreduce returning a new tensor")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     p.add_argument("--png", type=Path)
     p.add_argument("--cleanup", action="store_true",
@@ -886,7 +903,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with console.status("starting") as st:
             res = run(a.nodes, a.mbytes, a.rate, a.repeats,
-                      status=lambda msg: st.update(f"[bold]{msg}"))
+                      status=lambda msg: st.update(f"[bold]{msg}"), mode=a.mode)
     except BenchError as exc:
         print(f"failed: {exc}", file=sys.stderr)
         return 1

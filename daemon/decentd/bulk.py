@@ -34,9 +34,10 @@ LENGTH = 4
 #: headers are small (a name and a shape per part); a larger one means a broken stream
 MAX_HEADER = 16 << 20
 SCRATCH = 256 << 10
+#: a payload being received wakes the event loop once this much has arrived (or the rest)
+LOW_WATER = 1 << 20
 #: frames up to this size are tried directly from the event loop
 DIRECT_LIMIT = 256 << 10
-SOCKET_BUFFER = 4 << 20
 
 Buffer = bytes | bytearray | memoryview
 
@@ -48,11 +49,9 @@ def encode(header: pb.BulkHeader) -> bytes:
 
 
 def tune(sock: socket.socket) -> None:
-    """TCP options for the bulk path: no Nagle delay, large kernel buffers."""
+    """TCP options for the bulk path: no Nagle delay. Buffer sizes are left to the kernel's
+    autotuning, which grows them past what SO_SNDBUF/SO_RCVBUF may set (net.core.*mem_max)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
 
 
 @dataclass
@@ -236,14 +235,25 @@ class Inbound(asyncio.BufferedProtocol):
     _end: int = 0
     _partial: _Partial | None = None
     _closed: bool = False
+    _sock: socket.socket | None = None
+    _lowat: int = 1
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Tune the socket."""
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
+        self._sock = transport.get_extra_info("socket")
+        if self._sock is not None:
             with contextlib.suppress(OSError):
-                tune(sock)
+                tune(self._sock)
+
+    def _low_water(self, nbytes: int) -> None:
+        """Wake the loop only once ``nbytes`` are readable (SO_RCVLOWAT): a payload trickling
+        in over a slow link is then read in large pieces instead of a packet at a time."""
+        nbytes = max(1, min(nbytes, LOW_WATER))
+        if nbytes != self._lowat and self._sock is not None:
+            with contextlib.suppress(OSError, AttributeError):
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+                self._lowat = nbytes
 
     def get_buffer(self, sizehint: int) -> memoryview:
         """The payload being received, else free scratch space."""
@@ -268,7 +278,10 @@ class Inbound(asyncio.BufferedProtocol):
             part.filled += nbytes
             if part.filled == part.dest.size:
                 self._partial = None
+                self._low_water(1)
                 self._deliver(part.header, part.dest)
+            elif part.dest.size - part.filled < self._lowat:
+                self._low_water(part.dest.size - part.filled)
             return
         self._end += nbytes
         try:
@@ -308,6 +321,7 @@ class Inbound(asyncio.BufferedProtocol):
                 self._deliver(header, dest)
                 continue
             self._partial = _Partial(header, dest, dest.data, take)
+            self._low_water(size - take)
             break
         if self._start == self._end:
             self._start = self._end = 0

@@ -167,7 +167,9 @@ class OpContext:
         if link is None:
             raise OpError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} is not a peer")
         want = self.parts if parts is None else parts
-        futs = [self.transport.expect(src, p.name, p.round, tag) for p in want]
+        futs = [self.transport.expect(src, p.name, p.round, tag,
+                                      (self.op, p.dtype, p.shape) if ack and sized else None)
+                for p in want]
         if link.inbound_lost and not all(f.done() for f in futs):
             for f in futs:
                 f.cancel()
@@ -180,7 +182,9 @@ class OpContext:
             if problem is not None:
                 raise problem
         if ack:
-            self.transport.send_acks(src, [(p.name, p.round) for p in want], tag)
+            late = [(p.name, p.round) for p, a in zip(want, arrivals, strict=True) if not a.acked]
+            if late:
+                self.transport.send_acks(src, late, tag)
         return arrivals
 
     async def recv(self, src: int, tag: int, ack: bool = False, sized: bool = True

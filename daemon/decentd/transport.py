@@ -89,6 +89,7 @@ class Arrival:
     data: np.ndarray  # uint8, exactly this part's bytes
     message: _Message | None = None
     released: bool = False
+    acked: bool = False  # the sender was told at header time that this part matched
 
 
 @dataclass(eq=False)
@@ -167,6 +168,9 @@ class Transport:
         self.data_port = 0
         self._server: asyncio.Server | None = None
         self._waiters: dict[Key, asyncio.Future[Arrival]] = {}
+        #: what a waiting op accepts (op, dtype, shape) where it wants the sender acknowledged
+        self._ackable: dict[Key, tuple[int, int, tuple[int, ...]]] = {}
+        self._acked: set[Key] = set()
         self._early: dict[Key, Arrival] = {}
         self._held: dict[tuple[str, int], list[Arrival]] = {}
         self._acks: dict[Key, asyncio.Future[None]] = {}
@@ -458,8 +462,14 @@ class Transport:
 
     # ------------------------------------------------------------------ receiving
 
-    def expect(self, src: int, name: str, round_: int, tag: int) -> asyncio.Future[Arrival]:
-        """A future for the part ``(name, round, tag)`` from ``src``."""
+    def expect(self, src: int, name: str, round_: int, tag: int,
+               ack: tuple[int, int, tuple[int, ...]] | None = None) -> asyncio.Future[Arrival]:
+        """A future for the part ``(name, round, tag)`` from ``src``.
+
+        ``ack``: the (op, dtype, shape) the op accepts. A part that arrives with exactly that is
+        acknowledged as soon as its header is read, not after its payload: on a saturated link
+        the acknowledgement then travels while the payload still does.
+        """
         key = (src, name, round_, tag)
         fut: asyncio.Future[Arrival] = asyncio.get_running_loop().create_future()
         early = self._early.pop(key, None)
@@ -469,6 +479,8 @@ class Transport:
             fut.set_result(early)
         else:
             self._waiters[key] = fut
+            if ack is not None:
+                self._ackable[key] = ack
             rts = self._rts_keys.get(key)
             if rts is not None:
                 self._clear_to_send(rts)
@@ -534,6 +546,9 @@ class Transport:
                 fut = table.pop(k)
                 if not fut.done():
                     fut.cancel()
+        for k in [k for k in self._ackable if (k[1], k[2]) in closing]:
+            del self._ackable[k]
+        self._acked.difference_update([k for k in self._acked if (k[1], k[2]) in closing])
         for key in keys:
             for arrival in self._held.pop(key, ()):
                 self.release(arrival)
@@ -607,11 +622,13 @@ class Transport:
             raise ValueError("data before HELLO")
         kind = header.kind
         link = self.links[conn.src]
+        parts = header.parts
         if kind == pb.PAYLOAD:
             rts = (conn.src, header.message_id)
             if rts not in self._cts_sent and rts not in self._discard:
                 raise ValueError(f"a payload for message {header.message_id}, which was not "
                                  "cleared to send")
+            parts = self._cts_sent[rts].parts if rts in self._cts_sent else parts
         elif kind == pb.DATA:
             if link.unconsumed + header.payload_bytes > self.window:
                 raise ValueError(f"rank {conn.src} sent {header.payload_bytes} eager bytes with "
@@ -619,7 +636,21 @@ class Transport:
             link.unconsumed += int(header.payload_bytes)
         else:
             raise ValueError(f"a payload on a frame of kind {kind}")
+        if self._ackable:
+            self._ack_early(conn.src, parts)
         return self.pool.get(int(header.payload_bytes))
+
+    def _ack_early(self, src: int, parts: Iterable[pb.Part]) -> None:
+        matched: dict[int, list[tuple[str, int]]] = {}
+        for p in parts:
+            key = (src, p.name, int(p.round), int(p.tag))
+            want = self._ackable.get(key)
+            if want is not None and want == (p.op, p.meta.dtype, tuple(p.meta.shape)):
+                del self._ackable[key]
+                self._acked.add(key)
+                matched.setdefault(int(p.tag), []).append((p.name, int(p.round)))
+        for tag, keys in matched.items():
+            self.send_acks(src, keys, tag)
 
     def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
         """Dispatch one complete frame; ValueError closes the connection it came on."""
@@ -694,6 +725,10 @@ class Transport:
             offset += n
             shape = tuple(int(s) for s in p.meta.shape)
             arrival = Arrival(src, int(p.op), int(p.meta.dtype), shape, float(p.weight), data, msg)
+            if self._acked:
+                key = (src, p.name, int(p.round), int(p.tag))
+                arrival.acked = key in self._acked
+                self._acked.discard(key)
             self._deliver((src, p.name, int(p.round), int(p.tag)), arrival)
 
     def _on_rts(self, src: int, header: pb.BulkHeader) -> None:
