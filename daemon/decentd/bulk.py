@@ -36,6 +36,10 @@ MAX_HEADER = 16 << 20
 SCRATCH = 256 << 10
 #: a payload being received wakes the event loop once this much has arrived (or the rest)
 LOW_WATER = 1 << 20
+#: a payload being received reports its progress every this many bytes
+PROGRESS = 1 << 20
+#: the sender thread writes at most this much per call, and updates its progress in between
+SLICE = 1 << 20
 #: frames up to this size are tried directly from the event loop
 DIRECT_LIMIT = 256 << 10
 
@@ -63,6 +67,20 @@ class Outgoing:
     abandoned: bool = False  # its op was cancelled: skip it if not started
     started: bool = False
     nbytes: int = 0
+    sent: int = 0  # bytes of the whole frame in the kernel so far (header included)
+
+
+def _take(buffers: list[Buffer], limit: int) -> list[Buffer]:
+    """The first ``limit`` bytes of ``buffers`` (at most 64 of them)."""
+    out: list[Buffer] = []
+    for b in buffers[:64]:
+        n = len(b)
+        if n >= limit:
+            out.append(memoryview(b)[:limit])
+            break
+        out.append(b)
+        limit -= n
+    return out
 
 
 def _advance(buffers: list[Buffer], sent: int) -> list[Buffer]:
@@ -126,7 +144,7 @@ class Sender:
                 buffers = _advance(buffers, sent)
                 total -= sent
                 # part of the frame is on the wire: the rest must follow, whatever happens
-                item = Outgoing(buffers, on_done, nbytes=total, started=sent > 0)
+                item = Outgoing(buffers, on_done, nbytes=total, started=sent > 0, sent=sent)
                 self._queue.append(item)
                 self._cv.notify()
                 return item
@@ -157,9 +175,10 @@ class Sender:
             err: BaseException | None = None
             try:
                 buffers = item.buffers
-                while buffers:
-                    sent = self.sock.sendmsg(buffers[:64])
+                while buffers:  # in slices, so that progress is visible (Outgoing.sent)
+                    sent = self.sock.sendmsg(_take(buffers, SLICE))
                     self.bytes_sent += sent
+                    item.sent += sent
                     buffers = _advance(buffers, sent)
             except OSError as exc:
                 err = exc
@@ -208,6 +227,10 @@ class FrameSink(Protocol):
     def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
         """A whole frame (header and payload) arrived."""
 
+    def on_progress(self, conn: Inbound, header: pb.BulkHeader, dest: np.ndarray,
+                    filled: int) -> None:
+        """``dest[:filled]`` of a payload still being received has arrived."""
+
     def on_lost(self, conn: Inbound, reason: str) -> None:
         """The connection ended."""
 
@@ -220,6 +243,7 @@ class _Partial:
     dest: np.ndarray
     view: memoryview
     filled: int = 0
+    reported: int = 0  # progress last reported at
 
 
 @dataclass(eq=False)
@@ -280,8 +304,12 @@ class Inbound(asyncio.BufferedProtocol):
                 self._partial = None
                 self._low_water(1)
                 self._deliver(part.header, part.dest)
-            elif part.dest.size - part.filled < self._lowat:
-                self._low_water(part.dest.size - part.filled)
+            else:
+                if part.dest.size - part.filled < self._lowat:
+                    self._low_water(part.dest.size - part.filled)
+                if part.filled - part.reported >= PROGRESS:
+                    part.reported = part.filled
+                    self.sink.on_progress(self, part.header, part.dest, part.filled)
             return
         self._end += nbytes
         try:

@@ -25,6 +25,7 @@ from decentd.topology import Step, Topology
 from decentd.transport import (
     JOB_SEPARATOR,
     Arrival,
+    Progress,
     Transport,
     part,
     qualify,
@@ -33,6 +34,7 @@ from decentd.wire import pb
 
 if TYPE_CHECKING:
     from decentd.arena import Arena
+    from decentd.bulk import Outgoing
 
 log = logging.getLogger("decentd.engine")
 
@@ -144,19 +146,23 @@ class OpContext:
         return [part(p.name, p.round, tag, self.op, p.dtype, p.shape, p.nbytes, weight)
                 for p in self.parts]
 
-    async def send(self, dst: int, tag: int, weight: float = 1.0, ack: bool = False) -> None:
-        """Send this op's tensors (one message) to ``dst``; ``ack``: wait until they are matched."""
+    async def send(self, dst: int, tag: int, weight: float = 1.0, ack: bool = False,
+                   track: list[tuple[Outgoing, int]] | None = None) -> None:
+        """Send this op's tensors (one message) to ``dst``; ``ack``: wait until they are matched.
+
+        ``track`` receives the queued frame (and its header size), to follow its progress.
+        """
         futs = [self.transport.expect_ack(dst, p.name, p.round, tag) for p in self.parts] \
             if ack else []
         self.unacked.add(dst)
-        await self.transport.send_parts(dst, self.wire_parts(tag, weight), self.payload)
+        await self.transport.send_parts(dst, self.wire_parts(tag, weight), self.payload, track)
         if futs:
             await asyncio.gather(*futs)
         self.unacked.discard(dst)
 
     async def recv_parts(self, src: int, tag: int, ack: bool = False,
-                         parts: list[PartSpec] | None = None, sized: bool = True
-                         ) -> list[Arrival]:
+                         parts: list[PartSpec] | None = None, sized: bool = True,
+                         progress: Progress | None = None) -> list[Arrival]:
         """Receive this op's tensors (or ``parts`` of them) from ``src``, however the sender
         grouped them into messages.
 
@@ -168,7 +174,8 @@ class OpContext:
             raise OpError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} is not a peer")
         want = self.parts if parts is None else parts
         futs = [self.transport.expect(src, p.name, p.round, tag,
-                                      (self.op, p.dtype, p.shape) if ack and sized else None)
+                                      (self.op, p.dtype, p.shape) if ack and sized else None,
+                                      progress)
                 for p in want]
         if link.inbound_lost and not all(f.done() for f in futs):
             for f in futs:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from decentd import dtypes
+from decentd.bulk import Outgoing
 from decentd.engine import OpContext, OpResult, OpSpec, PartSpec
 from decentd.errors import OpError
 from decentd.topology import hops
@@ -127,25 +128,88 @@ def neighbor_plan(ctx: OpContext) -> tuple[float, dict[int, float], dict[int, fl
     return self_weight, recv, send
 
 
+class FoldIn:
+    """Folds a lone in-neighbor's tensor into the result while it is still arriving.
+
+    The result overwrites the input (one arena slot), so element k is combined only once the
+    input's element k has gone out to every out-neighbor; on a link where sending and receiving
+    run at the same pace that keeps up with the arrival, and only the tail is left at the end.
+    """
+
+    def __init__(self, ctx: OpContext, p: PartSpec, self_weight: float, src_weight: float,
+                 dsts: list[int]) -> None:
+        self.ctx, self.p = ctx, p
+        self.self_weight, self.src_weight = self_weight, src_weight
+        self.itemsize = dtypes.itemsize(p.dtype)
+        self.done = 0  # elements combined
+        self.sends: dict[int, list[tuple[Outgoing, int]]] = {d: [] for d in dsts}
+        self.finished: set[int] = set()  # destinations whose send returned
+        self.off = False
+
+    def sent(self) -> int:
+        """Input bytes known to be in the kernel for every destination."""
+        low = self.p.nbytes
+        for d, items in self.sends.items():
+            if d not in self.finished:
+                low = min(low, max((i.sent - h for i, h in items), default=0))
+        return low
+
+    def __call__(self, buf: np.ndarray, filled: int, weight: float, part: pb.Part) -> None:
+        """``buf[:filled]`` of the neighbor's tensor has arrived."""
+        p = self.p
+        if self.off or not (part.op == self.ctx.op and part.meta.dtype == p.dtype
+                            and tuple(part.meta.shape) == p.shape and part.nbytes == p.nbytes):
+            self.off = True  # anything odd: leave it to the checks after the arrival
+            return
+        upto = min(filled, self.sent()) // self.itemsize
+        if upto - self.done < BLOCK:
+            return
+        self.fold(buf, weight, upto)
+
+    def fold(self, buf: np.ndarray, weight: float, upto: int) -> None:
+        """Combine elements ``[done, upto)``."""
+        p = self.p
+        y = buf[:upto * self.itemsize].view(dtypes.STORAGE[p.dtype])
+        out = _out(self.ctx, p, p.nbytes)
+        lo = self.done
+        weighted_sum(out[lo:upto], p.x[lo:upto], self.self_weight,
+                     [(y[lo:upto], self.src_weight * weight)], p.dtype)
+        self.done = upto
+
+
 async def neighbor_allreduce(ctx: OpContext) -> OpResult:
     """``out = self_w * x + sum_j src_w[j] * d_j * x_j`` over this step's in-neighbors.
 
-    The result is combined once every send has gone out, so it may overwrite the input (the
-    client gives both one slot, and in-place ops on shared tensors rely on it).
+    The result is written over the input once it is sent (the client gives both one slot, and
+    in-place ops on shared tensors rely on it); a lone in-neighbor's tensor is folded in while
+    it arrives (FoldIn), the rest once everything is there.
     """
     self_weight, recv, send = neighbor_plan(ctx)
     srcs = sorted(recv)
+    fold = None
+    if len(srcs) == 1 and len(ctx.parts) == 1:
+        fold = FoldIn(ctx, ctx.parts[0], self_weight, recv[srcs[0]], list(send))
+
+    async def send_to(d: int, w: float) -> None:
+        await ctx.send(d, 0, weight=w, ack=d not in recv,
+                       track=fold.sends[d] if fold is not None else None)
+        if fold is not None:
+            fold.finished.add(d)
+
     # a peer we also receive from checks our tensor against its own and we check its: a
     # disagreement fails both sides without acknowledgements; one-way edges need them
     got = await gather_all(
-        *(ctx.recv_parts(j, 0, ack=j not in send) for j in srcs),
-        *(ctx.send(d, 0, weight=w, ack=d not in recv) for d, w in send.items()))
+        *(ctx.recv_parts(j, 0, ack=j not in send, progress=fold) for j in srcs),
+        *(send_to(d, w) for d, w in send.items()))
     total = 0
     for i, p in enumerate(ctx.parts):
         storage = dtypes.STORAGE[p.dtype]
-        terms = [(got[k][i].data.view(storage), recv[j] * got[k][i].weight)
-                 for k, j in enumerate(srcs)]
-        weighted_sum(_out(ctx, p, p.nbytes), p.x, self_weight, terms, p.dtype)
+        if fold is not None and fold.done and not fold.off:  # the head is combined already
+            fold.fold(got[0][i].data, got[0][i].weight, p.x.size)
+        else:
+            terms = [(got[k][i].data.view(storage), recv[j] * got[k][i].weight)
+                     for k, j in enumerate(srcs)]
+            weighted_sum(_out(ctx, p, p.nbytes), p.x, self_weight, terms, p.dtype)
         total += p.nbytes
     return OpResult(total, ctx.shape)
 

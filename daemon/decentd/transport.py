@@ -36,6 +36,8 @@ log = logging.getLogger("decentd.transport")
 
 #: (sender or receiver rank, op name, round, tag)
 Key = tuple[int, str, int, int]
+#: told ``(payload so far, bytes arrived, sender's weight, part)`` while a lone part arrives
+Progress = Callable[[np.ndarray, int, float, pb.Part], None]
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 16 << 20),
@@ -171,6 +173,8 @@ class Transport:
         #: what a waiting op accepts (op, dtype, shape) where it wants the sender acknowledged
         self._ackable: dict[Key, tuple[int, int, tuple[int, ...]]] = {}
         self._acked: set[Key] = set()
+        #: ops that fold a tensor in while it is still arriving: key -> (buffer, bytes, weight)
+        self._progress: dict[Key, Progress] = {}
         self._early: dict[Key, Arrival] = {}
         self._held: dict[tuple[str, int], list[Arrival]] = {}
         self._acks: dict[Key, asyncio.Future[None]] = {}
@@ -340,7 +344,8 @@ class Transport:
         return link
 
     async def _write(self, link: PeerLink, buffers: list[Buffer], name: str,
-                     refund: tuple[int, int] | None = None) -> None:
+                     refund: tuple[int, int] | None = None,
+                     track: list[tuple[Outgoing, int]] | None = None, header: int = 0) -> None:
         """Write one frame to ``link`` and wait until the kernel has all of it.
 
         A frame is never abandoned half-way: its payload is read straight from the worker's arena
@@ -358,6 +363,8 @@ class Transport:
             _settle(fut, err, link.rank, name)
 
         item = link.sender.send(buffers, done)
+        if item is not None and track is not None:
+            track.append((item, header))  # (frame, header bytes): its payload's progress
         if item is not None:
             await self._await_write(fut, item, link, name)
         else:
@@ -393,7 +400,8 @@ class Transport:
                 if link.sender is not None:
                     link.sender.abort()
 
-    async def send_parts(self, dst: int, parts: list[pb.Part], payload: list[memoryview]) -> None:
+    async def send_parts(self, dst: int, parts: list[pb.Part], payload: list[memoryview],
+                         track: list[tuple[Outgoing, int]] | None = None) -> None:
         """Send one message to ``dst``: ``parts`` with their bytes ``payload`` (one buffer per
         part, gathered by the kernel: nothing is copied into a message buffer).
 
@@ -409,7 +417,8 @@ class Transport:
             link.credits -= size
             header = pb.BulkHeader(kind=pb.DATA, message_id=mid, payload_bytes=size, parts=parts)
             stamped = self._stamp(link, header)
-            await self._write(link, [stamped, *payload], name, (size, int(header.credit)))
+            await self._write(link, [stamped, *payload], name, (size, int(header.credit)),
+                              track, len(stamped))
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         rdv = _Rendezvous(payload, name, done)
@@ -463,12 +472,14 @@ class Transport:
     # ------------------------------------------------------------------ receiving
 
     def expect(self, src: int, name: str, round_: int, tag: int,
-               ack: tuple[int, int, tuple[int, ...]] | None = None) -> asyncio.Future[Arrival]:
+               ack: tuple[int, int, tuple[int, ...]] | None = None,
+               progress: Progress | None = None) -> asyncio.Future[Arrival]:
         """A future for the part ``(name, round, tag)`` from ``src``.
 
         ``ack``: the (op, dtype, shape) the op accepts. A part that arrives with exactly that is
         acknowledged as soon as its header is read, not after its payload: on a saturated link
-        the acknowledgement then travels while the payload still does.
+        the acknowledgement then travels while the payload still does. ``progress`` is told how
+        far a part that travels alone has arrived, while it arrives.
         """
         key = (src, name, round_, tag)
         fut: asyncio.Future[Arrival] = asyncio.get_running_loop().create_future()
@@ -481,6 +492,8 @@ class Transport:
             self._waiters[key] = fut
             if ack is not None:
                 self._ackable[key] = ack
+            if progress is not None:
+                self._progress[key] = progress
             rts = self._rts_keys.get(key)
             if rts is not None:
                 self._clear_to_send(rts)
@@ -548,6 +561,8 @@ class Transport:
                     fut.cancel()
         for k in [k for k in self._ackable if (k[1], k[2]) in closing]:
             del self._ackable[k]
+        for k in [k for k in self._progress if (k[1], k[2]) in closing]:
+            del self._progress[k]
         self._acked.difference_update([k for k in self._acked if (k[1], k[2]) in closing])
         for key in keys:
             for arrival in self._held.pop(key, ()):
@@ -639,6 +654,22 @@ class Transport:
         if self._ackable:
             self._ack_early(conn.src, parts)
         return self.pool.get(int(header.payload_bytes))
+
+    def on_progress(self, conn: Inbound, header: pb.BulkHeader, dest: np.ndarray,
+                    filled: int) -> None:
+        """Part of a payload arrived: a lone part's waiting op may fold it in already."""
+        parts = header.parts
+        if header.kind == pb.PAYLOAD:
+            rts = self._cts_sent.get((conn.src, header.message_id))
+            if rts is None:
+                return
+            parts = rts.parts
+        if len(parts) != 1 or not self._progress:
+            return
+        p = parts[0]
+        fn = self._progress.get((conn.src, p.name, int(p.round), int(p.tag)))
+        if fn is not None:
+            fn(dest, filled, float(p.weight), p)
 
     def _ack_early(self, src: int, parts: Iterable[pb.Part]) -> None:
         matched: dict[int, list[tuple[str, int]]] = {}
