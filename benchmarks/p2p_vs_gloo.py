@@ -574,6 +574,7 @@ class Bench:
         del a
         gbuf, nar_t, ar_t, one_t = x.clone(), x.clone(), x.clone(), x.clone()
         shared_t = c.shared(x) if self.has_shared else None
+        shared_one = c.shared(x) if self.has_shared else None
         rbuf = torch.empty_like(x)
         x_bytes, r_bytes = byte_view(x), byte_view(rbuf)
         names = {op: f"{op}.{nbytes}" for op in OPS}
@@ -613,6 +614,10 @@ class Bench:
         def oneway() -> torch.Tensor:
             return c.neighbor_allreduce_(one_t, name=names["oneway"], **one_kw)
 
+        def oneway_shared() -> torch.Tensor:
+            assert shared_one is not None
+            return c.neighbor_allreduce_(shared_one, name=names["oneway_shared"], **one_kw)
+
         return [
             Op("gloo", gloo, want_sum, lambda: gbuf.copy_(x)),
             Op("nar_", nar_, want_avg),
@@ -621,7 +626,8 @@ class Bench:
             Op("tcp_exchange", tcp_exchange, want_other),
             Op("tcp_oneway", tcp_oneway, None if rank == 0 else want_x0),
             Op("oneway", oneway, want_x0),
-        ] + ([Op("nar_shared", nar_shared, want_avg)] if shared_t is not None else [])
+        ] + ([Op("nar_shared", nar_shared, want_avg), Op("oneway_shared", oneway_shared, want_x0)]
+             if shared_t is not None else [])
 
     def run_size(self, nbytes: int, tick: Callable[[str], None]) -> dict[str, Any]:
         """Every per-size series for one tensor size."""

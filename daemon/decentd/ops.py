@@ -68,11 +68,21 @@ def weighted_sum(out: np.ndarray, x: np.ndarray, self_weight: float,
     for start in range(0, x.size, BLOCK):
         end = min(start + BLOCK, x.size)
         n = end - start
-        if same:
+        if same:  # weight 0 drops a term, weight 1 skips its multiply
             o = out[start:end]
-            np.multiply(x[start:end], self_weight, out=o)
-            for y, w in terms:
-                np.add(o, np.multiply(y[start:end], w, out=tmp[:n]), out=o)
+            first = True
+            for v, w in ((x, self_weight), *terms):
+                if w == 0.0:
+                    continue
+                src = v[start:end] if w == 1.0 else np.multiply(v[start:end], w, out=tmp[:n])
+                if first:
+                    if src is not o:
+                        np.copyto(o, src)
+                    first = False
+                else:
+                    np.add(o, src, out=o)
+            if first:
+                o[...] = 0
         else:
             a = acc[:n]
             np.multiply(dtypes.to_compute(x[start:end], dtype), self_weight, out=a)
