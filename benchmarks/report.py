@@ -291,10 +291,18 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
         else:
             v = float(netns["speedup"])
             add("4", f"{netns.get('nodes')} netns at {netns.get('rate')}, "
-                f"{netns.get('mbytes')} MB: gloo ring allreduce / one-peer D-SGD step", v, 1.6,
+                f"{netns.get('mbytes')} MB: gloo ring allreduce / one-peer D-SGD step "
+                f"({netns.get('decent_mode', 'copy')})", v, 1.6,
                 True, f"{ratio_text(v)} ({ms(netns['gloo']['median_s'])} vs "
                 f"{ms(netns['decent']['median_s'])} ms)"
                 + ("" if netns.get("correct", True) else "; results WRONG"))
+        shared = load(RESULTS / "netns_dsgd_shared.json")
+        if shared is not None and "speedup" in shared:
+            v = float(shared["speedup"])
+            add("4*", "the same, D-SGD step in place on client.shared() tensors", v, 1.6, True,
+                f"{ratio_text(v)} ({ms(shared['gloo']['median_s'])} vs "
+                f"{ms(shared['decent']['median_s'])} ms)"
+                + ("" if shared.get("correct", True) else "; results WRONG"))
     # (5) daemon RSS
     daemons = p2p.get("daemons") or []
     peaks = [d.get("peak", {}).get("VmRSS") for d in daemons]
