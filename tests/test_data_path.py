@@ -202,3 +202,21 @@ def test_streamed_results_stay_exact_under_repetition() -> None:
             assert all(ok), ok
     finally:
         assert c.stop() == [0, 0]
+
+
+@pytest.mark.parametrize("n", [1, BLOCK + 1, WINDOW // F32 + 1])
+def test_one_way_received_straight_into_the_output(small_window: Cluster, n: int) -> None:
+    # rank 1 keeps nothing of its own and sends nothing: rank 0's tensor (sent with weight 2)
+    # lands in rank 1's output and is scaled there by 0.25
+    def run(cl: Client[torch.Tensor]) -> torch.Tensor | None:
+        if cl.rank == 0:
+            cl.neighbor_allreduce_(cl.shared(_pattern(n, 0)), name=f"ow{n}", self_weight=1.0,
+                                   src_weights={}, dst_weights={1: 2.0})
+            return None
+        if cl.rank == 1:
+            t = cl.shared(torch.full((n,), -1.0))
+            return cl.neighbor_allreduce_(t, name=f"ow{n}", self_weight=0.0,
+                                          src_weights={0: 0.25}, dst_weights=[])
+        return None
+    got = small_window.run(run)
+    assert torch.equal(got[1], _pattern(n, 0) * 0.5)

@@ -362,10 +362,10 @@ class Inbound(asyncio.BufferedProtocol):
         except ValueError as exc:
             self.fail(f"malformed frame: {exc}")
 
-    def take_partial(self) -> np.ndarray | None:
-        """The destination of a payload cut off mid-way (for its buffer to be returned)."""
+    def take_partial(self) -> tuple[pb.BulkHeader, np.ndarray] | None:
+        """The header and destination of a payload cut off mid-way (to return its buffer)."""
         part, self._partial = self._partial, None
-        return None if part is None else part.dest
+        return None if part is None else (part.header, part.dest)
 
     def fail(self, reason: str) -> None:
         """Close this connection (and only this one) after a protocol error."""

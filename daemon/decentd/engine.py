@@ -162,7 +162,8 @@ class OpContext:
 
     async def recv_parts(self, src: int, tag: int, ack: bool = False,
                          parts: list[PartSpec] | None = None, sized: bool = True,
-                         progress: Progress | None = None) -> list[Arrival]:
+                         progress: Progress | None = None, direct: bool = False
+                         ) -> list[Arrival]:
         """Receive this op's tensors (or ``parts`` of them) from ``src``, however the sender
         grouped them into messages.
 
@@ -175,7 +176,9 @@ class OpContext:
         want = self.parts if parts is None else parts
         futs = [self.transport.expect(src, p.name, p.round, tag,
                                       (self.op, p.dtype, p.shape) if ack and sized else None,
-                                      progress)
+                                      progress,
+                                      (np.frombuffer(p.out, np.uint8, p.nbytes),
+                                       (self.op, p.dtype, p.shape)) if direct else None)
                 for p in want]
         if link.inbound_lost and not all(f.done() for f in futs):
             for f in futs:

@@ -197,7 +197,10 @@ async def neighbor_allreduce(ctx: OpContext) -> OpResult:
     self_weight, recv, send = neighbor_plan(ctx)
     srcs = sorted(recv)
     fold = None
-    if len(srcs) == 1 and len(ctx.parts) == 1:
+    # nothing of our own in the result and nothing to send: the neighbor's tensor is received
+    # straight into the output and only scaled there
+    direct = self_weight == 0.0 and not send and len(srcs) == 1
+    if len(srcs) == 1 and len(ctx.parts) == 1 and not direct:
         fold = FoldIn(ctx, ctx.parts[0], self_weight, recv[srcs[0]], list(send))
 
     async def send_to(d: int, w: float) -> None:
@@ -209,12 +212,18 @@ async def neighbor_allreduce(ctx: OpContext) -> OpResult:
     # a peer we also receive from checks our tensor against its own and we check its: a
     # disagreement fails both sides without acknowledgements; one-way edges need them
     got = await gather_all(
-        *(ctx.recv_parts(j, 0, ack=j not in send, progress=fold) for j in srcs),
+        *(ctx.recv_parts(j, 0, ack=j not in send, progress=fold, direct=direct) for j in srcs),
         *(send_to(d, w) for d, w in send.items()))
     total = 0
     for i, p in enumerate(ctx.parts):
         storage = dtypes.STORAGE[p.dtype]
-        if fold is not None and fold.done and not fold.off:  # the head is combined already
+        out = _out(ctx, p, p.nbytes)
+        if direct and got[0][i].message is not None and got[0][i].message.buf is None \
+                and np.may_share_memory(got[0][i].data, out):  # it landed in the output
+            scale = recv[srcs[0]] * got[0][i].weight
+            if scale != 1.0:
+                weighted_sum(out, out, scale, [], p.dtype)
+        elif fold is not None and fold.done and not fold.off:  # the head is combined already
             fold.fold(got[0][i].data, got[0][i].weight, p.x.size)
         else:
             terms = [(got[k][i].data.view(storage), recv[j] * got[k][i].weight)
@@ -370,13 +379,15 @@ async def broadcast(ctx: OpContext) -> OpResult:
         others = [r for r in range(ctx.size) if r != root]
         await gather_all(*(ctx.send(r, root, ack=True) for r in others))
         values = [p.x for p in ctx.parts]
-    else:
-        got = await ctx.recv_parts(root, root, ack=True)
+    else:  # a lone tensor is received straight into the output
+        got = await ctx.recv_parts(root, root, ack=True, direct=len(ctx.parts) == 1)
         values = [a.data.view(dtypes.STORAGE[p.dtype]) for a, p in zip(got, ctx.parts,
                                                                         strict=True)]
     total = 0
     for p, v in zip(ctx.parts, values, strict=True):
-        _out(ctx, p, p.nbytes)[...] = v
+        out = _out(ctx, p, p.nbytes)
+        if not np.may_share_memory(out, v):
+            out[...] = v
         total += p.nbytes
     return OpResult(total, ctx.shape)
 

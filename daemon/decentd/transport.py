@@ -175,6 +175,9 @@ class Transport:
         self._acked: set[Key] = set()
         #: ops that fold a tensor in while it is still arriving: key -> (buffer, bytes, weight)
         self._progress: dict[Key, Progress] = {}
+        #: ops whose result is the incoming tensor itself: received straight into their output
+        self._into: dict[Key, tuple[np.ndarray, tuple[int, int, tuple[int, ...]]]] = {}
+        self._direct: set[tuple[int, int, int]] = set()  # (src, message id, kind) received so
         self._early: dict[Key, Arrival] = {}
         self._held: dict[tuple[str, int], list[Arrival]] = {}
         self._acks: dict[Key, asyncio.Future[None]] = {}
@@ -473,13 +476,17 @@ class Transport:
 
     def expect(self, src: int, name: str, round_: int, tag: int,
                ack: tuple[int, int, tuple[int, ...]] | None = None,
-               progress: Progress | None = None) -> asyncio.Future[Arrival]:
+               progress: Progress | None = None,
+               into: tuple[np.ndarray, tuple[int, int, tuple[int, ...]]] | None = None
+               ) -> asyncio.Future[Arrival]:
         """A future for the part ``(name, round, tag)`` from ``src``.
 
         ``ack``: the (op, dtype, shape) the op accepts. A part that arrives with exactly that is
         acknowledged as soon as its header is read, not after its payload: on a saturated link
         the acknowledgement then travels while the payload still does. ``progress`` is told how
-        far a part that travels alone has arrived, while it arrives.
+        far a part that travels alone has arrived, while it arrives. ``into`` (a uint8 buffer of
+        the part's size, and the (op, dtype, shape) the op accepts): a part with exactly that,
+        travelling alone, is received straight into the buffer (no pooled buffer, no copy).
         """
         key = (src, name, round_, tag)
         fut: asyncio.Future[Arrival] = asyncio.get_running_loop().create_future()
@@ -494,6 +501,8 @@ class Transport:
                 self._ackable[key] = ack
             if progress is not None:
                 self._progress[key] = progress
+            if into is not None:
+                self._into[key] = into
             rts = self._rts_keys.get(key)
             if rts is not None:
                 self._clear_to_send(rts)
@@ -563,6 +572,8 @@ class Transport:
             del self._ackable[k]
         for k in [k for k in self._progress if (k[1], k[2]) in closing]:
             del self._progress[k]
+        for k in [k for k in self._into if (k[1], k[2]) in closing]:
+            del self._into[k]
         self._acked.difference_update([k for k in self._acked if (k[1], k[2]) in closing])
         for key in keys:
             for arrival in self._held.pop(key, ()):
@@ -653,6 +664,16 @@ class Transport:
             raise ValueError(f"a payload on a frame of kind {kind}")
         if self._ackable:
             self._ack_early(conn.src, parts)
+        if self._into and len(parts) == 1:
+            p = parts[0]
+            key = (conn.src, p.name, int(p.round), int(p.tag))
+            into = self._into.get(key)
+            if into is not None and into[0].nbytes == header.payload_bytes \
+                    and into[1] == (p.op, p.meta.dtype, tuple(p.meta.shape)) \
+                    and key in self._waiters:
+                del self._into[key]
+                self._direct.add((conn.src, int(header.message_id), int(kind)))
+                return into[0]
         return self.pool.get(int(header.payload_bytes))
 
     def on_progress(self, conn: Inbound, header: pb.BulkHeader, dest: np.ndarray,
@@ -696,7 +717,13 @@ class Transport:
         link.last_heartbeat = time.monotonic()
         link.credits += int(header.credit)
         size = int(header.payload_bytes)
-        if kind == pb.DATA:
+        direct = (src, int(header.message_id), int(kind))
+        if payload is not None and direct in self._direct:  # in the op's output: not pooled
+            self._direct.discard(direct)
+            self._on_data(src, header.parts if kind == pb.DATA else
+                          self._cts_sent.pop((src, header.message_id)).parts,
+                          payload, size, size if kind == pb.DATA else 0, pooled=False)
+        elif kind == pb.DATA:
             self._on_data(src, header.parts, payload, size, size)
         elif kind == pb.PAYLOAD:
             rts = self._cts_sent.pop((src, header.message_id), None)
@@ -740,14 +767,14 @@ class Transport:
         link.inbound_lost = False
 
     def _on_data(self, src: int, parts: Iterable[pb.Part], payload: np.ndarray | None,
-                 total: int, credit: int) -> None:
+                 total: int, credit: int, pooled: bool = True) -> None:
         plist = list(parts)
         if sum(int(p.nbytes) for p in plist) != total or not plist:
-            if payload is not None:
+            if payload is not None and pooled:
                 self.pool.put(payload)
             raise ValueError(f"parts of {sum(int(p.nbytes) for p in plist)} bytes in a "
                              f"{total}-byte payload")
-        msg = _Message(src, payload, len(plist), credit)
+        msg = _Message(src, payload if pooled else None, len(plist), credit)
         empty = np.empty(0, np.uint8)
         offset = 0
         for p in plist:
@@ -780,7 +807,11 @@ class Transport:
         """An incoming connection ended: when it was the peer's current one, the peer is down."""
         partial = conn.take_partial()
         if partial is not None:
-            self.pool.put(partial)
+            header, dest = partial
+            if (conn.src, int(header.message_id), int(header.kind)) in self._direct:
+                self._direct.discard((conn.src, int(header.message_id), int(header.kind)))
+            else:
+                self.pool.put(dest)
         src = conn.src
         link = self.links.get(src)
         if link is None or link.inbound is not conn:
