@@ -59,6 +59,11 @@ class MemoryConfig(_Strict):
         description="receive window: bytes peers may send before the op that takes them runs "
         "here (split between peers, at least 1 MiB each); a larger message waits for that op",
     )
+    pool_bytes: int = Field(
+        512 << 20, ge=0,
+        description="idle receive buffers kept for the next step's messages (same sizes recur "
+        "every step); buffers past this are freed",
+    )
 
 
 class TransportConfig(_Strict):

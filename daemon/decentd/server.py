@@ -186,6 +186,7 @@ class Daemon:
             self._on_abort, self._on_peer_down,
             lambda name, round_: (name, round_) in self.engine.running,
             lambda *args: self.engine.check_arrival(*args),
+            cfg.memory.pool_bytes,
         )
         self.engine = Engine(
             self.rank, self.size, self.topology, self.transport, cfg.timeouts.op,

@@ -156,6 +156,7 @@ class Transport:
         on_peer_down: Callable[[int, str], None],
         is_running: Callable[[str, int], bool],
         on_unexpected: Callable[[int, str, int, int, Arrival], None],
+        pool_limit: int | None = None,
     ) -> None:
         self.rank = rank
         self.cluster_id = cluster_id
@@ -166,7 +167,7 @@ class Transport:
         self._on_peer_down = on_peer_down
         self.links = {r: PeerLink(r, a) for r, a in enumerate(addresses) if r != rank}
         self.window = max(MIN_WINDOW, early_limit // max(1, len(self.links)))
-        self.pool = BufferPool(limit=early_limit)
+        self.pool = BufferPool(limit=pool_limit if pool_limit is not None else early_limit)
         self.data_port = 0
         self._server: asyncio.Server | None = None
         self._waiters: dict[Key, asyncio.Future[Arrival]] = {}
