@@ -309,7 +309,10 @@ class Inbound(asyncio.BufferedProtocol):
                     self._low_water(part.dest.size - part.filled)
                 if part.filled - part.reported >= PROGRESS:
                     part.reported = part.filled
-                    self.sink.on_progress(self, part.header, part.dest, part.filled)
+                    try:
+                        self.sink.on_progress(self, part.header, part.dest, part.filled)
+                    except Exception:  # a bug in a consumer must not take the link down
+                        log.exception("progress callback failed")
             return
         self._end += nbytes
         try:
@@ -361,6 +364,15 @@ class Inbound(asyncio.BufferedProtocol):
             self.sink.on_frame(self, header, payload)
         except ValueError as exc:
             self.fail(f"malformed frame: {exc}")
+
+    def redirect(self, dest: np.ndarray, into: np.ndarray) -> bool:
+        """If the payload being received goes into ``dest``, send the rest into ``into``
+        instead (same size; what already arrived is not copied). True when it did."""
+        part = self._partial
+        if part is None or part.dest is not dest:
+            return False
+        part.dest, part.view = into, into.data
+        return True
 
     def take_partial(self) -> tuple[pb.BulkHeader, np.ndarray] | None:
         """The header and destination of a payload cut off mid-way (to return its buffer)."""

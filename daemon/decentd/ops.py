@@ -83,11 +83,12 @@ def weighted_sum(out: np.ndarray, x: np.ndarray, self_weight: float,
                     np.add(o, src, out=o)
             if first:
                 o[...] = 0
-        else:
+        else:  # the same rule: a weight-0 term is left out (its NaN/Inf too)
             a = acc[:n]
-            np.multiply(dtypes.to_compute(x[start:end], dtype), self_weight, out=a)
-            for y, w in terms:
-                a += dtypes.to_compute(y[start:end], dtype) * w
+            a[...] = 0
+            for v, w in ((x, self_weight), *terms):
+                if w != 0.0:
+                    a += dtypes.to_compute(v[start:end], dtype) * w
             out[start:end] = dtypes.from_compute(a, dtype)
 
 
@@ -174,7 +175,11 @@ class FoldIn:
         upto = min(filled, self.sent()) // self.itemsize
         if upto - self.done < BLOCK:
             return
-        self.fold(buf, weight, upto)
+        try:
+            self.fold(buf, weight, upto)
+        except Exception:  # e.g. an output region too small: the op reports it at the end
+            self.off = True
+            self.done = 0
 
     def fold(self, buf: np.ndarray, weight: float, upto: int) -> None:
         """Combine elements ``[done, upto)``."""

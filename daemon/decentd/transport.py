@@ -179,6 +179,8 @@ class Transport:
         #: ops whose result is the incoming tensor itself: received straight into their output
         self._into: dict[Key, tuple[np.ndarray, tuple[int, int, tuple[int, ...]]]] = {}
         self._direct: set[tuple[int, int, int]] = set()  # (src, message id, kind) received so
+        #: direct receives in progress: key -> (connection, the op's output buffer, frame id)
+        self._direct_active: dict[Key, tuple[Inbound, np.ndarray, tuple[int, int, int]]] = {}
         self._early: dict[Key, Arrival] = {}
         self._held: dict[tuple[str, int], list[Arrival]] = {}
         self._acks: dict[Key, asyncio.Future[None]] = {}
@@ -575,6 +577,11 @@ class Transport:
             del self._progress[k]
         for k in [k for k in self._into if (k[1], k[2]) in closing]:
             del self._into[k]
+        for k in [k for k in self._direct_active if (k[1], k[2]) in closing]:
+            conn, dest, frame = self._direct_active.pop(k)
+            # the op is over: the rest of its payload must not land in the worker's slot
+            if conn.redirect(dest, self.pool.get(dest.nbytes)):
+                self._direct.discard(frame)  # now a pooled buffer, dropped on arrival
         self._acked.difference_update([k for k in self._acked if (k[1], k[2]) in closing])
         for key in keys:
             for arrival in self._held.pop(key, ()):
@@ -669,11 +676,14 @@ class Transport:
             p = parts[0]
             key = (conn.src, p.name, int(p.round), int(p.tag))
             into = self._into.get(key)
+            fut = self._waiters.get(key)
             if into is not None and into[0].nbytes == header.payload_bytes \
                     and into[1] == (p.op, p.meta.dtype, tuple(p.meta.shape)) \
-                    and key in self._waiters:
+                    and fut is not None and not fut.done():
                 del self._into[key]
-                self._direct.add((conn.src, int(header.message_id), int(kind)))
+                frame = (conn.src, int(header.message_id), int(kind))
+                self._direct.add(frame)
+                self._direct_active[key] = (conn, into[0], frame)
                 return into[0]
         return self.pool.get(int(header.payload_bytes))
 
@@ -721,9 +731,17 @@ class Transport:
         direct = (src, int(header.message_id), int(kind))
         if payload is not None and direct in self._direct:  # in the op's output: not pooled
             self._direct.discard(direct)
-            self._on_data(src, header.parts if kind == pb.DATA else
-                          self._cts_sent.pop((src, header.message_id)).parts,
-                          payload, size, size if kind == pb.DATA else 0, pooled=False)
+            if kind == pb.DATA:
+                parts = header.parts
+            else:
+                rts = self._cts_sent.pop((src, header.message_id), None)
+                if rts is None:  # cannot happen: its op is still waiting (else redirected)
+                    return
+                parts = rts.parts
+            for k in [k for k, v in self._direct_active.items() if v[2] == direct]:
+                del self._direct_active[k]
+            self._on_data(src, parts, payload, size, size if kind == pb.DATA else 0,
+                          pooled=False)
         elif kind == pb.DATA:
             self._on_data(src, header.parts, payload, size, size)
         elif kind == pb.PAYLOAD:
