@@ -66,6 +66,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from decentd.launcher import stop_processes
+
 REPO = Path(__file__).resolve().parent.parent
 PREFIX = "dcnt"
 SUBNET = "10.77.0"
@@ -180,18 +182,7 @@ class Cleanup:
     def stop_procs(self, procs: Sequence[subprocess.Popen[bytes]] | None = None,
                    grace: float = 5.0) -> None:
         """SIGTERM the (given or all) processes, SIGKILL those still alive after ``grace`` s."""
-        targets = [p for p in (self.procs if procs is None else procs) if p.poll() is None]
-        for p in targets:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for p in targets:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    p.kill()
-                p.wait()
+        stop_processes(self.procs if procs is None else procs, grace)
 
     def run(self) -> None:
         """Stop everything and delete every namespace this run created (idempotent)."""

@@ -676,23 +676,19 @@ class Bench:
                 off += n
             return gf
 
-        def nar_list() -> list[torch.Tensor]:
-            hs = [c.neighbor_allreduce_async_(t, name=f"rn.nar.{i}") for i, t in enumerate(nl)]
-            for h in hs:
-                h.wait()
-            return nl
+        def each_then_wait(start: Callable[..., Any], ts: list[torch.Tensor],
+                           prefix: str) -> Callable[[], list[torch.Tensor]]:
+            """Start ``start`` on every tensor (the client fuses them), then wait for all."""
+            def step() -> list[torch.Tensor]:
+                hs = [start(t, name=f"{prefix}.{i}") for i, t in enumerate(ts)]
+                for h in hs:
+                    h.wait()
+                return ts
+            return step
 
-        def ar_list() -> list[torch.Tensor]:
-            hs = [c.allreduce_async_(t, name=f"rn.ar.{i}") for i, t in enumerate(al)]
-            for h in hs:
-                h.wait()
-            return al
-
-        def nar_list_shared() -> list[torch.Tensor]:
-            hs = [c.neighbor_allreduce_async_(t, name=f"rn.nars.{i}") for i, t in enumerate(sl)]
-            for h in hs:
-                h.wait()
-            return sl
+        nar_list = each_then_wait(c.neighbor_allreduce_async_, nl, "rn.nar")
+        ar_list = each_then_wait(c.allreduce_async_, al, "rn.ar")
+        nar_list_shared = each_then_wait(c.neighbor_allreduce_async_, sl, "rn.nars")
 
         ops = [
             Op("gloo_list", gloo_list, want_sum, refill(gl)),

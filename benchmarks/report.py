@@ -215,6 +215,18 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
     def pct(v: float) -> str:
         return f"{v * 100:.0f}%"
 
+    def ratio_rows(entry: dict[str, Any], label: str, target: float,
+                   specs: tuple[tuple[str, str, str], ...]) -> None:
+        """One row per (id, op, what): the op's median over gloo's in ``entry`` (starred rows
+        only when measured)."""
+        for cid, op, what in specs:
+            if cid.endswith("*") and op not in entry.get("repeats", {}):
+                continue
+            r = ratio_to(entry, op)
+            add(cid, label.format(what), r, target, False,
+                f"{ratio_text(r)} ({ms(median(entry, op))} vs {ms(median(entry, 'gloo'))} ms)"
+                if r is not None else _why(entry, op))
+
     p2p = p2p or {}
     big = size_entry(p2p, MIB64)
     small = size_entry(p2p, KIB4)
@@ -231,14 +243,9 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
             add("1a*", "peer bulk transfer, client.shared() tensors (no worker copies)", share,
                 0.70, True, f"{pct(share)} ({gbps(MIB64, shared_one)} vs {gbps(MIB64, raw)} GB/s)"
                 if share is not None else _why(big, "oneway_shared"), pct)
-        for cid, op, what in (("1b", "nar_", "neighbor_allreduce_ (in place)"),
-                              ("1b*", "nar_shared", "neighbor_allreduce_ on client.shared()")):
-            if cid.endswith("*") and op not in big.get("repeats", {}):
-                continue
-            r = ratio_to(big, op)
-            add(cid, f"64 MiB {what} / gloo allreduce", r, 1.0, False,
-                f"{ratio_text(r)} ({ms(median(big, op))} vs {ms(median(big, 'gloo'))} ms)"
-                if r is not None else _why(big, op))
+        ratio_rows(big, "64 MiB {} / gloo allreduce", 1.0,
+                   (("1b", "nar_", "neighbor_allreduce_ (in place)"),
+                    ("1b*", "nar_shared", "neighbor_allreduce_ on client.shared()")))
     else:
         add("1a", "peer bulk transfer (one-way 64 MiB) vs raw TCP", None, 0.70, True,
             "64 MiB not measured", pct)
@@ -246,15 +253,10 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
             "64 MiB not measured")
     # (2) small ops
     if small is not None:
-        for cid, op, what in (("2", "nar_", "neighbor_allreduce_"),
-                              ("2'", "ar_", "allreduce_"),
-                              ("2*", "nar_shared", "neighbor_allreduce_ on client.shared()")):
-            if cid.endswith("*") and op not in small.get("repeats", {}):
-                continue
-            r = ratio_to(small, op)
-            add(cid, f"4 KiB {what} end to end / gloo allreduce", r, 2.0, False,
-                f"{ratio_text(r)} ({ms(median(small, op))} vs {ms(median(small, 'gloo'))} ms)"
-                if r is not None else _why(small, op))
+        ratio_rows(small, "4 KiB {} end to end / gloo allreduce", 2.0,
+                   (("2", "nar_", "neighbor_allreduce_"),
+                    ("2'", "ar_", "allreduce_"),
+                    ("2*", "nar_shared", "neighbor_allreduce_ on client.shared()")))
     else:
         add("2", "4 KiB neighbor_allreduce_ / gloo allreduce", None, 2.0, False,
             "4 KiB not measured")

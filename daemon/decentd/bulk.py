@@ -66,7 +66,6 @@ class Outgoing:
     on_done: Callable[[BaseException | None], None] | None
     abandoned: bool = False  # its op was cancelled: skip it if not started
     started: bool = False
-    nbytes: int = 0
     sent: int = 0  # bytes of the whole frame in the kernel so far (header included)
 
 
@@ -144,11 +143,11 @@ class Sender:
                 buffers = _advance(buffers, sent)
                 total -= sent
                 # part of the frame is on the wire: the rest must follow, whatever happens
-                item = Outgoing(buffers, on_done, nbytes=total, started=sent > 0, sent=sent)
+                item = Outgoing(buffers, on_done, started=sent > 0, sent=sent)
                 self._queue.append(item)
                 self._cv.notify()
                 return item
-            item = Outgoing(buffers, on_done, nbytes=total)
+            item = Outgoing(buffers, on_done)
             self._queue.append(item)
             self._cv.notify()
             return item

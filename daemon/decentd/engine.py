@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("decentd.engine")
 
 _EMPTY = np.empty(0, np.uint8)
+_NO_BYTES = memoryview(b"")
 
 
 @dataclass
@@ -236,8 +237,8 @@ class OpContext:
 
     def release_views(self) -> None:
         """Drop this op's views of the worker's arena (so the arena can be unmapped)."""
-        self.parts = [PartSpec(p.name, p.display, p.round, p.dtype, p.shape, _EMPTY,
-                               memoryview(b""), memoryview(b"")) for p in self.parts]
+        for p in self.parts:
+            p.x, p.out, p.raw = _EMPTY, _NO_BYTES, _NO_BYTES
         self.by_name = {}
         self.payload = []
 

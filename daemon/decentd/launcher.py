@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -96,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
+def stop_processes(procs: Sequence[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
+    """SIGTERM every process still running, SIGKILL those still alive ``grace`` s later."""
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -182,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(0.05)
     finally:
-        _stop(workers)
-        _stop(daemons)
+        stop_processes(workers)
+        stop_processes(daemons)
         for pump in pumps:
             pump.join(timeout=2)
         shutil.rmtree(workdir, ignore_errors=True)

@@ -118,7 +118,6 @@ class PeerLink:
     inbound_lost: bool = False  # the peer's connection to us was up and ended
     last_heartbeat: float = 0.0
     credits: int = 0  # eager bytes we may still send before the peer consumes some
-    window: int = 0
     rendezvous: dict[int, _Rendezvous] = field(default_factory=dict)
     owed: int = 0  # credit for consumed payloads not yet given back
     unconsumed: int = 0  # eager bytes received from the peer and not consumed yet
@@ -258,7 +257,7 @@ class Transport:
         except OSError as exc:
             raise StartupError(f"rank {link.rank} at {link.address}: cannot open the bulk "
                                f"connection to port {reply.data_port}: {exc}") from None
-        link.window = link.credits = int(reply.window_bytes)
+        link.credits = int(reply.window_bytes)
         link.sender = Sender(sock, loop, link.rank)
         link.sender.send([encode(pb.BulkHeader(kind=pb.HELLO, cluster_id=self.cluster_id,
                                                from_rank=self.rank))])
@@ -555,12 +554,9 @@ class Transport:
             link.owed = 0
         return encode(header)
 
-    def close_op(self, name: str, round_: int) -> None:
-        """Forget everything about a finished op; later arrivals for it are dropped."""
-        self.close_ops([(name, round_)])
-
     def close_ops(self, keys: list[tuple[str, int]]) -> None:
-        """:meth:`close_op` for every tensor of a (fused) op, one pass over each table."""
+        """Forget everything about a finished op's tensors ``(name, round)``, in one pass over
+        each table; later arrivals for them are dropped."""
         closing = set(keys)
         for key in keys:
             self._closed[key] = None
