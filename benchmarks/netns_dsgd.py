@@ -3,7 +3,7 @@
 Needs root (it creates network namespaces)::
 
     sudo .venv/bin/python benchmarks/netns_dsgd.py [--nodes 8] [--mbytes 25] [--rate 1gbit]
-        [--repeats 5] [--json benchmarks/results/netns_dsgd.json] [--png PATH]
+        [--repeats 10] [--json benchmarks/results/netns_dsgd.json] [--png PATH]
     sudo .venv/bin/python benchmarks/netns_dsgd.py --cleanup     # remove leftovers of a killed run
 
 ``--cleanup`` deletes ``dcnt*`` namespaces and ``/tmp/dcnt<pid>-*`` run directories (logs kept
@@ -28,10 +28,11 @@ Then, one after the other, in the same namespaces:
   rank averages with the one peer the graph gives it at that round (result checked exactly
   against ``client.in_neighbors`` and the graph's definition).
 
-Each op runs one warm-up call and then ``--repeats`` timed calls, each after a barrier. A repeat's
-time is the slowest rank's; the reported value is the median over the repeats, and
-speedup = gloo median / decent median. The link-only bound: a ring allreduce sends and receives
-2(n-1)/n of the model per node, a one-peer step one model (at 1 Gbit/s and 25 MB: 350 vs 200 ms).
+Each op runs two warm-up calls (an in-place op registers its tensor on the second) and then
+``--repeats`` timed calls, each after a barrier. A repeat's time is the slowest rank's; the
+reported value is the median over the repeats, and speedup = gloo median / decent median. The
+link-only bound: a ring allreduce sends and receives 2(n-1)/n of the model per node, a one-peer
+step one model (at 1 Gbit/s and 25 MB: 350 vs 200 ms).
 CPU seconds used during the timed calls (workers and daemons) are reported too, so that a run
 dominated by CPU contention rather than by the links is visible.
 
@@ -77,7 +78,7 @@ DECENT_PORT = 7700
 GLOO_PORT = 29500
 TCP_PORT = 5201
 TCP_TEST_BYTES = 50_000_000
-WARMUP = 1
+WARMUP = 2  # an in-place op registers its tensor on the second call: time the steady state
 TARGET_SPEEDUP = 1.6
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "netns_dsgd.json"
 SKIP_NOT_ROOT = (
@@ -849,7 +850,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--mbytes", type=float, default=25.0, help="model size in MB (10^6 bytes)")
     p.add_argument("--rate", default="1gbit", help="tc tbf rate per link and direction")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--mode", choices=("inplace", "shared", "copy"), default="inplace",
                    help="decent's step: neighbor_allreduce_ in place on an ordinary tensor "
                    "(like gloo's all_reduce), in place on a client.shared() tensor (no copies "

@@ -6,6 +6,7 @@ Boundaries: the combine block (BLOCK elements), the receive window (eager vs. re
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
 from collections.abc import Iterator
 
@@ -19,6 +20,7 @@ from decentd.ops import BLOCK
 
 WINDOW = 1 << 20
 F32 = 4
+F64 = 8
 #: element counts (float32) at and around each boundary
 SIZES = sorted({0, 1, BLOCK - 1, BLOCK, BLOCK + 1,
                 SCRATCH // F32 - 1, SCRATCH // F32, SCRATCH // F32 + 1,
@@ -220,3 +222,84 @@ def test_one_way_received_straight_into_the_output(small_window: Cluster, n: int
         return None
     got = small_window.run(run)
     assert torch.equal(got[1], _pattern(n, 0) * 0.5)
+
+
+def test_in_place_ops_register_a_tensor_they_see_again(small_window: Cluster) -> None:
+    # a 1 MiB+ tensor's second in-place op moves its storage into shared memory registered with
+    # the daemon; from then on the daemon reads and writes it in place, views included
+    n = (1 << 20) // F64 + 3
+    want = (torch.arange(n) % 7).double() * 2  # ring of 3: the mean of 1x, 2x, 3x the pattern
+
+    def run(cl: Client[torch.Tensor]) -> dict[str, object]:
+        base = torch.zeros(n + 8, dtype=torch.float64)
+        t = base[8:]  # a view: the whole storage is registered, the op covers the view's part
+        seen: list[bool] = []
+        for k in range(4):
+            t.copy_(_pattern(n, cl.rank, torch.float64) + k)
+            before = cl.regions.nbytes
+            out = cl.neighbor_allreduce_(t, name="reg")
+            seen.append(before > 0)
+            assert out is t
+            assert torch.allclose(t, want + k, rtol=0, atol=1e-12), k
+        registered = cl.status().registered_bytes
+        head = base[:8].clone()
+        small = torch.full((5,), float(cl.rank))  # below the threshold: never registered
+        for _ in range(3):
+            cl.neighbor_allreduce_(small, name="small")
+        copy_h = cl.neighbor_allreduce_async(t, name="reg_copy")  # out of place: t is copied
+        t.fill_(-1.0)
+        copied = copy_h.wait()
+        return {"seen": seen, "shared": t.is_shared(), "registered": registered,
+                "head": head, "small": small, "copied": copied, "size": cl.regions.nbytes}
+
+    for r in small_window.run(run):
+        assert r["seen"] == [False, False, True, True]  # registered during the second op
+        assert r["shared"] and r["registered"] == (n + 8) * F64 == r["size"]
+        assert torch.equal(r["head"], torch.zeros(8, dtype=torch.float64))  # outside the view
+        assert torch.equal(r["small"], torch.ones(5))
+        assert torch.allclose(r["copied"], want + 3, rtol=0, atol=1e-12)
+
+
+def test_registered_memory_is_released_when_its_tensor_is_gone(small_window: Cluster) -> None:
+    n = (2 << 20) // F32
+
+    def run(cl: Client[torch.Tensor]) -> tuple[int, int, int, bool]:
+        t = torch.full((n,), float(cl.rank))
+        for _ in range(2):
+            t.fill_(float(cl.rank))
+            cl.neighbor_allreduce_(t, name="gone")
+        ok = bool(torch.equal(t, torch.ones(n)))
+        held = cl.status().registered_bytes
+        del t
+        cl.barrier(name="gone_barrier")  # sync point: dead registrations are released
+        after = cl.status().registered_bytes
+        u = torch.full((n,), float(cl.rank))  # new storage, maybe at the old address
+        for _ in range(3):
+            u.fill_(float(cl.rank))
+            cl.neighbor_allreduce_(u, name="again")
+        ok = ok and bool(torch.equal(u, torch.ones(n)))
+        return held, after, cl.status().registered_bytes, ok
+
+    for held, after, again, ok in small_window.run(run):
+        assert ok
+        assert held >= n * F32 and after == held - n * F32 and again == after + n * F32
+
+
+def test_registration_can_be_turned_off(small_window: Cluster) -> None:
+    n = (2 << 20) // F32
+    off = [Client(cl.codec, cl.address, register=False) for cl in small_window.clients]
+    try:
+        def run(rank: int) -> tuple[bool, int]:
+            cl = off[rank]
+            t = torch.full((n,), float(cl.rank))
+            for _ in range(3):
+                t.fill_(float(cl.rank))
+                cl.neighbor_allreduce_(t, name="noreg")
+            return bool(torch.equal(t, torch.ones(n))) and not t.is_shared(), cl.regions.nbytes
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            for ok, size in pool.map(run, range(3)):
+                assert ok and size == 0
+    finally:
+        for cl in off:
+            cl.close()

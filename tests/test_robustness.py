@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ import decent.torch as dt
 from cluster import Cluster
 from conftest import ClusterFactory
 from decent.core import Client, DecentError
+from decent.v1 import decent_pb2 as pb
 
 
 def test_abort_that_arrives_before_the_local_submit_fails_the_op_at_once(
@@ -301,3 +303,56 @@ def test_allgather_output_sized_by_in_degree(cluster: ClusterFactory) -> None:
     for i, out in enumerate(got):
         assert out.shape == (2, 2 << 20)
         assert float(out[0, 0]) == sorted({(i - 1) % 5, (i + 1) % 5})[0]
+
+
+def test_bad_memory_registrations_fail_alone(cluster: ClusterFactory) -> None:
+    c = cluster(2, "ring")
+    cl = c.clients[0]
+
+    def call(req: object, fds: list[int]) -> str:
+        body = req if isinstance(req, bytes) else req.SerializeToString()  # type: ignore[attr-defined]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(cl._memory_socket)
+            socket.send_fds(s, [len(body).to_bytes(4, "little") + body], fds)
+            reply = s.recv(4096)
+        err = pb.Error.FromString(reply[4:])
+        return f"{pb.ErrorCode.Name(err.code)}: {err.message}"
+
+    def memfd(size: int) -> int:
+        fd = os.memfd_create("decent-test")
+        os.ftruncate(fd, size)
+        return fd
+
+    high = 1 << 50
+    fds = [memfd(4096), memfd(4096), memfd(8192), memfd(4096)]
+    try:
+        got = {
+            "garbage": call(b"\xff" * 16, []),
+            "unknown worker": call(pb.MemoryRequest(worker_id="nobody", base=high, nbytes=4096),
+                                   [fds[0]]),
+            "no fd": call(pb.MemoryRequest(worker_id=cl.worker_id, base=high, nbytes=4096), []),
+            "file too small": call(pb.MemoryRequest(worker_id=cl.worker_id, base=high,
+                                                    nbytes=1 << 20), [fds[0]]),
+            "inside the arena": call(pb.MemoryRequest(worker_id=cl.worker_id, base=0,
+                                                      nbytes=4096), [fds[1]]),
+            "good": call(pb.MemoryRequest(worker_id=cl.worker_id, base=high, nbytes=8192),
+                         [fds[2]]),
+            "overlap": call(pb.MemoryRequest(worker_id=cl.worker_id, base=high + 4096,
+                                             nbytes=4096), [fds[3]]),
+        }
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert got["garbage"].startswith("INVALID_ARGUMENT: undecodable"), got
+    assert got["unknown worker"].startswith("UNKNOWN_WORKER"), got
+    assert got["no fd"].startswith("INVALID_ARGUMENT") and "one file descriptor" in got["no fd"]
+    assert "fewer than the 1048576 registered" in got["file too small"], got
+    assert "above the" in got["inside the arena"], got
+    assert got["good"] == "OK: ", got
+    assert "overlaps" in got["overlap"], got
+    assert cl.status().registered_bytes >= 8192
+    assert c.procs[0].poll() is None
+    got2 = c.run(lambda k: k.neighbor_allreduce(torch.full((2,), 2.0 * k.rank), name="aftermem"))
+    assert torch.equal(got2[0], torch.ones(2))
+    cl._memory_call(pb.MemoryRequest(worker_id=cl.worker_id, release=[high]), None)

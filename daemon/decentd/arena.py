@@ -3,11 +3,16 @@
 The worker attaches by name and writes tensors at offsets it allocates; requests carry offsets.
 The name is unlinked as soon as the worker has attached (both mappings stay valid), so nothing is
 left in /dev/shm even if a process is killed.
+
+A worker may also register shared memory of its own (a tensor's storage, see MemoryRequest): the
+daemon maps it at offsets above the arena, and :meth:`Arena.view` resolves both.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import mmap
 import os
 import secrets
 import shutil
@@ -51,6 +56,8 @@ class Arena:
         pages[::PAGE] = 0  # first touch now, not on the hot path
         del pages
         self._unlinked = False
+        self._bases: list[int] = []  # sorted bases of registered regions
+        self._regions: dict[int, mmap.mmap] = {}
 
     def unlink(self) -> None:
         """Remove the name from /dev/shm (mappings stay valid)."""
@@ -62,16 +69,59 @@ class Arena:
     def close(self) -> None:
         """Unlink and unmap; views still held elsewhere keep the mapping until released."""
         self.unlink()
+        for base in list(self._regions):
+            self.release_region(base)
         self.buf = memoryview(b"")
         with contextlib.suppress(BufferError):
             self._shm.close()
 
     def view(self, offset: int, nbytes: int, what: str) -> memoryview:
-        """Bytes ``[offset, offset + nbytes)``; ARENA_ERROR when outside the arena."""
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
-            raise OpError(
-                pb.ARENA_ERROR,
-                f"{what}: bytes [{offset}, {offset + nbytes}) are outside the "
-                f"{self.nbytes}-byte arena",
-            )
-        return self.buf[offset:offset + nbytes]
+        """Bytes ``[offset, offset + nbytes)`` of the arena or of one registered region;
+        ARENA_ERROR when they lie in neither."""
+        if offset >= 0 and nbytes >= 0 and offset + nbytes <= self.nbytes:
+            return self.buf[offset:offset + nbytes]
+        i = bisect.bisect_right(self._bases, offset) - 1
+        if i >= 0 and nbytes >= 0:
+            base = self._bases[i]
+            region = self._regions[base]
+            if offset + nbytes <= base + len(region):
+                return memoryview(region)[offset - base:offset - base + nbytes]
+        raise OpError(
+            pb.ARENA_ERROR,
+            f"{what}: bytes [{offset}, {offset + nbytes}) are outside the {self.nbytes}-byte "
+            f"arena and outside every memory region this worker registered",
+        )
+
+    def map_region(self, base: int, nbytes: int, fd: int) -> None:
+        """Map the worker's shared memory ``fd`` at offsets ``[base, base + nbytes)``.
+
+        Raises ValueError saying what is wrong (overlap, a file smaller than ``nbytes``, ...).
+        """
+        if nbytes <= 0 or base < self.nbytes:
+            raise ValueError(f"region [{base}, {base + nbytes}) must be non-empty and lie above "
+                             f"the {self.nbytes}-byte arena")
+        i = bisect.bisect_right(self._bases, base)
+        below = i > 0 and self._bases[i - 1] + len(self._regions[self._bases[i - 1]]) > base
+        if below or (i < len(self._bases) and base + nbytes > self._bases[i]):
+            raise ValueError(f"region [{base}, {base + nbytes}) overlaps a registered one")
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise ValueError(f"the shared memory holds {size} bytes, fewer than the {nbytes} "
+                             "registered")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        region = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._bases.insert(i, base)
+        self._regions[base] = region
+
+    def release_region(self, base: int) -> None:
+        """Forget a region; it is unmapped once ops still using it have let go of their views."""
+        region = self._regions.pop(base, None)
+        if region is not None:
+            self._bases.remove(base)
+            with contextlib.suppress(BufferError):
+                region.close()
+
+    @property
+    def region_bytes(self) -> int:
+        """Bytes of worker memory registered and mapped."""
+        return sum(len(r) for r in self._regions.values())

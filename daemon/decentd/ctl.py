@@ -40,7 +40,7 @@ def status(address: str, console: Console) -> int:
                   f"{s.early_arrival_bytes}")
     console.print(f"pid {s.pid}  rss {s.rss_bytes / 2**20:.1f} MiB  receive buffers "
                   f"{s.pool_bytes / 2**20:.1f} MiB (peak in use {s.pool_peak_bytes / 2**20:.1f} "
-                  "MiB)")
+                  f"MiB)  registered worker memory {s.registered_bytes / 2**20:.1f} MiB")
     table = Table("peer", "address", "connected", "heartbeat age (s)", "sent (B)", "received (B)")
     for p in s.peers:
         table.add_row(str(p.rank), p.address, "yes" if p.connected else "[red]no[/red]",

@@ -9,6 +9,7 @@ ascending rank order, the ring adds each chunk along the ring; every rank gets i
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable
 from typing import Any
 
@@ -54,42 +55,57 @@ def _out(ctx: OpContext, p: PartSpec, nbytes: int) -> np.ndarray:
 BLOCK = 1 << 16
 
 
+def _power_of_two(w: float) -> bool:
+    return w > 0.0 and math.frexp(w)[0] == 0.5
+
+
 def weighted_sum(out: np.ndarray, x: np.ndarray, self_weight: float,
                  terms: list[tuple[np.ndarray, float]], dtype: int) -> None:
     """``out = self_weight * x + sum(w * y for y, w in terms)`` in the compute dtype.
 
     Works block by block into ``out`` (storage dtype): no tensor-sized temporary, and the terms
-    are added in the given order, so every run gives the same bits.
+    are added in the given order, so every run gives the same bits. A weight of 0 drops its term
+    (its NaN/Inf too) for every dtype.
     """
     compute = dtypes.COMPUTE[dtype]
-    same = dtypes.STORAGE[dtype] == compute
+    live = [(v, w) for v, w in ((x, self_weight), *terms) if w != 0.0]
+    if dtypes.STORAGE[dtype] != compute:
+        acc = np.empty(min(BLOCK, x.size), compute)
+        for start in range(0, x.size, BLOCK):
+            end = min(start + BLOCK, x.size)
+            a = acc[:end - start]
+            a[...] = 0
+            for v, w in live:
+                a += dtypes.to_compute(v[start:end], dtype) * w
+            out[start:end] = dtypes.from_compute(a, dtype)
+        return
+    if not live:
+        out[...] = 0
+        return
+    # one power-of-two weight for all terms (uniform averaging over 2, 4, 8 ... members):
+    # scaling the sum once gives the same bits as scaling each term, in fewer passes
+    common = live[0][1]
+    factor = len(live) > 1 and all(w == common for _, w in live) and _power_of_two(common)
+    # the first term is the output itself (in place): nothing to copy
+    first_is_out = out.size == live[0][0].size and out.ctypes.data == live[0][0].ctypes.data
     tmp = np.empty(min(BLOCK, x.size), compute)
-    acc = tmp if same else np.empty(min(BLOCK, x.size), compute)
     for start in range(0, x.size, BLOCK):
         end = min(start + BLOCK, x.size)
-        n = end - start
-        if same:  # weight 0 drops a term, weight 1 skips its multiply
-            o = out[start:end]
-            first = True
-            for v, w in ((x, self_weight), *terms):
-                if w == 0.0:
-                    continue
-                src = v[start:end] if w == 1.0 else np.multiply(v[start:end], w, out=tmp[:n])
-                if first:
-                    if src is not o:
+        o = out[start:end]
+        for i, (v, w) in enumerate(live):
+            src = v[start:end]
+            if i == 0:
+                if factor or w == 1.0:
+                    if not first_is_out:
                         np.copyto(o, src)
-                    first = False
                 else:
-                    np.add(o, src, out=o)
-            if first:
-                o[...] = 0
-        else:  # the same rule: a weight-0 term is left out (its NaN/Inf too)
-            a = acc[:n]
-            a[...] = 0
-            for v, w in ((x, self_weight), *terms):
-                if w != 0.0:
-                    a += dtypes.to_compute(v[start:end], dtype) * w
-            out[start:end] = dtypes.from_compute(a, dtype)
+                    np.multiply(src, w, out=o)
+            elif factor or w == 1.0:
+                np.add(o, src, out=o)
+            else:
+                np.add(o, np.multiply(src, w, out=tmp[:end - start]), out=o)
+        if factor and common != 1.0:
+            np.multiply(o, common, out=o)
 
 
 def _check_ranks(ctx: OpContext, ranks: list[int], what: str) -> None:

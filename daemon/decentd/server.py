@@ -21,7 +21,7 @@ from decentd.ops import OPS
 from decentd.topology import Topology, TopologyError, build_topology
 from decentd.transport import GRPC_OPTIONS, Transport
 from decentd.wire import pb, pb_grpc
-from decentd.workers import WorkerChannel
+from decentd.workers import MemorySocket, WorkerChannel
 
 log = logging.getLogger("decentd")
 
@@ -93,6 +93,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             topology=topology_info(d.topology, d.rank, 0),
             default_timeout_s=d.cfg.timeouts.op,
             data_socket=d.data_socket,
+            memory_socket=d.memory.path,
             ring_threshold_bytes=d.cfg.transport.ring_threshold_bytes,
         )
 
@@ -116,6 +117,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             rss_bytes=rss_bytes(),
             pool_bytes=d.transport.pool.in_use_bytes + d.transport.pool.idle_bytes,
             pool_peak_bytes=d.transport.pool.peak_in_use,
+            registered_bytes=sum(s.arena.region_bytes for s in d.sessions.values()),
             peers=[
                 pb.PeerStatus(
                     rank=link.rank,
@@ -196,6 +198,7 @@ class Daemon:
         self.peer_port = 0
         self.data_socket = f"{cfg.socket}.data"
         self.channels: set[WorkerChannel] = set()
+        self.memory = MemorySocket(self, f"{cfg.socket}.mem")
 
     def _on_abort(self, src: int, name: str, round_: int, error: pb.Error) -> None:
         self.engine.on_abort(src, name, round_, error)
@@ -246,12 +249,14 @@ class Daemon:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         data_server = await loop.create_unix_server(self._channel, self.data_socket)
+        self.memory.start()
         try:
             if self.cfg.peers:
                 host = self.cfg.listen_address().rsplit(":", 1)[0]
                 await self.transport.start_server(host, self.cfg.transport.data_port)
         except OSError as exc:
             data_server.close()
+            self.memory.close()
             raise StartupError(f"cannot listen for bulk data on port "
                                f"{self.cfg.transport.data_port}: {exc}") from None
         try:
@@ -304,6 +309,7 @@ class Daemon:
         except TimeoutError:
             log.warning("some ops did not finish within the shutdown grace; stopping anyway")
         data_server.close()
+        self.memory.close()
         for channel in list(self.channels):
             channel.close()  # after the completions written above
         self.channels.clear()
@@ -315,7 +321,7 @@ class Daemon:
             self.drop_session(session)
         for session in left:  # ops are done (engine.shutdown waited): release arenas now
             session.arena.close()
-        for path in (self.cfg.socket, self.data_socket):
+        for path in (self.cfg.socket, self.data_socket, self.memory.path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         log.info("rank %d: stopped", self.rank)

@@ -9,7 +9,10 @@ the session it registered; when this connection ends, the worker is gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import socket
 from typing import TYPE_CHECKING, cast
 
 from decentd.errors import OpError
@@ -24,6 +27,9 @@ log = logging.getLogger("decentd.workers")
 LENGTH = 4
 #: a submission is a few hundred bytes (a fused one a few KiB per tensor)
 MAX_FRAME = 64 << 20
+#: a MemoryRequest is small; a connection that has not sent one by then is closed
+MEMORY_FRAME = 1 << 20
+MEMORY_TIMEOUT = 10.0
 
 
 def frame(message: pb.Completion) -> bytes:
@@ -115,3 +121,115 @@ class WorkerChannel(asyncio.Protocol):
         if self.session is not None:
             self.session.deliver = None
             self.daemon.drop_session(self.session)
+
+
+class MemorySocket:
+    """Serves memory registration: one MemoryRequest (plus its fd) per connection.
+
+    asyncio's stream transports drop the file descriptors that come with a message, so this
+    socket is read with ``recvmsg`` from a plain reader callback. Each request is answered with
+    an ``Error`` frame (code OK on success) and the connection is closed.
+    """
+
+    def __init__(self, daemon: Daemon, path: str) -> None:
+        self.daemon = daemon
+        self.path = path
+        self._sock: socket.socket | None = None
+        self._conns: dict[socket.socket, tuple[bytearray, list[int], asyncio.TimerHandle]] = {}
+
+    def start(self) -> None:
+        """Listen on ``path``."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(self.path)
+        sock.listen(64)
+        sock.setblocking(False)
+        self._sock = sock
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        try:
+            conn, _ = self._sock.accept()
+        except OSError:  # BlockingIOError, or a connection that vanished
+            return
+        conn.setblocking(False)
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(MEMORY_TIMEOUT, self._finish, conn, None)
+        self._conns[conn] = (bytearray(), [], timer)
+        loop.add_reader(conn.fileno(), self._readable, conn)
+
+    def _readable(self, conn: socket.socket) -> None:
+        buf, fds, _ = self._conns[conn]
+        try:
+            data, got, _, _ = socket.recv_fds(conn, 1 << 16, 4)
+        except BlockingIOError:
+            return
+        except OSError:
+            data, got = b"", []
+        fds.extend(got)
+        buf += data
+        if len(buf) >= LENGTH:
+            size = int.from_bytes(buf[:LENGTH], "little")
+            if size > MEMORY_FRAME:
+                self._finish(conn, pb.Error(code=pb.INVALID_ARGUMENT,
+                                            message=f"a {size}-byte memory request"))
+                return
+            if len(buf) >= LENGTH + size:
+                self._finish(conn, self._handle(bytes(buf[LENGTH:LENGTH + size]), fds))
+                return
+        if not data:
+            self._finish(conn, None)
+
+    def _handle(self, body: bytes, fds: list[int]) -> pb.Error:
+        try:
+            req = pb.MemoryRequest.FromString(body)
+        except Exception as exc:  # protobuf's DecodeError
+            return pb.Error(code=pb.INVALID_ARGUMENT, message=f"undecodable memory request ({exc})")
+        session = self.daemon.sessions.get(req.worker_id)
+        if session is None:
+            return pb.Error(code=pb.UNKNOWN_WORKER, message=f"unknown worker id {req.worker_id!r}")
+        for base in req.release:
+            session.arena.release_region(base)
+        if req.nbytes == 0:
+            return pb.Error(code=pb.OK)
+        if len(fds) != 1:
+            return pb.Error(code=pb.INVALID_ARGUMENT, message=f"registering {req.nbytes} bytes "
+                            f"at {req.base} needs one file descriptor, got {len(fds)}")
+        try:
+            session.arena.map_region(req.base, req.nbytes, fds[0])
+        except (ValueError, OSError) as exc:
+            log.warning("worker %s: cannot register memory: %s", session.worker_id, exc)
+            return pb.Error(code=pb.INVALID_ARGUMENT,
+                            message=f"cannot register {req.nbytes} bytes at {req.base}: {exc}")
+        return pb.Error(code=pb.OK)
+
+    def _finish(self, conn: socket.socket, reply: pb.Error | None) -> None:
+        entry = self._conns.pop(conn, None)
+        if entry is None:
+            return
+        _, fds, timer = entry
+        timer.cancel()
+        for fd in fds:  # the daemon's mapping keeps its own reference
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(conn.fileno())
+        if reply is not None:
+            body = reply.SerializeToString()
+            with contextlib.suppress(OSError):  # a few bytes into an empty socket buffer
+                conn.send(len(body).to_bytes(LENGTH, "little") + body)
+        conn.close()
+
+    def close(self) -> None:
+        """Stop listening and drop open connections."""
+        for conn in list(self._conns):
+            self._finish(conn, None)
+        if self._sock is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)

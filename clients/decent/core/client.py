@@ -17,8 +17,9 @@ import socket
 import tempfile
 import threading
 import time
+import warnings
 import weakref
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -28,10 +29,14 @@ import numpy as np
 from decent.core.arena import ClientArena
 from decent.core.errors import DecentError
 from decent.core.fusion import Fusion, settings_from_env
+from decent.core.regions import Region, RegionTable
 from decent.v1 import decent_pb2 as pb
 from decent.v1 import decent_pb2_grpc as pb_grpc
 
 PROTOCOL_VERSION = 1
+#: in-place ops register tensors this large (on their storage's second use) instead of copying
+REGISTER_MIN_BYTES = 1 << 20
+MEMORY_CALL_TIMEOUT = 30.0
 ITEMSIZE = {pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.FLOAT32: 4, pb.FLOAT64: 8, pb.INT32: 4, pb.INT64: 8}
 
 T = TypeVar("T")
@@ -62,6 +67,14 @@ class TensorCodec(Protocol[T]):
 
     def attach(self, arena: ClientArena) -> None:
         """Called once the arena is mapped (e.g. to pin it for GPU copies)."""
+
+    def storage(self, tensor: T) -> tuple[int, int, Callable[[], bool]] | None:
+        """(address, nbytes, is-alive check) of the host memory block holding ``tensor``, if
+        :meth:`share` can move it into shared memory; None otherwise."""
+
+    def share(self, tensor: T) -> int:
+        """Move ``tensor``'s memory block into shared memory in place (every tensor using it
+        follows) and return a file descriptor of it, owned by the block; raise if impossible."""
 
 
 def _frame(message: pb.SubmitRequest | pb.WorkerHello) -> bytes:
@@ -183,12 +196,16 @@ class Client(Generic[T]):
         job: str | None = None,
         fusion_threshold: int | None = None,
         cycle_time: float | None = None,
+        register: bool | None = None,
     ) -> None:
         """Register with the daemon at ``address`` ($DECENT_DAEMON by default).
 
         ``fusion_threshold`` (bytes, 0: off) and ``cycle_time`` (seconds) control tensor fusion
         of asynchronous requests; defaults from $DECENT_FUSION_THRESHOLD / $DECENT_CYCLE_TIME
-        (ms), else 64 MiB and 1 ms.
+        (ms), else 64 MiB and 1 ms. ``register`` (default on; $DECENT_REGISTER=0 turns it off)
+        lets in-place ops move a tensor of 1 MiB or more that they see a second time into shared
+        memory registered with the daemon, after which they copy nothing (see
+        :mod:`decent.core.regions`).
         """
         env_threshold, env_cycle = settings_from_env()
         self.codec = codec
@@ -223,6 +240,11 @@ class Client(Generic[T]):
         self.topology = reply.topology
         self.default_timeout = reply.default_timeout_s
         self.ring_threshold = int(reply.ring_threshold_bytes)
+        self._memory_socket = reply.memory_socket
+        self._register = (os.environ.get("DECENT_REGISTER", "1") not in ("0", "false", "no")
+                          if register is None else register) and bool(reply.memory_socket)
+        self.regions = RegionTable()
+        self._register_lock = threading.Lock()
         self.arena = ClientArena(reply.arena_name, reply.arena_bytes)
         codec.attach(self.arena)
         # reentrant: a Handle finalizer (which takes it) may run during GC while it is held
@@ -414,6 +436,9 @@ class Client(Generic[T]):
         # a shared() tensor is already in the arena: no copy in, and in place no copy out
         at = None if tensor is None or not nbytes else self.codec.address(tensor)
         resident = None if at is None else self.arena.offset_of(at, nbytes)
+        if resident is None and tensor is not None and at is not None and into is tensor \
+                and out_factor == 1:
+            resident = self._registered(tensor, at, nbytes)
         in_place = resident is not None and into is tensor and out_factor == 1
         try:
             if resident is None:
@@ -451,6 +476,71 @@ class Client(Generic[T]):
                 self._pending[rid] = [p]
             self._send(req, [rid])
         return Handle(self, p)
+
+    def _registered(self, tensor: T, at: int, nbytes: int) -> int | None:
+        """The daemon offset of an in-place op's tensor if its memory is registered (registering
+        it now on its storage's second in-place use); None: copy it through the arena."""
+        offset = self.regions.offset_of(at, nbytes)
+        if offset is not None or not self._register or nbytes < REGISTER_MIN_BYTES:
+            return offset
+        found = self.codec.storage(tensor)
+        if found is None or not self.regions.second_use(found[0], found[2]):
+            return None
+        with self._register_lock:
+            try:
+                fd = self.codec.share(tensor)
+            except Exception:  # e.g. /dev/shm full, or a block shared some other way: copy it
+                return None
+            found = self.codec.storage(tensor)  # the block has moved
+            at2 = self.codec.address(tensor)
+            if found is None or at2 is None:
+                return None
+            address, size, alive = found
+            base = self.regions.reserve(size)
+            try:
+                self._memory_call(pb.MemoryRequest(worker_id=self.worker_id, base=base,
+                                                   nbytes=size, release=self.regions.sweep()), fd)
+            except DecentError as exc:
+                self._register = False
+                warnings.warn(f"decent: in-place ops go on copying tensors through the arena: "
+                              f"the daemon cannot map this worker's shared memory ({exc})",
+                              RuntimeWarning, stacklevel=4)
+                return None
+            self.regions.add(Region(address, size, base, alive))
+            return self.regions.offset_of(at2, nbytes)
+
+    def _release_dead_regions(self) -> None:
+        """Tell the daemon to unmap registered memory whose tensors are all gone."""
+        released = self.regions.sweep()
+        if released:
+            with contextlib.suppress(DecentError):  # the daemon drops them with the worker anyway
+                self._memory_call(pb.MemoryRequest(worker_id=self.worker_id, release=released),
+                                  None)
+
+    def _memory_call(self, req: pb.MemoryRequest, fd: int | None) -> None:
+        """One request on the daemon's memory socket (``fd`` rides along); raises its error."""
+        body = req.SerializeToString()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(MEMORY_CALL_TIMEOUT)
+                sock.connect(self._memory_socket)
+                socket.send_fds(sock, [len(body).to_bytes(4, "little") + body],
+                                [] if fd is None else [fd])
+                reply = b""
+                while len(reply) < 4 or len(reply) < 4 + int.from_bytes(reply[:4], "little"):
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    reply += chunk
+        except OSError as exc:
+            raise DecentError(pb.PEER_UNAVAILABLE, f"memory socket {self._memory_socket}: "
+                              f"{exc}") from None
+        if len(reply) < 4:
+            raise DecentError(pb.PEER_UNAVAILABLE, f"memory socket {self._memory_socket} closed "
+                              "without an answer")
+        error = pb.Error.FromString(reply[4:4 + int.from_bytes(reply[:4], "little")])
+        if error.code != pb.OK:
+            raise DecentError.from_pb(error)
 
     def _send_group(self, members: list[tuple[pb.SubmitRequest, _Pending]]) -> None:
         """Send a closed fusion bucket: one request whose parts are the members' tensors."""
@@ -642,6 +732,7 @@ class Client(Generic[T]):
     def barrier(self, name: str | None = None, timeout: float | None = None) -> None:
         """Return once every rank has reached a barrier of the same name and round."""
         self._fusion.flush()
+        self._release_dead_regions()
         h = self._submit(pb.BARRIER, None, name, timeout)
         p = h._pending
         p.event.wait()

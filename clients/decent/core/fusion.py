@@ -115,3 +115,4 @@ class Fusion(Generic[M]):
                     continue
             for bucket in ready:
                 self._send(bucket.members)
+            del ready, bucket  # the timer sleeps next: it must not keep the tensors alive

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from decent.core.arena import ClientArena
@@ -54,3 +56,11 @@ class NumpyCodec:
 
     def attach(self, arena: ClientArena) -> None:
         """Nothing to do for host memory."""
+
+    def storage(self, tensor: np.ndarray) -> tuple[int, int, Callable[[], bool]] | None:
+        """None: numpy memory cannot be moved into shared memory in place."""
+        return None
+
+    def share(self, tensor: np.ndarray) -> int:
+        """Not possible for numpy arrays."""
+        raise TypeError("numpy arrays cannot be moved into shared memory in place")

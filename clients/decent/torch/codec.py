@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from decent.core.arena import ClientArena
 from decent.v1 import decent_pb2 as pb
@@ -124,3 +126,19 @@ class TorchCodec:
         if math.prod(shape) == 0:
             return torch.empty(shape, dtype=_FROM_WIRE[dtype])
         return torch.frombuffer(owner, dtype=_FROM_WIRE[dtype]).view(shape)
+
+    def storage(self, tensor: torch.Tensor) -> tuple[int, int, Callable[[], bool]] | None:
+        """(address, nbytes, is-alive check) of a contiguous CPU tensor's storage."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        st = tensor.untyped_storage()
+        if st.nbytes() == 0:
+            return None
+        ref = StorageWeakRef(st)
+        return int(st.data_ptr()), int(st.nbytes()), lambda: not ref.expired()
+
+    def share(self, tensor: torch.Tensor) -> int:
+        """Move the storage into torch's fd-backed shared memory (torch.multiprocessing's
+        ``share_memory_``, done once, in place) and return its descriptor."""
+        fd, _ = tensor.untyped_storage()._share_fd_cpu_()
+        return int(fd)

@@ -1,0 +1,113 @@
+"""Worker memory registered with the daemon: tensor storages the daemon reads and writes in place.
+
+An in-place op on a large tensor would otherwise copy it into the arena and the result back out,
+which at 64 MiB costs more than the network exchange on a fast link. A storage that in-place ops
+keep using is moved into shared memory once (in place: every view of it follows) and its file
+descriptor handed to the daemon, which maps it at offsets above the arena. From then on requests
+name those offsets and nothing is copied. This is the memory registration of RDMA stacks, done
+lazily on a storage's second in-place use so that tensors used once never pay for it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+PAGE = 4096
+#: registered regions get offsets from here up, far above any arena
+FIRST_BASE = 1 << 44
+#: storages seen once and remembered for a second use; dead ones are pruned past this many
+MAX_CANDIDATES = 4096
+
+
+@dataclass
+class Region:
+    """One registered storage: its bytes at ``address`` are daemon offsets ``base + i``."""
+
+    address: int
+    nbytes: int
+    base: int
+    alive: Callable[[], bool]
+
+
+class RegionTable:
+    """The worker's registered regions and the candidates for registration. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._regions: list[Region] = []  # sorted by address
+        self._addresses: list[int] = []
+        self._next_base = FIRST_BASE
+        self._released: list[int] = []  # bases of dead regions the daemon has not been told of
+        self._candidates: dict[int, Callable[[], bool]] = {}
+        self._lock = threading.Lock()
+
+    def offset_of(self, address: int, nbytes: int) -> int | None:
+        """The daemon offset of ``[address, address + nbytes)`` if a live region holds it."""
+        with self._lock:
+            i = bisect.bisect_right(self._addresses, address) - 1
+            if i < 0:
+                return None
+            r = self._regions[i]
+            if address + nbytes > r.address + r.nbytes:
+                return None
+            if not r.alive():  # the storage is gone; its address may belong to another now
+                self._drop(i)
+                return None
+            return r.base + (address - r.address)
+
+    def second_use(self, address: int, alive: Callable[[], bool]) -> bool:
+        """Whether the storage at ``address`` was seen before (and is the same one, still alive);
+        remembers it otherwise."""
+        with self._lock:
+            seen = self._candidates.get(address)
+            if seen is not None and seen():
+                del self._candidates[address]
+                return True
+            if len(self._candidates) >= MAX_CANDIDATES:
+                self._candidates = {a: f for a, f in self._candidates.items() if f()}
+                if len(self._candidates) >= MAX_CANDIDATES:
+                    self._candidates.clear()
+            self._candidates[address] = alive
+            return False
+
+    def reserve(self, nbytes: int) -> int:
+        """A fresh base for a region of ``nbytes`` (bases are never reused)."""
+        with self._lock:
+            base = self._next_base
+            self._next_base += (nbytes + PAGE - 1) // PAGE * PAGE + PAGE
+            return base
+
+    def add(self, region: Region) -> None:
+        """Record a region the daemon has mapped; dead regions it overlaps are dropped."""
+        with self._lock:
+            end = region.address + region.nbytes
+            i = bisect.bisect_left(self._addresses, region.address)
+            while i > 0 and self._regions[i - 1].address + self._regions[i - 1].nbytes > \
+                    region.address:
+                i -= 1
+            while i < len(self._regions) and self._regions[i].address < end:
+                self._drop(i)  # memory of a live storage cannot overlap another live one
+            self._regions.insert(i, region)
+            self._addresses.insert(i, region.address)
+
+    def sweep(self) -> list[int]:
+        """Drop regions whose storage is gone; returns (and forgets) every base to release."""
+        with self._lock:
+            for i in range(len(self._regions) - 1, -1, -1):
+                if not self._regions[i].alive():
+                    self._drop(i)
+            released, self._released = self._released, []
+            return released
+
+    def _drop(self, i: int) -> None:
+        self._released.append(self._regions[i].base)
+        del self._regions[i]
+        del self._addresses[i]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes registered (dead regions not yet swept included)."""
+        with self._lock:
+            return sum(r.nbytes for r in self._regions)
