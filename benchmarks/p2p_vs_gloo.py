@@ -13,7 +13,10 @@ closed form of 2 ranks on a ring (``neighbor_allreduce`` = ``allreduce`` average
 ``(x0 + x1) / 2``). Per tensor size, in the same two processes:
 
 * ``gloo``: ``dist.all_reduce(t)`` (SUM, in place; ``t`` is refilled before each call, untimed);
-* ``nar_``: ``client.neighbor_allreduce_(t, name=...)`` (in place, like gloo);
+* ``nar_``: ``client.neighbor_allreduce_(t, name=...)`` (in place, like gloo; an ordinary tensor,
+  which the client registers with the daemon on its second call, during warm-up);
+* ``nar_copy``: the same from a second client made with ``register=False``: the tensor is copied
+  into the arena and the result back out on every call (the path before registration);
 * ``nar``: ``client.neighbor_allreduce(x, name=...)`` (returns a new tensor);
 * ``ar_``: ``client.allreduce_(t, name=...)`` (average, in place);
 * ``tcp_exchange``: raw TCP, both ranks send ``size`` bytes and receive ``size`` bytes at once
@@ -60,6 +63,7 @@ import argparse
 import contextlib
 import datetime
 import importlib.metadata
+import inspect
 import json
 import math
 import os
@@ -410,6 +414,9 @@ class Bench:
         self.link = self._connect_raw()
         #: ``client.shared()`` (arena-resident tensors) exists in this client version
         self.has_shared = callable(getattr(self.client, "shared", None))
+        #: a second client that never registers tensors (clients without registration: None)
+        self.copy_client = (dt.connect(register=False)
+                            if "register" in inspect.signature(dt.connect).parameters else None)
 
     def _agree_port(self) -> int:
         """Rank 0 picks a free loopback port (or $BENCH_GLOO_PORT) and broadcasts it via decent."""
@@ -572,7 +579,7 @@ class Bench:
         want_sum, want_avg = 2 * a + 3.0, a + 1.5
         want_x0, want_other = a + 1.0, a + float(2 - rank)
         del a
-        gbuf, nar_t, ar_t, one_t = x.clone(), x.clone(), x.clone(), x.clone()
+        gbuf, nar_t, ar_t, one_t, copy_t = x.clone(), x.clone(), x.clone(), x.clone(), x.clone()
         shared_t = c.shared(x) if self.has_shared else None
         shared_one = c.shared(x) if self.has_shared else None
         rbuf = torch.empty_like(x)
@@ -592,6 +599,10 @@ class Bench:
 
         def nar() -> torch.Tensor:
             return c.neighbor_allreduce(x, name=names["nar"])
+
+        def nar_copy() -> torch.Tensor:
+            assert self.copy_client is not None
+            return self.copy_client.neighbor_allreduce_(copy_t, name=names["nar_copy"])
 
         def ar_() -> torch.Tensor:
             return c.allreduce_(ar_t, name=names["ar_"])
@@ -621,6 +632,7 @@ class Bench:
         return [
             Op("gloo", gloo, want_sum, lambda: gbuf.copy_(x)),
             Op("nar_", nar_, want_avg),
+        ] + ([Op("nar_copy", nar_copy, want_avg)] if self.copy_client is not None else []) + [
             Op("nar", nar, want_avg),
             Op("ar_", ar_, want_avg),
             Op("tcp_exchange", tcp_exchange, want_other),
@@ -720,9 +732,11 @@ class Bench:
                            "bytes_received": int(p.bytes_received)} for p in st.peers]}
 
     def close(self) -> None:
-        """Tear down the raw link, gloo and the decent client."""
+        """Tear down the raw link, gloo and the decent clients."""
         with contextlib.suppress(Exception):
             self.link.close()
+        if self.copy_client is not None:
+            self.copy_client.close()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         dt.shutdown()
@@ -830,7 +844,9 @@ def main(argv: list[str] | None = None) -> int:
 
         n_ops, n_rn = len(OPS), len(RN_OPS)
         if not bench.has_shared:
-            n_ops, n_rn = n_ops - 1, n_rn - 1
+            n_ops, n_rn = n_ops - 2, n_rn - 1
+        if bench.copy_client is None:
+            n_ops -= 1
         total = len(sizes) * n_ops + n_rn + (0 if args.no_hivemind else 1)
         progress = tqdm(total=total, desc="benchmark", unit="op", file=sys.stdout,
                         mininterval=1.0, ncols=100)

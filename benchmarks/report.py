@@ -29,7 +29,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 #: per-size series measured by p2p_vs_gloo.py, in table order
 OPS: dict[str, str] = {
     "gloo": "gloo all_reduce (in place)",
-    "nar_": "decent neighbor_allreduce_ (in place)",
+    "nar_": "decent neighbor_allreduce_ (in place; the tensor registered with the daemon)",
+    "nar_copy": "decent neighbor_allreduce_ with registration off (copied in and out)",
     "nar": "decent neighbor_allreduce (new tensor)",
     "ar_": "decent allreduce_ (in place)",
     "tcp_exchange": "raw TCP exchange (both ways at once)",
@@ -40,7 +41,7 @@ OPS: dict[str, str] = {
                      "without worker copies)",
 }
 #: decent ops among OPS (the ones whose results are checked against the closed form)
-DECENT_OPS = ("nar_", "nar", "ar_", "oneway", "nar_shared", "oneway_shared")
+DECENT_OPS = ("nar_", "nar_copy", "nar", "ar_", "oneway", "nar_shared", "oneway_shared")
 #: ResNet-18 list variants
 RN_OPS: dict[str, str] = {
     "gloo_list": "gloo: all_reduce(async_op=True) per tensor, wait all",
@@ -53,6 +54,7 @@ STYLE: dict[str, tuple[str, str, str]] = {  # series -> (marker, linestyle, colo
     "gloo": ("o", "-", "tab:orange"),
     "nar_": ("s", "-", "tab:blue"),
     "nar": ("D", ":", "tab:blue"),
+    "nar_copy": ("d", "--", "tab:blue"),
     "ar_": ("^", "-", "tab:cyan"),
     "tcp_exchange": ("x", "--", "black"),
     "tcp_oneway": ("+", "--", "tab:gray"),
@@ -220,7 +222,7 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
         """One row per (id, op, what): the op's median over gloo's in ``entry`` (starred rows
         only when measured)."""
         for cid, op, what in specs:
-            if cid.endswith("*") and op not in entry.get("repeats", {}):
+            if cid[-1] in "*'" and op not in entry.get("repeats", {}):
                 continue
             r = ratio_to(entry, op)
             add(cid, label.format(what), r, target, False,
@@ -245,6 +247,7 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                 if share is not None else _why(big, "oneway_shared"), pct)
         ratio_rows(big, "64 MiB {} / gloo allreduce", 1.0,
                    (("1b", "nar_", "neighbor_allreduce_ (in place)"),
+                    ("1b'", "nar_copy", "neighbor_allreduce_ with registration off (copies)"),
                     ("1b*", "nar_shared", "neighbor_allreduce_ on client.shared()")))
     else:
         add("1a", "peer bulk transfer (one-way 64 MiB) vs raw TCP", None, 0.70, True,
@@ -390,6 +393,7 @@ def size_table(p2p: dict[str, Any]) -> list[str]:
         rows.append([
             human_bytes(n), cell(e, "gloo"),
             cell(e, "nar_"), ratio_text(ratio_to(e, "nar_")),
+            cell(e, "nar_copy"), ratio_text(ratio_to(e, "nar_copy")),
             cell(e, "nar"), ratio_text(ratio_to(e, "nar")),
             cell(e, "ar_"), ratio_text(ratio_to(e, "ar_")),
             cell(e, "nar_shared"), ratio_text(ratio_to(e, "nar_shared")),
@@ -397,7 +401,8 @@ def size_table(p2p: dict[str, Any]) -> list[str]:
             gbps(n, raw), gbps(n, one) if not op_status(e, "oneway") else cell(e, "oneway"),
             f"{raw / one * 100:.0f}%" if raw and one else "-",
         ])
-    return table(["size", "gloo ms", "nar_ ms", "/gloo", "nar ms", "/gloo", "allreduce_ ms",
+    return table(["size", "gloo ms", "nar_ ms", "/gloo", "nar_ copied ms", "/gloo", "nar ms",
+                  "/gloo", "allreduce_ ms",
                   "/gloo", "nar_ shared() ms", "/gloo", "raw TCP exchange ms", "/gloo",
                   "raw one-way GB/s",
                   "decent one-way GB/s", "% of raw"], rows)
@@ -767,11 +772,13 @@ def readme_table(p2p: dict[str, Any] | None, netns: dict[str, Any] | None) -> st
         raw, one = median(e, "tcp_oneway"), median(e, "oneway")
         rows.append([human_bytes(n), cell(e, "gloo"),
                      f"{cell(e, 'nar_')} ({ratio_text(ratio_to(e, 'nar_'))})",
+                     f"{cell(e, 'nar_copy')} ({ratio_text(ratio_to(e, 'nar_copy'))})",
                      f"{cell(e, 'ar_')} ({ratio_text(ratio_to(e, 'ar_'))})",
                      f"{cell(e, 'nar_shared')} ({ratio_text(ratio_to(e, 'nar_shared'))})",
                      ms(median(e, "tcp_exchange")),
                      f"{raw / one * 100:.0f}%" if raw and one else "-"])
-    lines += table(["size", "gloo allreduce", "decent neighbor_allreduce_", "decent allreduce_",
+    lines += table(["size", "gloo allreduce", "decent neighbor_allreduce_",
+                    "the same, registration off", "decent allreduce_",
                     "neighbor_allreduce_ on shared()", "raw TCP exchange",
                     "one-way vs raw TCP"], rows)
     rn = p2p.get("resnet18")
