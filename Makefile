@@ -25,7 +25,7 @@ bench:
 	@bash scripts/setup.sh bench
 	$(VENV)/decentrun -np 2 -- $(VENV)/python benchmarks/p2p_vs_gloo.py
 	$(VENV)/python benchmarks/netns_dsgd.py --png benchmarks/results/netns_dsgd.png
-	$(VENV)/python benchmarks/netns_dsgd.py --mode shared --json benchmarks/results/netns_dsgd_shared.json
+	$(VENV)/python benchmarks/netns_dsgd.py --mode inplace --json benchmarks/results/netns_dsgd_inplace.json
 	$(VENV)/python benchmarks/report.py
 
 clean:

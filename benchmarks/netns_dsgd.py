@@ -24,11 +24,14 @@ Then, one after the other, in the same namespaces:
   times ``dist.all_reduce`` (SUM) of a float32 tensor of ``--mbytes`` MB, each rank's tensor
   filled with its rank (the result must be n(n-1)/2 everywhere);
 * decent: one ``decentd`` per namespace (topology ``one-peer-exponential``) plus one worker that
-  times ``client.neighbor_allreduce(t, name="model")``: one D-SGD communication step, where each
+  times ``client.neighbor_allreduce_(t, name="model")``: one D-SGD communication step, where each
   rank averages with the one peer the graph gives it at that round (result checked exactly
-  against ``client.in_neighbors`` and the graph's definition).
+  against ``client.in_neighbors`` and the graph's definition). ``--mode`` picks the tensor: in
+  torch's shared memory (``registered``, the default: ``t.share_memory_()``, handed to the daemon
+  at the first call, no copies after), private (``inplace``: copied to the daemon and back each
+  step), in the daemon's arena (``shared``: ``client.shared(t)``), or out of place (``copy``).
 
-Each op runs two warm-up calls (an in-place op registers its tensor on the second) and then
+Each op runs two warm-up calls (the first registers a shared-memory tensor) and then
 ``--repeats`` timed calls, each after a barrier. A repeat's time is the slowest rank's; the
 reported value is the median over the repeats, and speedup = gloo median / decent median. The
 link-only bound: a ring allreduce sends and receives 2(n-1)/n of the model per node, a one-peer
@@ -78,7 +81,7 @@ DECENT_PORT = 7700
 GLOO_PORT = 29500
 TCP_PORT = 5201
 TCP_TEST_BYTES = 50_000_000
-WARMUP = 2  # an in-place op registers its tensor on the second call: time the steady state
+WARMUP = 2
 TARGET_SPEEDUP = 1.6
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "netns_dsgd.json"
 SKIP_NOT_ROOT = (
@@ -421,7 +424,7 @@ def gloo_bench(runner: Runner, mbytes: float, repeats: int) -> dict[str, Any]:
 
 
 def decent_bench(runner: Runner, mbytes: float, repeats: int, job: str,
-                 mode: str = "inplace") -> dict[str, Any]:
+                 mode: str = "registered") -> dict[str, Any]:
     """decentd per namespace plus one worker each timing ``neighbor_allreduce``."""
     net, run_dir, n = runner.net, runner.run_dir, runner.net.nodes
     peers = [f"{net.ip(i)}:{DECENT_PORT}" for i in range(n)]
@@ -612,6 +615,8 @@ def worker_decent(a: argparse.Namespace) -> dict[str, Any]:
     t = torch.full((numel(a.mbytes),), float(a.rank), dtype=torch.float32)
     if a.mode == "shared":  # the model lives in the arena: no copies between worker and daemon
         t = client.shared(t)
+    elif a.mode == "registered":  # in torch's shared memory, which the daemon maps
+        t.share_memory_()
     times: list[float] = []
     cpu: list[float] = []
     busy: list[float] = []
@@ -657,7 +662,7 @@ WORKERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 
 
 def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 5,
-        status: Callable[[str], None] | None = None, mode: str = "inplace") -> dict[str, Any]:
+        status: Callable[[str], None] | None = None, mode: str = "registered") -> dict[str, Any]:
     """Build the network, run the link test, gloo and decent, tear everything down.
 
     Returns the result dict, or ``{"skipped": reason}`` when this machine cannot run it.
@@ -851,10 +856,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mbytes", type=float, default=25.0, help="model size in MB (10^6 bytes)")
     p.add_argument("--rate", default="1gbit", help="tc tbf rate per link and direction")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--mode", choices=("inplace", "shared", "copy"), default="inplace",
-                   help="decent's step: neighbor_allreduce_ in place on an ordinary tensor "
-                   "(like gloo's all_reduce), in place on a client.shared() tensor (no copies "
-                   "between worker and daemon), or neighbor_allreduce returning a new tensor")
+    p.add_argument("--mode", choices=("registered", "inplace", "shared", "copy"),
+                   default="registered",
+                   help="decent's step: neighbor_allreduce_ in place on a share_memory_() tensor "
+                   "(registered with the daemon: no copies), in place on a private tensor (like "
+                   "gloo's all_reduce; copied to the daemon and back), in place on a "
+                   "client.shared() arena tensor, or neighbor_allreduce returning a new tensor")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     p.add_argument("--png", type=Path)
     p.add_argument("--cleanup", action="store_true",

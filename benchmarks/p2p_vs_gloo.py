@@ -13,10 +13,8 @@ closed form of 2 ranks on a ring (``neighbor_allreduce`` = ``allreduce`` average
 ``(x0 + x1) / 2``). Per tensor size, in the same two processes:
 
 * ``gloo``: ``dist.all_reduce(t)`` (SUM, in place; ``t`` is refilled before each call, untimed);
-* ``nar_``: ``client.neighbor_allreduce_(t, name=...)`` (in place, like gloo; an ordinary tensor,
-  which the client registers with the daemon on its second call, during warm-up);
-* ``nar_copy``: the same from a second client made with ``register=False``: the tensor is copied
-  into the arena and the result back out on every call (the path before registration);
+* ``nar_``: ``client.neighbor_allreduce_(t, name=...)`` (in place, like gloo; a private tensor,
+  copied into the arena and the result back out on every call);
 * ``nar``: ``client.neighbor_allreduce(x, name=...)`` (returns a new tensor);
 * ``ar_``: ``client.allreduce_(t, name=...)`` (average, in place);
 * ``tcp_exchange``: raw TCP, both ranks send ``size`` bytes and receive ``size`` bytes at once
@@ -27,15 +25,16 @@ closed form of 2 ranks on a ring (``neighbor_allreduce`` = ``allreduce`` average
 * ``oneway``: decent bulk transfer, rank 0 ``neighbor_allreduce_(t, self_weight=1.0,
   src_weights={}, dst_weights=[1])``, rank 1 ``neighbor_allreduce_(t, self_weight=0.0,
   src_weights={0: 1.0}, dst_weights=[])`` (rank 1 receives rank 0's tensor);
-* ``nar_shared`` (when the client has ``shared()``): ``neighbor_allreduce_`` of a tensor that
-  lives in the shared-memory arena (``client.shared(x)``: no copy in or out).
+* ``nar_reg`` / ``oneway_reg`` (when the client registers memory): ``nar_`` / ``oneway`` on
+  tensors in torch's shared memory (``t.share_memory_()``): the client hands them to the daemon
+  at the first call (a warm-up call) and nothing is copied after that.
 
 Then the 62 tensors of ResNet-18 (11.69M float32 values; shapes from
 ``benchmarks/hivemind_avg.py``), one step each: ``gloo_list`` (``all_reduce(t, async_op=True)``
 per tensor, then wait all), ``gloo_flat`` (``torch.cat`` into one preallocated buffer, one
 all_reduce, copy back; all included), ``nar_list`` (``neighbor_allreduce_async_`` per tensor, then
 ``wait()`` all: the client fuses them), ``ar_list`` (the same with ``allreduce_async_``) and
-``nar_list_shared`` (``nar_list`` on ``client.shared()`` tensors).
+``nar_list_reg`` (``nar_list`` on ``share_memory_()`` tensors).
 
 Last, rank 0 runs ``benchmarks/hivemind_avg.py`` (hivemind's ``DecentralizedAverager``, 2 peers)
 in a subprocess on the same sizes and ResNet-18 while rank 1 waits at a gloo barrier; when
@@ -412,11 +411,8 @@ class Bench:
                                 init_method=f"tcp://127.0.0.1:{self.port}",
                                 timeout=datetime.timedelta(seconds=args.gloo_timeout))
         self.link = self._connect_raw()
-        #: ``client.shared()`` (arena-resident tensors) exists in this client version
-        self.has_shared = callable(getattr(self.client, "shared", None))
-        #: a second client that never registers tensors (clients without registration: None)
-        self.copy_client = (dt.connect(register=False)
-                            if "register" in inspect.signature(dt.connect).parameters else None)
+        #: this client version registers shared-memory tensors with the daemon
+        self.has_reg = "register" in inspect.signature(dt.connect).parameters
 
     def _agree_port(self) -> int:
         """Rank 0 picks a free loopback port (or $BENCH_GLOO_PORT) and broadcasts it via decent."""
@@ -579,9 +575,9 @@ class Bench:
         want_sum, want_avg = 2 * a + 3.0, a + 1.5
         want_x0, want_other = a + 1.0, a + float(2 - rank)
         del a
-        gbuf, nar_t, ar_t, one_t, copy_t = x.clone(), x.clone(), x.clone(), x.clone(), x.clone()
-        shared_t = c.shared(x) if self.has_shared else None
-        shared_one = c.shared(x) if self.has_shared else None
+        gbuf, nar_t, ar_t, one_t = x.clone(), x.clone(), x.clone(), x.clone()
+        reg_t = x.clone().share_memory_() if self.has_reg else None
+        reg_one = x.clone().share_memory_() if self.has_reg else None
         rbuf = torch.empty_like(x)
         x_bytes, r_bytes = byte_view(x), byte_view(rbuf)
         names = {op: f"{op}.{nbytes}" for op in OPS}
@@ -600,16 +596,13 @@ class Bench:
         def nar() -> torch.Tensor:
             return c.neighbor_allreduce(x, name=names["nar"])
 
-        def nar_copy() -> torch.Tensor:
-            assert self.copy_client is not None
-            return self.copy_client.neighbor_allreduce_(copy_t, name=names["nar_copy"])
 
         def ar_() -> torch.Tensor:
             return c.allreduce_(ar_t, name=names["ar_"])
 
-        def nar_shared() -> torch.Tensor:
-            assert shared_t is not None
-            return c.neighbor_allreduce_(shared_t, name=names["nar_shared"])
+        def nar_reg() -> torch.Tensor:
+            assert reg_t is not None
+            return c.neighbor_allreduce_(reg_t, name=names["nar_reg"])
 
         def tcp_exchange() -> torch.Tensor:
             self.link.exchange(x_bytes, r_bytes)
@@ -625,21 +618,20 @@ class Bench:
         def oneway() -> torch.Tensor:
             return c.neighbor_allreduce_(one_t, name=names["oneway"], **one_kw)
 
-        def oneway_shared() -> torch.Tensor:
-            assert shared_one is not None
-            return c.neighbor_allreduce_(shared_one, name=names["oneway_shared"], **one_kw)
+        def oneway_reg() -> torch.Tensor:
+            assert reg_one is not None
+            return c.neighbor_allreduce_(reg_one, name=names["oneway_reg"], **one_kw)
 
         return [
             Op("gloo", gloo, want_sum, lambda: gbuf.copy_(x)),
             Op("nar_", nar_, want_avg),
-        ] + ([Op("nar_copy", nar_copy, want_avg)] if self.copy_client is not None else []) + [
             Op("nar", nar, want_avg),
             Op("ar_", ar_, want_avg),
             Op("tcp_exchange", tcp_exchange, want_other),
             Op("tcp_oneway", tcp_oneway, None if rank == 0 else want_x0),
             Op("oneway", oneway, want_x0),
-        ] + ([Op("nar_shared", nar_shared, want_avg), Op("oneway_shared", oneway_shared, want_x0)]
-             if shared_t is not None else [])
+        ] + ([Op("nar_reg", nar_reg, want_avg), Op("oneway_reg", oneway_reg, want_x0)]
+             if reg_t is not None else [])
 
     def run_size(self, nbytes: int, tick: Callable[[str], None]) -> dict[str, Any]:
         """Every per-size series for one tensor size."""
@@ -661,7 +653,7 @@ class Bench:
         gf = [x.clone() for x in xs]
         nl = [x.clone() for x in xs]
         al = [x.clone() for x in xs]
-        sl = [c.shared(x) for x in xs] if self.has_shared else []
+        rl = [x.clone().share_memory_() for x in xs] if self.has_reg else []
         numel = sum(x.numel() for x in xs)
         flat = torch.empty(numel, dtype=torch.float32)
 
@@ -700,14 +692,14 @@ class Bench:
 
         nar_list = each_then_wait(c.neighbor_allreduce_async_, nl, "rn.nar")
         ar_list = each_then_wait(c.allreduce_async_, al, "rn.ar")
-        nar_list_shared = each_then_wait(c.neighbor_allreduce_async_, sl, "rn.nars")
+        nar_list_reg = each_then_wait(c.neighbor_allreduce_async_, rl, "rn.narr")
 
         ops = [
             Op("gloo_list", gloo_list, want_sum, refill(gl)),
             Op("gloo_flat", gloo_flat, want_sum, refill(gf)),
             Op("nar_list", nar_list, want_avg),
             Op("ar_list", ar_list, want_avg),
-        ] + ([Op("nar_list_shared", nar_list_shared, want_avg)] if sl else [])
+        ] + ([Op("nar_list_reg", nar_list_reg, want_avg)] if rl else [])
         return ops, {"tensors": len(shapes), "numel": numel, "nbytes": 4 * numel}
 
     def run_resnet(self, tick: Callable[[str], None]) -> dict[str, Any]:
@@ -732,11 +724,9 @@ class Bench:
                            "bytes_received": int(p.bytes_received)} for p in st.peers]}
 
     def close(self) -> None:
-        """Tear down the raw link, gloo and the decent clients."""
+        """Tear down the raw link, gloo and the decent client."""
         with contextlib.suppress(Exception):
             self.link.close()
-        if self.copy_client is not None:
-            self.copy_client.close()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         dt.shutdown()
@@ -843,10 +833,8 @@ def main(argv: list[str] | None = None) -> int:
         from tqdm import tqdm
 
         n_ops, n_rn = len(OPS), len(RN_OPS)
-        if not bench.has_shared:
+        if not bench.has_reg:
             n_ops, n_rn = n_ops - 2, n_rn - 1
-        if bench.copy_client is None:
-            n_ops -= 1
         total = len(sizes) * n_ops + n_rn + (0 if args.no_hivemind else 1)
         progress = tqdm(total=total, desc="benchmark", unit="op", file=sys.stdout,
                         mininterval=1.0, ncols=100)

@@ -29,38 +29,36 @@ RESULTS = Path(__file__).resolve().parent / "results"
 #: per-size series measured by p2p_vs_gloo.py, in table order
 OPS: dict[str, str] = {
     "gloo": "gloo all_reduce (in place)",
-    "nar_": "decent neighbor_allreduce_ (in place; the tensor registered with the daemon)",
-    "nar_copy": "decent neighbor_allreduce_ with registration off (copied in and out)",
+    "nar_": "decent neighbor_allreduce_ (in place; a private tensor, copied in and out)",
     "nar": "decent neighbor_allreduce (new tensor)",
     "ar_": "decent allreduce_ (in place)",
     "tcp_exchange": "raw TCP exchange (both ways at once)",
     "tcp_oneway": "raw TCP one-way 0->1",
     "oneway": "decent one-way 0->1 (neighbor_allreduce_ with dst_weights)",
-    "nar_shared": "decent neighbor_allreduce_ on a client.shared() tensor (no copies)",
-    "oneway_shared": "decent one-way 0->1 on client.shared() tensors (the daemons' bulk path "
-                     "without worker copies)",
+    "nar_reg": "decent neighbor_allreduce_ on a share_memory_() tensor (registered: no copies)",
+    "oneway_reg": "decent one-way 0->1 on share_memory_() tensors (the daemons' bulk path "
+                  "without worker copies)",
 }
 #: decent ops among OPS (the ones whose results are checked against the closed form)
-DECENT_OPS = ("nar_", "nar_copy", "nar", "ar_", "oneway", "nar_shared", "oneway_shared")
+DECENT_OPS = ("nar_", "nar", "ar_", "oneway", "nar_reg", "oneway_reg")
 #: ResNet-18 list variants
 RN_OPS: dict[str, str] = {
     "gloo_list": "gloo: all_reduce(async_op=True) per tensor, wait all",
     "gloo_flat": "gloo: flatten into one buffer, one all_reduce, copy back",
     "nar_list": "decent: neighbor_allreduce_async_ per tensor, wait all (fused)",
     "ar_list": "decent: allreduce_async_ per tensor, wait all (fused)",
-    "nar_list_shared": "decent: neighbor_allreduce_async_ per client.shared() tensor, wait all",
+    "nar_list_reg": "decent: neighbor_allreduce_async_ per share_memory_() tensor, wait all",
 }
 STYLE: dict[str, tuple[str, str, str]] = {  # series -> (marker, linestyle, color)
     "gloo": ("o", "-", "tab:orange"),
     "nar_": ("s", "-", "tab:blue"),
     "nar": ("D", ":", "tab:blue"),
-    "nar_copy": ("d", "--", "tab:blue"),
     "ar_": ("^", "-", "tab:cyan"),
     "tcp_exchange": ("x", "--", "black"),
     "tcp_oneway": ("+", "--", "tab:gray"),
     "oneway": ("v", "-.", "tab:brown"),
-    "nar_shared": ("h", "-", "tab:purple"),
-    "oneway_shared": ("<", "-.", "tab:pink"),
+    "nar_reg": ("h", "-", "tab:purple"),
+    "oneway_reg": ("<", "-.", "tab:pink"),
     "hm_allreduce": ("*", "-", "tab:green"),
     "hm_step": ("P", ":", "tab:olive"),
 }
@@ -234,21 +232,21 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
     small = size_entry(p2p, KIB4)
     # (1) bulk transfer vs raw TCP, 64 MiB neighbor_allreduce vs gloo
     if big is not None:
-        raw, dec = median(big, "tcp_oneway"), median(big, "oneway")
-        share = raw / dec if raw and dec else None
-        add("1a", "peer bulk transfer (one-way 64 MiB, decent vs raw TCP, same script)", share,
-            0.70, True, f"{pct(share)} ({gbps(MIB64, dec)} vs {gbps(MIB64, raw)} GB/s)"
-            if share is not None else _why(big, "oneway"), pct)
-        shared_one = median(big, "oneway_shared")
-        if shared_one:
-            share = raw / shared_one if raw else None
-            add("1a*", "peer bulk transfer, client.shared() tensors (no worker copies)", share,
-                0.70, True, f"{pct(share)} ({gbps(MIB64, shared_one)} vs {gbps(MIB64, raw)} GB/s)"
-                if share is not None else _why(big, "oneway_shared"), pct)
+        raw = median(big, "tcp_oneway")
+        for cid, op, what in (
+                ("1a", "oneway_reg", "share_memory_() tensors: the daemons' path, no worker "
+                                     "copies"),
+                ("1a'", "oneway", "private tensors, copied into and out of the arena")):
+            dec = median(big, op)
+            if cid.endswith("'") and op not in big.get("repeats", {}) and not op_status(big, op):
+                continue
+            share = raw / dec if raw and dec else None
+            add(cid, f"peer bulk transfer (one-way 64 MiB, {what}) vs raw TCP, same script",
+                share, 0.70, True, f"{pct(share)} ({gbps(MIB64, dec)} vs {gbps(MIB64, raw)} GB/s)"
+                if share is not None else _why(big, op), pct)
         ratio_rows(big, "64 MiB {} / gloo allreduce", 1.0,
-                   (("1b", "nar_", "neighbor_allreduce_ (in place)"),
-                    ("1b'", "nar_copy", "neighbor_allreduce_ with registration off (copies)"),
-                    ("1b*", "nar_shared", "neighbor_allreduce_ on client.shared()")))
+                   (("1b", "nar_reg", "neighbor_allreduce_ on a share_memory_() tensor"),
+                    ("1b'", "nar_", "neighbor_allreduce_ on a private tensor (copies)")))
     else:
         add("1a", "peer bulk transfer (one-way 64 MiB) vs raw TCP", None, 0.70, True,
             "64 MiB not measured", pct)
@@ -258,8 +256,7 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
     if small is not None:
         ratio_rows(small, "4 KiB {} end to end / gloo allreduce", 2.0,
                    (("2", "nar_", "neighbor_allreduce_"),
-                    ("2'", "ar_", "allreduce_"),
-                    ("2*", "nar_shared", "neighbor_allreduce_ on client.shared()")))
+                    ("2'", "ar_", "allreduce_")))
     else:
         add("2", "4 KiB neighbor_allreduce_ / gloo allreduce", None, 2.0, False,
             "4 KiB not measured")
@@ -268,11 +265,11 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
     if rn:
         dec = median(rn, "nar_list")
         for cid, op, base in (("3a", "nar_list", "gloo_list"), ("3a'", "nar_list", "gloo_flat"),
-                              ("3a*", "nar_list_shared", "gloo_list")):
+                              ("3a*", "nar_list_reg", "gloo_list")):
             if cid.endswith("*") and op not in rn.get("repeats", {}):
                 continue
             r = ratio_to(rn, op, base)
-            what = "decent nar step" + (" (client.shared() tensors)" if "shared" in op else "")
+            what = "decent nar step" + (" (share_memory_() tensors)" if "reg" in op else "")
             add(cid, f"ResNet-18 list (62 tensors) {what} / {base.replace('_', ' ')}",
                 r, 1.2, False,
                 f"{ratio_text(r)} ({ms(median(rn, op))} vs {ms(median(rn, base))} ms)"
@@ -301,13 +298,13 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                 True, f"{ratio_text(v)} ({ms(netns['gloo']['median_s'])} vs "
                 f"{ms(netns['decent']['median_s'])} ms)"
                 + ("" if netns.get("correct", True) else "; results WRONG"))
-        shared = load(RESULTS / "netns_dsgd_shared.json")
-        if shared is not None and "speedup" in shared:
-            v = float(shared["speedup"])
-            add("4*", "the same, D-SGD step in place on client.shared() tensors", v, 1.6, True,
-                f"{ratio_text(v)} ({ms(shared['gloo']['median_s'])} vs "
-                f"{ms(shared['decent']['median_s'])} ms)"
-                + ("" if shared.get("correct", True) else "; results WRONG"))
+        private = load(RESULTS / "netns_dsgd_inplace.json")
+        if private is not None and "speedup" in private:
+            v = float(private["speedup"])
+            add("4'", "the same, D-SGD step in place on a private tensor (copies)", v, 1.6, True,
+                f"{ratio_text(v)} ({ms(private['gloo']['median_s'])} vs "
+                f"{ms(private['decent']['median_s'])} ms)"
+                + ("" if private.get("correct", True) else "; results WRONG"))
     # (5) daemon RSS
     daemons = p2p.get("daemons") or []
     peaks = [d.get("peak", {}).get("VmRSS") for d in daemons]
@@ -329,7 +326,7 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
     wrong = [f"{human_bytes(e['nbytes'])} {op}" for e in p2p.get("sizes", [])
              for op in DECENT_OPS if op_status(e, op)]
     if rn:
-        wrong += [f"ResNet-18 {op}" for op in ("nar_list", "ar_list", "nar_list_shared")
+        wrong += [f"ResNet-18 {op}" for op in ("nar_list", "ar_list", "nar_list_reg")
                   if op_status(rn, op)]
     rows.append({"id": "-", "criterion": "every decent result equals the closed form exactly",
                  "value": None, "target": "exact", "measured": "all exact" if not wrong
@@ -393,17 +390,16 @@ def size_table(p2p: dict[str, Any]) -> list[str]:
         rows.append([
             human_bytes(n), cell(e, "gloo"),
             cell(e, "nar_"), ratio_text(ratio_to(e, "nar_")),
-            cell(e, "nar_copy"), ratio_text(ratio_to(e, "nar_copy")),
             cell(e, "nar"), ratio_text(ratio_to(e, "nar")),
             cell(e, "ar_"), ratio_text(ratio_to(e, "ar_")),
-            cell(e, "nar_shared"), ratio_text(ratio_to(e, "nar_shared")),
+            cell(e, "nar_reg"), ratio_text(ratio_to(e, "nar_reg")),
             cell(e, "tcp_exchange"), ratio_text(ratio_to(e, "tcp_exchange")),
             gbps(n, raw), gbps(n, one) if not op_status(e, "oneway") else cell(e, "oneway"),
             f"{raw / one * 100:.0f}%" if raw and one else "-",
         ])
     return table(["size", "gloo ms", "nar_ ms", "/gloo", "nar_ copied ms", "/gloo", "nar ms",
                   "/gloo", "allreduce_ ms",
-                  "/gloo", "nar_ shared() ms", "/gloo", "raw TCP exchange ms", "/gloo",
+                  "/gloo", "nar_ registered ms", "/gloo", "raw TCP exchange ms", "/gloo",
                   "raw one-way GB/s",
                   "decent one-way GB/s", "% of raw"], rows)
 
@@ -675,7 +671,7 @@ def plot_resnet(p2p: dict[str, Any], path: Path) -> None:
     rn = p2p.get("resnet18") or {}
     bars: list[tuple[str, float]] = []
     names = {"nar_list": "decent\nneighbor_allreduce", "ar_list": "decent\nallreduce",
-             "nar_list_shared": "decent nar\nshared() tensors",
+             "nar_list_reg": "decent nar\nshare_memory_()",
              "gloo_list": "gloo\nlist (async)", "gloo_flat": "gloo\nflat buffer"}
     for op, label in names.items():
         m = median(rn, op)
@@ -772,14 +768,13 @@ def readme_table(p2p: dict[str, Any] | None, netns: dict[str, Any] | None) -> st
         raw, one = median(e, "tcp_oneway"), median(e, "oneway")
         rows.append([human_bytes(n), cell(e, "gloo"),
                      f"{cell(e, 'nar_')} ({ratio_text(ratio_to(e, 'nar_'))})",
-                     f"{cell(e, 'nar_copy')} ({ratio_text(ratio_to(e, 'nar_copy'))})",
                      f"{cell(e, 'ar_')} ({ratio_text(ratio_to(e, 'ar_'))})",
-                     f"{cell(e, 'nar_shared')} ({ratio_text(ratio_to(e, 'nar_shared'))})",
+                     f"{cell(e, 'nar_reg')} ({ratio_text(ratio_to(e, 'nar_reg'))})",
                      ms(median(e, "tcp_exchange")),
                      f"{raw / one * 100:.0f}%" if raw and one else "-"])
-    lines += table(["size", "gloo allreduce", "decent neighbor_allreduce_",
-                    "the same, registration off", "decent allreduce_",
-                    "neighbor_allreduce_ on shared()", "raw TCP exchange",
+    lines += table(["size", "gloo allreduce", "decent neighbor_allreduce_ (private tensor)",
+                    "decent allreduce_", "neighbor_allreduce_ on share_memory_()",
+                    "raw TCP exchange",
                     "one-way vs raw TCP"], rows)
     rn = p2p.get("resnet18")
     if rn:

@@ -10,6 +10,7 @@ import concurrent.futures
 import random
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -224,47 +225,88 @@ def test_one_way_received_straight_into_the_output(small_window: Cluster, n: int
     assert torch.equal(got[1], _pattern(n, 0) * 0.5)
 
 
-def test_in_place_ops_register_a_tensor_they_see_again(small_window: Cluster) -> None:
-    # a 1 MiB+ tensor's second in-place op moves its storage into shared memory registered with
-    # the daemon; from then on the daemon reads and writes it in place, views included
+def test_in_place_ops_register_shared_memory_tensors(small_window: Cluster) -> None:
+    # a tensor in torch's shared memory (share_memory_()) is handed to the daemon at its first
+    # in-place op; from then on the daemon reads and writes it in place, views included
     n = (1 << 20) // F64 + 3
     want = (torch.arange(n) % 7).double() * 2  # ring of 3: the mean of 1x, 2x, 3x the pattern
 
     def run(cl: Client[torch.Tensor]) -> dict[str, object]:
-        base = torch.zeros(n + 8, dtype=torch.float64)
+        base = torch.zeros(n + 8, dtype=torch.float64).share_memory_()
         t = base[8:]  # a view: the whole storage is registered, the op covers the view's part
+        ptr = t.data_ptr()
         seen: list[bool] = []
-        for k in range(4):
+        for k in range(3):
             t.copy_(_pattern(n, cl.rank, torch.float64) + k)
-            before = cl.regions.nbytes
             out = cl.neighbor_allreduce_(t, name="reg")
-            seen.append(before > 0)
-            assert out is t
+            seen.append(cl.regions.nbytes > 0)
+            assert out is t and t.data_ptr() == ptr
             assert torch.allclose(t, want + k, rtol=0, atol=1e-12), k
         registered = cl.status().registered_bytes
         head = base[:8].clone()
-        small = torch.full((5,), float(cl.rank))  # below the threshold: never registered
-        for _ in range(3):
-            cl.neighbor_allreduce_(small, name="small")
-        copy_h = cl.neighbor_allreduce_async(t, name="reg_copy")  # out of place: t is copied
+        small = torch.full((5,), float(cl.rank)).share_memory_()  # below the threshold
+        cl.neighbor_allreduce_(small, name="small")
+        h = cl.neighbor_allreduce_async(t, name="reg_copy")  # out of place: t is copied at once
         t.fill_(-1.0)
-        copied = copy_h.wait()
-        return {"seen": seen, "shared": t.is_shared(), "registered": registered,
-                "head": head, "small": small, "copied": copied, "size": cl.regions.nbytes}
+        copied = h.wait()
+        return {"seen": seen, "registered": registered, "head": head, "small": small,
+                "copied": copied, "size": cl.regions.nbytes}
 
     for r in small_window.run(run):
-        assert r["seen"] == [False, False, True, True]  # registered during the second op
-        assert r["shared"] and r["registered"] == (n + 8) * F64 == r["size"]
+        assert r["seen"] == [True, True, True]
+        assert r["registered"] == (n + 8) * F64 == r["size"]
         assert torch.equal(r["head"], torch.zeros(8, dtype=torch.float64))  # outside the view
         assert torch.equal(r["small"], torch.ones(5))
-        assert torch.allclose(r["copied"], want + 3, rtol=0, atol=1e-12)
+        assert torch.allclose(r["copied"], want + 2, rtol=0, atol=1e-12)
+
+
+def test_private_tensors_are_copied_never_moved(small_window: Cluster) -> None:
+    # moving private memory into shared memory would leave numpy views of it dangling
+    n = (2 << 20) // F32
+
+    def run(cl: Client[torch.Tensor]) -> tuple[bool, bool, int]:
+        arr = np.zeros(n, np.float32)
+        t = torch.from_numpy(arr)  # t and arr alias
+        u = torch.zeros(n)
+        v = u.numpy()  # and so do u and v
+        ok = True
+        for _ in range(3):
+            t.fill_(float(2 * cl.rank))
+            u.fill_(float(2 * cl.rank))
+            cl.allreduce_(t, name="alias_t")
+            cl.allreduce_(u, name="alias_u")
+            ok = ok and bool(arr[0] == 2.0 and arr[-1] == 2.0 and v[0] == 2.0 and v[-1] == 2.0)
+        return ok, t.is_shared() or u.is_shared(), cl.regions.nbytes
+
+    for ok, moved, size in small_window.run(run):
+        assert ok and not moved and size == 0
+
+
+def test_concurrent_first_uses_register_a_storage_once(small_window: Cluster) -> None:
+    n = (1 << 20) // F32
+
+    def run(cl: Client[torch.Tensor]) -> tuple[int, bool]:
+        base = torch.zeros(2 * n).share_memory_()
+        halves = [base[:n], base[n:]]
+        for h in halves:
+            h.fill_(float(cl.rank))
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda i: cl.allreduce_(halves[i], name=f"half{i}"), range(2)))
+        size = cl.regions.nbytes
+        halves.clear()
+        del base
+        cl.barrier(name="halves_done")  # releases the region: the next test starts clean
+        return size, True
+
+    for size, ok in small_window.run(run):
+        assert ok and size == 2 * n * F32
 
 
 def test_registered_memory_is_released_when_its_tensor_is_gone(small_window: Cluster) -> None:
     n = (2 << 20) // F32
 
     def run(cl: Client[torch.Tensor]) -> tuple[int, int, int, bool]:
-        t = torch.full((n,), float(cl.rank))
+        t = torch.full((n,), float(cl.rank)).share_memory_()
         for _ in range(2):
             t.fill_(float(cl.rank))
             cl.neighbor_allreduce_(t, name="gone")
@@ -273,7 +315,7 @@ def test_registered_memory_is_released_when_its_tensor_is_gone(small_window: Clu
         del t
         cl.barrier(name="gone_barrier")  # sync point: dead registrations are released
         after = cl.status().registered_bytes
-        u = torch.full((n,), float(cl.rank))  # new storage, maybe at the old address
+        u = torch.full((n,), float(cl.rank)).share_memory_()  # maybe at the old address
         for _ in range(3):
             u.fill_(float(cl.rank))
             cl.neighbor_allreduce_(u, name="again")
@@ -291,11 +333,11 @@ def test_registration_can_be_turned_off(small_window: Cluster) -> None:
     try:
         def run(rank: int) -> tuple[bool, int]:
             cl = off[rank]
-            t = torch.full((n,), float(cl.rank))
+            t = torch.full((n,), float(cl.rank)).share_memory_()
             for _ in range(3):
                 t.fill_(float(cl.rank))
                 cl.neighbor_allreduce_(t, name="noreg")
-            return bool(torch.equal(t, torch.ones(n))) and not t.is_shared(), cl.regions.nbytes
+            return bool(torch.equal(t, torch.ones(n))), cl.regions.nbytes
 
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             for ok, size in pool.map(run, range(3)):

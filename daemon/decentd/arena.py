@@ -24,6 +24,8 @@ from decentd.errors import OpError
 from decentd.wire import pb
 
 PAGE = 4096
+#: registered regions per worker (each mapping holds a file descriptor in the daemon)
+MAX_REGIONS = 4096
 
 
 class Arena:
@@ -92,24 +94,34 @@ class Arena:
             f"arena and outside every memory region this worker registered",
         )
 
-    def map_region(self, base: int, nbytes: int, fd: int) -> None:
-        """Map the worker's shared memory ``fd`` at offsets ``[base, base + nbytes)``.
-
-        Raises ValueError saying what is wrong (overlap, a file smaller than ``nbytes``, ...).
-        """
+    def check_region(self, base: int, nbytes: int) -> None:
+        """Raise ValueError unless ``[base, base + nbytes)`` could be registered now."""
         if nbytes <= 0 or base < self.nbytes:
             raise ValueError(f"region [{base}, {base + nbytes}) must be non-empty and lie above "
                              f"the {self.nbytes}-byte arena")
+        if len(self._regions) >= MAX_REGIONS:
+            raise OverflowError(f"this worker already has {MAX_REGIONS} registered regions")
         i = bisect.bisect_right(self._bases, base)
         below = i > 0 and self._bases[i - 1] + len(self._regions[self._bases[i - 1]]) > base
         if below or (i < len(self._bases) and base + nbytes > self._bases[i]):
             raise ValueError(f"region [{base}, {base + nbytes}) overlaps a registered one")
+
+    @staticmethod
+    def open_region(nbytes: int, fd: int) -> mmap.mmap:
+        """Map ``nbytes`` of the worker's shared memory ``fd`` (blocking: pages are populated
+        now, not on the hot path; run it off the event loop)."""
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise ValueError(f"the shared memory holds {size} bytes, fewer than the {nbytes} "
                              "registered")
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        region = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def add_region(self, base: int, region: mmap.mmap) -> None:
+        """Make a mapped region addressable at ``base`` (checked again: ValueError/OverflowError
+        leave it to the caller to close)."""
+        self.check_region(base, len(region))
+        i = bisect.bisect_right(self._bases, base)
         self._bases.insert(i, base)
         self._regions[base] = region
 

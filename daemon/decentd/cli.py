@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import resource
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -45,6 +47,15 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def raise_fd_limit() -> None:
+    """Lift the soft open-file limit to the hard one: every registered worker region holds a
+    descriptor, besides peers' and workers' sockets."""
+    with contextlib.suppress(ValueError, OSError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``decentd`` console script."""
     args = build_parser().parse_args(argv)
@@ -60,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     from decentd.server import Daemon  # after logging: grpc import is slow-ish
+
+    raise_fd_limit()
 
     runner: Callable[[Coroutine[Any, Any, None]], None]
     try:

@@ -82,8 +82,11 @@ def weighted_sum(out: np.ndarray, x: np.ndarray, self_weight: float,
     if not live:
         out[...] = 0
         return
-    # one power-of-two weight for all terms (uniform averaging over 2, 4, 8 ... members):
-    # scaling the sum once gives the same bits as scaling each term, in fewer passes
+    # one power-of-two weight for all terms (uniform averaging over 2, 4, 8 ... members): the
+    # sum is scaled once, in two passes instead of four. Scaling by a power of two is exact, so
+    # the bits are those of scaling each term except at the dtype's edges, as with the averages
+    # of NCCL and Horovod (sum, then scale): a sum past the largest finite value is inf, and a
+    # result in the subnormal range is rounded once instead of per term
     common = live[0][1]
     factor = len(live) > 1 and all(w == common for _, w in live) and _power_of_two(common)
     # the first term is the output itself (in place): nothing to copy

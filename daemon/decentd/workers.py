@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -136,6 +137,8 @@ class MemorySocket:
         self.path = path
         self._sock: socket.socket | None = None
         self._conns: dict[socket.socket, tuple[bytearray, list[int], asyncio.TimerHandle]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._serving: set[socket.socket] = set()  # requests being handled (fds in use)
 
     def start(self) -> None:
         """Listen on ``path``."""
@@ -152,13 +155,21 @@ class MemorySocket:
         assert self._sock is not None
         try:
             conn, _ = self._sock.accept()
-        except OSError:  # BlockingIOError, or a connection that vanished
+        except OSError as exc:  # BlockingIOError, or a connection that vanished
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # out of fds: back off, do not spin
+                loop = asyncio.get_running_loop()
+                loop.remove_reader(self._sock.fileno())
+                loop.call_later(0.5, self._resume)
             return
         conn.setblocking(False)
         loop = asyncio.get_running_loop()
         timer = loop.call_later(MEMORY_TIMEOUT, self._finish, conn, None)
         self._conns[conn] = (bytearray(), [], timer)
         loop.add_reader(conn.fileno(), self._readable, conn)
+
+    def _resume(self) -> None:
+        if self._sock is not None:
+            asyncio.get_running_loop().add_reader(self._sock.fileno(), self._accept)
 
     def _readable(self, conn: socket.socket) -> None:
         buf, fds, _ = self._conns[conn]
@@ -177,12 +188,29 @@ class MemorySocket:
                                             message=f"a {size}-byte memory request"))
                 return
             if len(buf) >= LENGTH + size:
-                self._finish(conn, self._handle(bytes(buf[LENGTH:LENGTH + size]), fds))
+                asyncio.get_running_loop().remove_reader(conn.fileno())
+                self._conns[conn][2].cancel()  # from here on only _serve finishes it
+                self._serving.add(conn)
+                task = asyncio.get_running_loop().create_task(
+                    self._serve(conn, bytes(buf[LENGTH:LENGTH + size]), fds))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
                 return
         if not data:
             self._finish(conn, None)
 
-    def _handle(self, body: bytes, fds: list[int]) -> pb.Error:
+    async def _serve(self, conn: socket.socket, body: bytes, fds: list[int]) -> None:
+        reply: pb.Error | None = None
+        try:
+            reply = await self._handle(body, fds)
+        except Exception as exc:  # a bug must not take the loop down: the worker is told
+            log.exception("memory request failed")
+            reply = pb.Error(code=pb.INTERNAL, message=f"memory request: {exc!r}")
+        finally:
+            self._serving.discard(conn)
+            self._finish(conn, reply)
+
+    async def _handle(self, body: bytes, fds: list[int]) -> pb.Error:
         try:
             req = pb.MemoryRequest.FromString(body)
         except Exception as exc:  # protobuf's DecodeError
@@ -194,15 +222,31 @@ class MemorySocket:
             session.arena.release_region(base)
         if req.nbytes == 0:
             return pb.Error(code=pb.OK)
+        what = f"cannot register {req.nbytes} bytes at {req.base}"
         if len(fds) != 1:
-            return pb.Error(code=pb.INVALID_ARGUMENT, message=f"registering {req.nbytes} bytes "
-                            f"at {req.base} needs one file descriptor, got {len(fds)}")
+            return pb.Error(code=pb.INVALID_ARGUMENT, message=f"{what}: it needs one file "
+                            f"descriptor, got {len(fds)}")
+        arena = session.arena
         try:
-            session.arena.map_region(req.base, req.nbytes, fds[0])
-        except (ValueError, OSError) as exc:
-            log.warning("worker %s: cannot register memory: %s", session.worker_id, exc)
-            return pb.Error(code=pb.INVALID_ARGUMENT,
-                            message=f"cannot register {req.nbytes} bytes at {req.base}: {exc}")
+            arena.check_region(req.base, req.nbytes)
+            region = await asyncio.get_running_loop().run_in_executor(
+                None, arena.open_region, req.nbytes, fds[0])
+        except OverflowError as exc:
+            return pb.Error(code=pb.RESOURCE_EXHAUSTED, message=f"{what}: {exc}")
+        except OSError as exc:
+            code = pb.RESOURCE_EXHAUSTED if exc.errno in (errno.EMFILE, errno.ENFILE,
+                                                          errno.ENOMEM) else pb.INVALID_ARGUMENT
+            return pb.Error(code=code, message=f"{what}: {exc}")
+        except ValueError as exc:
+            return pb.Error(code=pb.INVALID_ARGUMENT, message=f"{what}: {exc}")
+        if self.daemon.sessions.get(req.worker_id) is not session:  # it left meanwhile
+            region.close()
+            return pb.Error(code=pb.UNKNOWN_WORKER, message=f"worker {req.worker_id!r} left")
+        try:
+            arena.add_region(req.base, region)
+        except (ValueError, OverflowError) as exc:
+            region.close()
+            return pb.Error(code=pb.INVALID_ARGUMENT, message=f"{what}: {exc}")
         return pb.Error(code=pb.OK)
 
     def _finish(self, conn: socket.socket, reply: pb.Error | None) -> None:
@@ -214,8 +258,8 @@ class MemorySocket:
         for fd in fds:  # the daemon's mapping keeps its own reference
             with contextlib.suppress(OSError):
                 os.close(fd)
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(conn.fileno())
+        with contextlib.suppress(Exception):  # not watched any more once a request is served
+            asyncio.get_running_loop().remove_reader(conn.fileno())
         if reply is not None:
             body = reply.SerializeToString()
             with contextlib.suppress(OSError):  # a few bytes into an empty socket buffer
@@ -223,9 +267,10 @@ class MemorySocket:
         conn.close()
 
     def close(self) -> None:
-        """Stop listening and drop open connections."""
+        """Stop listening and drop open connections (requests being served finish on their own)."""
         for conn in list(self._conns):
-            self._finish(conn, None)
+            if conn not in self._serving:
+                self._finish(conn, None)
         if self._sock is not None:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(self._sock.fileno())

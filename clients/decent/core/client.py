@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import os
 import socket
 import tempfile
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,12 +34,13 @@ from decent.v1 import decent_pb2 as pb
 from decent.v1 import decent_pb2_grpc as pb_grpc
 
 PROTOCOL_VERSION = 1
-#: in-place ops register tensors this large (on their storage's second use) instead of copying
-REGISTER_MIN_BYTES = 1 << 20
+#: in-place ops register shared-memory tensors this large instead of copying them
+REGISTER_MIN_BYTES = 64 << 10
 MEMORY_CALL_TIMEOUT = 30.0
 ITEMSIZE = {pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.FLOAT32: 4, pb.FLOAT64: 8, pb.INT32: 4, pb.INT64: 8}
 
 T = TypeVar("T")
+log = logging.getLogger("decent")
 
 
 class TensorCodec(Protocol[T]):
@@ -69,12 +70,12 @@ class TensorCodec(Protocol[T]):
         """Called once the arena is mapped (e.g. to pin it for GPU copies)."""
 
     def storage(self, tensor: T) -> tuple[int, int, Callable[[], bool]] | None:
-        """(address, nbytes, is-alive check) of the host memory block holding ``tensor``, if
-        :meth:`share` can move it into shared memory; None otherwise."""
+        """(address, nbytes, is-alive check) of the host memory block holding a contiguous host
+        ``tensor``; None for other tensors."""
 
-    def share(self, tensor: T) -> int:
-        """Move ``tensor``'s memory block into shared memory in place (every tensor using it
-        follows) and return a file descriptor of it, owned by the block; raise if impossible."""
+    def shared_fd(self, tensor: T) -> int | None:
+        """A file descriptor of ``tensor``'s memory block if that block is fd-backed shared
+        memory (owned by the block; never moves it); None otherwise."""
 
 
 def _frame(message: pb.SubmitRequest | pb.WorkerHello) -> bytes:
@@ -203,9 +204,9 @@ class Client(Generic[T]):
         ``fusion_threshold`` (bytes, 0: off) and ``cycle_time`` (seconds) control tensor fusion
         of asynchronous requests; defaults from $DECENT_FUSION_THRESHOLD / $DECENT_CYCLE_TIME
         (ms), else 64 MiB and 1 ms. ``register`` (default on; $DECENT_REGISTER=0 turns it off)
-        lets in-place ops move a tensor of 1 MiB or more that they see a second time into shared
-        memory registered with the daemon, after which they copy nothing (see
-        :mod:`decent.core.regions`).
+        lets in-place ops hand a tensor of 64 KiB or more that already lives in shared memory
+        (torch: ``t.share_memory_()``, ``model.share_memory()``) to the daemon once, after which
+        they copy nothing (see :mod:`decent.core.regions`).
         """
         env_threshold, env_cycle = settings_from_env()
         self.codec = codec
@@ -478,44 +479,46 @@ class Client(Generic[T]):
         return Handle(self, p)
 
     def _registered(self, tensor: T, at: int, nbytes: int) -> int | None:
-        """The daemon offset of an in-place op's tensor if its memory is registered (registering
-        it now on its storage's second in-place use); None: copy it through the arena."""
+        """The daemon offset of an in-place op's tensor if its memory is registered, registering
+        it now if it lives in shared memory; None: copy it through the arena."""
         offset = self.regions.offset_of(at, nbytes)
         if offset is not None or not self._register or nbytes < REGISTER_MIN_BYTES:
             return offset
         found = self.codec.storage(tensor)
-        if found is None or not self.regions.second_use(found[0], found[2]):
+        if found is None:
             return None
         with self._register_lock:
-            try:
-                fd = self.codec.share(tensor)
-            except Exception:  # e.g. /dev/shm full, or a block shared some other way: copy it
-                return None
-            found = self.codec.storage(tensor)  # the block has moved
-            at2 = self.codec.address(tensor)
-            if found is None or at2 is None:
+            offset = self.regions.offset_of(at, nbytes)  # another thread may have just done it
+            if offset is not None:
+                return offset
+            fd = self.codec.shared_fd(tensor)
+            if fd is None:  # private memory: moving it would strand its other aliases; copy
                 return None
             address, size, alive = found
             base = self.regions.reserve(size)
+            released = self.regions.sweep()
             try:
                 self._memory_call(pb.MemoryRequest(worker_id=self.worker_id, base=base,
-                                                   nbytes=size, release=self.regions.sweep()), fd)
+                                                   nbytes=size, release=released), fd)
             except DecentError as exc:
-                self._register = False
-                warnings.warn(f"decent: in-place ops go on copying tensors through the arena: "
-                              f"the daemon cannot map this worker's shared memory ({exc})",
-                              RuntimeWarning, stacklevel=4)
+                self.regions.requeue(released)
+                if exc.code_name != "RESOURCE_EXHAUSTED":  # a bound: just this tensor is copied
+                    self._register = False
+                    log.warning("in-place ops go on copying tensors through the arena: the "
+                                "daemon cannot map this worker's shared memory (%s)", exc)
                 return None
             self.regions.add(Region(address, size, base, alive))
-            return self.regions.offset_of(at2, nbytes)
+            return self.regions.offset_of(at, nbytes)
 
     def _release_dead_regions(self) -> None:
         """Tell the daemon to unmap registered memory whose tensors are all gone."""
         released = self.regions.sweep()
         if released:
-            with contextlib.suppress(DecentError):  # the daemon drops them with the worker anyway
+            try:
                 self._memory_call(pb.MemoryRequest(worker_id=self.worker_id, release=released),
                                   None)
+            except DecentError:
+                self.regions.requeue(released)
 
     def _memory_call(self, req: pb.MemoryRequest, fd: int | None) -> None:
         """One request on the daemon's memory socket (``fd`` rides along); raises its error."""

@@ -61,6 +61,6 @@ class NumpyCodec:
         """None: numpy memory cannot be moved into shared memory in place."""
         return None
 
-    def share(self, tensor: np.ndarray) -> int:
-        """Not possible for numpy arrays."""
-        raise TypeError("numpy arrays cannot be moved into shared memory in place")
+    def shared_fd(self, tensor: np.ndarray) -> int | None:
+        """None: numpy arrays are not registered."""
+        return None

@@ -1,11 +1,12 @@
 """Worker memory registered with the daemon: tensor storages the daemon reads and writes in place.
 
 An in-place op on a large tensor would otherwise copy it into the arena and the result back out,
-which at 64 MiB costs more than the network exchange on a fast link. A storage that in-place ops
-keep using is moved into shared memory once (in place: every view of it follows) and its file
-descriptor handed to the daemon, which maps it at offsets above the arena. From then on requests
-name those offsets and nothing is copied. This is the memory registration of RDMA stacks, done
-lazily on a storage's second in-place use so that tensors used once never pay for it.
+which at 64 MiB costs more than the network exchange on a fast link. A storage that already lives
+in fd-backed shared memory (torch's ``share_memory_()``) has its file descriptor handed to the
+daemon at its first in-place op; the daemon maps it at offsets above the arena, and from then on
+requests name those offsets and nothing is copied: the memory registration of RDMA stacks.
+Private memory is never moved behind the user's back (numpy views or DLPack exports of it would be
+left pointing at freed memory): it is copied as before.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from dataclasses import dataclass
 PAGE = 4096
 #: registered regions get offsets from here up, far above any arena
 FIRST_BASE = 1 << 44
-#: storages seen once and remembered for a second use; dead ones are pruned past this many
-MAX_CANDIDATES = 4096
 
 
 @dataclass
@@ -33,14 +32,13 @@ class Region:
 
 
 class RegionTable:
-    """The worker's registered regions and the candidates for registration. Thread-safe."""
+    """The worker's registered regions. Thread-safe."""
 
     def __init__(self) -> None:
         self._regions: list[Region] = []  # sorted by address
         self._addresses: list[int] = []
         self._next_base = FIRST_BASE
         self._released: list[int] = []  # bases of dead regions the daemon has not been told of
-        self._candidates: dict[int, Callable[[], bool]] = {}
         self._lock = threading.Lock()
 
     def offset_of(self, address: int, nbytes: int) -> int | None:
@@ -56,21 +54,6 @@ class RegionTable:
                 self._drop(i)
                 return None
             return r.base + (address - r.address)
-
-    def second_use(self, address: int, alive: Callable[[], bool]) -> bool:
-        """Whether the storage at ``address`` was seen before (and is the same one, still alive);
-        remembers it otherwise."""
-        with self._lock:
-            seen = self._candidates.get(address)
-            if seen is not None and seen():
-                del self._candidates[address]
-                return True
-            if len(self._candidates) >= MAX_CANDIDATES:
-                self._candidates = {a: f for a, f in self._candidates.items() if f()}
-                if len(self._candidates) >= MAX_CANDIDATES:
-                    self._candidates.clear()
-            self._candidates[address] = alive
-            return False
 
     def reserve(self, nbytes: int) -> int:
         """A fresh base for a region of ``nbytes`` (bases are never reused)."""
@@ -101,6 +84,11 @@ class RegionTable:
             released, self._released = self._released, []
             return released
 
+    def requeue(self, bases: list[int]) -> None:
+        """Bases whose release did not reach the daemon: tell it next time."""
+        with self._lock:
+            self._released.extend(bases)
+
     def _drop(self, i: int) -> None:
         self._released.append(self._regions[i].base)
         del self._regions[i]
@@ -108,6 +96,6 @@ class RegionTable:
 
     @property
     def nbytes(self) -> int:
-        """Bytes registered (dead regions not yet swept included)."""
+        """Bytes of live registered regions."""
         with self._lock:
-            return sum(r.nbytes for r in self._regions)
+            return sum(r.nbytes for r in self._regions if r.alive())

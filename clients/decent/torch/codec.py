@@ -137,8 +137,14 @@ class TorchCodec:
         ref = StorageWeakRef(st)
         return int(st.data_ptr()), int(st.nbytes()), lambda: not ref.expired()
 
-    def share(self, tensor: torch.Tensor) -> int:
-        """Move the storage into torch's fd-backed shared memory (torch.multiprocessing's
-        ``share_memory_``, done once, in place) and return its descriptor."""
-        fd, _ = tensor.untyped_storage()._share_fd_cpu_()
-        return int(fd)
+    def shared_fd(self, tensor: torch.Tensor) -> int | None:
+        """The descriptor of a storage in torch's fd-backed shared memory (``share_memory_()``
+        with the default file_descriptor strategy); None for private or file_system-shared
+        storages, which are never moved."""
+        st = tensor.untyped_storage()
+        if not st.is_shared():
+            return None
+        try:
+            return int(st._get_shared_fd())  # type: ignore[attr-defined]
+        except RuntimeError:
+            return None
