@@ -345,3 +345,23 @@ def test_registration_can_be_turned_off(small_window: Cluster) -> None:
     finally:
         for cl in off:
             cl.close()
+
+
+def test_past_the_region_limit_tensors_are_copied() -> None:
+    c = Cluster(2, "ring", "--set", "memory.max_regions=2")
+    try:
+        c.connect()
+        n = (1 << 20) // F32
+
+        def run(cl: Client[torch.Tensor]) -> tuple[list[bool], int]:
+            ts = [torch.full((n,), float(2 * cl.rank + i)).share_memory_() for i in range(3)]
+            for i, t in enumerate(ts):
+                cl.allreduce_(t, name=f"lim{i}")
+            ok = [bool(torch.equal(t, torch.full((n,), 1.0 + i))) for i, t in enumerate(ts)]
+            return ok, cl.status().registered_bytes
+
+        for ok, registered in c.run(run):
+            assert ok == [True, True, True]
+            assert registered == 2 * n * F32  # the third was refused and went through the arena
+    finally:
+        assert c.stop() == [0, 0]

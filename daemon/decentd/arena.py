@@ -24,14 +24,12 @@ from decentd.errors import OpError
 from decentd.wire import pb
 
 PAGE = 4096
-#: registered regions per worker (each mapping holds a file descriptor in the daemon)
-MAX_REGIONS = 4096
 
 
 class Arena:
     """A daemon-owned shared-memory segment for one worker."""
 
-    def __init__(self, nbytes: int, prefix: str) -> None:
+    def __init__(self, nbytes: int, prefix: str, max_regions: int = 4096) -> None:
         self.name = f"{prefix}-{secrets.token_hex(4)}"
         # the stdlib resource tracker stays registered: if this process is killed, it unlinks
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=nbytes)
@@ -58,6 +56,7 @@ class Arena:
         pages[::PAGE] = 0  # first touch now, not on the hot path
         del pages
         self._unlinked = False
+        self.max_regions = max_regions
         self._bases: list[int] = []  # sorted bases of registered regions
         self._regions: dict[int, mmap.mmap] = {}
 
@@ -99,8 +98,9 @@ class Arena:
         if nbytes <= 0 or base < self.nbytes:
             raise ValueError(f"region [{base}, {base + nbytes}) must be non-empty and lie above "
                              f"the {self.nbytes}-byte arena")
-        if len(self._regions) >= MAX_REGIONS:
-            raise OverflowError(f"this worker already has {MAX_REGIONS} registered regions")
+        if len(self._regions) >= self.max_regions:
+            raise OverflowError(f"this worker already has {self.max_regions} registered regions "
+                                "(memory.max_regions)")
         i = bisect.bisect_right(self._bases, base)
         below = i > 0 and self._bases[i - 1] + len(self._regions[self._bases[i - 1]]) > base
         if below or (i < len(self._bases) and base + nbytes > self._bases[i]):

@@ -64,6 +64,11 @@ class MemoryConfig(_Strict):
         description="idle receive buffers kept for the next step's messages (same sizes recur "
         "every step); buffers past this are freed",
     )
+    max_regions: int = Field(
+        4096, ge=0,
+        description="shared-memory tensors a worker may register (each mapping holds a file "
+        "descriptor in the daemon); past this, its tensors are copied through the arena",
+    )
 
 
 class TransportConfig(_Strict):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -73,7 +74,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         await d.ready.wait()
         worker_id = secrets.token_hex(8)
         try:
-            arena = Arena(d.cfg.memory.arena_bytes, f"{SHM_PREFIX}-{d.rank}-{os.getpid()}")
+            arena = Arena(d.cfg.memory.arena_bytes, f"{SHM_PREFIX}-{d.rank}-{os.getpid()}",
+                          d.cfg.memory.max_regions)
         except OpError as err:
             log.error("worker (pid %d) refused: %s", request.pid, err.message)
             return pb.RegisterReply(error=err.to_pb())
@@ -280,6 +282,10 @@ class Daemon:
                 raise StartupError("stopped before all peers were reachable")
             stop.cancel()
             connect.result()
+            # everything allocated so far lives as long as the daemon: keep the cyclic GC from
+            # walking it again and again on the hot path (a few % of a busy daemon's CPU)
+            gc.collect()
+            gc.freeze()
             self.ready.set()
             log.info("rank %d: all %d peers connected; ready", self.rank, self.size - 1)
             self._tasks = [

@@ -495,6 +495,8 @@ class Client(Generic[T]):
             if fd is None:  # private memory: moving it would strand its other aliases; copy
                 return None
             address, size, alive = found
+            if self.regions.refused(address):
+                return None
             base = self.regions.reserve(size)
             released = self.regions.sweep()
             try:
@@ -502,7 +504,9 @@ class Client(Generic[T]):
                                                    nbytes=size, release=released), fd)
             except DecentError as exc:
                 self.regions.requeue(released)
-                if exc.code_name != "RESOURCE_EXHAUSTED":  # a bound: just this tensor is copied
+                if exc.code_name == "RESOURCE_EXHAUSTED":  # a bound: this storage is copied
+                    self.regions.refuse(address, alive)
+                else:
                     self._register = False
                     log.warning("in-place ops go on copying tensors through the arena: the "
                                 "daemon cannot map this worker's shared memory (%s)", exc)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 PAGE = 4096
 #: registered regions get offsets from here up, far above any arena
 FIRST_BASE = 1 << 44
+#: refused storages remembered; dead ones are pruned past this many
+MAX_REFUSED = 1024
 
 
 @dataclass
@@ -39,6 +41,7 @@ class RegionTable:
         self._addresses: list[int] = []
         self._next_base = FIRST_BASE
         self._released: list[int] = []  # bases of dead regions the daemon has not been told of
+        self._refused: dict[int, Callable[[], bool]] = {}  # storages the daemon had no room for
         self._lock = threading.Lock()
 
     def offset_of(self, address: int, nbytes: int) -> int | None:
@@ -83,6 +86,23 @@ class RegionTable:
                     self._drop(i)
             released, self._released = self._released, []
             return released
+
+    def refuse(self, address: int, alive: Callable[[], bool]) -> None:
+        """The daemon had no room for the storage at ``address``: do not ask again while it
+        lives."""
+        with self._lock:
+            if len(self._refused) >= MAX_REFUSED:
+                self._refused = {a: f for a, f in self._refused.items() if f()}
+            self._refused[address] = alive
+
+    def refused(self, address: int) -> bool:
+        """Whether the live storage at ``address`` was refused before."""
+        with self._lock:
+            alive = self._refused.get(address)
+            if alive is not None and not alive():
+                del self._refused[address]
+                return False
+            return alive is not None
 
     def requeue(self, bases: list[int]) -> None:
         """Bases whose release did not reach the daemon: tell it next time."""
