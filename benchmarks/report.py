@@ -386,7 +386,7 @@ def size_table(p2p: dict[str, Any]) -> list[str]:
     rows = []
     for e in p2p.get("sizes", []):
         n = int(e["nbytes"])
-        raw, one = median(e, "tcp_oneway"), median(e, "oneway")
+        raw, one, reg = median(e, "tcp_oneway"), median(e, "oneway"), median(e, "oneway_reg")
         rows.append([
             human_bytes(n), cell(e, "gloo"),
             cell(e, "nar_"), ratio_text(ratio_to(e, "nar_")),
@@ -396,12 +396,13 @@ def size_table(p2p: dict[str, Any]) -> list[str]:
             cell(e, "tcp_exchange"), ratio_text(ratio_to(e, "tcp_exchange")),
             gbps(n, raw), gbps(n, one) if not op_status(e, "oneway") else cell(e, "oneway"),
             f"{raw / one * 100:.0f}%" if raw and one else "-",
+            gbps(n, reg) if reg else "-", f"{raw / reg * 100:.0f}%" if raw and reg else "-",
         ])
     return table(["size", "gloo ms", "nar_ ms", "/gloo", "nar_ copied ms", "/gloo", "nar ms",
                   "/gloo", "allreduce_ ms",
                   "/gloo", "nar_ registered ms", "/gloo", "raw TCP exchange ms", "/gloo",
-                  "raw one-way GB/s",
-                  "decent one-way GB/s", "% of raw"], rows)
+                  "raw one-way GB/s", "decent one-way GB/s", "% of raw",
+                  "registered one-way GB/s", "% of raw"], rows)
 
 
 def detail_table(p2p: dict[str, Any]) -> list[str]:
@@ -765,17 +766,17 @@ def readme_table(p2p: dict[str, Any] | None, netns: dict[str, Any] | None) -> st
     rows = []
     for e in p2p.get("sizes", []):
         n = int(e["nbytes"])
-        raw, one = median(e, "tcp_oneway"), median(e, "oneway")
+        raw, one, reg = median(e, "tcp_oneway"), median(e, "oneway"), median(e, "oneway_reg")
         rows.append([human_bytes(n), cell(e, "gloo"),
                      f"{cell(e, 'nar_')} ({ratio_text(ratio_to(e, 'nar_'))})",
                      f"{cell(e, 'ar_')} ({ratio_text(ratio_to(e, 'ar_'))})",
                      f"{cell(e, 'nar_reg')} ({ratio_text(ratio_to(e, 'nar_reg'))})",
                      ms(median(e, "tcp_exchange")),
-                     f"{raw / one * 100:.0f}%" if raw and one else "-"])
+                     " / ".join(f"{raw / v * 100:.0f}%" if raw and v else "-" for v in (reg, one))])
     lines += table(["size", "gloo allreduce", "decent neighbor_allreduce_ (private tensor)",
                     "decent allreduce_", "neighbor_allreduce_ on share_memory_()",
                     "raw TCP exchange",
-                    "one-way vs raw TCP"], rows)
+                    "one-way vs raw TCP (share_memory_() / private)"], rows)
     rn = p2p.get("resnet18")
     if rn:
         hm = hivemind_case(p2p, "resnet18")
