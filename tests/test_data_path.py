@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from cluster import Cluster
-from decent.core import Client
+from decent.core import Client, DecentError
+from decent.v1 import decent_pb2 as pb
 from decentd.bulk import SCRATCH
 from decentd.ops import BLOCK
 
@@ -363,5 +364,54 @@ def test_past_the_region_limit_tensors_are_copied() -> None:
         for ok, registered in c.run(run):
             assert ok == [True, True, True]
             assert registered == 2 * n * F32  # the third was refused and went through the arena
+    finally:
+        assert c.stop() == [0, 0]
+
+
+def test_file_backed_tensors_are_copied_and_registration_stays_on(
+        small_window: Cluster, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # torch.from_file storages say is_shared() but are not torch's shared memory: copied
+    n = (1 << 20) // F32
+    folder = tmp_path_factory.mktemp("from_file")
+
+    def run(cl: Client[torch.Tensor]) -> tuple[bool, int, int]:
+        path = folder / f"t{cl.rank}.bin"
+        f = torch.from_file(str(path), shared=True, size=n, dtype=torch.float32)
+        f.fill_(float(2 * cl.rank))
+        cl.allreduce_(f, name="from_file")
+        after_file = cl.regions.nbytes
+        t = torch.full((n,), float(2 * cl.rank)).share_memory_()
+        cl.allreduce_(t, name="after_file")
+        ok = bool(torch.equal(f, torch.full((n,), 2.0)) and torch.equal(t, torch.full((n,), 2.0)))
+        return ok, after_file, cl.regions.nbytes
+
+    for ok, after_file, after in small_window.run(run):
+        assert ok and after_file == 0 and after == n * F32
+
+
+def test_a_registration_whose_answer_is_lost_is_released() -> None:
+    c = Cluster(2, "ring")
+    try:
+        c.connect()
+        n = (1 << 20) // F32
+
+        def run(cl: Client[torch.Tensor]) -> tuple[int, int, bool]:
+            real = cl._memory_call
+
+            def lossy(req: pb.MemoryRequest, fd: int | None) -> None:
+                real(req, fd)
+                if fd is not None:  # the daemon mapped it, but the answer never came back
+                    raise DecentError(pb.PEER_UNAVAILABLE, "lost")
+
+            cl._memory_call = lossy  # type: ignore[method-assign]
+            t = torch.full((n,), float(2 * cl.rank)).share_memory_()
+            cl.allreduce_(t, name="lossy")
+            mapped = cl.status().registered_bytes
+            cl._memory_call = real  # type: ignore[method-assign]
+            cl.barrier(name="lossy_done")  # releases what the client could not record
+            return mapped, cl.status().registered_bytes, bool(torch.equal(t, torch.ones(n)))
+
+        for mapped, after, ok in c.run(run):
+            assert ok and mapped == n * F32 and after == 0
     finally:
         assert c.stop() == [0, 0]

@@ -134,6 +134,11 @@ class Arena:
                 region.close()
 
     @property
+    def region_count(self) -> int:
+        """Registered regions mapped."""
+        return len(self._regions)
+
+    @property
     def region_bytes(self) -> int:
         """Bytes of worker memory registered and mapped."""
         return sum(len(r) for r in self._regions.values())

@@ -52,8 +52,9 @@ def raise_fd_limit() -> None:
     descriptor, besides peers' and workers' sockets."""
     with contextlib.suppress(ValueError, OSError):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or hard > soft:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and want > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def main(argv: list[str] | None = None) -> int:

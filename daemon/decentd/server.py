@@ -208,6 +208,10 @@ class Daemon:
     def _on_peer_down(self, src: int, reason: str) -> None:
         self.engine.on_peer_down(src, reason)
 
+    def region_count(self) -> int:
+        """Worker memory regions mapped, over all workers."""
+        return sum(s.arena.region_count for s in self.sessions.values())
+
     def drop_session(self, session: WorkerSession) -> None:
         """Forget a worker: fail its in-flight ops, then release its arena."""
         if self.sessions.pop(session.worker_id, None) is None:

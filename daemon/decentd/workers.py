@@ -12,7 +12,9 @@ import asyncio
 import contextlib
 import errno
 import logging
+import mmap
 import os
+import resource
 import socket
 from typing import TYPE_CHECKING, cast
 
@@ -20,6 +22,7 @@ from decentd.errors import OpError
 from decentd.wire import pb
 
 if TYPE_CHECKING:
+    from decentd.arena import Arena
     from decentd.engine import WorkerSession
     from decentd.server import Daemon
 
@@ -31,6 +34,8 @@ MAX_FRAME = 64 << 20
 #: a MemoryRequest is small; a connection that has not sent one by then is closed
 MEMORY_FRAME = 1 << 20
 MEMORY_TIMEOUT = 10.0
+#: descriptors kept free of worker regions (peer and worker sockets, arenas, logs)
+FD_RESERVE = 512
 
 
 def frame(message: pb.Completion) -> bytes:
@@ -124,6 +129,23 @@ class WorkerChannel(asyncio.Protocol):
             self.daemon.drop_session(self.session)
 
 
+def _map_and_close(arena: Arena, nbytes: int, fd: int) -> mmap.mmap:
+    """Map a worker's memory and close the descriptor it came with (in a worker thread)."""
+    try:
+        return arena.open_region(nbytes, fd)
+    finally:
+        os.close(fd)
+
+
+def fd_budget() -> int:
+    """Worker regions the daemon may map at once: each holds a descriptor (Python's mmap keeps
+    one), and a reserve stays for sockets, shared-memory arenas and the like."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(0, soft - FD_RESERVE)
+
+
 class MemorySocket:
     """Serves memory registration: one MemoryRequest (plus its fd) per connection.
 
@@ -139,6 +161,7 @@ class MemorySocket:
         self._conns: dict[socket.socket, tuple[bytearray, list[int], asyncio.TimerHandle]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._serving: set[socket.socket] = set()  # requests being handled (fds in use)
+        self.fd_budget = fd_budget()  # after the daemon raised its limit (cli.raise_fd_limit)
 
     def start(self) -> None:
         """Listen on ``path``."""
@@ -174,12 +197,16 @@ class MemorySocket:
     def _readable(self, conn: socket.socket) -> None:
         buf, fds, _ = self._conns[conn]
         try:
-            data, got, _, _ = socket.recv_fds(conn, 1 << 16, 4)
+            data, got, flags, _ = socket.recv_fds(conn, 1 << 16, 4)
         except BlockingIOError:
             return
         except OSError:
-            data, got = b"", []
+            data, got, flags = b"", [], 0
         fds.extend(got)
+        if flags & socket.MSG_CTRUNC:  # the kernel dropped descriptors: we are out of fds
+            self._finish(conn, pb.Error(code=pb.RESOURCE_EXHAUSTED, message="the daemon has no "
+                                        "file descriptors left to take this memory"))
+            return
         buf += data
         if len(buf) >= LENGTH:
             size = int.from_bytes(buf[:LENGTH], "little")
@@ -228,9 +255,13 @@ class MemorySocket:
                             f"descriptor, got {len(fds)}")
         arena = session.arena
         try:
+            if self.daemon.region_count() >= self.fd_budget:
+                raise OverflowError(f"the daemon maps {self.fd_budget} worker regions, as many "
+                                    "as its open-file limit leaves room for")
             arena.check_region(req.base, req.nbytes)
+            fd = fds.pop()  # the mapping thread owns it now (and closes it)
             region = await asyncio.get_running_loop().run_in_executor(
-                None, arena.open_region, req.nbytes, fds[0])
+                None, _map_and_close, arena, req.nbytes, fd)
         except OverflowError as exc:
             return pb.Error(code=pb.RESOURCE_EXHAUSTED, message=f"{what}: {exc}")
         except OSError as exc:
@@ -246,7 +277,9 @@ class MemorySocket:
             arena.add_region(req.base, region)
         except (ValueError, OverflowError) as exc:
             region.close()
-            return pb.Error(code=pb.INVALID_ARGUMENT, message=f"{what}: {exc}")
+            code = pb.RESOURCE_EXHAUSTED if isinstance(exc, OverflowError) else \
+                pb.INVALID_ARGUMENT
+            return pb.Error(code=code, message=f"{what}: {exc}")
         return pb.Error(code=pb.OK)
 
     def _finish(self, conn: socket.socket, reply: pb.Error | None) -> None:

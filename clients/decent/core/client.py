@@ -499,11 +499,12 @@ class Client(Generic[T]):
                 return None
             base = self.regions.reserve(size)
             released = self.regions.sweep()
+            ok = False
             try:
                 self._memory_call(pb.MemoryRequest(worker_id=self.worker_id, base=base,
                                                    nbytes=size, release=released), fd)
+                ok = True
             except DecentError as exc:
-                self.regions.requeue(released)
                 if exc.code_name == "RESOURCE_EXHAUSTED":  # a bound: this storage is copied
                     self.regions.refuse(address, alive)
                 else:
@@ -511,6 +512,11 @@ class Client(Generic[T]):
                     log.warning("in-place ops go on copying tensors through the arena: the "
                                 "daemon cannot map this worker's shared memory (%s)", exc)
                 return None
+            finally:
+                if not ok:
+                    # the daemon may have mapped it before the answer was lost: release it
+                    # too (an unknown base is a no-op there)
+                    self.regions.requeue([*released, base])
             self.regions.add(Region(address, size, base, alive))
             return self.regions.offset_of(at, nbytes)
 
@@ -531,8 +537,9 @@ class Client(Generic[T]):
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(MEMORY_CALL_TIMEOUT)
                 sock.connect(self._memory_socket)
-                socket.send_fds(sock, [len(body).to_bytes(4, "little") + body],
-                                [] if fd is None else [fd])
+                frame = len(body).to_bytes(4, "little") + body
+                sent = socket.send_fds(sock, [frame], [] if fd is None else [fd])
+                sock.sendall(frame[sent:])
                 reply = b""
                 while len(reply) < 4 or len(reply) < 4 + int.from_bytes(reply[:4], "little"):
                     chunk = sock.recv(4096)

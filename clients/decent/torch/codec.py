@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -145,6 +146,13 @@ class TorchCodec:
         if not st.is_shared():
             return None
         try:
-            return int(st._get_shared_fd())  # type: ignore[attr-defined]
+            fd = int(st._get_shared_fd())  # type: ignore[attr-defined]
         except RuntimeError:
             return None
+        # torch's fd strategy keeps an unlinked /dev/shm file open; anything else (a file mapped
+        # by from_file, maybe privately) is not memory the daemon may map and write
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}") if fd >= 0 else ""
+        except OSError:
+            return None
+        return fd if target.startswith("/dev/shm/") else None
