@@ -628,7 +628,9 @@ class Client(Generic[T]):
 
     def neighbor_allreduce_async_(self, tensor: T, **kwargs: Any) -> Handle[T]:
         """In-place :meth:`neighbor_allreduce_async`: ``wait()`` writes the result into
-        ``tensor`` and returns it (no new tensor is allocated)."""
+        ``tensor`` and returns it (no new tensor is allocated). A tensor in shared memory
+        (torch: ``share_memory_()``) is registered with the daemon and never copied; leave it
+        alone until the handle is waited for."""
         return self.neighbor_allreduce_async(tensor, _into=tensor, **kwargs)
 
     def neighbor_allreduce_(self, tensor: T, **kwargs: Any) -> T:
@@ -715,7 +717,8 @@ class Client(Generic[T]):
         Ops take such a tensor without copying it to the daemon, and in-place ops
         (``neighbor_allreduce_`` and co.) have the daemon write the result straight into it: no
         copy either way. Keep model parameters there (``p.data = client.shared(p.data)``) for the
-        cheapest steps. Its arena space is freed when the last tensor using it is gone. As with
+        cheapest steps, or in torch's shared memory (``model.share_memory()``), which in-place ops
+        register with the daemon to the same effect. Its arena space is freed when the last tensor using it is gone. As with
         any asynchronous in-place op, do not modify it until the op's handle is waited for.
         """
         dtype, shape = self.codec.describe(tensor)
