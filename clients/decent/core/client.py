@@ -718,8 +718,9 @@ class Client(Generic[T]):
         (``neighbor_allreduce_`` and co.) have the daemon write the result straight into it: no
         copy either way. Keep model parameters there (``p.data = client.shared(p.data)``) for the
         cheapest steps, or in torch's shared memory (``model.share_memory()``), which in-place ops
-        register with the daemon to the same effect. Its arena space is freed when the last tensor using it is gone. As with
-        any asynchronous in-place op, do not modify it until the op's handle is waited for.
+        register with the daemon to the same effect. Its arena space is freed when the last
+        tensor using it is gone. As with any asynchronous in-place op, do not modify it until the
+        op's handle is waited for.
         """
         dtype, shape = self.codec.describe(tensor)
         nbytes = math.prod(shape) * ITEMSIZE[dtype]
