@@ -539,7 +539,8 @@ class Client(Generic[T]):
                 sock.connect(self._memory_socket)
                 frame = len(body).to_bytes(4, "little") + body
                 sent = socket.send_fds(sock, [frame], [] if fd is None else [fd])
-                sock.sendall(frame[sent:])
+                if sent < len(frame):  # the daemon answers and closes once it has all of it
+                    sock.sendall(frame[sent:])
                 reply = b""
                 while len(reply) < 4 or len(reply) < 4 + int.from_bytes(reply[:4], "little"):
                     chunk = sock.recv(4096)
