@@ -38,25 +38,25 @@ def test_train_digits_dsgd_and_allreduce_learn() -> None:
     assert rows["allreduce"][2] == 0.0  # allreduce keeps the replicas identical
 
 
-def test_p2p_benchmark_quick(tmp_path: Path) -> None:
+def _quick_p2p(out: Path, sizes: str) -> None:
+    """Run the p2p benchmark's quick mode between 2 daemons, writing into ``out``."""
     proc = subprocess.run(
         [*RUN, "-np", "2", "--", sys.executable, str(REPO / "benchmarks" / "p2p_vs_gloo.py"),
-         "--quick", "--sizes", "4K,1M", "--out", str(tmp_path)],
+         "--quick", "--sizes", sizes, "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_p2p_benchmark_quick(tmp_path: Path) -> None:
+    _quick_p2p(tmp_path, "4K,1M")
     report = (tmp_path / "p2p_vs_gloo.md").read_text()
     assert "| 4 KiB |" in report and "| 1 MiB |" in report
     assert (tmp_path / "p2p_vs_gloo.png").stat().st_size > 10_000
 
 
 def test_report_merges_the_benchmark_results(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [*RUN, "-np", "2", "--", sys.executable, str(REPO / "benchmarks" / "p2p_vs_gloo.py"),
-         "--quick", "--sizes", "4K", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _quick_p2p(tmp_path, "4K")
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"),
                            "--results", str(tmp_path)], capture_output=True, text=True,
                           timeout=120)

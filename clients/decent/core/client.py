@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -29,7 +29,7 @@ import numpy as np
 from decent.core.arena import ClientArena
 from decent.core.errors import DecentError
 from decent.core.fusion import Fusion, settings_from_env
-from decent.core.regions import Region, RegionTable
+from decent.core.regions import Region, RegionTable, SharedStorage
 from decent.v1 import decent_pb2 as pb
 from decent.v1 import decent_pb2_grpc as pb_grpc
 
@@ -69,13 +69,9 @@ class TensorCodec(Protocol[T]):
     def attach(self, arena: ClientArena) -> None:
         """Called once the arena is mapped (e.g. to pin it for GPU copies)."""
 
-    def storage(self, tensor: T) -> tuple[int, int, Callable[[], bool]] | None:
-        """(address, nbytes, is-alive check) of the host memory block holding a contiguous host
-        ``tensor``; None for other tensors."""
-
-    def shared_fd(self, tensor: T) -> int | None:
-        """A file descriptor of ``tensor``'s memory block if that block is fd-backed shared
-        memory (owned by the block; never moves it); None otherwise."""
+    def shared_storage(self, tensor: T) -> SharedStorage | None:
+        """The memory block holding a contiguous host ``tensor`` if that block is fd-backed
+        shared memory (never moving it there); None otherwise, cheaply for private memory."""
 
 
 def _frame(message: pb.SubmitRequest | pb.WorkerHello) -> bytes:
@@ -437,10 +433,11 @@ class Client(Generic[T]):
         # a shared() tensor is already in the arena: no copy in, and in place no copy out
         at = None if tensor is None or not nbytes else self.codec.address(tensor)
         resident = None if at is None else self.arena.offset_of(at, nbytes)
-        if resident is None and tensor is not None and at is not None and into is tensor \
-                and out_factor == 1:
+        wants_in_place = tensor is not None and into is tensor and out_factor == 1
+        if resident is None and wants_in_place and at is not None:
+            assert tensor is not None
             resident = self._registered(tensor, at, nbytes)
-        in_place = resident is not None and into is tensor and out_factor == 1
+        in_place = resident is not None and wants_in_place
         try:
             if resident is None:
                 slots.append((self.arena.alloc(nbytes, f"tensor '{name}'", self._reclaim),
@@ -484,17 +481,15 @@ class Client(Generic[T]):
         offset = self.regions.offset_of(at, nbytes)
         if offset is not None or not self._register or nbytes < REGISTER_MIN_BYTES:
             return offset
-        found = self.codec.storage(tensor)
+        # private memory is copied: moving it would strand its other aliases (numpy views)
+        found = self.codec.shared_storage(tensor)
         if found is None:
             return None
         with self._register_lock:
             offset = self.regions.offset_of(at, nbytes)  # another thread may have just done it
             if offset is not None:
                 return offset
-            fd = self.codec.shared_fd(tensor)
-            if fd is None:  # private memory: moving it would strand its other aliases; copy
-                return None
-            address, size, alive = found
+            address, size, alive, fd = found
             if self.regions.refused(address):
                 return None
             base = self.regions.reserve(size)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from decent.core.arena import ClientArena
+from decent.core.regions import SharedStorage
 from decent.v1 import decent_pb2 as pb
 
 _TO_WIRE: dict[np.dtype, int] = {
@@ -57,10 +56,6 @@ class NumpyCodec:
     def attach(self, arena: ClientArena) -> None:
         """Nothing to do for host memory."""
 
-    def storage(self, tensor: np.ndarray) -> tuple[int, int, Callable[[], bool]] | None:
-        """None: numpy memory cannot be moved into shared memory in place."""
-        return None
-
-    def shared_fd(self, tensor: np.ndarray) -> int | None:
+    def shared_storage(self, tensor: np.ndarray) -> SharedStorage | None:
         """None: numpy arrays are not registered."""
         return None

@@ -15,12 +15,22 @@ import bisect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 PAGE = 4096
 #: registered regions get offsets from here up, far above any arena
 FIRST_BASE = 1 << 44
 #: refused storages remembered; dead ones are pruned past this many
 MAX_REFUSED = 1024
+
+
+class SharedStorage(NamedTuple):
+    """A tensor's memory block in fd-backed shared memory, as a codec finds it."""
+
+    address: int
+    nbytes: int
+    alive: Callable[[], bool]  # False once the block is freed (its address may be reused)
+    fd: int  # owned by the block
 
 
 @dataclass

@@ -12,13 +12,13 @@ import contextlib
 import ctypes
 import math
 import os
-from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from decent.core.arena import ClientArena
+from decent.core.regions import SharedStorage
 from decent.v1 import decent_pb2 as pb
 
 _TO_WIRE = {
@@ -128,22 +128,14 @@ class TorchCodec:
             return torch.empty(shape, dtype=_FROM_WIRE[dtype])
         return torch.frombuffer(owner, dtype=_FROM_WIRE[dtype]).view(shape)
 
-    def storage(self, tensor: torch.Tensor) -> tuple[int, int, Callable[[], bool]] | None:
-        """(address, nbytes, is-alive check) of a contiguous CPU tensor's storage."""
+    def shared_storage(self, tensor: torch.Tensor) -> SharedStorage | None:
+        """A contiguous CPU tensor's storage if it is in torch's fd-backed shared memory
+        (``share_memory_()`` with the default file_descriptor strategy); None for private or
+        file_system-shared storages, which are never moved."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             return None
         st = tensor.untyped_storage()
-        if st.nbytes() == 0:
-            return None
-        ref = StorageWeakRef(st)
-        return int(st.data_ptr()), int(st.nbytes()), lambda: not ref.expired()
-
-    def shared_fd(self, tensor: torch.Tensor) -> int | None:
-        """The descriptor of a storage in torch's fd-backed shared memory (``share_memory_()``
-        with the default file_descriptor strategy); None for private or file_system-shared
-        storages, which are never moved."""
-        st = tensor.untyped_storage()
-        if not st.is_shared():
+        if st.nbytes() == 0 or not st.is_shared():
             return None
         try:
             fd = int(st._get_shared_fd())  # type: ignore[attr-defined]
@@ -155,4 +147,7 @@ class TorchCodec:
             target = os.readlink(f"/proc/self/fd/{fd}") if fd >= 0 else ""
         except OSError:
             return None
-        return fd if target.startswith("/dev/shm/") else None
+        if not target.startswith("/dev/shm/"):
+            return None
+        ref = StorageWeakRef(st)
+        return SharedStorage(int(st.data_ptr()), int(st.nbytes()), lambda: not ref.expired(), fd)
