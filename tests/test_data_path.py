@@ -18,7 +18,7 @@ from cluster import Cluster
 from decent.core import Client, DecentError
 from decent.v1 import decent_pb2 as pb
 from decentd.bulk import SCRATCH
-from decentd.ops import BLOCK
+from decentd.ops import BLOCK, PAIR_MIN_BYTES
 
 WINDOW = 1 << 20
 F32 = 4
@@ -413,5 +413,70 @@ def test_a_registration_whose_answer_is_lost_is_released() -> None:
 
         for mapped, after, ok in c.run(run):
             assert ok and mapped == n * F32 and after == 0
+    finally:
+        assert c.stop() == [0, 0]
+
+
+PAIR_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
+
+
+def _pair_tensors(rank: int) -> list[torch.Tensor]:
+    """Large tensors (averaged by halves on a pair step, odd element counts too) and small ones
+    (whole tensors), values 4 (rank + 1) * (i % 7): every average below is an exact integer."""
+    big = [(PAIR_MIN_BYTES // 4 + 1, torch.float32), (PAIR_MIN_BYTES // 2 + 3, torch.float16),
+           (PAIR_MIN_BYTES // 2, torch.bfloat16), (PAIR_MIN_BYTES // 8 + 5, torch.int64)]
+    small = [(1000, d) for d in PAIR_DTYPES] + [(0, torch.float32), (1, torch.float64)]
+    return [((torch.arange(n) % 7) * 4 * (rank + 1)).to(d) for n, d in big + small]
+
+
+def test_pairs_average_large_tensors_by_halves_exactly() -> None:
+    # one-peer exponential graph on 4 ranks: round 0 sends to r+1 (one-way edges), round 1
+    # pairs r with r+2 (each other's only neighbor, weights 1/2): there every tensor of at
+    # least PAIR_MIN_BYTES is averaged by halves, the rest whole, however each rank fused them
+    c = Cluster(4, "one-peer-exponential", "--set", "memory.arena_bytes=134217728")
+    try:
+        c.connect(fusion_threshold=[0, 64 << 20, 3 << 20, 64 << 20],
+                  cycle_time=[0.001, 10.0, 10.0, 0.001])
+
+        def run(cl: Client[torch.Tensor]) -> list[list[torch.Tensor]]:
+            ts = _pair_tensors(cl.rank)
+            ts[1].share_memory_()  # registered: the peer's half lands in the tensor itself
+            rounds = []
+            for _ in range(2):
+                hs = [cl.neighbor_allreduce_async_(t, name=f"pair{i}") for i, t in enumerate(ts)]
+                for h in hs:
+                    h.wait(timeout=120)
+                rounds.append([t.clone() for t in ts])
+            return rounds
+
+        got = c.run(run, timeout=300)
+        scale = {r: 4 * (r + 1) for r in range(4)}
+        after0 = {r: (scale[r] + scale[(r - 1) % 4]) // 2 for r in range(4)}
+        for r, rounds in enumerate(got):
+            want1 = (after0[r] + after0[(r + 2) % 4]) // 2
+            for factor, out in ((after0[r], rounds[0]), (want1, rounds[1])):
+                for i, (o, base) in enumerate(zip(out, _pair_tensors(0), strict=True)):
+                    want = ((torch.arange(base.numel()) % 7) * factor).to(base.dtype)
+                    assert o.dtype == base.dtype and torch.equal(o, want), (r, i, o[:8], want[:8])
+    finally:
+        assert c.stop() == [0, 0, 0, 0]
+
+
+def test_pair_halves_of_different_shapes_fail_with_mismatch() -> None:
+    c = Cluster(2, "ring")
+    try:
+        c.connect()
+        n = PAIR_MIN_BYTES // 4
+
+        def run(cl: Client[torch.Tensor]) -> torch.Tensor:
+            return cl.neighbor_allreduce(torch.ones(n + 4 * cl.rank), name="odd", timeout=30)
+
+        errors = c.run_catching(run)
+        for r, err in enumerate(errors):
+            assert isinstance(err, DecentError) and err.code == pb.MISMATCH, err
+            assert "'odd'" in str(err) and f"rank {1 - r}" in str(err), err
+            assert f"[{n}]" in str(err) and f"[{n + 4}]" in str(err), err
+        ok = c.run(lambda cl: cl.neighbor_allreduce(torch.full((n,), float(cl.rank)), name="ok"))
+        assert all(torch.equal(t, torch.full((n,), 0.5)) for t in ok)  # nothing else broke
     finally:
         assert c.stop() == [0, 0]

@@ -142,44 +142,58 @@ class OpContext:
         """This rank's neighbors and weights at this op's step (= its round)."""
         return self.engine.topology.step(self.rank, self.round)
 
-    def wire_parts(self, tag: int, weight: float) -> list[pb.Part]:
-        """This op's tensors as the parts of one message."""
+    def wire_parts(self, tag: int, weight: float, parts: list[PartSpec] | None = None
+                   ) -> list[pb.Part]:
+        """This op's tensors (or ``parts`` of them) as the parts of one message."""
         return [part(p.name, p.round, tag, self.op, p.dtype, p.shape, p.nbytes, weight)
-                for p in self.parts]
+                for p in (self.parts if parts is None else parts)]
 
     async def send(self, dst: int, tag: int, weight: float = 1.0, ack: bool = False,
-                   track: list[tuple[Outgoing, int]] | None = None) -> None:
-        """Send this op's tensors (one message) to ``dst``; ``ack``: wait until they are matched.
+                   track: list[tuple[Outgoing, int]] | None = None,
+                   parts: list[PartSpec] | None = None) -> None:
+        """Send this op's tensors (or ``parts`` of them; one message) to ``dst``; ``ack``: wait
+        until they are matched.
 
         ``track`` receives the queued frame (and its header size), to follow its progress.
         """
-        futs = [self.transport.expect_ack(dst, p.name, p.round, tag) for p in self.parts] \
+        want = self.parts if parts is None else parts
+        payload = self.payload if parts is None else [p.raw for p in parts]
+        futs = [self.transport.expect_ack(dst, p.name, p.round, tag) for p in want] \
             if ack else []
         self.unacked.add(dst)
-        await self.transport.send_parts(dst, self.wire_parts(tag, weight), self.payload, track)
+        await self.transport.send_parts(dst, self.wire_parts(tag, weight, want), payload, track)
         if futs:
             await asyncio.gather(*futs)
         self.unacked.discard(dst)
 
     async def recv_parts(self, src: int, tag: int, ack: bool = False,
                          parts: list[PartSpec] | None = None, sized: bool = True,
-                         progress: Progress | None = None, direct: bool = False
-                         ) -> list[Arrival]:
+                         progress: Progress | None = None, direct: bool = False,
+                         into: np.ndarray | None = None) -> list[Arrival]:
         """Receive this op's tensors (or ``parts`` of them) from ``src``, however the sender
         grouped them into messages.
 
         A part whose op, dtype or shape differs from ours fails the op with MISMATCH. The
-        arrivals' bytes stay valid until the op ends (or :meth:`release`).
+        arrivals' bytes stay valid until the op ends (or :meth:`release`). ``direct``: a part
+        that travels alone is received straight into its output region; ``into`` (uint8, for
+        one part): straight into that buffer when the payload has its size. Either may still
+        arrive elsewhere (it came before the op ran): compare ``Arrival.data`` with it.
         """
         link = self.transport.links.get(src)
         if link is None:
             raise OpError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} is not a peer")
         want = self.parts if parts is None else parts
+
+        def dest(p: PartSpec) -> np.ndarray | None:
+            if into is not None:
+                return into
+            return np.frombuffer(p.out, np.uint8, p.nbytes) if direct else None
+
         futs = [self.transport.expect(src, p.name, p.round, tag,
                                       (self.op, p.dtype, p.shape) if ack and sized else None,
                                       progress,
-                                      (np.frombuffer(p.out, np.uint8, p.nbytes),
-                                       (self.op, p.dtype, p.shape)) if direct else None)
+                                      None if (d := dest(p)) is None
+                                      else (d, (self.op, p.dtype, p.shape)))
                 for p in want]
         if link.inbound_lost and not all(f.done() for f in futs):
             for f in futs:
@@ -277,6 +291,8 @@ def expected_tag_hint(op: int) -> str:
         return "different broadcast roots"
     if op == pb.ALLREDUCE:
         return "ring vs. direct exchange: is transport.ring_threshold_bytes the same everywhere?"
+    if op == pb.NEIGHBOR_ALLREDUCE:
+        return "pairwise halves vs. whole tensors: do both ranks have the same topology?"
     return "different message tags"
 
 

@@ -20,6 +20,7 @@ from decentd.bulk import Outgoing
 from decentd.engine import OpContext, OpResult, OpSpec, PartSpec
 from decentd.errors import OpError
 from decentd.topology import hops
+from decentd.transport import Arrival
 from decentd.wire import pb
 
 
@@ -164,14 +165,17 @@ class FoldIn:
     The result overwrites the input (one arena slot), so element k is combined only once the
     input's element k has gone out to every out-neighbor; on a link where sending and receiving
     run at the same pace that keeps up with the arrival, and only the tail is left at the end.
+    The arriving tensor may be the slice of ``count`` elements from ``base`` of ours.
     """
 
     def __init__(self, ctx: OpContext, p: PartSpec, self_weight: float, src_weight: float,
-                 dsts: list[int]) -> None:
+                 dsts: list[int], base: int = 0, count: int | None = None) -> None:
         self.ctx, self.p = ctx, p
         self.self_weight, self.src_weight = self_weight, src_weight
         self.itemsize = dtypes.itemsize(p.dtype)
-        self.done = 0  # elements combined
+        self.base = base
+        self.count = p.x.size if count is None else count
+        self.done = 0  # elements combined (of the arriving tensor)
         self.sends: dict[int, list[tuple[Outgoing, int]]] = {d: [] for d in dsts}
         self.finished: set[int] = set()  # destinations whose send returned
         self.off = False
@@ -188,7 +192,8 @@ class FoldIn:
         """``buf[:filled]`` of the neighbor's tensor has arrived."""
         p = self.p
         if self.off or not (part.op == self.ctx.op and part.meta.dtype == p.dtype
-                            and tuple(part.meta.shape) == p.shape and part.nbytes == p.nbytes):
+                            and tuple(part.meta.shape) == p.shape
+                            and part.nbytes == self.count * self.itemsize):
             self.off = True  # anything odd: leave it to the checks after the arrival
             return
         upto = min(filled, self.sent()) // self.itemsize
@@ -201,14 +206,83 @@ class FoldIn:
             self.done = 0
 
     def fold(self, buf: np.ndarray, weight: float, upto: int) -> None:
-        """Combine elements ``[done, upto)``."""
+        """Combine elements ``[done, upto)`` of the arriving tensor."""
         p = self.p
         y = buf[:upto * self.itemsize].view(dtypes.STORAGE[p.dtype])
         out = _out(self.ctx, p, p.nbytes)
-        lo = self.done
-        weighted_sum(out[lo:upto], p.x[lo:upto], self.self_weight,
+        lo, b = self.done, self.base
+        weighted_sum(out[b + lo:b + upto], p.x[b + lo:b + upto], self.self_weight,
                      [(y[lo:upto], self.src_weight * weight)], p.dtype)
         self.done = upto
+
+
+#: the smallest tensor a pair of ranks averages by halves (below it, one message each way is
+#: faster than two rounds). Both ranks decide per tensor, by its size alone, so the decision
+#: agrees however each side fused its requests.
+PAIR_MIN_BYTES = 1 << 20
+
+
+def pair_peer(ctx: OpContext, self_weight: float, recv: dict[int, float],
+              send: dict[int, float]) -> int | None:
+    """The peer of a symmetric pair step, whose large tensors both ranks average by halves.
+
+    That is: topology weights (so the peer derives the same answer from the same schedule),
+    this rank and the peer each other's only neighbor, and all four weights equal
+    (``w * x_a + w * x_b`` is the same sum on both sides).
+    """
+    req = ctx.req
+    if len(recv) != 1 or set(send) != set(recv) or req.has_self_weight \
+            or req.has_src_weights or req.has_dst_weights:
+        return None
+    (j,) = recv
+    theirs = ctx.engine.topology.step(j, ctx.round)
+    if tuple(theirs.src_weights) != (ctx.rank,) or theirs.dst_ranks != (ctx.rank,):
+        return None
+    weights = {self_weight, recv[j], theirs.self_weight, theirs.src_weights[ctx.rank]}
+    return j if len(weights) == 1 else None
+
+
+async def pair_exchange(ctx: OpContext, p: PartSpec, j: int, weight: float) -> None:
+    """Average tensor ``p`` with ``j`` by halves, like a 2-rank ring allreduce.
+
+    Each rank combines one half (folded in while the peer's copy of it arrives) and sends the
+    result to the other, which receives it straight into its output. The same bytes travel as
+    with whole tensors, and each rank does half the arithmetic. The lower rank combines the
+    first half.
+    """
+    size, isz = p.x.size, dtypes.itemsize(p.dtype)
+    mid = size // 2
+    mine, theirs = ((0, mid), (mid, size)) if ctx.rank < j else ((mid, size), (0, mid))
+    landing = np.frombuffer(p.out, np.uint8, p.nbytes)[theirs[0] * isz:theirs[1] * isz]
+    fold = FoldIn(ctx, p, weight, weight, [], base=mine[0], count=mine[1] - mine[0])
+
+    def send(tag: int, data: memoryview, lo: int, hi: int) -> Awaitable[None]:
+        return ctx.transport.send_data(j, p.name, p.round, tag, ctx.op, p.dtype, p.shape,
+                                       data[lo * isz:hi * isz])
+
+    def check(arrival: Arrival, count: int) -> None:
+        if arrival.data.nbytes != count * isz:
+            raise OpError(pb.MISMATCH, f"tensor '{p.display}' round {p.round}: rank {j} sent "
+                          f"half a tensor of {arrival.data.nbytes} bytes, rank {ctx.rank} "
+                          f"expected {count * isz}")
+
+    # the peer's half of the result may come as soon as it has ours: expected from the start
+    second = asyncio.ensure_future(ctx.recv_parts(j, 2, parts=[p], sized=False, into=landing))
+    try:
+        (first,), _ = await gather_all(
+            ctx.recv_parts(j, 1, parts=[p], sized=False, progress=fold),
+            send(1, p.raw, *theirs))
+        check(first, fold.count)
+        fold.fold(first.data, first.weight, fold.count)  # the rest of it
+        ctx.release(first)
+        (result,), _ = await gather_all(second, send(2, p.out, *mine))
+    except BaseException:
+        second.cancel()
+        await asyncio.gather(second, return_exceptions=True)
+        raise
+    check(result, theirs[1] - theirs[0])
+    if not np.may_share_memory(result.data, landing):  # it came before the op ran
+        landing[...] = result.data
 
 
 async def neighbor_allreduce(ctx: OpContext) -> OpResult:
@@ -216,30 +290,45 @@ async def neighbor_allreduce(ctx: OpContext) -> OpResult:
 
     The result is written over the input once it is sent (the client gives both one slot, and
     in-place ops on shared tensors rely on it); a lone in-neighbor's tensor is folded in while
-    it arrives (FoldIn), the rest once everything is there.
+    it arrives (FoldIn), the rest once everything is there. Two ranks that are each other's
+    only neighbor with equal weights average large tensors by halves (pair_exchange).
     """
     self_weight, recv, send = neighbor_plan(ctx)
+    pair = pair_peer(ctx, self_weight, recv, send)
+    halves = [p for p in ctx.parts if p.nbytes >= PAIR_MIN_BYTES] if pair is not None else []
+    whole = [p for p in ctx.parts if all(p is not h for h in halves)]
+    jobs = [pair_exchange(ctx, p, pair, self_weight) for p in halves if pair is not None]
+    if whole:
+        jobs.append(exchange_whole(ctx, whole, self_weight, recv, send))
+    await gather_all(*jobs)
+    return OpResult(sum(p.nbytes for p in ctx.parts), ctx.shape)
+
+
+async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: float,
+                         recv: dict[int, float], send: dict[int, float]) -> None:
+    """neighbor_allreduce of ``parts``: whole tensors to and from every neighbor (one message
+    per peer)."""
     srcs = sorted(recv)
     fold = None
     # nothing of our own in the result and nothing to send: the neighbor's tensor is received
     # straight into the output and only scaled there
     direct = self_weight == 0.0 and not send and len(srcs) == 1
-    if len(srcs) == 1 and len(ctx.parts) == 1 and not direct:
-        fold = FoldIn(ctx, ctx.parts[0], self_weight, recv[srcs[0]], list(send))
+    if len(srcs) == 1 and len(parts) == 1 and not direct:
+        fold = FoldIn(ctx, parts[0], self_weight, recv[srcs[0]], list(send))
 
     async def send_to(d: int, w: float) -> None:
         await ctx.send(d, 0, weight=w, ack=d not in recv,
-                       track=fold.sends[d] if fold is not None else None)
+                       track=fold.sends[d] if fold is not None else None, parts=parts)
         if fold is not None:
             fold.finished.add(d)
 
     # a peer we also receive from checks our tensor against its own and we check its: a
     # disagreement fails both sides without acknowledgements; one-way edges need them
     got = await gather_all(
-        *(ctx.recv_parts(j, 0, ack=j not in send, progress=fold, direct=direct) for j in srcs),
+        *(ctx.recv_parts(j, 0, ack=j not in send, parts=parts, progress=fold, direct=direct)
+          for j in srcs),
         *(send_to(d, w) for d, w in send.items()))
-    total = 0
-    for i, p in enumerate(ctx.parts):
+    for i, p in enumerate(parts):
         storage = dtypes.STORAGE[p.dtype]
         out = _out(ctx, p, p.nbytes)
         if direct and got[0][i].message is not None and got[0][i].message.buf is None \
@@ -252,9 +341,7 @@ async def neighbor_allreduce(ctx: OpContext) -> OpResult:
         else:
             terms = [(got[k][i].data.view(storage), recv[j] * got[k][i].weight)
                      for k, j in enumerate(srcs)]
-            weighted_sum(_out(ctx, p, p.nbytes), p.x, self_weight, terms, p.dtype)
-        total += p.nbytes
-    return OpResult(total, ctx.shape)
+            weighted_sum(out, p.x, self_weight, terms, p.dtype)
 
 
 def allgather_plan(ctx: OpContext) -> tuple[list[int], list[int]]:
@@ -438,6 +525,12 @@ def _neighbor_peers(ctx: OpContext) -> set[int]:
     return set(recv) | set(send)
 
 
+def _neighbor_tags(ctx: OpContext) -> set[int]:
+    if pair_peer(ctx, *neighbor_plan(ctx)) is None:
+        return {0}
+    return {1, 2} | ({0} if any(p.nbytes < PAIR_MIN_BYTES for p in ctx.parts) else set())
+
+
 def _allgather_peers(ctx: OpContext) -> set[int]:
     srcs, dsts = allgather_plan(ctx)
     return set(srcs) | set(dsts)
@@ -466,7 +559,7 @@ def _allreduce_tags(ctx: OpContext) -> set[int]:
 
 
 OPS: dict[int, OpSpec] = {
-    pb.NEIGHBOR_ALLREDUCE: OpSpec(neighbor_allreduce, _neighbor_peers, lambda _ctx: {0},
+    pb.NEIGHBOR_ALLREDUCE: OpSpec(neighbor_allreduce, _neighbor_peers, _neighbor_tags,
                                   fusable=True),
     pb.NEIGHBOR_ALLGATHER: OpSpec(neighbor_allgather, _allgather_peers, lambda _ctx: {0}),
     pb.ALLREDUCE: OpSpec(allreduce, _allreduce_peers, _allreduce_tags, fusable=True),
