@@ -98,6 +98,20 @@ def test_cluster_id_mismatch_refused(tmp_path: Path) -> None:
     assert all("CLUSTER_MISMATCH" in err or "rank(s)" in err for err in outs)
 
 
+def test_daemons_with_different_topologies_refuse_each_other(tmp_path: Path) -> None:
+    ports = free_ports(2)
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "decentd.cli", "--rank", str(i), "--peers", peers,
+         "--topology", kind, "--socket", str(tmp_path / f"{i}.sock"),
+         "--set", "timeouts.start=5"],
+        stderr=subprocess.PIPE, text=True) for i, kind in enumerate(["ring", "full"])]
+    outs = [p.communicate(timeout=60)[1] for p in procs]
+    assert [p.returncode for p in procs] == [1, 1]
+    refused = [err for err in outs if "runs another topology" in err]
+    assert refused and all("give every daemon the same topology" in err for err in refused), outs
+
+
 def test_sigterm_fails_in_flight_and_releases_shared_memory() -> None:
     before = shm_names()
     c = Cluster(2, "ring")

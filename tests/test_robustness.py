@@ -182,8 +182,10 @@ def test_malformed_frame_closes_only_that_connection() -> None:
             import socket, grpc
             from decent.v1 import decent_pb2 as pb, decent_pb2_grpc as pbg
             stub = pbg.PeerStub(grpc.insecure_channel("{c.peers[0]}"))
-            port = stub.Handshake(pb.HandshakeRequest(cluster_id="decent", protocol_version=1,
-                                                      from_rank=1, to_rank=0)).data_port
+            from decentd.topology import build_topology
+            port = stub.Handshake(pb.HandshakeRequest(
+                cluster_id="decent", protocol_version=1, from_rank=1, to_rank=0,
+                topology_digest=build_topology("ring", 2).digest())).data_port
             def frame(h):
                 body = h.SerializeToString()
                 return len(body).to_bytes(4, "little") + body

@@ -25,12 +25,31 @@ class _Strict(BaseModel):
 
 
 class TopologyConfig(_Strict):
-    """Which graph the daemon averages over; ``weights`` overrides uniform 1/(in_degree+1)."""
+    """Which graph the daemon averages over, and its weights."""
 
     kind: str = "ring"
+    #: ``uniform`` (1/(in_degree+1)) or ``metropolis`` (Metropolis-Hastings, undirected graphs)
+    scheme: Literal["uniform", "metropolis"] = "uniform"
+    #: the kind's options: ``rows`` (torus), ``seed`` (random-matching), ``group_size`` and
+    #: ``mean`` (wagma)
+    options: dict[str, int | str] = Field(default_factory=dict)
+    #: kind ``custom``: ``[[src, dst], ...]`` or ``[[src, dst, weight], ...]`` (the weight dst
+    #: gives src), and optionally ``self_weights: {rank: w}``
+    edges: list[list[float]] | None = None
+    self_weights: dict[int, float] | None = None
     #: optional explicit weights: ``{receiver: {sender: w}}``; a receiver's self weight is
     #: ``weights[i][i]``. Edges listed here replace the kind's edges for that receiver.
     weights: dict[int, dict[int, float]] | None = None
+
+    def build(self, size: int) -> topology.Topology:
+        """The topology over ``size`` ranks (TopologyError says what is wrong)."""
+        options: dict[str, Any] = dict(self.options)
+        if self.edges is not None:
+            options["edges"] = self.edges
+        if self.self_weights is not None:
+            options["self_weights"] = self.self_weights
+        return topology.from_spec({"kind": self.kind, "scheme": self.scheme, "options": options,
+                                   "weights": self.weights}, size)
 
     @field_validator("kind")
     @classmethod

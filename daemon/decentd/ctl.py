@@ -1,7 +1,7 @@
 """``decentctl``: look at a running daemon, or at a topology.
 
     decentctl status [--daemon unix:///tmp/decentd.sock]
-    decentctl topology KIND -n N [--step T]
+    decentctl topology KIND -n N [--step T] [--weights metropolis] [--option K=V] [--png F]
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import sys
 import tempfile
 
 import grpc
+import networkx as nx
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from decentd import topology
@@ -49,22 +51,61 @@ def status(address: str, console: Console) -> int:
     return 0
 
 
-def show_topology(kind: str, n: int, step: int, console: Console) -> int:
-    """Print W, rho and degrees of a topology."""
+def _option(text: str) -> tuple[str, int | str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, int(value) if value.lstrip("-").isdigit() else value
+
+
+def show_topology(kind: str, n: int, step: int, console: Console, scheme: str = "uniform",
+                  options: dict[str, int | str] | None = None, png: str | None = None) -> int:
+    """Print W, rho, degrees and properties of a topology; ``png``: draw its graph there."""
     try:
-        topo = topology.build_topology(kind, n)
+        topo = topology.build_topology(kind, n, None, scheme, **(options or {}))
+        w = topo.matrix(step)
+        failed = topo.failures(step)
     except topology.TopologyError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{escape(str(exc))}[/red]")
         return 2
-    w = topo.matrix(step)
-    console.print(f"{kind}, n={n}, step {step % topo.period} of {topo.period}: "
-                  f"rho = {topo.rho(step):.4f}")
+    console.print(f"{kind}, n={n}, {scheme} weights, step {step % topo.period} of "
+                  f"{topo.period}: rho = {topo.rho(step):.4f}")
     with np.printoptions(precision=3, suppress=True, linewidth=200):
         console.print(str(w), markup=False)
-    g = topo.graph(step)
-    console.print(f"in-degree {sorted({d for _, d in g.in_degree()})}, "
-                  f"out-degree {sorted({d for _, d in g.out_degree()})}")
+    d_in, d_out = topo.degree(step)
+    console.print(f"degree: in {d_in}, out {d_out}")
+    for prop in topology.PROPERTIES:
+        console.print(f"{prop}: " + ("yes" if prop not in failed else f"no ({failed[prop]})"))
+    if png:
+        draw(topo, step, png)
+        console.print(f"drew {png}")
     return 0
+
+
+def draw(topo: topology.Topology, step: int, path: str) -> None:
+    """The graph at ``step`` as a PNG: ranks on a circle, arrows for one-way edges."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # an extra, not a dependency of the daemon
+        raise SystemExit("decentctl topology --png needs matplotlib: pip install "
+                         "'decent[examples]'") from exc
+    g = topo.graph(step)
+    two_way = [(a, b) for a, b in g.edges if g.has_edge(b, a) and a < b]
+    one_way = [(a, b) for a, b in g.edges if not g.has_edge(b, a)]
+    pos = nx.circular_layout(g)
+    fig, ax = plt.subplots(figsize=(6, 6))
+    nx.draw_networkx_nodes(g, pos, ax=ax, node_color="#4c72b0", node_size=420)
+    nx.draw_networkx_labels(g, pos, ax=ax, font_color="white", font_size=9)
+    nx.draw_networkx_edges(g.to_undirected(), pos, edgelist=two_way, ax=ax, edge_color="#555")
+    nx.draw_networkx_edges(g, pos, edgelist=one_way, ax=ax, edge_color="#c44e52",
+                           arrows=True, arrowstyle="-|>", arrowsize=12, node_size=420)
+    ax.set_title(f"{topo.kind}, n={topo.size}, step {step % topo.period}: "
+                 f"rho = {topo.rho(step):.3f}")
+    ax.set_axis_off()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,15 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("status", help="a running daemon's counters and peers")
     st.add_argument("--daemon", help="daemon address (default $DECENT_DAEMON or the socket)")
-    tp = sub.add_parser("topology", help="print a topology's mixing matrix")
+    tp = sub.add_parser("topology", help="print a topology's mixing matrix, rho and degree")
     tp.add_argument("kind", choices=topology.kinds())
-    tp.add_argument("-n", type=int, required=True)
-    tp.add_argument("--step", type=int, default=0)
+    tp.add_argument("-n", type=int, required=True, help="number of ranks")
+    tp.add_argument("--step", type=int, default=0, help="step of a dynamic schedule")
+    tp.add_argument("--weights", choices=topology.SCHEMES, default="uniform")
+    tp.add_argument("--option", type=_option, action="append", default=[],
+                    metavar="KEY=VALUE", help="a kind's option (rows, seed, group_size, mean)")
+    tp.add_argument("--png", help="draw the graph into this PNG file")
     args = p.parse_args(argv)
     console = Console()
     if args.cmd == "status":
         return status(_address(args.daemon), console)
-    return show_topology(args.kind, args.n, args.step, console)
+    return show_topology(args.kind, args.n, args.step, console, args.weights,
+                         dict(args.option), args.png)
 
 
 if __name__ == "__main__":

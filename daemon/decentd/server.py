@@ -19,7 +19,7 @@ from decentd.config import NodeConfig
 from decentd.engine import Engine, WorkerSession
 from decentd.errors import OpError, StartupError
 from decentd.ops import OPS
-from decentd.topology import Topology, TopologyError, build_topology
+from decentd.topology import Topology, TopologyError
 from decentd.transport import GRPC_OPTIONS, Transport
 from decentd.wire import pb, pb_grpc
 from decentd.workers import MemorySocket, WorkerChannel
@@ -52,6 +52,7 @@ def topology_info(topology: Topology, rank: int, step: int) -> pb.TopologyInfo:
         out_neighbors=s.out_neighbors,
         self_weight=s.self_weight,
         src_weights=dict(s.src_weights),
+        spec_json=topology.spec_json(),
     )
 
 
@@ -178,7 +179,7 @@ class Daemon:
             raise StartupError(f"config error: rank: {self.rank} is outside peers "
                                f"(there are {self.size})")
         try:
-            self.topology = build_topology(cfg.topology.kind, self.size, cfg.topology.weights)
+            self.topology = cfg.topology.build(self.size)
         except TopologyError as exc:
             raise StartupError(f"config error: topology: {exc}") from None
         self.started = time.monotonic()
@@ -192,6 +193,7 @@ class Daemon:
             lambda *args: self.engine.check_arrival(*args),
             cfg.memory.pool_bytes,
         )
+        self.transport.topology_digest = self.topology.digest()
         self.engine = Engine(
             self.rank, self.size, self.topology, self.transport, cfg.timeouts.op,
             cfg.timeouts.stall_warning, cfg.transport.ring_threshold_bytes, OPS,

@@ -168,6 +168,8 @@ class Transport:
         self.window = max(MIN_WINDOW, early_limit // max(1, len(self.links)))
         self.pool = BufferPool(limit=pool_limit if pool_limit is not None else early_limit)
         self.data_port = 0
+        #: Topology.digest() of this daemon's topology: peers must have the same
+        self.topology_digest = ""
         self._server: asyncio.Server | None = None
         self._waiters: dict[Key, asyncio.Future[Arrival]] = {}
         #: what a waiting op accepts (op, dtype, shape) where it wants the sender acknowledged
@@ -234,6 +236,7 @@ class Transport:
                         protocol_version=PROTOCOL_VERSION,
                         from_rank=self.rank,
                         to_rank=link.rank,
+                        topology_digest=self.topology_digest,
                     ),
                     timeout=max(0.1, min(2.0, deadline - time.monotonic())),
                 )
@@ -300,6 +303,14 @@ class Transport:
                 code=pb.RANK_MISMATCH,
                 message=f"rank {request.from_rank} expected rank {request.to_rank} here, "
                 f"but this daemon is rank {self.rank}",
+            )
+        if request.topology_digest != self.topology_digest:
+            return pb.Error(
+                code=pb.CLUSTER_MISMATCH,
+                message=f"rank {request.from_rank} runs another topology than rank {self.rank} "
+                f"(digest {request.topology_digest[:12] or 'none'} vs "
+                f"{self.topology_digest[:12] or 'none'}): give every daemon the same topology "
+                "settings (kind, scheme, options, weights)",
             )
         if request.from_rank not in self.links:
             return pb.Error(

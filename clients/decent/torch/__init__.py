@@ -17,11 +17,21 @@ from typing import Any
 import torch
 
 from decent.core import Client, DecentError, Handle
+from decent.core.algorithms import ALGORITHMS, AlgorithmError
 from decent.torch.codec import TorchCodec
+from decent.torch.optim import (
+    DecentralizedOptimizer,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    consensus,
+)
 
 __all__ = [
+    "ALGORITHMS",
+    "AlgorithmError",
     "Client",
     "DecentError",
+    "DecentralizedOptimizer",
     "Handle",
     "allreduce",
     "allreduce_",
@@ -32,7 +42,10 @@ __all__ = [
     "broadcast_",
     "broadcast_async",
     "broadcast_async_",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
     "connect",
+    "consensus",
     "flush",
     "in_neighbors",
     "init",

@@ -1,0 +1,354 @@
+"""The decentralized algorithms, written once over the client core (``algorithms.md``).
+
+An algorithm sees each parameter ``x`` of a worker and the *local update* ``d`` the wrapped
+optimizer makes at it (``x - d`` is what the optimizer's own step writes: ``lr * g`` for plain
+SGD, whatever momentum, weight decay or Adam make of it otherwise). It declares what its mixing
+matrix must satisfy, and implements two hooks:
+
+* :meth:`Algorithm.start` runs before the forward pass (or at the start of :meth:`step` when no
+  forward hook is installed): exchanges that need only values known at that point (``W x_k``,
+  ``W y_{k-1}``) are started here, so they overlap forward and backward;
+* :meth:`Algorithm.finish` runs after the local update: it receives ``x_k`` (the parameters the
+  gradient was taken at) and ``d_k``, waits for what :meth:`start` began, may exchange more, and
+  returns ``x_{k+1}``.
+
+Tensors are the framework's own; the algorithms use only arithmetic operators and the client's
+ops, so the torch and TensorFlow adapters share them. Per-parameter state lives in a dict the
+adapter provides (for torch, the wrapped optimizer's ``state``, so ``state_dict()`` carries it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+import networkx as nx
+
+from decent.core.client import Client, Handle
+from decentd.topology import Topology, TopologyError, build_topology, from_graph, from_spec
+
+
+class Arithmetic(Protocol):
+    """What the algorithms ask of a framework's tensor: elementwise +, - and scaling."""
+
+    def __add__(self, other: Any, /) -> Any: ...
+    def __sub__(self, other: Any, /) -> Any: ...
+    def __mul__(self, other: Any, /) -> Any: ...
+
+
+T = TypeVar("T", bound=Arithmetic)
+
+#: where an algorithm keeps one parameter's state (a dict in the optimizer's state)
+State = MutableMapping[str, Any]
+
+
+class AlgorithmError(ValueError):
+    """An algorithm cannot run as configured (unknown option, wrong topology, ...)."""
+
+
+class Algorithm(Generic[T]):
+    """Base of the algorithms: the schedule, the exchanges, and the two hooks."""
+
+    #: registry name (``algorithm="..."``)
+    name: ClassVar[str] = ""
+    #: properties the mixing matrix must have at every step (``Topology.check``)
+    needs: ClassVar[tuple[str, ...]] = ("doubly-stochastic",)
+    #: options besides the common ones, with defaults
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, client: Client[T], prefix: str = "decent",
+                 topology: str | Topology | nx.Graph | None = None,
+                 communication_interval: int = 1, **options: Any) -> None:
+        unknown = sorted(set(options) - set(self.defaults))
+        if unknown:
+            known = ", ".join(sorted({"topology", "communication_interval", *self.defaults}))
+            raise AlgorithmError(f"algorithm {self.name!r} has no option(s) {unknown}; it takes "
+                                 f"{known}")
+        if int(communication_interval) < 1:
+            raise AlgorithmError(f"communication_interval must be >= 1, got "
+                                 f"{communication_interval}")
+        self.client = client
+        self.prefix = prefix
+        self.options = {**self.defaults, **options}
+        self.interval = int(communication_interval)
+        self.own_topology = topology is not None
+        self.topology = self._topology(topology)
+        try:
+            self.topology.check(self.needs, f"algorithm {self.name!r}")
+        except TopologyError as exc:
+            raise AlgorithmError(str(exc)) from None
+        self.iteration = 0  # local updates so far
+        self.exchanges = 0  # neighbor averaging rounds so far (the schedule's step)
+        self._pending: dict[str, list[Handle[T]]] = {}
+
+    def _topology(self, topology: str | Topology | nx.Graph | None) -> Topology:
+        size = self.client.size
+        if topology is None:
+            spec = self.client.topology.spec_json
+            if not spec:
+                raise AlgorithmError("the daemon did not report its topology; upgrade decentd")
+            return from_spec(json.loads(spec), size)
+        if isinstance(topology, Topology):
+            built = topology
+        elif isinstance(topology, nx.Graph):
+            built = from_graph(topology)
+        else:
+            built = build_topology(str(topology), size)
+        if built.size != size:
+            raise AlgorithmError(f"topology {built.kind!r} is for {built.size} ranks, the job "
+                                 f"has {size}")
+        return built
+
+    # ------------------------------------------------------------------ schedule
+
+    @property
+    def communicates(self) -> bool:
+        """Whether the current iteration averages with neighbors."""
+        return (self.iteration + 1) % self.interval == 0
+
+    # ------------------------------------------------------------------ exchanges
+
+    def _weights(self) -> dict[str, Any]:
+        """Explicit weights of this exchange when the algorithm has its own topology."""
+        if not self.own_topology:
+            return {}
+        s = self.topology.step(self.client.rank, self.exchanges)
+        return {"self_weight": s.self_weight, "src_weights": dict(s.src_weights),
+                "dst_weights": list(s.dst_ranks)}
+
+    def mix_async(self, key: str, tensors: Sequence[T], mean: bool = False) -> None:
+        """Start ``W t`` (or the global mean) for every tensor; :meth:`mixed` collects them."""
+        if mean:
+            hs = [self.client.allreduce_async(t, name=f"{self.prefix}.{key}.{i}")
+                  for i, t in enumerate(tensors)]
+        else:
+            w = self._weights()
+            hs = [self.client.neighbor_allreduce_async(t, name=f"{self.prefix}.{key}.{i}", **w)
+                  for i, t in enumerate(tensors)]
+        self._pending[key] = hs
+
+    def mixed(self, key: str) -> list[T]:
+        """The results of :meth:`mix_async` ``key``."""
+        return [h.wait() for h in self._pending.pop(key)]
+
+    def mix(self, key: str, tensors: Sequence[T], mean: bool = False) -> list[T]:
+        """``W t`` for every tensor (blocking)."""
+        self.mix_async(key, tensors, mean)
+        return self.mixed(key)
+
+    # ------------------------------------------------------------------ hooks
+
+    def start(self, xs: Sequence[T], states: Sequence[State]) -> None:
+        """Before the forward pass of an iteration: start what needs only ``x_k``."""
+
+    def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
+        """After the local update ``d_k`` at ``x_k``: the next parameters ``x_{k+1}``."""
+        raise NotImplementedError
+
+    def advance(self) -> None:
+        """Count one iteration (and one exchange round when it communicated)."""
+        if self.communicates:
+            self.exchanges += 1
+        self.iteration += 1
+
+
+class DSGD(Algorithm[T]):
+    """Adapt-then-combine D-SGD: ``x' = W (x - d)``; with a momentum optimizer, DmSGD."""
+
+    name = "dsgd"
+
+    def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
+        half = [x - d for x, d in zip(xs, ds, strict=True)]
+        return self.mix("x", half) if self.communicates else half
+
+
+class DSGDCombineThenAdapt(Algorithm[T]):
+    """Combine-then-adapt D-SGD: ``x' = W x - d(x)``; ``W x`` overlaps forward/backward."""
+
+    name = "dsgd-cta"
+
+    def start(self, xs: Sequence[T], states: Sequence[State]) -> None:
+        if self.communicates and "x" not in self._pending:
+            self.mix_async("x", xs)
+
+    def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
+        if not self.communicates:
+            return [x - d for x, d in zip(xs, ds, strict=True)]
+        self.start(xs, states)
+        return [wx - d for wx, d in zip(self.mixed("x"), ds, strict=True)]
+
+
+class AllreduceBaseline(Algorithm[T]):
+    """PmSGD: every worker takes its local step, then all average globally."""
+
+    name = "allreduce"
+    needs = ()
+
+    def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
+        half = [x - d for x, d in zip(xs, ds, strict=True)]
+        return self.mix("x", half, mean=True) if self.communicates else half
+
+
+class PeriodicGlobalAveraging(Algorithm[T]):
+    """ATC D-SGD whose every ``period``-th combine is a global average."""
+
+    name = "pga"
+    defaults: ClassVar[dict[str, Any]] = {"period": 8}
+
+    def __init__(self, client: Client[T], **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        if int(self.options["period"]) < 1:
+            raise AlgorithmError(f"pga: period must be >= 1, got {self.options['period']}")
+
+    def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
+        half = [x - d for x, d in zip(xs, ds, strict=True)]
+        if (self.iteration + 1) % int(self.options["period"]) == 0:
+            return self.mix("g", half, mean=True)
+        return self.mix("x", half) if self.communicates else half
+
+
+class GradientTracking(Algorithm[T]):
+    """DIGing: ``x' = W x - y``, ``y' = W y + d(x') - d(x)``, ``y_0 = d_0`` (both exchanges
+    start before the forward pass)."""
+
+    name = "gradient-tracking"
+
+    def start(self, xs: Sequence[T], states: Sequence[State]) -> None:
+        if "x" in self._pending:
+            return
+        self.mix_async("x", xs)
+        if all("y" in s for s in states):
+            self.mix_async("y", [s["y"] for s in states])
+
+    def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
+        self.start(xs, states)
+        wys = self.mixed("y") if "y" in self._pending else None
+        wxs = self.mixed("x")
+        out = []
+        for i, (wx, d, s) in enumerate(zip(wxs, ds, states, strict=True)):
+            y = d if wys is None else wys[i] + d - s["d"]
+            s["y"], s["d"] = y, d
+            out.append(wx - y)
+        return out
+
+
+class Extra(Algorithm[T]):
+    """EXTRA: ``x^{k+2} = x^{k+1} + W x^{k+1} - (x^k + W x^k)/2 - (d_{k+1} - d_k)``, and
+    ``x^1 = W x^0 - d_0`` (one exchange per iteration, started before the forward pass)."""
+
+    name = "extra"
+    needs = ("doubly-stochastic", "symmetric")
+
+    def start(self, xs: Sequence[T], states: Sequence[State]) -> None:
+        if "x" not in self._pending:
+            self.mix_async("x", xs)
+
+    def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
+        self.start(xs, states)
+        out = []
+        for x, wx, d, s in zip(xs, self.mixed("x"), ds, states, strict=True):
+            first = "x" not in s
+            new = wx - d if first else x + wx - (s["x"] + s["wx"]) * 0.5 - d + s["d"]
+            s["x"], s["wx"], s["d"] = x, wx, d
+            out.append(new)
+        return out
+
+
+class ExactDiffusion(Algorithm[T]):
+    """Exact diffusion: ``psi' = x - d``; ``phi = psi' + x - psi``; ``x' = (phi + W phi)/2``
+    (``psi_0 = x_0``)."""
+
+    name = "exact-diffusion"
+    needs = ("doubly-stochastic", "symmetric")
+    #: x' = Wbar phi with Wbar = (I + W)/2 (exact diffusion) or W itself (D2)
+    halve: ClassVar[bool] = True
+
+    def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
+        phis = []
+        for x, d, s in zip(xs, ds, states, strict=True):
+            psi = x - d
+            phis.append(psi + x - s["psi"] if "psi" in s else psi)
+            s["psi"] = psi
+        wphis = self.mix("phi", phis)
+        if not self.halve:
+            return wphis
+        return [(p + wp) * 0.5 for p, wp in zip(phis, wphis, strict=True)]
+
+
+class D2(ExactDiffusion[T]):
+    """D2: exact diffusion with ``W`` instead of ``(I + W)/2`` (needs lambda_min(W) > -1/3)."""
+
+    name = "d2"
+    halve = False
+
+    def __init__(self, client: Client[T], **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        import numpy as np
+
+        for phase in self.topology.phases():
+            low = float(np.linalg.eigvalsh(self.topology.matrix(phase)).min())
+            if low <= -1.0 / 3.0 + 1e-9:  # the bound is strict
+                raise AlgorithmError(f"algorithm 'd2' needs lambda_min(W) > -1/3, but topology "
+                                     f"{self.topology.kind!r} has {low:.4f} at step {phase}; use "
+                                     "'exact-diffusion' (it mixes with (I+W)/2)")
+
+
+class DecentLaM(Algorithm[T]):
+    """DecentLaM: ``psi = x - d``; ``m' = beta m + (x - W psi)``; ``x' = x - m'``.
+
+    The wrapped optimizer gives the plain local step (SGD without momentum); the algorithm
+    applies momentum ``beta`` to the combined direction, so the fixed point is ATC D-SGD's.
+    """
+
+    name = "decentlam"
+    needs = ("doubly-stochastic", "symmetric")
+    defaults: ClassVar[dict[str, Any]] = {"beta": 0.9}
+
+    def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
+        beta = float(self.options["beta"])
+        psis = [x - d for x, d in zip(xs, ds, strict=True)]
+        wpsis = self.mix("psi", psis)
+        out = []
+        for x, wpsi, s in zip(xs, wpsis, states, strict=True):
+            g = x - wpsi
+            m = g if "m" not in s else s["m"] * beta + g
+            s["m"] = m
+            out.append(x - m)
+        return out
+
+
+ALGORITHMS: dict[str, type[Algorithm[Any]]] = {
+    cls.name: cls for cls in (DSGD, DSGDCombineThenAdapt, AllreduceBaseline,
+                              PeriodicGlobalAveraging, GradientTracking, Extra, ExactDiffusion,
+                              D2, DecentLaM)
+}
+#: other names users know them by
+ALIASES = {"dmsgd": "dsgd", "d-sgd": "dsgd", "dgd": "dsgd-cta", "d-psgd": "dsgd-cta",
+           "pmsgd": "allreduce", "diging": "gradient-tracking", "gt": "gradient-tracking",
+           "exact_diffusion": "exact-diffusion", "periodic-global-averaging": "pga"}
+
+
+def make_algorithm(name: str, client: Client[T], **options: Any) -> Algorithm[T]:
+    """The algorithm ``name`` (or an alias) with ``options``; AlgorithmError says what is
+    wrong."""
+    key = ALIASES.get(name.lower(), name.lower())
+    cls = ALGORITHMS.get(key)
+    if cls is None:
+        known = ", ".join(sorted({*ALGORITHMS, *ALIASES}))
+        raise AlgorithmError(f"unknown algorithm {name!r}; known: {known}")
+    return cls(client, **options)
+
+
+def consensus_distance(client: Client[T], xs: Sequence[T], square_norm: Callable[[T], T],
+                       to_float: Callable[[T], float], name: str = "decent.consensus") -> float:
+    """``sum_i ||x_i - mean||^2`` over the ranks, the same on every rank: an average of the
+    parameters and a sum of one scalar. ``square_norm`` gives ``||t||^2`` as a 0-d tensor."""
+    means = [client.allreduce_async(x, name=f"{name}.{i}") for i, x in enumerate(xs)]
+    local = None
+    for x, h in zip(xs, means, strict=True):
+        term = square_norm(x - h.wait())
+        local = term if local is None else local + term
+    if local is None:
+        return 0.0
+    return to_float(client.allreduce(local, op="sum", name=f"{name}.sum"))

@@ -1,0 +1,217 @@
+"""The decentralized algorithms through real daemons, against numpy runs of their recursions.
+
+Heterogeneous least squares: worker i minimizes 0.5 ||A_i x - b_i||^2 with its own A_i, b_i and
+full-batch gradients, through ``DecentralizedOptimizer`` around ``torch.optim.SGD`` on 8
+daemons; the same recursion in numpy (``algorithms.md``) must give the same iterates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import decent.torch as dt
+from cluster import Cluster
+from decent.core import Client
+from decentd.topology import Topology, build_topology
+
+N, DIM, ROWS, STEPS = 8, 5, 12, 200
+LR, BETA = 0.05, 0.5
+
+
+def _problem() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    a = rng.normal(size=(N, ROWS, DIM)) / np.sqrt(ROWS)
+    b = rng.normal(size=(N, ROWS)) + np.arange(N)[:, None]  # heterogeneous optima
+    return a, b
+
+
+A, B = _problem()
+X0 = np.random.default_rng(2).normal(size=(N, DIM))
+
+
+def grads(x: np.ndarray) -> np.ndarray:
+    """Every worker's full-batch gradient, row i at x[i]."""
+    return np.einsum("nrd,nr->nd", A, np.einsum("nrd,nd->nr", A, x) - B)
+
+
+def simulate(name: str, w: np.ndarray, steps: int = STEPS, **opt: Any) -> np.ndarray:
+    """The numpy recursion of ``name`` (SGD local step: d = LR * grad)."""
+    x = X0.copy()
+    mean = np.full((N, N), 1.0 / N)
+    m: Any = None
+    y: Any = None
+    prev_x: Any = None
+    prev_wx: Any = None
+    prev_d: Any = None
+    psi: Any = None
+    for k in range(steps):
+        d = LR * grads(x)
+        if name == "dmsgd":
+            m = d / LR if m is None else BETA * m + d / LR
+            x = w @ (x - LR * m)
+        elif name == "dsgd":
+            x = w @ (x - d)
+        elif name == "dsgd-cta":
+            x = w @ x - d
+        elif name == "allreduce":
+            x = mean @ (x - d)
+        elif name == "pga":
+            x = (mean if (k + 1) % opt["period"] == 0 else w) @ (x - d)
+        elif name == "gradient-tracking":
+            y = d if y is None else w @ y + d - prev_d
+            x, prev_d = w @ x - y, d
+        elif name == "extra":
+            wx = w @ x
+            new = wx - d if prev_x is None else x + wx - (prev_x + prev_wx) / 2 - d + prev_d
+            prev_x, prev_wx, prev_d, x = x, wx, d, new
+        elif name in ("exact-diffusion", "d2"):
+            new_psi = x - d
+            phi = new_psi if psi is None else new_psi + x - psi
+            psi = new_psi
+            x = (phi + w @ phi) / 2 if name == "exact-diffusion" else w @ phi
+        elif name == "decentlam":
+            g = x - w @ (x - d)
+            m = g if m is None else opt["beta"] * m + g
+            x = x - m
+        else:
+            raise AssertionError(name)
+    return x
+
+
+@pytest.fixture(scope="module", params=["ring", "hypercube"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    c = Cluster(N, request.param)
+    try:
+        c.connect()
+        yield c
+    finally:
+        assert c.stop() == [0] * N
+
+
+def _train(c: Cluster, algorithm: str, make_sgd: Callable[[list[torch.Tensor]], Any],
+           steps: int = STEPS, **options: Any) -> np.ndarray:
+    def run(cl: Client[torch.Tensor]) -> np.ndarray:
+        r = cl.rank
+        x = torch.nn.Parameter(torch.tensor(X0[r]))
+        a, b = torch.tensor(A[r]), torch.tensor(B[r])
+        opt = dt.DecentralizedOptimizer(make_sgd([x]), algorithm=algorithm, client=cl,
+                                        prefix=f"ls.{algorithm}", **options)
+        for _ in range(steps):
+            opt.zero_grad()
+            (0.5 * ((a @ x - b) ** 2).sum()).backward()
+            opt.step()
+        return x.detach().numpy().copy()
+    return np.stack(c.run(run, timeout=600))
+
+
+def _sgd(params: list[torch.Tensor]) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=LR)
+
+
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("dsgd", {}), ("dsgd-cta", {}), ("allreduce", {}), ("pga", {"period": 4}),
+    ("gradient-tracking", {}), ("extra", {}), ("exact-diffusion", {}),
+    ("decentlam", {"beta": BETA}),
+]
+
+
+@pytest.mark.parametrize(("algorithm", "options"), CASES, ids=[c[0] for c in CASES])
+def test_iterates_match_the_numpy_recursion(cluster: Cluster, algorithm: str,
+                                            options: dict[str, Any]) -> None:
+    kind = cluster.clients[0].topology.kind
+    w = build_topology(kind, N).matrix()
+    got = _train(cluster, algorithm, _sgd, **options)
+    want = simulate(algorithm, w, **options)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+
+
+def test_dmsgd_is_dsgd_around_a_momentum_optimizer(cluster: Cluster) -> None:
+    w = build_topology(cluster.clients[0].topology.kind, N).matrix()
+    got = _train(cluster, "dmsgd",
+                 lambda ps: torch.optim.SGD(ps, lr=LR, momentum=BETA))
+    np.testing.assert_allclose(got, simulate("dmsgd", w), rtol=1e-6, atol=1e-9)
+
+
+def test_own_topology_with_explicit_weights_runs_d2(cluster: Cluster) -> None:
+    # D2 needs lambda_min(W) > -1/3: ring 8 and hypercube 8 with uniform weights are refused;
+    # the lazy ring (1/2 self, 1/4 each neighbor) is fine, and the optimizer passes its weights
+    # with every exchange whatever the daemons' topology
+    lazy: Topology = build_topology("ring", N, weights={
+        i: {i: 0.5, (i - 1) % N: 0.25, (i + 1) % N: 0.25} for i in range(N)})
+    with pytest.raises(dt.AlgorithmError, match=r"lambda_min\(W\) > -1/3.*exact-diffusion"):
+        dt.DecentralizedOptimizer(_sgd([torch.nn.Parameter(torch.zeros(1))]), algorithm="d2",
+                                  client=cluster.clients[0], topology="ring")
+    got = _train(cluster, "d2", _sgd, topology=lazy)
+    np.testing.assert_allclose(got, simulate("d2", lazy.matrix()), rtol=1e-6, atol=1e-9)
+
+
+def test_symmetric_algorithms_refuse_a_directed_graph(cluster: Cluster) -> None:
+    cl = cluster.clients[0]
+    for name in ("decentlam", "extra", "exact-diffusion"):
+        with pytest.raises(dt.AlgorithmError, match=r"needs a symmetric mixing matrix.*"
+                                                    r"'exponential'.*use an undirected graph"):
+            dt.DecentralizedOptimizer(_sgd([torch.nn.Parameter(torch.zeros(1))]),
+                                      algorithm=name, client=cl, topology="exponential")
+    with pytest.raises(dt.AlgorithmError, match="without momentum"):
+        dt.DecentralizedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1,
+                                                  momentum=0.9), algorithm="decentlam", client=cl)
+    with pytest.raises(dt.AlgorithmError, match="unknown algorithm 'adam-gossip'; known:"):
+        dt.DecentralizedOptimizer(_sgd([torch.nn.Parameter(torch.zeros(1))]),
+                                  algorithm="adam-gossip", client=cl)
+    with pytest.raises(dt.AlgorithmError, match=r"has no option\(s\) \['period'\]"):
+        dt.DecentralizedOptimizer(_sgd([torch.nn.Parameter(torch.zeros(1))]), algorithm="dsgd",
+                                  client=cl, period=3)
+
+
+def test_exact_algorithms_reach_the_optimum_in_the_simulation() -> None:
+    # the recursions checked above: gradient tracking, EXTRA and exact diffusion converge to
+    # x* = argmin sum_i f_i exactly; D-SGD keeps a bias
+    xstar = np.linalg.solve(np.einsum("nrd,nre->de", A, A), np.einsum("nrd,nr->d", A, B))
+    w = build_topology("ring", N).matrix()
+    scale = np.abs(xstar).max()
+    for name in ("gradient-tracking", "extra", "exact-diffusion"):
+        err = np.abs(simulate(name, w, steps=2000) - xstar).max()
+        assert err < 1e-11 * scale, (name, err)  # float64 rounding, accumulated
+    assert np.abs(simulate("dsgd", w, steps=2000) - xstar).max() > 1e-2 * scale
+
+
+def test_helpers_broadcast_state_and_consensus() -> None:
+    c = Cluster(3, "ring")
+    try:
+        c.connect()
+
+        def run(cl: Client[torch.Tensor]) -> tuple[Any, ...]:
+            torch.manual_seed(cl.rank)
+            model = torch.nn.Linear(4, 2)
+            before = dt.consensus(model.parameters(), client=cl)
+            dt.broadcast_parameters(model.state_dict(), root=1, client=cl)
+            after = dt.consensus(model.parameters(), client=cl)
+            opt = dt.DecentralizedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                algorithm="dsgd", client=cl, prefix="helpers", communication_interval=10)
+            for _ in range(cl.rank + 1):  # local steps only: different momentum and counters
+                opt.zero_grad()
+                model(torch.ones(3, 4) * (cl.rank + 1)).sum().backward()
+                opt.step()
+            dt.broadcast_optimizer_state(opt, root=2, client=cl)
+            bufs = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+            return before, after, bufs, opt.algorithm.iteration, opt.state_dict()["decent"]
+
+        out = c.run(run)
+        params = [torch.nn.Linear(4, 2) for _ in range(3)]
+        assert all(o[0] > 1e-3 for o in out)  # three different random models
+        assert all(o[1] < 1e-12 for o in out), [o[1] for o in out]  # one model (up to the
+        # rounding of a float32 average of equal values)
+        for before, _, bufs, iteration, counters in out:
+            assert before == out[0][0]  # every rank computes the same distance
+            assert iteration == 3 and counters["iteration"] == 3
+            for got, want in zip(bufs, out[2][2], strict=True):
+                assert torch.equal(got, want)
+        del params
+    finally:
+        assert c.stop() == [0, 0, 0]
