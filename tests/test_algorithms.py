@@ -203,7 +203,6 @@ def test_helpers_broadcast_state_and_consensus() -> None:
             return before, after, bufs, opt.algorithm.iteration, opt.state_dict()["decent"]
 
         out = c.run(run)
-        params = [torch.nn.Linear(4, 2) for _ in range(3)]
         assert all(o[0] > 1e-3 for o in out)  # three different random models
         assert all(o[1] < 1e-12 for o in out), [o[1] for o in out]  # one model (up to the
         # rounding of a float32 average of equal values)
@@ -212,6 +211,5 @@ def test_helpers_broadcast_state_and_consensus() -> None:
             assert iteration == 3 and counters["iteration"] == 3
             for got, want in zip(bufs, out[2][2], strict=True):
                 assert torch.equal(got, want)
-        del params
     finally:
         assert c.stop() == [0, 0, 0]

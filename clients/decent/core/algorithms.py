@@ -24,6 +24,7 @@ from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import networkx as nx
+import numpy as np
 
 from decent.core.client import Client, Handle
 from decentd.topology import Topology, TopologyError, build_topology, from_graph, from_spec
@@ -284,8 +285,6 @@ class D2(ExactDiffusion[T]):
 
     def __init__(self, client: Client[T], **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
-        import numpy as np
-
         for phase in self.topology.phases():
             low = float(np.linalg.eigvalsh(self.topology.matrix(phase)).min())
             if low <= -1.0 / 3.0 + 1e-9:  # the bound is strict
