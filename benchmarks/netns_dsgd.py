@@ -3,7 +3,7 @@
 Needs root (it creates network namespaces)::
 
     sudo .venv/bin/python benchmarks/netns_dsgd.py [--nodes 8] [--mbytes 25] [--rate 1gbit]
-        [--repeats 10] [--json benchmarks/results/netns_dsgd.json] [--png PATH]
+        [--repeats 12] [--json benchmarks/results/netns_dsgd.json] [--png PATH]
     sudo .venv/bin/python benchmarks/netns_dsgd.py --cleanup     # remove leftovers of a killed run
 
 ``--cleanup`` deletes ``dcnt*`` namespaces and ``/tmp/dcnt<pid>-*`` run directories (logs kept
@@ -31,13 +31,15 @@ Then, one after the other, in the same namespaces:
   at the first call, no copies after), private (``inplace``: copied to the daemon and back each
   step), in the daemon's arena (``shared``: ``client.shared(t)``), or out of place (``copy``).
 
-Each op runs two warm-up calls (the first registers a shared-memory tensor) and then
-``--repeats`` timed calls, each after a barrier. A repeat's time is the slowest rank's; the
-reported value is the median over the repeats, and speedup = gloo median / decent median. The
-link-only bound: a ring allreduce sends and receives 2(n-1)/n of the model per node, a one-peer
-step one model (at 1 Gbit/s and 25 MB: 350 vs 200 ms).
+Each op runs 1 + period untimed calls first (the first registers a shared-memory tensor, the
+others meet every peer of the schedule once: 4 for 8 nodes) and then ``--repeats`` timed calls,
+each after a barrier. A repeat's time is the slowest rank's; the reported value is the median
+over the repeats, and speedup = gloo median / decent median. The link-only bound: a ring
+allreduce sends and receives 2(n-1)/n of the model per node, a one-peer step one
+model (at 1 Gbit/s and 25 MB: 350 vs 200 ms).
 CPU seconds used during the timed calls (workers and daemons) are reported too, so that a run
-dominated by CPU contention rather than by the links is visible.
+dominated by CPU contention rather than by the links is visible, and so is how far apart the
+ranks left each barrier (``start_skew_ms``: every namespace reads the same monotonic clock).
 
 Whatever happens (exceptions, Ctrl-C, SIGTERM), processes started here are stopped and the
 namespaces deleted. Without root it prints why it skips and exits 0, writing ``{"skipped": ...}``.
@@ -81,7 +83,6 @@ DECENT_PORT = 7700
 GLOO_PORT = 29500
 TCP_PORT = 5201
 TCP_TEST_BYTES = 50_000_000
-WARMUP = 2
 TARGET_SPEEDUP = 1.6
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "netns_dsgd.json"
 SKIP_NOT_ROOT = (
@@ -115,6 +116,16 @@ def parse_rate(rate: str) -> float:
 def numel(mbytes: float) -> int:
     """Float32 elements in a tensor of ``mbytes`` MB (10^6 bytes)."""
     return int(mbytes * 1e6) // 4
+
+
+def schedule_period(size: int) -> int:
+    """Steps before the one-peer exponential graph repeats: ceil(log2(size))."""
+    return max(1, (size - 1).bit_length())
+
+
+def warmup_steps(size: int) -> int:
+    """Untimed calls before timing: one registers the tensor, then every peer is met once."""
+    return 1 + schedule_period(size)
 
 
 def one_peer_src(rank: int, size: int, step: int) -> int:
@@ -490,9 +501,15 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     machine_busy = statistics.median(per_rank[max(
         range(len(per_rank)), key=lambda i: sum(per_rank[i]["times"]))]["busy"])
     ours = statistics.median(c / t for c, t in zip(cpu_per_repeat, slowest, strict=True))
+    starts = list(zip(*(r["starts"] for r in per_rank), strict=True))
+    ends = list(zip(*(r["ends"] for r in per_rank), strict=True))
     return {
         "median_s": med,
         "per_repeat_max_s": slowest,
+        # perf_counter is CLOCK_MONOTONIC, one clock for every namespace of this machine:
+        # how far apart the ranks left the barrier, and first start to last finish
+        "start_skew_ms": [1e3 * (max(v) - min(v)) for v in starts],
+        "span_ms": [1e3 * (max(e) - min(b)) for b, e in zip(starts, ends, strict=True)],
         "per_rank_s": times,
         "correct": all(r["ok"] for r in per_rank),
         "errors": [e for r in per_rank for e in r.get("errors", [])][:10],
@@ -580,10 +597,12 @@ def worker_gloo(a: argparse.Namespace) -> dict[str, Any]:
     buf = torch.empty(numel(a.mbytes), dtype=torch.float32)
     expected = float(a.nodes * (a.nodes - 1) // 2)
     times: list[float] = []
+    starts: list[float] = []
+    ends: list[float] = []
     cpu: list[float] = []
     busy: list[float] = []
     errors: list[str] = []
-    for k in range(WARMUP + a.repeats):
+    for k in range(warmup_steps(a.nodes) + a.repeats):
         buf.fill_(float(a.rank))
         dist.barrier()
         s0, c0, t0 = system_cpu(), time.process_time(), time.perf_counter()
@@ -592,13 +611,15 @@ def worker_gloo(a: argparse.Namespace) -> dict[str, Any]:
         if not bool(torch.all(buf == expected)):
             errors.append(f"gloo rank {a.rank} call {k}: values {buf.min()}..{buf.max()}, "
                           f"expected {expected}")
-        if k >= WARMUP:
+        if k >= warmup_steps(a.nodes):
             times.append(t1 - t0)
+            starts.append(t0)
+            ends.append(t1)
             cpu.append(c1 - c0)
             busy.append(busy_fraction(s0, s1))
     dist.destroy_process_group()
-    return {"rank": a.rank, "times": times, "cpu": cpu, "busy": busy, "ok": not errors,
-            "errors": errors}
+    return {"rank": a.rank, "times": times, "starts": starts, "ends": ends, "cpu": cpu,
+            "busy": busy, "ok": not errors, "errors": errors}
 
 
 def worker_decent(a: argparse.Namespace) -> dict[str, Any]:
@@ -618,10 +639,12 @@ def worker_decent(a: argparse.Namespace) -> dict[str, Any]:
     elif a.mode == "registered":  # in torch's shared memory, which the daemon maps
         t.share_memory_()
     times: list[float] = []
+    starts: list[float] = []
+    ends: list[float] = []
     cpu: list[float] = []
     busy: list[float] = []
     errors: list[str] = []
-    for k in range(WARMUP + a.repeats):
+    for k in range(warmup_steps(a.nodes) + a.repeats):
         srcs = client.in_neighbors("model")
         want = one_peer_src(a.rank, a.nodes, k)
         if srcs != [want]:
@@ -639,15 +662,17 @@ def worker_decent(a: argparse.Namespace) -> dict[str, Any]:
         if out.shape != t.shape or not bool(torch.all(out == expected)):
             errors.append(f"rank {a.rank} step {k}: values {out.min()}..{out.max()}, "
                           f"expected {expected}")
-        if k >= WARMUP:
+        if k >= warmup_steps(a.nodes):
             times.append(t1 - t0)
+            starts.append(t0)
+            ends.append(t1)
             cpu.append((c1 - c0) + (d1 - d0))
             busy.append(busy_fraction(s0, s1))
         if a.mode != "copy":
             t.fill_(float(a.rank))
     client.close()
-    return {"rank": a.rank, "times": times, "cpu": cpu, "busy": busy, "ok": not errors,
-            "errors": errors}
+    return {"rank": a.rank, "times": times, "starts": starts, "ends": ends, "cpu": cpu,
+            "busy": busy, "ok": not errors, "errors": errors}
 
 
 WORKERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
@@ -661,7 +686,7 @@ WORKERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 # ------------------------------------------------------------------------------ driver
 
 
-def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 5,
+def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 12,
         status: Callable[[str], None] | None = None, mode: str = "registered") -> dict[str, Any]:
     """Build the network, run the link test, gloo and decent, tear everything down.
 
@@ -686,7 +711,7 @@ def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "nodes": nodes, "mbytes": mbytes, "rate": rate, "repeats": repeats,
                 "decent_mode": mode,
-                "warmup": WARMUP, "cpus": os.cpu_count(), "run_dir": str(run_dir),
+                "warmup": warmup_steps(nodes), "cpus": os.cpu_count(), "run_dir": str(run_dir),
                 "loadavg_start": list(os.getloadavg()),
                 "decent_source": decent_source(),
             }
@@ -697,9 +722,10 @@ def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 
             runner = Runner(net, run_dir, cleanup)
             say("raw TCP link test (50 MB)")
             result["link"] = link_test(runner)
-            say(f"gloo all_reduce of {mbytes:g} MB x {WARMUP}+{repeats} on {nodes} namespaces")
+            calls = f"{warmup_steps(nodes)}+{repeats}"
+            say(f"gloo all_reduce of {mbytes:g} MB x {calls} on {nodes} namespaces")
             result["gloo"] = gloo_bench(runner, mbytes, repeats)
-            say(f"decent neighbor_allreduce (one-peer exponential) x {WARMUP}+{repeats}")
+            say(f"decent neighbor_allreduce (one-peer exponential) x {calls}")
             result["decent"] = decent_bench(runner, mbytes, repeats, job=f"netns-{prefix}",
                                             mode=mode)
             stats = net.qdisc_stats()
@@ -855,7 +881,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--mbytes", type=float, default=25.0, help="model size in MB (10^6 bytes)")
     p.add_argument("--rate", default="1gbit", help="tc tbf rate per link and direction")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=12,
+                   help="timed calls; a multiple of the graph's period (3 for 8 nodes) weighs "
+                   "every step of the schedule equally")
     p.add_argument("--mode", choices=("registered", "inplace", "shared", "copy"),
                    default="registered",
                    help="decent's step: neighbor_allreduce_ in place on a share_memory_() tensor "

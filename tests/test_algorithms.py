@@ -39,9 +39,10 @@ def grads(x: np.ndarray) -> np.ndarray:
     return np.einsum("nrd,nr->nd", A, np.einsum("nrd,nd->nr", A, x) - B)
 
 
-def simulate(name: str, w: np.ndarray, steps: int = STEPS, **opt: Any) -> np.ndarray:
-    """The numpy recursion of ``name`` (SGD local step: d = LR * grad)."""
-    x = X0.copy()
+def simulate(name: str, w: np.ndarray, steps: int = STEPS, lr: float = LR, beta: float = BETA,
+             x0: np.ndarray = X0, **opt: Any) -> np.ndarray:
+    """The numpy recursion of ``name`` (SGD local step: d = lr * grad)."""
+    x = x0.copy()
     mean = np.full((N, N), 1.0 / N)
     m: Any = None
     y: Any = None
@@ -49,11 +50,13 @@ def simulate(name: str, w: np.ndarray, steps: int = STEPS, **opt: Any) -> np.nda
     prev_wx: Any = None
     prev_d: Any = None
     psi: Any = None
+    xhat: Any = None
+    s_pub: Any = None
     for k in range(steps):
-        d = LR * grads(x)
+        d = lr * grads(x)
         if name == "dmsgd":
-            m = d / LR if m is None else BETA * m + d / LR
-            x = w @ (x - LR * m)
+            m = d / lr if m is None else beta * m + d / lr
+            x = w @ (x - lr * m)
         elif name == "dsgd":
             x = w @ (x - d)
         elif name == "dsgd-cta":
@@ -74,9 +77,16 @@ def simulate(name: str, w: np.ndarray, steps: int = STEPS, **opt: Any) -> np.nda
             phi = new_psi if psi is None else new_psi + x - psi
             psi = new_psi
             x = (phi + w @ phi) / 2 if name == "exact-diffusion" else w @ phi
+        elif name == "choco":
+            if xhat is None:
+                xhat, s_pub = np.zeros_like(x), np.zeros_like(x)
+            half = x - d
+            q = np.stack([opt["q"](v) for v in half - xhat])
+            xhat, s_pub = xhat + q, s_pub + w @ q
+            x = half + opt["consensus_step"] * (s_pub - xhat)
         elif name == "decentlam":
             g = x - w @ (x - d)
-            m = g if m is None else opt["beta"] * m + g
+            m = g if m is None else beta * m + g
             x = x - m
         else:
             raise AssertionError(name)
@@ -94,10 +104,10 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 
 
 def _train(c: Cluster, algorithm: str, make_sgd: Callable[[list[torch.Tensor]], Any],
-           steps: int = STEPS, **options: Any) -> np.ndarray:
+           steps: int = STEPS, x0: np.ndarray = X0, **options: Any) -> np.ndarray:
     def run(cl: Client[torch.Tensor]) -> np.ndarray:
         r = cl.rank
-        x = torch.nn.Parameter(torch.tensor(X0[r]))
+        x = torch.nn.Parameter(torch.tensor(x0[r]))
         a, b = torch.tensor(A[r]), torch.tensor(B[r])
         opt = dt.DecentralizedOptimizer(make_sgd([x]), algorithm=algorithm, client=cl,
                                         prefix=f"ls.{algorithm}", **options)
@@ -109,8 +119,14 @@ def _train(c: Cluster, algorithm: str, make_sgd: Callable[[list[torch.Tensor]], 
     return np.stack(c.run(run, timeout=600))
 
 
-def _sgd(params: list[torch.Tensor]) -> torch.optim.SGD:
-    return torch.optim.SGD(params, lr=LR)
+def _sgd(params: list[torch.Tensor], lr: float = LR) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=lr)
+
+
+XSTAR = np.linalg.solve(np.einsum("nrd,nre->de", A, A), np.einsum("nrd,nr->d", A, B))
+#: the lazy ring (1/2 self, 1/4 each neighbor): lambda_min(W) = 0 > -1/3, so D2 may run on it
+LAZY: Topology = build_topology("ring", N, weights={
+    i: {i: 0.5, (i - 1) % N: 0.25, (i + 1) % N: 0.25} for i in range(N)})
 
 
 CASES: list[tuple[str, dict[str, Any]]] = [
@@ -141,13 +157,53 @@ def test_own_topology_with_explicit_weights_runs_d2(cluster: Cluster) -> None:
     # D2 needs lambda_min(W) > -1/3: ring 8 and hypercube 8 with uniform weights are refused;
     # the lazy ring (1/2 self, 1/4 each neighbor) is fine, and the optimizer passes its weights
     # with every exchange whatever the daemons' topology
-    lazy: Topology = build_topology("ring", N, weights={
-        i: {i: 0.5, (i - 1) % N: 0.25, (i + 1) % N: 0.25} for i in range(N)})
+    lazy = LAZY
     with pytest.raises(dt.AlgorithmError, match=r"lambda_min\(W\) > -1/3.*exact-diffusion"):
         dt.DecentralizedOptimizer(_sgd([torch.nn.Parameter(torch.zeros(1))]), algorithm="d2",
                                   client=cluster.clients[0], topology="ring")
     got = _train(cluster, "d2", _sgd, topology=lazy)
     np.testing.assert_allclose(got, simulate("d2", lazy.matrix()), rtol=1e-6, atol=1e-9)
+
+
+def _topk(v: np.ndarray, ratio: float) -> np.ndarray:
+    k = max(1, int(np.ceil(ratio * v.size)))
+    keep = np.argsort(-np.abs(v), kind="stable")[:k]
+    out = np.zeros_like(v)
+    out[keep] = v[keep]
+    return out
+
+
+def _int8(v: np.ndarray) -> np.ndarray:
+    scale = np.abs(v).max() / 127.0
+    return np.rint(v / scale) * scale if scale else np.zeros_like(v)
+
+
+def _sign(v: np.ndarray) -> np.ndarray:
+    return np.where(v >= 0, 1.0, -1.0) * np.abs(v).mean()
+
+
+CHOCO: list[tuple[str, dict[str, Any], Callable[[np.ndarray], np.ndarray]]] = [
+    ("topk", {"ratio": 0.4, "consensus_step": 0.3}, lambda v: _topk(v, 0.4)),
+    ("sign", {"consensus_step": 0.2}, _sign),
+    ("int8", {"consensus_step": 0.8}, _int8),
+]
+
+
+@pytest.mark.parametrize(("compressor", "options", "q"), CHOCO, ids=[c[0] for c in CHOCO])
+def test_choco_matches_its_recursion_with_each_compressor(
+        cluster: Cluster, compressor: str, options: dict[str, Any],
+        q: Callable[[np.ndarray], np.ndarray]) -> None:
+    w = build_topology(cluster.clients[0].topology.kind, N).matrix()
+    got = _train(cluster, "choco", _sgd, compressor=compressor, **options)
+    want = simulate("choco", w, q=q, consensus_step=options["consensus_step"])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+
+
+def test_choco_uncompressed_with_full_step_is_dsgd(cluster: Cluster) -> None:
+    w = build_topology(cluster.clients[0].topology.kind, N).matrix()
+    got = _train(cluster, "choco", _sgd, steps=50, compressor="topk", ratio=1.0,
+                 consensus_step=1.0)
+    np.testing.assert_allclose(got, simulate("dsgd", w, steps=50), rtol=1e-9, atol=1e-12)
 
 
 def test_symmetric_algorithms_refuse_a_directed_graph(cluster: Cluster) -> None:
@@ -157,6 +213,13 @@ def test_symmetric_algorithms_refuse_a_directed_graph(cluster: Cluster) -> None:
                                                     r"'exponential'.*use an undirected graph"):
             dt.DecentralizedOptimizer(_sgd([torch.nn.Parameter(torch.zeros(1))]),
                                       algorithm=name, client=cl, topology="exponential")
+    with pytest.raises(dt.AlgorithmError, match=r"'choco' needs a static mixing matrix.*"
+                                                r"'random-matching'.*changes from step"):
+        dt.DecentralizedOptimizer(_sgd([torch.nn.Parameter(torch.zeros(1))]),
+                                  algorithm="choco", client=cl, topology="random-matching")
+    with pytest.raises(dt.AlgorithmError, match="choco: unknown compressor 'zip'"):
+        dt.DecentralizedOptimizer(_sgd([torch.nn.Parameter(torch.zeros(1))]),
+                                  algorithm="choco", client=cl, compressor="zip")
     with pytest.raises(dt.AlgorithmError, match="without momentum"):
         dt.DecentralizedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1,
                                                   momentum=0.9), algorithm="decentlam", client=cl)
@@ -166,6 +229,49 @@ def test_symmetric_algorithms_refuse_a_directed_graph(cluster: Cluster) -> None:
     with pytest.raises(dt.AlgorithmError, match=r"has no option\(s\) \['period'\]"):
         dt.DecentralizedOptimizer(_sgd([torch.nn.Parameter(torch.zeros(1))]), algorithm="dsgd",
                                   client=cl, period=3)
+
+
+#: (learning rate, steps) that bring each exact algorithm to x* within float64 rounding (found
+#: with the numpy recursion: the error then stays at 1e-15..1e-14 of |x*|)
+EXACT: dict[str, dict[str, tuple[float, int]]] = {
+    "ring": {"gradient-tracking": (0.1, 600), "extra": (0.3, 300),
+             "exact-diffusion": (0.3, 300), "d2": (0.3, 300)},
+    "hypercube": {"gradient-tracking": (0.08, 900), "extra": (0.3, 300),
+                  "exact-diffusion": (0.25, 300), "d2": (0.3, 300)},
+}
+
+
+@pytest.mark.parametrize("algorithm", ["gradient-tracking", "extra", "exact-diffusion", "d2"])
+def test_exact_algorithms_reach_the_optimum_through_the_daemons(cluster: Cluster,
+                                                                 algorithm: str) -> None:
+    lr, steps = EXACT[cluster.clients[0].topology.kind][algorithm]
+    options: dict[str, Any] = {"topology": LAZY} if algorithm == "d2" else {}
+    got = _train(cluster, algorithm, lambda ps: _sgd(ps, lr), steps=steps, **options)
+    err = np.abs(got - XSTAR).max() / np.abs(XSTAR).max()
+    assert err < 1e-12, err
+
+
+def test_momentum_bias_dmsgd_against_dsgd_and_decentlam(cluster: Cluster) -> None:
+    # from consensus at x*, small steps: each method settles at its fixed point. DmSGD's
+    # sum_i ||x_i - x*||^2 approaches 1/(1-beta)^2 = 4 times D-SGD's as the step shrinks (3.76 on
+    # the ring, 3.94 on the hypercube at lr 0.01); DecentLaM has D-SGD's fixed point
+    lr, beta, steps = 0.01, 0.5, 500
+    w = build_topology(cluster.clients[0].topology.kind, N).matrix()
+    start = np.tile(XSTAR, (N, 1))
+    runs = {
+        "dsgd": _train(cluster, "dsgd", lambda ps: _sgd(ps, lr), steps=steps, x0=start),
+        "dmsgd": _train(cluster, "dmsgd", lambda ps: torch.optim.SGD(ps, lr=lr, momentum=beta),
+                        steps=steps, x0=start),
+        "decentlam": _train(cluster, "decentlam", lambda ps: _sgd(ps, lr), steps=steps,
+                            x0=start, beta=beta),
+    }
+    for name, got in runs.items():
+        want = simulate(name, w, steps=steps, lr=lr, beta=beta, x0=start)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+    err = {name: float(((got - XSTAR) ** 2).sum()) for name, got in runs.items()}
+    assert err["dsgd"] > 1e-3  # D-SGD is biased: there is something to compare
+    assert abs(err["dmsgd"] / err["dsgd"] / (1 / (1 - beta) ** 2) - 1) < 0.1, err
+    assert abs(err["decentlam"] / err["dsgd"] - 1) < 0.01, err
 
 
 def test_exact_algorithms_reach_the_optimum_in_the_simulation() -> None:
@@ -178,6 +284,12 @@ def test_exact_algorithms_reach_the_optimum_in_the_simulation() -> None:
         err = np.abs(simulate(name, w, steps=2000) - xstar).max()
         assert err < 1e-11 * scale, (name, err)  # float64 rounding, accumulated
     assert np.abs(simulate("dsgd", w, steps=2000) - xstar).max() > 1e-2 * scale
+    # DmSGD's limit is D-SGD's with step lr/(1-beta) (algorithms.md), DecentLaM's D-SGD's
+    dmsgd = simulate("dmsgd", w, steps=3000, lr=0.02, beta=0.5)
+    np.testing.assert_allclose(dmsgd, simulate("dsgd", w, steps=3000, lr=0.04),
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(simulate("decentlam", w, steps=3000, lr=0.02, beta=0.5),
+                               simulate("dsgd", w, steps=3000, lr=0.02), rtol=1e-12, atol=1e-12)
 
 
 def test_helpers_broadcast_state_and_consensus() -> None:

@@ -150,18 +150,24 @@ class OpContext:
 
     async def send(self, dst: int, tag: int, weight: float = 1.0, ack: bool = False,
                    track: list[tuple[Outgoing, int]] | None = None,
-                   parts: list[PartSpec] | None = None) -> None:
+                   parts: list[PartSpec] | None = None,
+                   data: memoryview | None = None) -> None:
         """Send this op's tensors (or ``parts`` of them; one message) to ``dst``; ``ack``: wait
         until they are matched.
 
         ``track`` receives the queued frame (and its header size), to follow its progress.
+        ``data`` replaces the payload of a one-tensor op (e.g. its compressed form).
         """
         want = self.parts if parts is None else parts
         payload = self.payload if parts is None else [p.raw for p in parts]
+        wire = self.wire_parts(tag, weight, want)
+        if data is not None:
+            payload = [data]
+            wire[0].nbytes = len(data)
         futs = [self.transport.expect_ack(dst, p.name, p.round, tag) for p in want] \
             if ack else []
         self.unacked.add(dst)
-        await self.transport.send_parts(dst, self.wire_parts(tag, weight, want), payload, track)
+        await self.transport.send_parts(dst, wire, payload, track)
         if futs:
             await asyncio.gather(*futs)
         self.unacked.discard(dst)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from decentd import dtypes
+from decentd import compression, dtypes
 from decentd.bulk import Outgoing
 from decentd.engine import OpContext, OpResult, OpSpec, PartSpec
 from decentd.errors import OpError
@@ -345,6 +345,50 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
             weighted_sum(out, p.x, self_weight, terms, p.dtype)
 
 
+async def compressed_neighbor_allreduce(ctx: OpContext) -> OpResult:
+    """neighbor_allreduce of ``Q(x)``: each rank sends its compressed tensor (compression.py).
+
+    The result has two rows: ``self_w * Q(x) + sum_j src_w[j] * d_j * Q(x_j)`` (ascending rank
+    order) and ``Q(x)`` itself, decoded from the payload this rank sent, so the caller knows
+    exactly what its neighbors received (CHOCO-SGD keeps public copies with it).
+    """
+    p = ctx.parts[0]
+    spec = ctx.req.compression
+    try:
+        compression.validate(int(spec.kind), float(spec.ratio), p.dtype, p.x.size)
+    except compression.CompressionError as exc:
+        raise OpError(pb.INVALID_ARGUMENT, f"{ctx.label}: {exc}") from None
+    self_weight, recv, send = neighbor_plan(ctx)
+    mine = compression.describe(int(spec.kind), float(spec.ratio))
+    data = compression.encode(int(spec.kind), float(spec.ratio), p.x, p.dtype)
+    rows = _out(ctx, p, 2 * p.nbytes).reshape(2, p.x.size)
+    mixed, own = rows[0], rows[1]
+    compression.decode(data, own, p.dtype)
+    srcs = sorted(recv)
+    got = await gather_all(
+        *(ctx.recv_parts(j, 0, ack=j not in send, sized=False) for j in srcs),
+        *(ctx.send(d, 0, weight=w, ack=d not in recv, data=memoryview(data))
+          for d, w in send.items()))
+    storage = dtypes.STORAGE[p.dtype]
+    terms = []
+    for j, (arrival,) in zip(srcs, got[:len(srcs)], strict=True):
+        theirs = np.empty(p.x.size, storage)
+        try:
+            kind, _, k, _ = compression.header(arrival.data)
+            if kind != spec.kind or (kind == pb.TOPK and
+                                     k != compression.topk_count(spec.ratio, p.x.size)):
+                ratio = k / p.x.size if kind == pb.TOPK and p.x.size else 0.0
+                raise compression.CompressionError(
+                    f"rank {j} compressed it with {compression.describe(kind, ratio)}, rank "
+                    f"{ctx.rank} with {mine}")
+            compression.decode(arrival.data, theirs, p.dtype)
+        except compression.CompressionError as exc:
+            raise OpError(pb.MISMATCH, f"tensor '{p.display}' round {p.round}: {exc}") from None
+        terms.append((theirs, recv[j] * arrival.weight))
+    weighted_sum(mixed, own, self_weight, terms, p.dtype)
+    return OpResult(2 * p.nbytes, (2, *ctx.shape))
+
+
 def allgather_plan(ctx: OpContext) -> tuple[list[int], list[int]]:
     """(ranks to receive from, ranks to send to) of a neighbor allgather."""
     req = ctx.req
@@ -565,6 +609,8 @@ OPS: dict[int, OpSpec] = {
     pb.NEIGHBOR_ALLGATHER: OpSpec(neighbor_allgather, _allgather_peers, lambda _ctx: {0}),
     pb.ALLREDUCE: OpSpec(allreduce, _allreduce_peers, _allreduce_tags, fusable=True),
     pb.BROADCAST: OpSpec(broadcast, _broadcast_peers, lambda ctx: {_root(ctx)}, fusable=True),
+    pb.COMPRESSED_NEIGHBOR_ALLREDUCE: OpSpec(compressed_neighbor_allreduce, _neighbor_peers,
+                                             lambda _ctx: {0}),
     pb.BARRIER: OpSpec(barrier, _barrier_peers,
                        lambda ctx: set(range(len(hops(ctx.size))))),
 }

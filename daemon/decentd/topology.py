@@ -59,7 +59,7 @@ KindFn = Callable[..., tuple[PhaseFn, int]]
 
 SCHEMES = ("uniform", "metropolis")
 #: properties :meth:`Topology.check` knows
-PROPERTIES = ("row-stochastic", "doubly-stochastic", "symmetric")
+PROPERTIES = ("row-stochastic", "doubly-stochastic", "symmetric", "static")
 #: a dynamic schedule with a longer period is checked on this many phases
 CHECKED_PHASES = 1024
 _TOL = 1e-9
@@ -215,6 +215,8 @@ class Topology:
         if asym.size:
             i, j = (int(v) for v in asym[0])
             out["symmetric"] = f"W[{i},{j}] = {w[i, j]:.6g} but W[{j},{i}] = {w[j, i]:.6g}"
+        if self.dynamic:
+            out["static"] = f"its graph changes from step to step (period {self.period})"
         return out
 
     def check(self, need: Iterable[str], who: str = "this use") -> None:
@@ -231,7 +233,7 @@ class Topology:
             failed = self.failures(phase)
             for prop in need:
                 if prop in failed:
-                    where = f" at step {phase}" if self.dynamic else ""
+                    where = f" at step {phase}" if self.dynamic and prop != "static" else ""
                     raise TopologyError(
                         f"{who} needs a {prop} mixing matrix, but topology {self.kind!r} on "
                         f"{self.size} ranks ({self.scheme} weights) is not{where}: "
@@ -245,6 +247,8 @@ _ADVICE = {
     "symmetric": "use an undirected graph: 'hypercube' (a power-of-two number of ranks), "
                  "'symmetric-exponential', 'ring' or 'torus', with weights 'metropolis' unless "
                  "it is regular",
+    "static": "use a static kind (ring, exponential, symmetric-exponential, hypercube, torus, "
+              "full, custom)",
 }
 
 

@@ -26,16 +26,18 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import networkx as nx
 import numpy as np
 
-from decent.core.client import Client, Handle
+from decent.core.client import COMPRESSORS, Client, Handle
 from decentd.topology import Topology, TopologyError, build_topology, from_graph, from_spec
 
 
 class Arithmetic(Protocol):
-    """What the algorithms ask of a framework's tensor: elementwise +, - and scaling."""
+    """What the algorithms ask of a framework's tensor: elementwise +, -, scaling and
+    indexing along the first dimension."""
 
     def __add__(self, other: Any, /) -> Any: ...
     def __sub__(self, other: Any, /) -> Any: ...
     def __mul__(self, other: Any, /) -> Any: ...
+    def __getitem__(self, index: Any, /) -> Any: ...
 
 
 T = TypeVar("T", bound=Arithmetic)
@@ -317,15 +319,66 @@ class DecentLaM(Algorithm[T]):
         return out
 
 
+class Choco(Algorithm[T]):
+    """CHOCO-SGD: gossip of compressed differences to public copies.
+
+    ``q = Q(x - d - xhat)`` travels compressed (the daemon's compressed_neighbor_allreduce);
+    ``xhat += q``, ``s += sum_j w_ij q_j`` (``s = sum_j w_ij xhat_j``), and
+    ``x' = x - d + consensus_step * (s - xhat)``. ``xhat`` and ``s`` start at 0 and live in the
+    optimizer state. With ``topk`` at ratio 1 and consensus_step 1 it is ATC D-SGD.
+    """
+
+    name = "choco"
+    needs = ("doubly-stochastic", "symmetric", "static")
+    defaults: ClassVar[dict[str, Any]] = {"compressor": "topk", "ratio": 0.1,
+                                          "consensus_step": 0.5}
+
+    def __init__(self, client: Client[T], **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        comp, ratio = self.options["compressor"], self.options["ratio"]
+        if comp not in COMPRESSORS:
+            raise AlgorithmError(f"choco: unknown compressor {comp!r}; known: "
+                                 f"{', '.join(sorted(COMPRESSORS))}")
+        if comp == "topk" and not 0.0 < float(ratio) <= 1.0:
+            raise AlgorithmError(f"choco: topk needs 0 < ratio <= 1, got {ratio}")
+        if not 0.0 < float(self.options["consensus_step"]) <= 1.0:
+            raise AlgorithmError(f"choco: consensus_step must be in (0, 1], got "
+                                 f"{self.options['consensus_step']}")
+
+    def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
+        halves = [x - d for x, d in zip(xs, ds, strict=True)]
+        if not self.communicates:
+            return halves
+        comp = str(self.options["compressor"])
+        ratio = float(self.options["ratio"]) if comp == "topk" else None
+        step = float(self.options["consensus_step"])
+        w = self._weights()
+        handles = []
+        for i, (half, s) in enumerate(zip(halves, states, strict=True)):
+            if "xhat" not in s:
+                s["xhat"], s["s"] = half * 0.0, half * 0.0
+            handles.append(self.client.compressed_neighbor_allreduce_async(
+                half - s["xhat"], comp, ratio=ratio, name=f"{self.prefix}.q.{i}", **w))
+        out = []
+        for half, s, h in zip(halves, states, handles, strict=True):
+            result = h.wait()  # [2, *shape]: the mix of Q's, and our own Q
+            mixed, own = result[0], result[1]
+            s["xhat"] = s["xhat"] + own
+            s["s"] = s["s"] + mixed
+            out.append(half + (s["s"] - s["xhat"]) * step)
+        return out
+
+
 ALGORITHMS: dict[str, type[Algorithm[Any]]] = {
     cls.name: cls for cls in (DSGD, DSGDCombineThenAdapt, AllreduceBaseline,
                               PeriodicGlobalAveraging, GradientTracking, Extra, ExactDiffusion,
-                              D2, DecentLaM)
+                              D2, DecentLaM, Choco)
 }
 #: other names users know them by
 ALIASES = {"dmsgd": "dsgd", "d-sgd": "dsgd", "dgd": "dsgd-cta", "d-psgd": "dsgd-cta",
            "pmsgd": "allreduce", "diging": "gradient-tracking", "gt": "gradient-tracking",
-           "exact_diffusion": "exact-diffusion", "periodic-global-averaging": "pga"}
+           "exact_diffusion": "exact-diffusion", "periodic-global-averaging": "pga",
+           "choco-sgd": "choco"}
 
 
 def make_algorithm(name: str, client: Client[T], **options: Any) -> Algorithm[T]:

@@ -172,6 +172,8 @@ class Handle(Generic[T]):
 
 
 WeightsArg = Mapping[int, float] | Iterable[int] | None
+#: compressors of :meth:`Client.compressed_neighbor_allreduce_async` (see decentd.compression)
+COMPRESSORS = {"topk": pb.TOPK, "sign": pb.SIGN, "int8": pb.INT8}
 
 
 def _weights(arg: WeightsArg) -> dict[int, float] | None:
@@ -632,6 +634,47 @@ class Client(Generic[T]):
     def neighbor_allreduce_(self, tensor: T, **kwargs: Any) -> T:
         """Blocking in-place :meth:`neighbor_allreduce_async`."""
         return self.neighbor_allreduce_async_(tensor, _fuse=False, **kwargs).wait()
+
+    def compressed_neighbor_allreduce_async(
+        self,
+        tensor: T,
+        compressor: str,
+        ratio: float | None = None,
+        name: str | None = None,
+        self_weight: float | None = None,
+        src_weights: Mapping[int, float] | None = None,
+        dst_weights: WeightsArg = None,
+        timeout: float | None = None,
+    ) -> Handle[T]:
+        """Start a neighbor_allreduce of ``Q(x)``, the tensor compressed by ``compressor``.
+
+        ``compressor``: ``"topk"`` (with ``ratio``, the fraction of entries kept), ``"sign"`` or
+        ``"int8"``. The daemon compresses, sends only the compressed bytes and decodes what
+        arrives. The result has shape ``[2, *shape]``: row 0 is
+        ``self_weight * Q(x) + sum_j src_weights[j] * d_j * Q(x_j)`` (weights as in
+        :meth:`neighbor_allreduce_async`), row 1 is ``Q(x)`` exactly as the neighbors decoded it::
+
+            mixed, own = client.compressed_neighbor_allreduce(t, "topk", ratio=0.01)
+        """
+        kind = COMPRESSORS.get(compressor)
+        if kind is None:
+            raise ValueError(f"tensor '{name}': unknown compressor {compressor!r}; known: "
+                             f"{', '.join(sorted(COMPRESSORS))}")
+        if kind == pb.TOPK and ratio is None:
+            raise ValueError(f"tensor '{name}': compressor 'topk' needs a ratio (0 < ratio <= 1)")
+        src = _weights(src_weights)
+        dst = _weights(dst_weights)
+        return self._submit(
+            pb.COMPRESSED_NEIGHBOR_ALLREDUCE, tensor, name, timeout, out_factor=2,
+            compression=pb.Compression(kind=kind, ratio=float(ratio or 0.0)),
+            has_self_weight=self_weight is not None, self_weight=self_weight or 0.0,
+            has_src_weights=src is not None, src_weights=src or {},
+            has_dst_weights=dst is not None, dst_weights=dst or {},
+        )
+
+    def compressed_neighbor_allreduce(self, tensor: T, compressor: str, **kwargs: Any) -> T:
+        """Blocking :meth:`compressed_neighbor_allreduce_async`."""
+        return self.compressed_neighbor_allreduce_async(tensor, compressor, **kwargs).wait()
 
     def neighbor_allgather_async(
         self,

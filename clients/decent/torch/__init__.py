@@ -44,6 +44,8 @@ __all__ = [
     "broadcast_async_",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "compressed_neighbor_allreduce",
+    "compressed_neighbor_allreduce_async",
     "connect",
     "consensus",
     "flush",
@@ -129,6 +131,18 @@ def neighbor_allreduce_async(
 def neighbor_allreduce(tensor: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """Blocking neighbor averaging."""
     return _client().neighbor_allreduce(tensor, **kwargs)
+
+
+def compressed_neighbor_allreduce_async(tensor: torch.Tensor, compressor: str, **kwargs: Any
+                                        ) -> Handle[torch.Tensor]:
+    """See :meth:`decent.core.Client.compressed_neighbor_allreduce_async`."""
+    return _client().compressed_neighbor_allreduce_async(tensor, compressor, **kwargs)
+
+
+def compressed_neighbor_allreduce(tensor: torch.Tensor, compressor: str, **kwargs: Any
+                                  ) -> torch.Tensor:
+    """Blocking compressed neighbor averaging: ``[mixed, own] = result``."""
+    return _client().compressed_neighbor_allreduce(tensor, compressor, **kwargs)
 
 
 def neighbor_allgather_async(tensor: torch.Tensor, **kwargs: Any) -> Handle[torch.Tensor]:
