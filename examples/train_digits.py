@@ -10,18 +10,19 @@ the other in the same processes, from the same initial weights and with the same
 and minibatch order:
 
 ``dsgd``
-    Combine-then-adapt decentralized SGD. Each iteration starts the neighbor averaging of every
-    parameter (``neighbor_allreduce_async``) *before* the forward pass, computes the local gradient
-    at the pre-averaging point x_k while the averaging is in flight, then replaces the parameters
-    by the neighborhood average and takes the optimizer step::
+    Decentralized SGD, adapt-then-combine: each worker takes its local step (``torch.optim.SGD``
+    with ``--momentum``, default 0.9: DmSGD, the momentum buffer stays local), then averages the
+    parameters with its neighbors (one ``neighbor_allreduce`` per step, fused)::
 
-        x_{k+1} = sum_j w_ij x_j - lr * g_i(x_i)
+        x_{k+1} = sum_j w_ij (x_j - lr * m_j)
 
-    With ``--momentum`` > 0 (default 0.9) ``g_i`` is the worker's local heavy-ball buffer of its
-    own gradients (plain ``torch.optim.SGD`` with momentum), i.e. the momentum is not averaged.
 ``allreduce``
-    The centralized baseline: gradients are averaged over all workers with ``allreduce_async``
-    after the backward pass, so every worker takes the same step and the models stay identical.
+    The centralized baseline (PmSGD): the same local step, then the global average of the
+    parameters, so the models stay identical.
+
+Both are ``dt.DecentralizedOptimizer(torch.optim.SGD(...), model, algorithm=...)``;
+``--algorithms`` also takes the library's other names (``dsgd-cta``, ``gradient-tracking``, ...;
+those that need a symmetric mixing matrix refuse the exponential graph and say what to use).
 
 At the end every worker evaluates its own model on the test set; rank 0 prints each worker's
 accuracy, the accuracy of the averaged model (the parameters allreduce-averaged over workers), the
@@ -38,7 +39,6 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,8 +52,10 @@ from torch import nn
 from tqdm import tqdm
 
 import decent.torch as dt
+from decent.core.algorithms import ALGORITHMS as ALGORITHM_NAMES
+from decent.core.algorithms import ALIASES
 
-ALGORITHMS = ("dsgd", "allreduce")
+ALGORITHMS = ("dsgd", "allreduce")  # the default comparison
 TorchClient = dt.Client[torch.Tensor]
 
 
@@ -97,15 +99,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32,
                    help="minibatch size per worker (default 32)")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS),
-                   help=f"comma-separated subset of {','.join(ALGORITHMS)} (default: both)")
+                   help=f"comma-separated algorithm names (default {','.join(ALGORITHMS)})")
     p.add_argument("--seed", type=int, default=0, help="seed for split, shards and init")
     p.add_argument("--test-size", type=float, default=0.2,
                    help="fraction of the data held out for testing (default 0.2)")
     args = p.parse_args(argv)
     algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    unknown = [a for a in algos if a not in ALGORITHMS]
+    known = {*ALGORITHM_NAMES, *ALIASES}
+    unknown = [a for a in algos if a not in known]
     if unknown or not algos:
-        p.error(f"--algorithms: unknown {unknown}; choose from {', '.join(ALGORITHMS)}")
+        p.error(f"--algorithms: unknown {unknown}; choose from {', '.join(sorted(known))}")
     args.algorithms = algos
     if args.epochs < 1 or args.batch_size < 1:
         p.error("--epochs and --batch-size must be >= 1")
@@ -186,43 +189,6 @@ def gather(client: TorchClient, value: float, name: str) -> list[float]:
     return client.allreduce(slot, op="sum", name=name).tolist()
 
 
-def dsgd_step(client: TorchClient, model: nn.Module, opt: torch.optim.Optimizer,
-              xb: torch.Tensor, yb: torch.Tensor) -> float:
-    """One combine-then-adapt D-SGD iteration; the minibatch loss."""
-    params = list(model.parameters())
-    handles = [client.neighbor_allreduce_async(p.data, name=f"dsgd.{i}")
-               for i, p in enumerate(params)]
-    opt.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(xb), yb)  # gradient at x_k, overlapped with the averaging
-    loss.backward()
-    with torch.no_grad():
-        for p, h in zip(params, handles, strict=True):
-            p.data.copy_(h.wait())
-    opt.step()
-    return loss.item()
-
-
-def allreduce_step(client: TorchClient, model: nn.Module, opt: torch.optim.Optimizer,
-                   xb: torch.Tensor, yb: torch.Tensor) -> float:
-    """One synchronous data-parallel SGD iteration (gradients averaged over all ranks)."""
-    params = list(model.parameters())
-    opt.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(xb), yb)
-    loss.backward()
-    handles = [client.allreduce_async(p.grad, op="average", name=f"ar.{i}")
-               for i, p in enumerate(params) if p.grad is not None]
-    with torch.no_grad():
-        for p, h in zip((p for p in params if p.grad is not None), handles, strict=True):
-            p.grad.copy_(h.wait())  # type: ignore[union-attr]
-    opt.step()
-    return loss.item()
-
-
-StepFn = Callable[[TorchClient, nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor],
-                  float]
-STEPS: dict[str, StepFn] = {"dsgd": dsgd_step, "allreduce": allreduce_step}
-
-
 def evaluate(client: TorchClient, algo: str, model: nn.Module, data: Data, train_loss: float,
              wall_time: float, steps: int) -> Result:
     """Per-worker and averaged-model accuracy, consensus distance; gathered on every rank."""
@@ -253,12 +219,15 @@ def train(client: TorchClient, algo: str, init: dict[str, torch.Tensor], data: D
     model = make_model()
     model.load_state_dict(init)
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    step = STEPS[algo]
+    # the wrapped optimizer's step is the local update; the algorithm turns it into the
+    # decentralized one (and, given the model, starts exchanges before the forward pass)
+    local = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    opt = dt.DecentralizedOptimizer(local, model, algorithm=algo, client=client,
+                                    prefix=f"train.{algo}")
     total = args.epochs * data.steps_per_epoch
     sched: torch.optim.lr_scheduler.LRScheduler | None = None
     if args.schedule == "cosine":
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(local, T_max=total)
     bar = tqdm(total=total, desc=f"{algo:>9}", unit="it", disable=client.rank != 0,
                mininterval=0.5, dynamic_ncols=False, ncols=90)
     client.barrier(name=f"start.{algo}")
@@ -267,7 +236,11 @@ def train(client: TorchClient, algo: str, init: dict[str, torch.Tensor], data: D
     for epoch in range(args.epochs):
         losses = []
         for xb, yb in batches(data, args.batch_size, args.seed, client.rank, epoch):
-            losses.append(step(client, model, opt, xb, yb))
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
             if sched is not None:
                 sched.step()
             bar.update(1)
@@ -275,6 +248,7 @@ def train(client: TorchClient, algo: str, init: dict[str, torch.Tensor], data: D
         bar.set_postfix(epoch=epoch + 1, loss=f"{last_epoch_loss:.4f}", refresh=False)
     wall = time.perf_counter() - t0
     bar.close()
+    opt.close()
     return evaluate(client, algo, model, data, last_epoch_loss, wall, total)
 
 

@@ -7,6 +7,7 @@ daemons; the same recursion in numpy (``algorithms.md``) must give the same iter
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -204,6 +205,49 @@ def test_choco_uncompressed_with_full_step_is_dsgd(cluster: Cluster) -> None:
     got = _train(cluster, "choco", _sgd, steps=50, compressor="topk", ratio=1.0,
                  consensus_step=1.0)
     np.testing.assert_allclose(got, simulate("dsgd", w, steps=50), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(("algorithm", "options"), [
+    ("gradient-tracking", {}), ("extra", {}), ("decentlam", {"beta": BETA}),
+    ("choco", {"compressor": "topk", "ratio": 0.4, "consensus_step": 0.3})])
+def test_a_checkpoint_resumes_the_same_iterates(cluster: Cluster, algorithm: str,
+                                                options: dict[str, Any]) -> None:
+    # 20 steps in one go == 10 steps, state_dict through torch.save/load into a fresh
+    # optimizer, 10 more: trackers, previous iterates, public copies and counters come back
+    def run(cl: Client[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+        r = cl.rank
+        a, b = torch.tensor(A[r]), torch.tensor(B[r])
+
+        def steps(x: torch.nn.Parameter, opt: dt.DecentralizedOptimizer, k: int) -> None:
+            for _ in range(k):
+                opt.zero_grad()
+                (0.5 * ((a @ x - b) ** 2).sum()).backward()
+                opt.step()
+
+        def fresh(tag: str) -> tuple[torch.nn.Parameter, dt.DecentralizedOptimizer]:
+            x = torch.nn.Parameter(torch.tensor(X0[r]))
+            return x, dt.DecentralizedOptimizer(_sgd([x]), algorithm=algorithm, client=cl,
+                                                prefix=f"ck.{algorithm}.{tag}", **options)
+
+        x, opt = fresh("whole")
+        steps(x, opt, 20)
+        whole = x.detach().numpy().copy()
+        x, opt = fresh("part")
+        steps(x, opt, 10)
+        buf = io.BytesIO()
+        torch.save({"x": x.detach().clone(), "opt": opt.state_dict()}, buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=False)
+        y = torch.nn.Parameter(saved["x"])
+        resumed = dt.DecentralizedOptimizer(_sgd([y]), algorithm=algorithm, client=cl,
+                                            prefix=f"ck.{algorithm}.part", **options)
+        resumed.load_state_dict(saved["opt"])
+        assert resumed.algorithm.iteration == 10
+        steps(y, resumed, 10)
+        return whole, y.detach().numpy().copy()
+
+    for whole, resumed in cluster.run(run, timeout=300):
+        np.testing.assert_allclose(resumed, whole, rtol=1e-12, atol=1e-12)
 
 
 def test_symmetric_algorithms_refuse_a_directed_graph(cluster: Cluster) -> None:

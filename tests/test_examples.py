@@ -38,6 +38,26 @@ def test_train_digits_dsgd_and_allreduce_learn() -> None:
     assert rows["allreduce"][2] == 0.0  # allreduce keeps the replicas identical
 
 
+def test_convergence_benchmark_short_run(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "convergence.py"), "--workers", "2",
+         "--datasets", "breast_cancer", "--algorithms", "allreduce,dsgd,choco-topk,decentlam",
+         "--epochs", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode in (0, 3), proc.stdout[-3000:] + proc.stderr[-3000:]  # 3: a target
+    report = (tmp_path / "convergence.md").read_text()
+    for row in ("| allreduce | exponential |", "| dsgd | exponential |",
+                "| choco-topk | hypercube |", "| decentlam | hypercube |", "| dmsgd |"):
+        assert row in report, report
+    outcomes = json.loads((tmp_path / "convergence.json").read_text())["outcomes"]
+    assert len(outcomes) == 4 * 2 + 2 * 3  # 4 algorithms x iid/non-iid, large batch x 3 seeds
+    sent = {o["spec"]["label"]: sum(o["bytes_sent"]) for o in outcomes
+            if o["spec"]["split"] == "iid"}
+    assert 0 < sent["choco-topk"] < sent["decentlam"] / 3  # same graph, compressed
+    assert (tmp_path / "convergence_breast_cancer.png").stat().st_size > 10_000
+
+
 def _quick_p2p(out: Path, sizes: str) -> None:
     """Run the p2p benchmark's quick mode between 2 daemons, writing into ``out``."""
     proc = subprocess.run(

@@ -229,3 +229,19 @@ def test_decentctl_topology_prints_and_draws(tmp_path: Path,
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert ctl.main(["topology", "torus", "-n", "12", "--option", "rows=5"]) == 2
     assert "5 rows do not divide 12" in capsys.readouterr().out
+
+
+def test_decentctl_shows_a_node_yaml_edge_list(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    conf = tmp_path / "node.yaml"
+    conf.write_text("peers: [10.0.0.1:7700, 10.0.0.2:7700, 10.0.0.3:7700]\n"
+                    "topology:\n  kind: custom\n"
+                    "  edges: [[0, 1, 0.5], [1, 0, 0.5], [1, 2, 0.25], [2, 1, 0.25]]\n")
+    assert ctl.main(["topology", "--config", str(conf)]) == 0
+    out = capsys.readouterr().out
+    assert "custom, n=3" in out and "degree: in 2, out 2" in out  # rank 1 hears 0 and 2
+    assert "[[0.5  0.5  0.  ]\n [0.5  0.25 0.25]\n [0.   0.25 0.75]]" in out
+    assert "symmetric: yes" in out and "static: yes" in out
+    conf.write_text("topology:\n  kind: custom\n  edges: [[0, 5]]\n")
+    assert ctl.main(["topology", "--config", str(conf), "-n", "3"]) == 2
+    assert "5" in capsys.readouterr().out

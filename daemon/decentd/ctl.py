@@ -2,6 +2,7 @@
 
     decentctl status [--daemon unix:///tmp/decentd.sock]
     decentctl topology KIND -n N [--step T] [--weights metropolis] [--option K=V] [--png F]
+    decentctl topology --config node.yaml [-n N] [--step T] [--png F]
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from decentd import topology
+from decentd.config import load_config
+from decentd.errors import StartupError
 from decentd.wire import pb, pb_grpc
 
 
@@ -59,13 +62,21 @@ def _option(text: str) -> tuple[str, int | str]:
 
 
 def show_topology(kind: str, n: int, step: int, console: Console, scheme: str = "uniform",
-                  options: dict[str, int | str] | None = None, png: str | None = None) -> int:
-    """Print W, rho, degrees and properties of a topology; ``png``: draw its graph there."""
+                  options: dict[str, int | str] | None = None, png: str | None = None,
+                  config: str | None = None) -> int:
+    """Print W, rho, degrees and properties of a topology (a kind, or the one a node.yaml
+    configures); ``png``: draw its graph there."""
     try:
-        topo = topology.build_topology(kind, n, None, scheme, **(options or {}))
+        if config is not None:
+            cfg = load_config(config)
+            n = n or len(cfg.peers)
+            topo = cfg.topology.build(n)
+            kind, scheme = topo.kind, topo.scheme
+        else:
+            topo = topology.build_topology(kind, n, None, scheme, **(options or {}))
         w = topo.matrix(step)
         failed = topo.failures(step)
-    except topology.TopologyError as exc:
+    except (topology.TopologyError, StartupError) as exc:
         console.print(f"[red]{escape(str(exc))}[/red]")
         return 2
     console.print(f"{kind}, n={n}, {scheme} weights, step {step % topo.period} of "
@@ -116,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="a running daemon's counters and peers")
     st.add_argument("--daemon", help="daemon address (default $DECENT_DAEMON or the socket)")
     tp = sub.add_parser("topology", help="print a topology's mixing matrix, rho and degree")
-    tp.add_argument("kind", choices=topology.kinds())
-    tp.add_argument("-n", type=int, required=True, help="number of ranks")
+    tp.add_argument("kind", nargs="?", choices=topology.kinds())
+    tp.add_argument("-n", type=int, help="number of ranks (with --config: default the number "
+                    "of peers)")
+    tp.add_argument("--config", help="the topology section of this node.yaml (e.g. a custom "
+                    "weighted edge list) instead of KIND")
     tp.add_argument("--step", type=int, default=0, help="step of a dynamic schedule")
     tp.add_argument("--weights", choices=topology.SCHEMES, default="uniform")
     tp.add_argument("--option", type=_option, action="append", default=[],
@@ -127,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if args.cmd == "status":
         return status(_address(args.daemon), console)
-    return show_topology(args.kind, args.n, args.step, console, args.weights,
-                         dict(args.option), args.png)
+    if (args.kind is None) == (args.config is None):
+        tp.error("give a topology KIND or --config node.yaml (one of them)")
+    if args.config is None and not args.n:
+        tp.error("-n is required with a KIND")
+    return show_topology(args.kind or "", args.n or 0, args.step, console, args.weights,
+                         dict(args.option), args.png, args.config)
 
 
 if __name__ == "__main__":
