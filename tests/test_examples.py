@@ -42,7 +42,7 @@ def test_convergence_benchmark_short_run(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "convergence.py"), "--workers", "2",
          "--datasets", "breast_cancer", "--algorithms", "allreduce,dsgd,choco-topk,decentlam",
-         "--epochs", "2", "--out", str(tmp_path)],
+         "--epochs", "2", "--large-seeds", "2", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode in (0, 3), proc.stdout[-3000:] + proc.stderr[-3000:]  # 3: a target
@@ -51,7 +51,7 @@ def test_convergence_benchmark_short_run(tmp_path: Path) -> None:
                 "| choco-topk | hypercube |", "| decentlam | hypercube |", "| dmsgd |"):
         assert row in report, report
     outcomes = json.loads((tmp_path / "convergence.json").read_text())["outcomes"]
-    assert len(outcomes) == 4 * 2 + 2 * 3  # 4 algorithms x iid/non-iid, large batch x 3 seeds
+    assert len(outcomes) == 4 * 2 + 2 * 2  # 4 algorithms x iid/non-iid, large batch x 2 seeds
     sent = {o["spec"]["label"]: sum(o["bytes_sent"]) for o in outcomes
             if o["spec"]["split"] == "iid"}
     assert 0 < sent["choco-topk"] < sent["decentlam"] / 3  # same graph, compressed
