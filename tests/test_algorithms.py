@@ -17,6 +17,7 @@ import torch
 
 import decent.torch as dt
 from cluster import Cluster
+from compressors import int8, sign, topk
 from decent.core import Client
 from decentd.topology import Topology, build_topology
 
@@ -166,27 +167,10 @@ def test_own_topology_with_explicit_weights_runs_d2(cluster: Cluster) -> None:
     np.testing.assert_allclose(got, simulate("d2", lazy.matrix()), rtol=1e-6, atol=1e-9)
 
 
-def _topk(v: np.ndarray, ratio: float) -> np.ndarray:
-    k = max(1, int(np.ceil(ratio * v.size)))
-    keep = np.argsort(-np.abs(v), kind="stable")[:k]
-    out = np.zeros_like(v)
-    out[keep] = v[keep]
-    return out
-
-
-def _int8(v: np.ndarray) -> np.ndarray:
-    scale = np.abs(v).max() / 127.0
-    return np.rint(v / scale) * scale if scale else np.zeros_like(v)
-
-
-def _sign(v: np.ndarray) -> np.ndarray:
-    return np.where(v >= 0, 1.0, -1.0) * np.abs(v).mean()
-
-
 CHOCO: list[tuple[str, dict[str, Any], Callable[[np.ndarray], np.ndarray]]] = [
-    ("topk", {"ratio": 0.4, "consensus_step": 0.3}, lambda v: _topk(v, 0.4)),
-    ("sign", {"consensus_step": 0.2}, _sign),
-    ("int8", {"consensus_step": 0.8}, _int8),
+    ("topk", {"ratio": 0.4, "consensus_step": 0.3}, lambda v: topk(v, 0.4)),
+    ("sign", {"consensus_step": 0.2}, sign),
+    ("int8", {"consensus_step": 0.8}, int8),
 ]
 
 

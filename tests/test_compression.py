@@ -12,31 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from compressors import int8, sign, topk
 from conftest import ClusterFactory
 from decent.core import DecentError
 from decent.v1 import decent_pb2 as pb
-
-
-def topk(v: np.ndarray, ratio: float) -> np.ndarray:
-    """Keep the ceil(ratio * n) entries of largest magnitude (no ties in these inputs)."""
-    k = max(1, int(np.ceil(ratio * v.size)))
-    keep = np.argsort(-np.abs(v), kind="stable")[:k]
-    out = np.zeros_like(v)
-    out[keep] = v[keep]
-    return out
-
-
-def sign(v: np.ndarray) -> np.ndarray:
-    """mean(|v|) * sign(v), with 0 counted as +."""
-    scale = np.abs(v.astype(np.float64)).mean()
-    return np.where(v >= 0, scale, -scale).astype(v.dtype)
-
-
-def int8(v: np.ndarray) -> np.ndarray:
-    """max|v|/127 * rint(v / (max|v|/127))."""
-    scale = np.abs(v).max() / 127.0
-    return (np.rint(v / v.dtype.type(scale)) * v.dtype.type(scale)).astype(v.dtype)
-
 
 COMPRESSORS: dict[str, tuple[Any, dict[str, float]]] = {
     "topk": (lambda v: topk(v, 0.25), {"ratio": 0.25}),
