@@ -298,6 +298,12 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                 True, f"{ratio_text(v)} ({ms(netns['gloo']['median_s'])} vs "
                 f"{ms(netns['decent']['median_s'])} ms)"
                 + ("" if netns.get("correct", True) else "; results WRONG"))
+            if "speedup_barrier" in netns:
+                v = float(netns["speedup_barrier"])
+                add("4b", "the same, each call timed from the rank's barrier exit (reported; "
+                    "row 4 times every rank from one common start)", v, 1.6, True,
+                    f"{ratio_text(v)} ({ms(netns['gloo_barrier']['median_s'])} vs "
+                    f"{ms(netns['decent_barrier']['median_s'])} ms)")
         private = load(RESULTS / "netns_dsgd_inplace.json")
         if private is not None and "speedup" in private:
             v = float(private["speedup"])

@@ -103,6 +103,10 @@ def test_netns_benchmark_runs_and_cleans_up(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["correct"] and res["speedup"] > 0 and res["link"]["single_gbit_s"] > 0.5
+    # both ways of starting the timed calls ran, once each, and every result was exact
+    for key in ("gloo", "decent", "gloo_barrier", "decent_barrier"):
+        assert res[key]["correct"] and len(res[key]["per_repeat_max_s"]) == 1, key
+    assert res["speedup_barrier"] > 0
     assert _netns_left() == []
 
 
