@@ -35,6 +35,7 @@ from decentd.wire import pb
 if TYPE_CHECKING:
     from decentd.arena import Arena
     from decentd.bulk import Outgoing
+    from decentd.windows import Windows
 
 log = logging.getLogger("decentd.engine")
 
@@ -103,8 +104,8 @@ class OpContext:
         self.engine = engine
         self.session = session
         self.req = req
-        self.rank = engine.rank
-        self.size = engine.size
+        self.rank: int = engine.rank
+        self.size: int = engine.size
         self.parts = parts
         self.by_name = {p.name: p for p in parts}
         #: every part's input, in order: the payload of this op's messages (sent gathered)
@@ -331,6 +332,8 @@ class Engine:
         self.completed = 0
         self.failed = 0
         self.closing = False
+        #: the window service (decentd.windows), installed by the server
+        self.windows: Windows | None = None
 
     # ------------------------------------------------------------------ submission
 

@@ -20,7 +20,8 @@ from decentd.engine import Engine, WorkerSession
 from decentd.errors import OpError, StartupError
 from decentd.ops import OPS
 from decentd.topology import Topology, TopologyError
-from decentd.transport import GRPC_OPTIONS, Transport
+from decentd.transport import GRPC_OPTIONS, Transport, qualify
+from decentd.windows import WINDOW_OPS, Windows
 from decentd.wire import pb, pb_grpc
 from decentd.workers import MemorySocket, WorkerChannel
 
@@ -140,6 +141,18 @@ class WorkerService(pb_grpc.WorkerServicer):
         """This rank's neighbors at the step that round ``round`` of an op uses."""
         return topology_info(self.d.topology, self.d.rank, int(request.round))
 
+    async def Window(
+        self, request: pb.WindowRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WindowInfo:
+        """What window ``name`` of the worker's job holds on this rank."""
+        session = self.d.sessions.get(request.worker_id)
+        if session is None:
+            return pb.WindowInfo(error=pb.Error(code=pb.UNKNOWN_WORKER,
+                                                message=f"unknown worker {request.worker_id!r}"))
+        windows = self.d.engine.windows
+        assert windows is not None
+        return windows.info(qualify(session.job, request.name))
+
 
 class PeerService(pb_grpc.PeerServicer):
     """Other daemons: handshake and heartbeat (data goes over the bulk path)."""
@@ -196,8 +209,11 @@ class Daemon:
         self.transport.topology_digest = self.topology.digest()
         self.engine = Engine(
             self.rank, self.size, self.topology, self.transport, cfg.timeouts.op,
-            cfg.timeouts.stall_warning, cfg.transport.ring_threshold_bytes, OPS,
+            cfg.timeouts.stall_warning, cfg.transport.ring_threshold_bytes,
+            {**OPS, **WINDOW_OPS},
         )
+        self.engine.windows = Windows(self.rank, self.topology, self.transport)
+        self.transport.on_one_sided = self.engine.windows.on_message
         self._tasks: list[asyncio.Task[None]] = []
         self.peer_port = 0
         self.data_socket = f"{cfg.socket}.data"

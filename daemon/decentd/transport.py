@@ -92,6 +92,7 @@ class Arrival:
     message: _Message | None = None
     released: bool = False
     acked: bool = False  # the sender was told at header time that this part matched
+    step: int = 0  # window ops: the writer's step
 
 
 @dataclass(eq=False)
@@ -192,6 +193,9 @@ class Transport:
         self._discard: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
         self._closed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self.early_bytes = 0
+        #: one-sided window messages (put, accumulate, get) go here instead of to an op:
+        #: (src, name, round, arrival); the handler releases the arrival
+        self.on_one_sided: Callable[[int, str, int, Arrival], None] | None = None
 
     # ------------------------------------------------------------------ connection setup
 
@@ -596,9 +600,11 @@ class Transport:
         self._drop_early(closing)
         # a message cleared to send (or waiting for it) whose tensors are all closed here: its
         # payload is dropped if it still comes
-        for rts in [r for r, h in self._rts.items() if self._all_closed(h)]:
+        for rts in [r for r, h in self._rts.items()
+                    if self._all_closed(h) and not _one_sided(h)]:
             del self._rts[rts]
-        for rts in [r for r, h in self._cts_sent.items() if self._all_closed(h)]:
+        for rts in [r for r, h in self._cts_sent.items()
+                    if self._all_closed(h) and not _one_sided(h)]:
             del self._cts_sent[rts]
             self._discard[rts] = None
         while len(self._discard) > 4096:
@@ -629,6 +635,9 @@ class Transport:
 
     def _deliver(self, key: Key, arrival: Arrival) -> None:
         name, round_ = key[1], key[2]
+        if arrival.op in ONE_SIDED and key[3] == 0 and self.on_one_sided is not None:
+            self.on_one_sided(key[0], name, round_, arrival)
+            return
         if (name, round_) in self._closed:
             self.release(arrival)
             return
@@ -808,7 +817,8 @@ class Transport:
             data = payload[offset:offset + n] if payload is not None else empty
             offset += n
             shape = tuple(int(s) for s in p.meta.shape)
-            arrival = Arrival(src, int(p.op), int(p.meta.dtype), shape, float(p.weight), data, msg)
+            arrival = Arrival(src, int(p.op), int(p.meta.dtype), shape, float(p.weight), data, msg,
+                              step=int(p.step))
             if self._acked:
                 key = (src, p.name, int(p.round), int(p.tag))
                 arrival.acked = key in self._acked
@@ -817,6 +827,10 @@ class Transport:
 
     def _on_rts(self, src: int, header: pb.BulkHeader) -> None:
         rts = (src, int(header.message_id))
+        if _one_sided(header):  # nothing local waits for it: the window service takes it now
+            self._rts[rts] = header
+            self._clear_to_send(rts)
+            return
         if self._all_closed(header):
             return  # late: its op ended here (the sender's fails by timeout or ABORT)
         self._rts[rts] = header
@@ -858,6 +872,14 @@ class Transport:
                 rdv.done.set_exception(err)
         link.rendezvous.clear()
         self._on_peer_down(src, reason)
+
+
+#: window requests that arrive without a local op to match them (decentd.windows)
+ONE_SIDED = frozenset({pb.WIN_PUT, pb.WIN_ACCUMULATE, pb.WIN_GET})
+
+
+def _one_sided(header: pb.BulkHeader) -> bool:
+    return any(p.op in ONE_SIDED and p.tag == 0 for p in header.parts)
 
 
 def _settle(fut: asyncio.Future[None], err: BaseException | None, rank: int, name: str) -> None:

@@ -184,6 +184,17 @@ def _weights(arg: WeightsArg) -> dict[int, float] | None:
     return {int(k): 1.0 for k in arg}
 
 
+@dataclass(frozen=True)
+class WindowState:
+    """A window as this rank's daemon holds it (:meth:`Client.win_info`)."""
+
+    step: int  #: the own copy's step
+    versions: dict[int, int]  #: per writer: writes since win_update last read its buffer
+    steps: dict[int, int]  #: per writer: the writer's step of what its buffer holds
+    served: int  #: peers' gets answered from the own copy
+    max_staleness: int  #: most steps a buffer win_update read lagged the own copy
+
+
 class Client(Generic[T]):
     """A worker's connection to its daemon. Thread-safe; one per process is typical."""
 
@@ -250,6 +261,8 @@ class Client(Generic[T]):
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._rounds: dict[str, int] = {}
+        #: windows this worker created: the tensor win_update writes into
+        self._windows: dict[str, T] = {}
         self._pending: dict[int, list[_Pending]] = {}
         self._fusion: Fusion[tuple[pb.SubmitRequest, _Pending]] = Fusion(
             env_threshold if fusion_threshold is None else fusion_threshold,
@@ -796,6 +809,115 @@ class Client(Generic[T]):
         self._release(p)
         if p.error is not None:
             raise p.error
+
+    # ------------------------------------------------------------------ windows (one-sided)
+
+    def win_create(self, tensor: T, name: str, zero_init: bool = False) -> bool:
+        """Create window ``name`` holding ``tensor`` (BlueFog's ``win_create``).
+
+        The daemon keeps a copy (the *own copy*, what peers' :meth:`win_get_async` read) and one
+        buffer per in-neighbor of a static topology, starting as a copy of ``tensor`` (zeros with
+        ``zero_init``); other ranks get a buffer when they first write. Local: no other rank
+        needs to take part, and ranks may create windows in any order. :meth:`win_update` writes
+        its result into ``tensor``.
+        """
+        if name in self._windows:
+            raise ValueError(f"window '{name}' already exists in this client (win_free it first)")
+        self._submit(pb.WIN_CREATE, tensor, name, None, zero_init=zero_init).wait()
+        self._windows[name] = tensor
+        return True
+
+    def _window(self, name: str) -> T:
+        try:
+            return self._windows[name]
+        except KeyError:
+            raise ValueError(f"window '{name}' was not created by this client "
+                             f"(windows: {sorted(self._windows)})") from None
+
+    def win_put_async(self, tensor: T, name: str, dst_weights: WeightsArg = None,
+                      step: int = 0, timeout: float | None = None) -> Handle[T]:
+        """Write ``d_j * tensor`` into window ``name``'s buffer for this rank on each
+        destination ``j`` (default: the static topology's out-neighbors, weight 1), replacing
+        what was there, and make ``tensor`` the own copy. The destinations' workers do nothing:
+        their daemons apply the write. ``wait()`` returns once every destination applied it and
+        gives ``tensor``'s value back. ``step``: the worker's step of ``tensor`` (0: one more
+        than the own copy's)."""
+        self._window(name)
+        dst = _weights(dst_weights)
+        return self._submit(pb.WIN_PUT, tensor, name, timeout, step=step,
+                            has_dst_weights=dst is not None, dst_weights=dst or {})
+
+    def win_put(self, tensor: T, name: str, **kwargs: Any) -> T:
+        """Blocking :meth:`win_put_async`."""
+        return self.win_put_async(tensor, name, **kwargs).wait()
+
+    def win_accumulate_async(self, tensor: T, name: str, dst_weights: WeightsArg = None,
+                             step: int = 0, timeout: float | None = None) -> Handle[T]:
+        """Like :meth:`win_put_async`, but each destination *adds* ``d_j * tensor`` to its
+        buffer for this rank (concurrent writers from several ranks all land)."""
+        self._window(name)
+        dst = _weights(dst_weights)
+        return self._submit(pb.WIN_ACCUMULATE, tensor, name, timeout, step=step,
+                            has_dst_weights=dst is not None, dst_weights=dst or {})
+
+    def win_accumulate(self, tensor: T, name: str, **kwargs: Any) -> T:
+        """Blocking :meth:`win_accumulate_async`."""
+        return self.win_accumulate_async(tensor, name, **kwargs).wait()
+
+    def win_get_async(self, name: str, src_weights: WeightsArg = None,
+                      timeout: float | None = None) -> Handle[T]:
+        """Fetch ``w_j * (j's own copy)`` into this rank's buffer for each source ``j`` (default:
+        the static topology's in-neighbors, weight 1). The sources' daemons answer from their
+        last own copy without waiting for their workers. ``wait()`` returns an empty tensor once
+        every buffer is filled; :meth:`win_update` combines them."""
+        self._window(name)
+        src = _weights(src_weights)
+        return self._submit(pb.WIN_GET, None, name, timeout,
+                            has_src_weights=src is not None, src_weights=src or {})
+
+    def win_get(self, name: str, **kwargs: Any) -> None:
+        """Blocking :meth:`win_get_async`."""
+        self.win_get_async(name, **kwargs).wait()
+
+    def win_update(self, name: str, self_weight: float | None = None,
+                   neighbor_weights: Mapping[int, float] | None = None, reset: bool = False,
+                   step: int = 0, timeout: float | None = None) -> T:
+        """``self_weight * t + sum_j neighbor_weights[j] * buffer[j]``, where ``t`` is the
+        tensor given to :meth:`win_create` (its current value): written into ``t``, returned,
+        and made the own copy. Defaults: the static topology's weights. The buffers read get
+        version 0 again, and with ``reset`` they are zeroed (for accumulate-style use)."""
+        tensor = self._window(name)
+        src = _weights(neighbor_weights)
+        return self._submit(pb.WIN_UPDATE, tensor, name, timeout, into=tensor, step=step,
+                            reset=reset, has_self_weight=self_weight is not None,
+                            self_weight=self_weight or 0.0, has_src_weights=src is not None,
+                            src_weights=src or {}).wait()
+
+    def win_publish(self, tensor: T, name: str, step: int = 0) -> None:
+        """Make ``tensor`` window ``name``'s own copy (what peers' gets are served from) at
+        ``step`` (0: one more than before). Local and cheap: one copy into the daemon."""
+        self._window(name)
+        self._submit(pb.WIN_PUBLISH, tensor, name, None, step=step).wait()
+
+    def win_free(self, name: str) -> None:
+        """Free window ``name`` here; later writes to it from peers fail with NOT_FOUND."""
+        self._window(name)
+        self._submit(pb.WIN_FREE, None, name, None).wait()
+        del self._windows[name]
+
+    def win_info(self, name: str) -> WindowState:
+        """What this rank's daemon holds for window ``name``: versions, steps, staleness."""
+        info: pb.WindowInfo = self._stub.Window(pb.WindowRequest(worker_id=self.worker_id,
+                                                                 name=name))
+        if info.error.code:
+            raise DecentError(info.error.code, info.error.message)
+        return WindowState(step=int(info.step), versions=dict(info.versions),
+                           steps=dict(info.steps), served=int(info.served),
+                           max_staleness=int(info.max_staleness))
+
+    def win_versions(self, name: str) -> dict[int, int]:
+        """Per writer rank: writes into its buffer since :meth:`win_update` last read it."""
+        return self.win_info(name).versions
 
     # ------------------------------------------------------------------ queries
 

@@ -11,7 +11,7 @@ client per process.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -61,6 +61,18 @@ __all__ = [
     "rank",
     "shutdown",
     "size",
+    "win_accumulate",
+    "win_accumulate_async",
+    "win_create",
+    "win_free",
+    "win_get",
+    "win_get_async",
+    "win_info",
+    "win_publish",
+    "win_put",
+    "win_put_async",
+    "win_update",
+    "win_versions",
 ]
 
 TorchClient = Client[torch.Tensor]
@@ -226,3 +238,29 @@ def in_neighbors(name: str | None = None) -> list[int]:
 def out_neighbors(name: str | None = None) -> list[int]:
     """Ranks this worker sends to."""
     return _client().out_neighbors(name)
+
+
+def _default_client_method(method: str) -> Callable[..., Any]:
+    """A module-level shortcut for ``Client.<method>`` on the default client."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(_client(), method)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = method
+    call.__doc__ = f"See :meth:`decent.core.Client.{method}` (on the default client)."
+    return call
+
+
+# one-sided window ops (BlueFog's vocabulary)
+win_create = _default_client_method("win_create")
+win_put_async = _default_client_method("win_put_async")
+win_put = _default_client_method("win_put")
+win_accumulate_async = _default_client_method("win_accumulate_async")
+win_accumulate = _default_client_method("win_accumulate")
+win_get_async = _default_client_method("win_get_async")
+win_get = _default_client_method("win_get")
+win_update = _default_client_method("win_update")
+win_publish = _default_client_method("win_publish")
+win_free = _default_client_method("win_free")
+win_info = _default_client_method("win_info")
+win_versions = _default_client_method("win_versions")

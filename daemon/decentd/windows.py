@@ -1,0 +1,390 @@
+"""One-sided window ops (BlueFog's vocabulary), served by the daemon without its worker.
+
+A window is a named tensor on every rank that creates it. Its daemon holds
+
+* the *own copy*: the tensor as last created, put, accumulated, published or updated by the local
+  worker, with the worker's step; peers' ``win_get`` are answered from it at once;
+* one *buffer* per rank that wrote into it (``win_put`` replaces it, ``win_accumulate`` adds to
+  it, ``win_get`` fetches it), with a version (writes since ``win_update`` last read it) and the
+  writer's step.
+
+Everything a window holds is changed only on the daemon's event loop, one message at a time, so
+no lock exists and none is held across a network round trip: a write from a peer is applied when
+its last byte arrives and answered with ``WIN_REPLY`` (or an ABORT naming what was wrong), and
+the requester's op completes when every target answered. A write to a window this rank has not
+created yet is kept (the buffer exists from then on, and ``win_create`` adopts it when dtype and
+shape agree), so workers may create windows in any order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from decentd import dtypes
+from decentd.engine import OpContext, OpResult, OpSpec
+from decentd.errors import OpError
+from decentd.ops import _out, gather_all, weighted_sum
+from decentd.transport import Arrival, display_name, part
+from decentd.wire import pb
+
+if TYPE_CHECKING:
+    from decentd.topology import Topology
+    from decentd.transport import Transport
+
+log = logging.getLogger("decentd.windows")
+
+#: message tags of a window exchange: the request, and the target's answer
+REQUEST, REPLY = 0, 1
+#: names of freed windows remembered (writes to them fail instead of creating a buffer)
+FREED_MEMORY = 4096
+
+
+@dataclass
+class Window:
+    """One window on this rank."""
+
+    name: str  # wire name (job-qualified)
+    dtype: int
+    shape: tuple[int, ...]
+    own: np.ndarray | None = None  # storage dtype, flat; None until the local worker creates it
+    step: int = 0
+    buffers: dict[int, np.ndarray] = field(default_factory=dict)
+    versions: dict[int, int] = field(default_factory=dict)
+    steps: dict[int, int] = field(default_factory=dict)
+    served: int = 0
+    max_staleness: int = 0
+
+    @property
+    def display(self) -> str:
+        """The user's name of the window."""
+        return display_name(self.name)
+
+    @property
+    def size(self) -> int:
+        """Elements of the tensor."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def describe(self) -> str:
+        """``float32[4, 2]``."""
+        return dtypes.describe(self.dtype, self.shape)
+
+    def buffer(self, src: int) -> np.ndarray:
+        """The buffer for ``src`` (created at zero on its first write)."""
+        buf = self.buffers.get(src)
+        if buf is None:
+            buf = self.buffers[src] = np.zeros(self.size, dtypes.STORAGE[self.dtype])
+            self.versions.setdefault(src, 0)
+            self.steps.setdefault(src, 0)
+        return buf
+
+    def stamp(self, step: int) -> None:
+        """The own copy changed: at ``step``, or one step on when no step was given (0)."""
+        self.step = step if step > 0 else self.step + 1
+
+
+class Windows:
+    """Every window of this daemon, and the answers to peers' window messages."""
+
+    def __init__(self, rank: int, topology: Topology, transport: Transport) -> None:
+        self.rank = rank
+        self.topology = topology
+        self.transport = transport
+        self.windows: dict[str, Window] = {}
+        self.freed: dict[str, None] = {}
+        self._replies: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ local worker
+
+    def local(self, name: str, display: str) -> Window:
+        """A window the local worker created; NOT_FOUND otherwise."""
+        w = self.windows.get(name)
+        if w is None or w.own is None:
+            raise OpError(pb.NOT_FOUND, f"window '{display}' does not exist on rank {self.rank} "
+                                        "(call win_create first)")
+        return w
+
+    def create(self, name: str, dtype: int, shape: tuple[int, ...], x: np.ndarray,
+               zero_init: bool, neighbors: list[int]) -> Window:
+        """The local worker's ``win_create``: own copy = ``x``; buffers for ``neighbors`` start
+        as a copy of ``x`` (or at zero), next to those peers already wrote."""
+        w = self.windows.get(name)
+        if w is not None and w.own is not None:
+            raise OpError(pb.INVALID_ARGUMENT, f"window '{w.display}' already exists on rank "
+                                               f"{self.rank} (win_free it first)")
+        if w is not None and (w.dtype, w.shape) != (dtype, shape):
+            writers = sorted(w.buffers)
+            raise OpError(pb.MISMATCH, f"window '{w.display}': rank {self.rank} creates it as "
+                          f"{dtypes.describe(dtype, shape)} but rank(s) {writers} already wrote "
+                          f"{w.describe()} into it")
+        if w is None:
+            w = self.windows[name] = Window(name, dtype, shape)
+        self.freed.pop(name, None)
+        w.own = np.array(x, copy=True)
+        w.step = 0
+        for j in neighbors:
+            if j not in w.buffers:
+                buf = w.buffer(j)
+                if not zero_init:
+                    buf[...] = x
+        return w
+
+    def free(self, name: str, display: str) -> None:
+        """The local worker's ``win_free``."""
+        self.local(name, display)
+        del self.windows[name]
+        self.freed[name] = None
+        while len(self.freed) > FREED_MEMORY:
+            self.freed.pop(next(iter(self.freed)))
+
+    def info(self, name: str) -> pb.WindowInfo:
+        """What the window holds here (``Worker.Window``)."""
+        w = self.windows.get(name)
+        if w is None or w.own is None:
+            return pb.WindowInfo(error=pb.Error(
+                code=pb.NOT_FOUND, message=f"window '{display_name(name)}' does not exist on "
+                                           f"rank {self.rank}"))
+        return pb.WindowInfo(meta=pb.TensorMeta(dtype=w.dtype, shape=w.shape), step=w.step,
+                             versions=w.versions, steps=w.steps, served=w.served,
+                             max_staleness=w.max_staleness)
+
+    # ------------------------------------------------------------------ peers
+
+    def on_message(self, src: int, name: str, round_: int, arrival: Arrival) -> None:
+        """A put, accumulate or get from ``src``: applied or answered now, without the worker."""
+        try:
+            payload = self._apply(src, name, arrival)
+        except OpError as err:
+            self.transport.send_abort(src, [(name, round_)], err.to_pb())
+            return
+        finally:
+            self.transport.release(arrival)
+        w = self.windows[name]
+        data = memoryview(b"") if payload is None else payload.view(np.uint8).data
+        reply = part(name, round_, REPLY, pb.WIN_REPLY, w.dtype, w.shape, len(data))
+        reply.step = w.step
+        task = asyncio.get_running_loop().create_task(self._reply(src, reply, data))
+        self._replies.add(task)
+        task.add_done_callback(self._replies.discard)
+
+    async def _reply(self, dst: int, reply: pb.Part, data: memoryview) -> None:
+        try:
+            await self.transport.send_parts(dst, [reply], [data])
+        except Exception as exc:  # the requester is gone: its op fails there by itself
+            log.info("window reply to rank %d not sent: %s", dst, exc)
+
+    def _apply(self, src: int, name: str, arrival: Arrival) -> np.ndarray | None:
+        display = display_name(name)
+        w = self.windows.get(name)
+        if arrival.op == pb.WIN_GET:
+            if w is None or w.own is None:
+                raise OpError(pb.NOT_FOUND, f"rank {src} reads window '{display}', which does "
+                                            f"not exist on rank {self.rank}")
+            w.served += 1
+            return w.own.copy()  # a snapshot: the next local write must not tear what is sent
+        if name in self.freed:
+            raise OpError(pb.NOT_FOUND, f"rank {src} writes window '{display}', which rank "
+                                        f"{self.rank} has freed")
+        if w is None:  # not created here yet: keep the write for win_create to adopt
+            w = self.windows[name] = Window(name, arrival.dtype, arrival.shape)
+        if (arrival.dtype, arrival.shape) != (w.dtype, w.shape):
+            raise OpError(pb.MISMATCH, f"window '{display}': rank {src} wrote "
+                          f"{dtypes.describe(arrival.dtype, arrival.shape)} but rank "
+                          f"{self.rank} holds {w.describe()}")
+        x = arrival.data.view(dtypes.STORAGE[w.dtype])
+        buf = w.buffer(src)
+        if arrival.op == pb.WIN_PUT:
+            weighted_sum(buf, x, arrival.weight, [], w.dtype)
+        else:
+            weighted_sum(buf, buf, 1.0, [(x, arrival.weight)], w.dtype)
+        w.versions[src] = w.versions.get(src, 0) + 1
+        w.steps[src] = arrival.step
+        return None
+
+
+# ---------------------------------------------------------------------- the worker's ops
+
+
+def _windows(ctx: OpContext) -> Windows:
+    windows = ctx.engine.windows
+    if windows is None:  # pragma: no cover - the server always installs them
+        raise OpError(pb.INTERNAL, "this daemon has no window service")
+    return windows
+
+
+def _check_tensor(ctx: OpContext, w: Window) -> None:
+    p = ctx.parts[0]
+    if (p.dtype, p.shape) != (w.dtype, w.shape):
+        raise OpError(pb.INVALID_ARGUMENT, f"window '{w.display}' holds {w.describe()} but the "
+                      f"tensor is {dtypes.describe(p.dtype, p.shape)}")
+
+
+def _echo(ctx: OpContext) -> OpResult:
+    """The op's result is its input (put, accumulate, publish, create)."""
+    p = ctx.parts[0]
+    out = _out(ctx, p, p.nbytes)
+    if p.nbytes and not np.may_share_memory(out, p.x):
+        out[...] = p.x
+    return OpResult(p.nbytes, p.shape)
+
+
+def _static_step(ctx: OpContext, what: str) -> tuple[float, dict[int, float], list[int]]:
+    """The topology's self weight, in-weights and out-neighbors (windows use a static graph
+    unless the call names its ranks)."""
+    topo = ctx.engine.topology
+    if topo.dynamic:
+        raise OpError(pb.INVALID_ARGUMENT, f"window '{ctx.display}': topology {topo.kind!r} "
+                      f"changes from step to step; pass {what} explicitly")
+    s = topo.step(ctx.rank, 0)
+    return s.self_weight, dict(s.src_weights), list(s.dst_ranks)
+
+
+def _ranks(ctx: OpContext, weights: dict[int, float], what: str) -> dict[int, float]:
+    bad = sorted(r for r in weights if not 0 <= r < ctx.size or r == ctx.rank)
+    if bad:
+        raise OpError(pb.INVALID_ARGUMENT, f"window '{ctx.display}': {what} names rank(s) {bad}; "
+                      f"valid: the other ranks of 0..{ctx.size - 1}")
+    return weights
+
+
+async def _exchange(ctx: OpContext, targets: dict[int, float], step: int,
+                    payload: memoryview) -> dict[int, Arrival]:
+    """Send this op's request to every target and wait for every answer."""
+    p = ctx.parts[0]
+    futs = {j: ctx.transport.expect(j, p.name, p.round, REPLY) for j in targets}
+
+    async def ask(j: int, weight: float) -> None:
+        request = part(p.name, p.round, REQUEST, ctx.op, p.dtype, p.shape, len(payload), weight)
+        request.step = step
+        await ctx.transport.send_parts(j, [request], [payload])
+
+    ctx.waiting.update(targets)
+    await gather_all(*(ask(j, w) for j, w in targets.items()))
+    got: dict[int, Arrival] = {}
+    for j, fut in futs.items():
+        got[j] = await fut
+        ctx.waiting.discard(j)
+    return got
+
+
+async def win_create(ctx: OpContext) -> OpResult:
+    """``win_create``: local (buffers for the topology's in-neighbors when it is static)."""
+    p = ctx.parts[0]
+    topo = ctx.engine.topology
+    neighbors = [] if topo.dynamic else list(topo.step(ctx.rank, 0).src_weights)
+    _windows(ctx).create(p.name, p.dtype, p.shape, p.x, ctx.req.zero_init, neighbors)
+    return _echo(ctx)
+
+
+async def win_publish(ctx: OpContext) -> OpResult:
+    """``win_publish``: the own copy becomes the tensor (what peers' gets are served)."""
+    p = ctx.parts[0]
+    w = _windows(ctx).local(p.name, p.display)
+    _check_tensor(ctx, w)
+    assert w.own is not None
+    w.own[...] = p.x
+    w.stamp(int(ctx.req.step))
+    return _echo(ctx)
+
+
+async def win_write(ctx: OpContext) -> OpResult:
+    """``win_put`` / ``win_accumulate``: publish, then write into each destination's buffer."""
+    p = ctx.parts[0]
+    w = _windows(ctx).local(p.name, p.display)
+    _check_tensor(ctx, w)
+    if ctx.req.has_dst_weights:
+        dsts = _ranks(ctx, dict(ctx.req.dst_weights), "dst_weights")
+    else:
+        dsts = {d: 1.0 for d in _static_step(ctx, "dst_weights")[2]}
+    assert w.own is not None
+    w.own[...] = p.x
+    w.stamp(int(ctx.req.step))
+    got = await _exchange(ctx, dsts, w.step, p.raw)
+    for arrival in got.values():
+        ctx.release(arrival)
+    return _echo(ctx)
+
+
+async def win_get(ctx: OpContext) -> OpResult:
+    """``win_get``: buffer[j] = w_j * (j's own copy) for each source."""
+    p = ctx.parts[0]
+    w = _windows(ctx).local(p.name, p.display)
+    if ctx.req.has_src_weights:
+        srcs = _ranks(ctx, dict(ctx.req.src_weights), "src_weights")
+    else:
+        srcs = {j: 1.0 for j in _static_step(ctx, "src_weights")[1]}
+    got = await _exchange(ctx, srcs, w.step, memoryview(b""))
+    for j, arrival in got.items():
+        if (arrival.dtype, arrival.shape) != (w.dtype, w.shape):
+            raise OpError(pb.MISMATCH, f"window '{w.display}': rank {j} holds "
+                          f"{dtypes.describe(arrival.dtype, arrival.shape)} but rank {ctx.rank} "
+                          f"holds {w.describe()}")
+        weighted_sum(w.buffer(j), arrival.data.view(dtypes.STORAGE[w.dtype]), srcs[j], [],
+                     w.dtype)
+        w.versions[j] = w.versions.get(j, 0) + 1
+        w.steps[j] = arrival.step
+        ctx.release(arrival)
+    return OpResult(0, (0,))
+
+
+async def win_update(ctx: OpContext) -> OpResult:
+    """``win_update``: ``self_w * x + sum_j w_j * buffer[j]``; becomes the own copy; the buffers
+    read have version 0 again (and are zeroed with ``reset``)."""
+    p = ctx.parts[0]
+    w = _windows(ctx).local(p.name, p.display)
+    _check_tensor(ctx, w)
+    req = ctx.req
+    if req.has_self_weight and req.has_src_weights:
+        self_weight, weights = float(req.self_weight), dict(req.src_weights)
+    else:
+        self_default, in_default, _ = _static_step(ctx, "self_weight and neighbor_weights")
+        self_weight = float(req.self_weight) if req.has_self_weight else self_default
+        weights = dict(req.src_weights) if req.has_src_weights else in_default
+    _ranks(ctx, weights, "neighbor_weights")
+    missing = sorted(j for j in weights if j not in w.buffers)
+    if missing:
+        raise OpError(pb.INVALID_ARGUMENT, f"window '{w.display}' on rank {ctx.rank} has no "
+                      f"buffer from rank(s) {missing}: they never wrote to it and are not "
+                      "in-neighbors of the topology")
+    out = _out(ctx, p, p.nbytes)
+    weighted_sum(out, p.x, self_weight, [(w.buffers[j], wj) for j, wj in weights.items()],
+                 p.dtype)
+    assert w.own is not None
+    w.own[...] = out
+    w.stamp(int(req.step))
+    for j in weights:
+        w.max_staleness = max(w.max_staleness, w.step - min(w.step, w.steps.get(j, 0)))
+        w.versions[j] = 0
+        if req.reset:
+            w.buffers[j][...] = 0
+    return OpResult(p.nbytes, p.shape)
+
+
+async def win_free(ctx: OpContext) -> OpResult:
+    """``win_free``: local."""
+    p = ctx.parts[0]
+    _windows(ctx).free(p.name, p.display)
+    return OpResult(0, (0,))
+
+
+def _no_peers(_ctx: OpContext) -> set[int]:
+    """Window ops have no participants to abort: a target holds no op of ours (its daemon
+    answered already, or the request never reached it), and an ABORT would hit its own op of
+    the same (name, round)."""
+    return set()
+
+
+#: the window ops of the engine (added to decentd.ops.OPS by the server)
+WINDOW_OPS: dict[int, OpSpec] = {
+    pb.WIN_CREATE: OpSpec(win_create, _no_peers),
+    pb.WIN_PUBLISH: OpSpec(win_publish, _no_peers),
+    pb.WIN_PUT: OpSpec(win_write, _no_peers, lambda _ctx: {REPLY}),
+    pb.WIN_ACCUMULATE: OpSpec(win_write, _no_peers, lambda _ctx: {REPLY}),
+    pb.WIN_GET: OpSpec(win_get, _no_peers, lambda _ctx: {REPLY}),
+    pb.WIN_UPDATE: OpSpec(win_update, _no_peers),
+    pb.WIN_FREE: OpSpec(win_free, _no_peers),
+}
