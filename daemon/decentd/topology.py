@@ -517,3 +517,20 @@ def from_graph(graph: nx.Graph, scheme: str = "uniform", kind: str = "custom") -
     topo.spec = {"kind": "custom", "scheme": scheme, "weights": None,
                  "options": {"edges": edges, **({"self_weights": selfw} if selfw else {})}}
     return topo
+
+
+def butterfly_group(rank: int, size: int, group_size: int, round_: int) -> list[int]:
+    """WAGMA's group of ``rank`` at ``round_`` (``size`` and ``group_size`` powers of two).
+
+    With ``b = log2(group_size)`` and phase ``s = round_ mod ceil(log2(size) / b)``: the ranks
+    that differ from ``rank`` only in bits ``[s b, (s + 1) b)`` (the last phase may have fewer
+    bits, so a smaller group). Ascending; the first is the group's leader.
+    """
+    bits = size.bit_length() - 1
+    b = max(1, group_size.bit_length() - 1)
+    phases = max(1, -(-bits // b))
+    s = round_ % phases
+    lo, hi = s * b, min((s + 1) * b, bits)
+    mask = ((1 << hi) - 1) ^ ((1 << lo) - 1)
+    base = rank & ~mask
+    return sorted(base | (v << lo) for v in range(1 << (hi - lo)))

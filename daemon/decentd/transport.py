@@ -196,6 +196,8 @@ class Transport:
         #: one-sided window messages (put, accumulate, get) go here instead of to an op:
         #: (src, name, round, arrival); the handler releases the arrival
         self.on_one_sided: Callable[[int, str, int, Arrival], None] | None = None
+        #: a group leader could not sum a group round: (name, group round, error)
+        self.on_group_failed: Callable[[str, int, pb.Error], None] | None = None
 
     # ------------------------------------------------------------------ connection setup
 
@@ -484,10 +486,12 @@ class Transport:
         self._control(dst, pb.BulkHeader(kind=pb.ACK, parts=[
             pb.Part(name=name, round=round_, tag=tag) for name, round_ in keys]))
 
-    def send_abort(self, dst: int, keys: list[tuple[str, int]], error: pb.Error) -> None:
-        """Tell ``dst`` that the op of the tensors ``(name, round)`` failed here."""
+    def send_abort(self, dst: int, keys: list[tuple[str, int]], error: pb.Error,
+                   op: int = pb.OP_UNSPECIFIED) -> None:
+        """Tell ``dst`` that the op of the tensors ``(name, round)`` failed here (``op``
+        GROUP_RESULT: that a group round failed at its leader)."""
         self._control(dst, pb.BulkHeader(kind=pb.ABORT, error=error, parts=[
-            pb.Part(name=name, round=round_) for name, round_ in keys]))
+            pb.Part(name=name, round=round_, op=op) for name, round_ in keys]))
 
     # ------------------------------------------------------------------ receiving
 
@@ -782,6 +786,9 @@ class Transport:
                 raise ValueError("ABORT without the op it aborts")
             for p in header.parts:
                 name, round_ = p.name, int(p.round)
+                if p.op == pb.GROUP_RESULT and self.on_group_failed is not None:
+                    self.on_group_failed(name, round_, header.error)  # not an op of ours
+                    continue
                 self._drop_early({(name, round_)})  # the op failed: its data is moot
                 if (name, round_) not in self._closed:
                     self._on_abort(src, name, round_, header.error)
@@ -875,7 +882,8 @@ class Transport:
 
 
 #: window requests that arrive without a local op to match them (decentd.windows)
-ONE_SIDED = frozenset({pb.WIN_PUT, pb.WIN_ACCUMULATE, pb.WIN_GET})
+ONE_SIDED = frozenset({pb.WIN_PUT, pb.WIN_ACCUMULATE, pb.WIN_GET, pb.WIN_EXCHANGE,
+                       pb.GROUP_TRIGGER, pb.GROUP_RESULT})
 
 
 def _one_sided(header: pb.BulkHeader) -> bool:

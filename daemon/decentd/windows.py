@@ -19,9 +19,11 @@ shape agree), so workers may create windows in any order.
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,6 +31,7 @@ from decentd import dtypes
 from decentd.engine import OpContext, OpResult, OpSpec
 from decentd.errors import OpError
 from decentd.ops import _out, gather_all, weighted_sum
+from decentd.topology import butterfly_group
 from decentd.transport import Arrival, display_name, part
 from decentd.wire import pb
 
@@ -42,6 +45,10 @@ log = logging.getLogger("decentd.windows")
 REQUEST, REPLY = 0, 1
 #: names of freed windows remembered (writes to them fail instead of creating a buffer)
 FREED_MEMORY = 4096
+#: group rounds remembered (results not yet collected, rounds a leader ran)
+GROUP_MEMORY = 4096
+#: rounds of the leader's own reads of its members' copies: far above any worker's round
+FETCH_BASE = 1 << 62
 
 
 @dataclass
@@ -90,13 +97,30 @@ class Window:
 class Windows:
     """Every window of this daemon, and the answers to peers' window messages."""
 
-    def __init__(self, rank: int, topology: Topology, transport: Transport) -> None:
+    def __init__(self, rank: int, size: int, topology: Topology, transport: Transport,
+                 timeout: float) -> None:
         self.rank = rank
+        self.size = size
         self.topology = topology
         self.transport = transport
+        self.timeout = timeout
         self.windows: dict[str, Window] = {}
         self.freed: dict[str, None] = {}
-        self._replies: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: group sums that came before their member asked: (name, round) -> (sum, staleness)
+        self.group_results: collections.OrderedDict[tuple[str, int], tuple[np.ndarray, int]] = (
+            collections.OrderedDict())
+        self.group_waiters: dict[tuple[str, int], asyncio.Future[tuple[np.ndarray, int]]] = {}
+        self._led: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        #: group rounds whose leader failed, for members that have not asked yet
+        self.group_failures: collections.OrderedDict[tuple[str, int], OpError] = (
+            collections.OrderedDict())
+        self._fetches = itertools.count(1)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ local worker
 
@@ -137,9 +161,16 @@ class Windows:
         """The local worker's ``win_free``."""
         self.local(name, display)
         del self.windows[name]
+        self._forget_groups(name)
         self.freed[name] = None
         while len(self.freed) > FREED_MEMORY:
             self.freed.pop(next(iter(self.freed)))
+
+    def _forget_groups(self, name: str) -> None:
+        """A window is freed: its group rounds may start from 1 again."""
+        for table in (self._led, self.group_results, self.group_failures):
+            for key in [k for k in table if k[0] == name]:
+                del table[key]
 
     def info(self, name: str) -> pb.WindowInfo:
         """What the window holds here (``Worker.Window``)."""
@@ -155,7 +186,16 @@ class Windows:
     # ------------------------------------------------------------------ peers
 
     def on_message(self, src: int, name: str, round_: int, arrival: Arrival) -> None:
-        """A put, accumulate or get from ``src``: applied or answered now, without the worker."""
+        """A window message from ``src``: applied or answered now, without the worker."""
+        if arrival.op == pb.GROUP_TRIGGER:
+            self.transport.release(arrival)
+            self.lead(name, round_, int(arrival.weight), arrival.dtype, arrival.shape)
+            return
+        if arrival.op == pb.GROUP_RESULT:
+            total = arrival.data.view(dtypes.STORAGE[arrival.dtype]).copy()
+            self.transport.release(arrival)
+            self.group_arrived(name, round_, total, arrival.step)
+            return
         try:
             payload = self._apply(src, name, arrival)
         except OpError as err:
@@ -167,9 +207,7 @@ class Windows:
         data = memoryview(b"") if payload is None else payload.view(np.uint8).data
         reply = part(name, round_, REPLY, pb.WIN_REPLY, w.dtype, w.shape, len(data))
         reply.step = w.step
-        task = asyncio.get_running_loop().create_task(self._reply(src, reply, data))
-        self._replies.add(task)
-        task.add_done_callback(self._replies.discard)
+        self._spawn(self._reply(src, reply, data))
 
     async def _reply(self, dst: int, reply: pb.Part, data: memoryview) -> None:
         try:
@@ -186,6 +224,20 @@ class Windows:
                                             f"not exist on rank {self.rank}")
             w.served += 1
             return w.own.copy()  # a snapshot: the next local write must not tear what is sent
+        if arrival.op == pb.WIN_EXCHANGE:
+            if w is None or w.own is None:
+                raise OpError(pb.NOT_FOUND, f"rank {src} averages with window '{display}', "
+                                            f"which does not exist on rank {self.rank}")
+            if (arrival.dtype, arrival.shape) != (w.dtype, w.shape):
+                raise OpError(pb.MISMATCH, f"window '{display}': rank {src} sent "
+                              f"{dtypes.describe(arrival.dtype, arrival.shape)} but rank "
+                              f"{self.rank} holds {w.describe()}")
+            # both halves weigh 1/2: (own + x) * 0.5, the same bits on both sides
+            weighted_sum(w.own, w.own, 0.5, [(arrival.data.view(dtypes.STORAGE[w.dtype]), 0.5)],
+                         w.dtype)
+            w.versions[src] = w.versions.get(src, 0) + 1
+            w.steps[src] = arrival.step
+            return w.own.copy()
         if name in self.freed:
             raise OpError(pb.NOT_FOUND, f"rank {src} writes window '{display}', which rank "
                                         f"{self.rank} has freed")
@@ -204,6 +256,92 @@ class Windows:
         w.versions[src] = w.versions.get(src, 0) + 1
         w.steps[src] = arrival.step
         return None
+
+
+    # ------------------------------------------------------------------ WAGMA groups
+
+    def lead(self, name: str, round_: int, group_size: int, dtype: int,
+             shape: tuple[int, ...]) -> None:
+        """A member of this rank's group at ``round_`` arrived: sum the group once."""
+        key = (name, round_)
+        if key in self._led:
+            return
+        self._led[key] = None
+        while len(self._led) > GROUP_MEMORY:
+            self._led.popitem(last=False)
+        self._spawn(self._sum_group(name, round_, group_size, dtype, shape))
+
+    async def _sum_group(self, name: str, round_: int, group_size: int, dtype: int,
+                         shape: tuple[int, ...]) -> None:
+        members = butterfly_group(self.rank, self.size, group_size, round_)
+        fetch = FETCH_BASE + next(self._fetches)
+        others = [m for m in members if m != self.rank]
+        try:
+            w = self.windows.get(name)
+            if w is None or w.own is None:
+                raise OpError(pb.NOT_FOUND, f"window '{display_name(name)}' does not exist on "
+                                            f"rank {self.rank}, the leader of group {members}")
+            if (w.dtype, w.shape) != (dtype, shape):
+                raise OpError(pb.MISMATCH, f"window '{w.display}': a member of group {members} "
+                              f"has {dtypes.describe(dtype, shape)}, its leader rank "
+                              f"{self.rank} {w.describe()}")
+            copies = {self.rank: (w.own.copy(), w.step)}
+            futs = {m: self.transport.expect(m, name, fetch, REPLY) for m in others}
+            ask = part(name, fetch, REQUEST, pb.WIN_GET, dtype, shape, 0)
+            await asyncio.wait_for(gather_all(
+                *(self.transport.send_parts(m, [ask], [memoryview(b"")]) for m in others)),
+                self.timeout)
+            for m, fut in futs.items():
+                a = await asyncio.wait_for(fut, self.timeout)
+                if (a.dtype, a.shape) != (dtype, shape):
+                    raise OpError(pb.MISMATCH, f"window '{w.display}': rank {m} holds "
+                                  f"{dtypes.describe(a.dtype, a.shape)}, its group leader rank "
+                                  f"{self.rank} {w.describe()}")
+                copies[m] = (a.data.view(dtypes.STORAGE[dtype]).copy(), a.step)
+                self.transport.release(a)
+            ordered = [copies[m][0] for m in members]
+            total = np.empty_like(ordered[0])
+            weighted_sum(total, ordered[0], 1.0, [(c, 1.0) for c in ordered[1:]], dtype)
+            staleness = max(round_ - min(round_, step) for _, step in copies.values())
+            result = part(name, round_, REQUEST, pb.GROUP_RESULT, dtype, shape, total.nbytes)
+            result.step = staleness
+            payload = total.view(np.uint8).data
+            self.group_arrived(name, round_, total, staleness)
+            await gather_all(*(self.transport.send_parts(m, [result], [payload])
+                               for m in others))
+        except (OpError, TimeoutError, ConnectionError) as exc:
+            err = exc if isinstance(exc, OpError) else OpError(
+                pb.TIMEOUT if isinstance(exc, (TimeoutError, asyncio.TimeoutError))
+                else pb.PEER_UNAVAILABLE,
+                f"group of window '{display_name(name)}' round {round_} (leader rank "
+                f"{self.rank}, members {members}): {exc!r}")
+            log.warning("%s", err)
+            for m in others:
+                self.transport.send_abort(m, [(name, round_)], err.to_pb(), pb.GROUP_RESULT)
+            self.group_failed(name, round_, err.to_pb())
+        finally:
+            self.transport.close_ops([(name, fetch)])
+
+    def group_failed(self, name: str, round_: int, error: pb.Error) -> None:
+        """The leader could not sum group round ``round_``: its members' ops fail with why."""
+        err = OpError(error.code or pb.ABORTED, error.message)
+        waiter = self.group_waiters.pop((name, round_), None)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(err)
+            return
+        self.group_failures[(name, round_)] = err
+        while len(self.group_failures) > GROUP_MEMORY:
+            self.group_failures.popitem(last=False)
+
+    def group_arrived(self, name: str, round_: int, total: np.ndarray, staleness: int) -> None:
+        """The group sum of ``round_``: to the member's waiting op, or kept until it asks."""
+        fut = self.group_waiters.pop((name, round_), None)
+        if fut is not None and not fut.done():
+            fut.set_result((total, staleness))
+            return
+        self.group_results[(name, round_)] = (total, staleness)
+        while len(self.group_results) > GROUP_MEMORY:
+            self.group_results.popitem(last=False)
 
 
 # ---------------------------------------------------------------------- the worker's ops
@@ -364,6 +502,109 @@ async def win_update(ctx: OpContext) -> OpResult:
     return OpResult(p.nbytes, p.shape)
 
 
+async def win_exchange(ctx: OpContext) -> OpResult:
+    """``win_exchange``: atomically average with one peer's own copy (AD-PSGD); the average is
+    the result and this rank's own copy."""
+    p = ctx.parts[0]
+    w = _windows(ctx).local(p.name, p.display)
+    _check_tensor(ctx, w)
+    peers = _ranks(ctx, dict(ctx.req.dst_weights), "dst_weights")
+    if len(peers) != 1:
+        raise OpError(pb.INVALID_ARGUMENT, f"window '{w.display}': win_exchange averages with "
+                      f"exactly one peer, got {sorted(peers)}")
+    (j,) = peers
+    got = await _exchange(ctx, {j: 0.5}, w.step, p.raw)
+    a = got[j]
+    if (a.dtype, a.shape) != (w.dtype, w.shape):  # pragma: no cover - the peer checked it
+        raise OpError(pb.MISMATCH, f"window '{w.display}': rank {j} answered "
+                      f"{dtypes.describe(a.dtype, a.shape)}")
+    out = _out(ctx, p, p.nbytes)
+    out[...] = a.data.view(dtypes.STORAGE[w.dtype])
+    ctx.release(a)
+    assert w.own is not None
+    w.own[...] = out
+    w.versions[j] = w.versions.get(j, 0) + 1
+    return OpResult(p.nbytes, p.shape)
+
+
+async def win_add(ctx: OpContext) -> OpResult:
+    """``win_add``: own copy += tensor, atomically with peers' exchanges; the result is the
+    new own copy."""
+    p = ctx.parts[0]
+    w = _windows(ctx).local(p.name, p.display)
+    _check_tensor(ctx, w)
+    assert w.own is not None
+    weighted_sum(w.own, w.own, 1.0, [(p.x, 1.0)], p.dtype)
+    w.stamp(int(ctx.req.step))
+    out = _out(ctx, p, p.nbytes)
+    out[...] = w.own
+    return OpResult(p.nbytes, p.shape)
+
+
+def _group_size(ctx: OpContext) -> int:
+    s, n = int(ctx.req.group_size), ctx.size
+    if s < 1 or s & (s - 1) or n & (n - 1) or s > n:
+        raise OpError(pb.INVALID_ARGUMENT, f"tensor '{ctx.display}': group_allreduce needs a "
+                      f"power-of-two group_size <= size and a power-of-two size; got group_size "
+                      f"{s}, size {n}")
+    return s
+
+
+async def group_allreduce(ctx: OpContext) -> OpResult:
+    """WAGMA's wait-avoiding group average over this round's butterfly group.
+
+    The tensor becomes the window's own copy (published); if the group's sum for this round is
+    here already (another member triggered it) it is used at once, otherwise the leader is
+    triggered and the sum awaited. Members that had not arrived contributed their last own copy.
+    """
+    p = ctx.parts[0]
+    windows = _windows(ctx)
+    w = windows.local(p.name, p.display)
+    _check_tensor(ctx, w)
+    size = _group_size(ctx)
+    gr = int(ctx.req.group_round)
+    if gr < 1:
+        raise OpError(pb.INVALID_ARGUMENT, f"tensor '{p.display}': group_round must be >= 1 "
+                                           "(the client counts its calls from 1)")
+    assert w.own is not None
+    w.own[...] = p.x
+    w.step = gr
+    members = butterfly_group(ctx.rank, ctx.size, size, gr)
+    out = _out(ctx, p, p.nbytes)
+    if len(members) == 1:
+        out[...] = p.x
+        return OpResult(p.nbytes, p.shape)
+    key = (p.name, gr)
+    failed = windows.group_failures.pop(key, None)
+    if failed is not None:
+        raise failed
+    got = windows.group_results.pop(key, None)
+    if got is None:
+        fut: asyncio.Future[tuple[np.ndarray, int]] = asyncio.get_running_loop().create_future()
+        windows.group_waiters[key] = fut
+        leader = members[0]
+        try:
+            if leader == ctx.rank:
+                windows.lead(p.name, gr, size, p.dtype, p.shape)
+            else:
+                trigger = part(p.name, gr, REQUEST, pb.GROUP_TRIGGER, p.dtype, p.shape, 0,
+                               float(size))
+                await ctx.transport.send_parts(leader, [trigger], [memoryview(b"")])
+            ctx.waiting.add(leader)
+            got = await fut
+        finally:
+            windows.group_waiters.pop(key, None)
+    total, staleness = got
+    w.max_staleness = max(w.max_staleness, staleness)
+    g = len(members)
+    if ctx.req.group_rule == pb.GROUP_WITH_SELF:
+        # the input first: the output may be the input's own slot (written as it goes)
+        weighted_sum(out, p.x, 1.0 / (g + 1), [(total, 1.0 / (g + 1))], p.dtype)
+    else:
+        weighted_sum(out, total, 1.0 / g, [], p.dtype)
+    return OpResult(p.nbytes, p.shape)
+
+
 async def win_free(ctx: OpContext) -> OpResult:
     """``win_free``: local."""
     p = ctx.parts[0]
@@ -387,4 +628,7 @@ WINDOW_OPS: dict[int, OpSpec] = {
     pb.WIN_GET: OpSpec(win_get, _no_peers, lambda _ctx: {REPLY}),
     pb.WIN_UPDATE: OpSpec(win_update, _no_peers),
     pb.WIN_FREE: OpSpec(win_free, _no_peers),
+    pb.WIN_EXCHANGE: OpSpec(win_exchange, _no_peers, lambda _ctx: {REPLY}),
+    pb.WIN_ADD: OpSpec(win_add, _no_peers),
+    pb.GROUP_ALLREDUCE: OpSpec(group_allreduce, _no_peers),
 }

@@ -174,6 +174,8 @@ class Handle(Generic[T]):
 WeightsArg = Mapping[int, float] | Iterable[int] | None
 #: compressors of :meth:`Client.compressed_neighbor_allreduce_async` (see decentd.compression)
 COMPRESSORS = {"topk": pb.TOPK, "sign": pb.SIGN, "int8": pb.INT8}
+#: averaging rules of :meth:`Client.group_allreduce_async`
+GROUP_RULES = {"mean": pb.GROUP_MEAN, "with-self": pb.GROUP_WITH_SELF}
 
 
 def _weights(arg: WeightsArg) -> dict[int, float] | None:
@@ -263,6 +265,8 @@ class Client(Generic[T]):
         self._rounds: dict[str, int] = {}
         #: windows this worker created: the tensor win_update writes into
         self._windows: dict[str, T] = {}
+        #: group_allreduce calls per window (their count picks the butterfly group)
+        self._group_rounds: dict[str, int] = {}
         self._pending: dict[int, list[_Pending]] = {}
         self._fusion: Fusion[tuple[pb.SubmitRequest, _Pending]] = Fusion(
             env_threshold if fusion_threshold is None else fusion_threshold,
@@ -904,6 +908,50 @@ class Client(Generic[T]):
         self._window(name)
         self._submit(pb.WIN_FREE, None, name, None).wait()
         del self._windows[name]
+        self._group_rounds.pop(name, None)
+
+    def win_exchange_async(self, tensor: T, name: str, peer: int, step: int = 0,
+                           timeout: float | None = None) -> Handle[T]:
+        """Atomically average ``tensor`` with ``peer``'s own copy of window ``name``: the peer's
+        daemon sets its own copy to ``(own + tensor) / 2`` and answers with it, without its
+        worker (AD-PSGD's pairwise averaging). ``wait()`` gives that average, which is also this
+        rank's own copy now."""
+        self._window(name)
+        return self._submit(pb.WIN_EXCHANGE, tensor, name, timeout, step=step,
+                            has_dst_weights=True, dst_weights={int(peer): 0.5})
+
+    def win_exchange(self, tensor: T, name: str, peer: int, **kwargs: Any) -> T:
+        """Blocking :meth:`win_exchange_async`."""
+        return self.win_exchange_async(tensor, name, peer, **kwargs).wait()
+
+    def win_add(self, tensor: T, name: str, step: int = 0, timeout: float | None = None) -> T:
+        """Own copy of window ``name`` += ``tensor``, atomically with peers' exchanges; the new
+        own copy is written into ``tensor`` and returned (AD-PSGD: a gradient step applied to
+        the current model)."""
+        self._window(name)
+        return self._submit(pb.WIN_ADD, tensor, name, timeout, into=tensor, step=step).wait()
+
+    def group_allreduce_async(self, tensor: T, name: str, group_size: int,
+                              rule: str = "mean", timeout: float | None = None) -> Handle[T]:
+        """Wait-avoiding average over this call's butterfly group of ``group_size`` ranks
+        (WAGMA). ``tensor`` becomes window ``name``'s own copy (``win_create`` it on every rank
+        first). The first member to arrive triggers the group; members not there yet
+        contribute their last own copy, and find the result ready when they call. ``rule``:
+        ``"mean"`` (group sum / S) or ``"with-self"`` ((group sum + tensor) / (S + 1), the
+        reference code's)."""
+        self._window(name)
+        if rule not in GROUP_RULES:
+            raise ValueError(f"tensor '{name}': rule must be one of {sorted(GROUP_RULES)}, "
+                             f"not {rule!r}")
+        with self._lock:
+            group_round = self._group_rounds[name] = self._group_rounds.get(name, 0) + 1
+        return self._submit(pb.GROUP_ALLREDUCE, tensor, name, timeout,
+                            group_size=int(group_size), group_rule=GROUP_RULES[rule],
+                            group_round=group_round)
+
+    def group_allreduce(self, tensor: T, name: str, group_size: int, **kwargs: Any) -> T:
+        """Blocking :meth:`group_allreduce_async`."""
+        return self.group_allreduce_async(tensor, name, group_size, **kwargs).wait()
 
     def win_info(self, name: str) -> WindowState:
         """What this rank's daemon holds for window ``name``: versions, steps, staleness."""

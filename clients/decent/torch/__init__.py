@@ -49,6 +49,8 @@ __all__ = [
     "connect",
     "consensus",
     "flush",
+    "group_allreduce",
+    "group_allreduce_async",
     "in_neighbors",
     "init",
     "neighbor_allgather",
@@ -63,7 +65,10 @@ __all__ = [
     "size",
     "win_accumulate",
     "win_accumulate_async",
+    "win_add",
     "win_create",
+    "win_exchange",
+    "win_exchange_async",
     "win_free",
     "win_get",
     "win_get_async",
@@ -264,3 +269,8 @@ win_publish = _default_client_method("win_publish")
 win_free = _default_client_method("win_free")
 win_info = _default_client_method("win_info")
 win_versions = _default_client_method("win_versions")
+win_exchange_async = _default_client_method("win_exchange_async")
+win_exchange = _default_client_method("win_exchange")
+win_add = _default_client_method("win_add")
+group_allreduce_async = _default_client_method("group_allreduce_async")
+group_allreduce = _default_client_method("group_allreduce")
