@@ -1,7 +1,7 @@
 # The two commands of the README: `make run` (set up, then the main job) and `make test`.
 VENV := .venv/bin
 
-.PHONY: setup run test lint bench convergence clean
+.PHONY: setup run test lint bench convergence stragglers clean
 
 setup:
 	@bash scripts/setup.sh
@@ -32,6 +32,11 @@ bench:
 ## non-iid: accuracy, loss curves, wall time, bytes (benchmarks/results/convergence.*; ~10 min)
 convergence: setup
 	$(VENV)/python benchmarks/convergence.py
+
+## one slow worker among 8 (2x, 10x, 100x) and transient slowness: allreduce, synchronous
+## D-SGD, AD-PSGD, WAGMA; throughput, time per epoch, accuracy (benchmarks/results/stragglers.*)
+stragglers: setup
+	$(VENV)/python benchmarks/stragglers.py
 
 clean:
 	rm -rf .venv build *.egg-info clients/decent/v1/*_pb2*.py clients/decent/v1/*_pb2*.pyi

@@ -40,6 +40,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,6 +306,23 @@ def gather(client: Any, values: list[float], name: str) -> list[list[float]]:
 # ------------------------------------------------------------------------------ driver
 
 
+def stream_events(cmd: list[str], mark: str, on_event: Callable[[dict[str, Any]], Any]
+                  ) -> tuple[int, list[str]]:
+    """Run ``cmd`` (workers under decentrun); each output line carrying ``mark`` is a JSON
+    event for ``on_event``. Returns the exit code and the last 30 other lines."""
+    tail: list[str] = []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        at = line.find(mark)
+        if at < 0:
+            tail = [*tail, line.rstrip()][-30:]
+            continue
+        on_event(json.loads(line[at + len(mark):]))
+    return proc.wait(), tail
+
+
 def drive(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the workers under ``decentrun`` with a progress bar; their outcomes."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -317,25 +335,13 @@ def drive(args: argparse.Namespace) -> list[dict[str, Any]]:
            "--worker-out", str(out_file), "--datasets", ",".join(args.datasets),
            "--algorithms", ",".join(args.algorithms), "--epochs", str(args.epochs),
            "--seed", str(args.seed), "--large-seeds", str(args.large_seeds)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    tail: list[str] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total} epochs"), TimeElapsedColumn()) as bar:
         task = bar.add_task(f"starting {args.workers} daemons and workers", total=total)
         done_before = {i: sum(r.epochs for r in runs[:i]) for i in range(len(runs))}
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            at = line.find(MARK)
-            if at < 0:
-                tail = [*tail, line.rstrip()][-30:]
-                continue
-            ev = json.loads(line[at + len(MARK):])
-            bar.update(task, completed=done_before[ev["run"]] + ev["epoch"],
-                       description=f"run {ev['run'] + 1}/{ev['runs']} {ev['key']} "
-                                   f"loss {ev['loss']:.3f}")
-        code = proc.wait()
+        code, tail = stream_events(cmd, MARK, lambda ev: bar.update(
+            task, completed=done_before[ev["run"]] + ev["epoch"],
+            description=f"run {ev['run'] + 1}/{ev['runs']} {ev['key']} loss {ev['loss']:.3f}"))
     if code != 0 or not out_file.exists():
         print("\n".join(tail), file=sys.stderr)
         raise SystemExit(f"the workers failed (decentrun exit code {code})")

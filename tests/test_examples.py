@@ -58,6 +58,28 @@ def test_convergence_benchmark_short_run(tmp_path: Path) -> None:
     assert (tmp_path / "convergence_breast_cancer.png").stat().st_size > 10_000
 
 
+def test_straggler_benchmark_short_run(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "stragglers.py"), "--workers", "4",
+         "--steps", "4", "--slowdowns", "1,10", "--base-ms", "10", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode in (0, 3), proc.stdout[-3000:] + proc.stderr[-3000:]  # 3: a target
+    saved = json.loads((tmp_path / "stragglers.json").read_text())
+    runs = {(r["algorithm"], r["scenario"]): r for r in saved["results"]}
+    assert set(runs) == {(a, s) for a in ("allreduce", "dsgd", "adpsgd", "wagma")
+                         for s in ("x1", "x10", "transient")}
+    for (algo, scenario), r in runs.items():
+        assert r["fast_steps_per_s"] > 0 and 0 <= r["accuracy"] <= 100
+        if algo != "adpsgd":  # the waiting algorithms: every rank did every step
+            assert r["steps"] == [4] * 4, (algo, scenario, r["steps"])
+    assert runs[("adpsgd", "x10")]["steps"][:3] == [4, 4, 4]  # nobody waited for the slow one
+    assert set(saved["verdicts"]) == {"adpsgd_keeps", "allreduce_keeps",
+                                      "wagma_over_dsgd_transient"}
+    assert "| 10x slower | adpsgd |" in (tmp_path / "stragglers.md").read_text()
+    assert (tmp_path / "stragglers.png").stat().st_size > 10_000
+
+
 def _quick_p2p(out: Path, sizes: str) -> None:
     """Run the p2p benchmark's quick mode between 2 daemons, writing into ``out``."""
     proc = subprocess.run(

@@ -143,6 +143,10 @@ class Algorithm(Generic[T]):
 
     # ------------------------------------------------------------------ hooks
 
+    def prepare(self, xs: Sequence[T]) -> None:
+        """Once, when the adapter is built (every rank does it, before training): set up what
+        the algorithm keeps in the daemons (windows). Nothing by default."""
+
     def start(self, xs: Sequence[T], states: Sequence[State]) -> None:
         """Before the forward pass of an iteration: start what needs only ``x_k``."""
 
@@ -381,7 +385,7 @@ class ADPSGD(Algorithm[T]):
     atomically on the passive model it holds (``win_exchange``), without the passive worker. A
     passive worker's model lives in its daemon: its update is added to the current one there
     (``win_add``), whatever averaging happened meanwhile, and it continues from the result.
-    One barrier at the first step (every rank's windows exist before anyone averages).
+    One barrier in :meth:`prepare` (every rank's windows exist before anyone averages).
     """
 
     name = "adpsgd"
@@ -409,7 +413,9 @@ class ADPSGD(Algorithm[T]):
         self._rng = random.Random(int(self.options["seed"]) * 1_000_003 + client.rank)
         self._windows: list[str] = []
 
-    def _setup(self, xs: Sequence[T]) -> None:
+    def prepare(self, xs: Sequence[T]) -> None:
+        """A window per parameter on every rank, then one barrier: nobody averages with a
+        rank whose windows do not exist yet."""
         if self._windows:
             return
         self._windows = [f"{self.prefix}.adpsgd.{i}" for i in range(len(xs))]
@@ -418,7 +424,7 @@ class ADPSGD(Algorithm[T]):
         self.client.barrier(name=f"{self.prefix}.adpsgd.ready")
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
-        self._setup(xs)
+        self.prepare(xs)
         if not self.active:
             return [self.client.win_add(d * -1.0, name)
                     for d, name in zip(ds, self._windows, strict=True)]
@@ -439,7 +445,10 @@ class WAGMA(Algorithm[T]):
     local update taken at ``x_k``: ``x' = avg_group(x) - d``. Members that are late contribute
     their last published model; every ``tau + 1``-th iteration is a blocking global average,
     which bounds that staleness by ``tau``. ``rule``: ``"mean"`` or ``"with-self"`` (the
-    reference code's ``(group_sum + own) / (S + 1)``). One barrier at the first step.
+    reference code's ``(group_sum + own) / (S + 1)``). After each step the new model is
+    published to the daemon, so a member that is late contributes the model it would bring
+    (its updates are not lost), older only when it is more than a step behind. One barrier in
+    :meth:`prepare`.
     """
 
     name = "wagma"
@@ -461,13 +470,15 @@ class WAGMA(Algorithm[T]):
         self.group_size = group
         self.tau = int(self.options["tau"])
         self._windows: list[str] = []
+        self._group_calls = 0
 
     @property
     def global_step(self) -> bool:
         """Whether this iteration is the blocking global average."""
         return (self.iteration + 1) % (self.tau + 1) == 0
 
-    def _setup(self, xs: Sequence[T]) -> None:
+    def prepare(self, xs: Sequence[T]) -> None:
+        """A window per parameter on every rank (the published models), then one barrier."""
         if self._windows:
             return
         self._windows = [f"{self.prefix}.wagma.{i}" for i in range(len(xs))]
@@ -476,9 +487,10 @@ class WAGMA(Algorithm[T]):
         self.client.barrier(name=f"{self.prefix}.wagma.ready")
 
     def start(self, xs: Sequence[T], states: Sequence[State]) -> None:
-        self._setup(xs)
+        self.prepare(xs)
         if self.global_step or "g" in self._pending:
             return
+        self._group_calls += 1
         self._pending["g"] = [
             self.client.group_allreduce_async(x, name, self.group_size,
                                               rule=str(self.options["rule"]))
@@ -486,12 +498,16 @@ class WAGMA(Algorithm[T]):
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         if self.global_step:
-            self._setup(xs)
+            self.prepare(xs)
             mixed = self.mix("global", xs, mean=True)
         else:
             self.start(xs, states)
             mixed = self.mixed("g")
-        return [m - d for m, d in zip(mixed, ds, strict=True)]
+        new = [m - d for m, d in zip(mixed, ds, strict=True)]
+        # what the next group round would take from this rank: served if it is late
+        for x, name in zip(new, self._windows, strict=True):
+            self.client.win_publish(x, name, step=self._group_calls + 1)
+        return new
 
 
 ALGORITHMS: dict[str, type[Algorithm[Any]]] = {

@@ -56,6 +56,7 @@ class DecentralizedOptimizer:
                 raise AlgorithmError("decentlam applies its own momentum (option beta) to the "
                                      "combined update; wrap an optimizer without momentum "
                                      f"(got momentum={moving[0]})")
+        self.algorithm.prepare([p.detach() for p in self._params()])
         self._started = False
         self._hook = model.register_forward_pre_hook(self._before_forward) \
             if model is not None else None
