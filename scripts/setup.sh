@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up everything from nothing: a virtualenv in .venv with decent, torch (CPU) and dev tools.
+# Sets up everything from nothing: a virtualenv in .venv with decent, torch and TensorFlow (CPU
+# builds) and dev tools.
 # Re-running is cheap: it reinstalls only when pyproject.toml, setup.py or proto/ changed.
 # `scripts/setup.sh bench` also installs the benchmark extra (hivemind, for `make bench`).
 set -euo pipefail
@@ -20,7 +21,7 @@ then
   pip_install --upgrade pip
   # the CPU build of torch first: a looser requirement would pull a multi-GB CUDA build
   pip_install "torch==2.13.0"
-  pip_install -e ".[torch,dev]"
+  pip_install -e ".[torch,tf,dev]"
   echo "$want" > "$stamp"
 fi
 if [ "${1:-}" = "bench" ]; then

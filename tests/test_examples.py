@@ -17,13 +17,19 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, "-m", "decentd.launcher"]
 
 
-def test_train_digits_dsgd_and_allreduce_learn() -> None:
+def _example(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``examples/<script>`` on 2 workers (ring) under decentrun; it must exit 0."""
     proc = subprocess.run(
         [*RUN, "-np", "2", "--topology", "ring", "--", sys.executable,
-         str(REPO / "examples" / "train_digits.py"), "--epochs", "3"],
+         str(REPO / "examples" / script), *args],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_train_digits_dsgd_and_allreduce_learn() -> None:
+    proc = _example("train_digits.py", "--epochs", "3")
     rows = {}
     for line in proc.stdout.splitlines():
         m = re.search(r"│ (dsgd|allreduce)\s+│([\d. ]+)│\s+([\d.]+) │\s+([\d.]+) │\s+([\d.e-]+) │",
@@ -36,6 +42,14 @@ def test_train_digits_dsgd_and_allreduce_learn() -> None:
         assert len(workers) == 2
         assert averaged > 80.0, (algo, averaged)  # 3 epochs on digits: well above chance (10%)
     assert rows["allreduce"][2] == 0.0  # allreduce keeps the replicas identical
+
+
+def test_keras_example_trains_dsgd_beside_allreduce() -> None:
+    proc = _example("train_digits_keras.py", "--epochs", "3")
+    rows = dict(re.findall(r"│ (dsgd|allreduce)\s+│[\d. ]+│\s+([\d.]+) │", proc.stdout))
+    assert set(rows) == {"dsgd", "allreduce"}, proc.stdout[-3000:]
+    assert all(float(v) > 80.0 for v in rows.values()), rows  # 3 epochs: far above chance
+    assert "Epoch 3/3" in proc.stdout  # Keras' own progress, on rank 0
 
 
 def test_convergence_benchmark_short_run(tmp_path: Path) -> None:
@@ -60,7 +74,7 @@ def test_convergence_benchmark_short_run(tmp_path: Path) -> None:
 
 def test_straggler_benchmark_short_run(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "stragglers.py"), "--workers", "4",
+        [sys.executable, str(REPO / "benchmarks" / "stragglers.py"), "--workers", "2",
          "--steps", "4", "--slowdowns", "1,10", "--base-ms", "10", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
@@ -72,8 +86,8 @@ def test_straggler_benchmark_short_run(tmp_path: Path) -> None:
     for (algo, scenario), r in runs.items():
         assert r["fast_steps_per_s"] > 0 and 0 <= r["accuracy"] <= 100
         if algo != "adpsgd":  # the waiting algorithms: every rank did every step
-            assert r["steps"] == [4] * 4, (algo, scenario, r["steps"])
-    assert runs[("adpsgd", "x10")]["steps"][:3] == [4, 4, 4]  # nobody waited for the slow one
+            assert r["steps"] == [4] * 2, (algo, scenario, r["steps"])
+    assert runs[("adpsgd", "x10")]["steps"][0] == 4  # rank 0 did not wait for the slow one
     assert set(saved["verdicts"]) == {"adpsgd_keeps", "allreduce_keeps",
                                       "wagma_over_dsgd_transient"}
     assert "| 10x slower | adpsgd |" in (tmp_path / "stragglers.md").read_text()

@@ -11,13 +11,14 @@ client per process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from decent.core import Client, DecentError, Handle
 from decent.core.algorithms import ALGORITHMS, AlgorithmError
+from decent.core.shortcuts import DefaultClient, default_client_method
 from decent.torch.codec import TorchCodec
 from decent.torch.optim import (
     DecentralizedOptimizer,
@@ -81,7 +82,6 @@ __all__ = [
 ]
 
 TorchClient = Client[torch.Tensor]
-_default: TorchClient | None = None
 
 
 def connect(address: str | None = None, connect_timeout: float = 120.0,
@@ -98,36 +98,9 @@ def connect(address: str | None = None, connect_timeout: float = 120.0,
                   register)
 
 
-def init(address: str | None = None) -> TorchClient:
-    """Create (once) the default client the module-level functions use, and return it."""
-    global _default
-    if _default is None:
-        _default = connect(address)
-    return _default
-
-
-def _client() -> TorchClient:
-    if _default is None:
-        raise RuntimeError("decent.torch is not initialized: call decent.torch.init() first")
-    return _default
-
-
-def shutdown() -> None:
-    """Close the default client."""
-    global _default
-    if _default is not None:
-        _default.close()
-        _default = None
-
-
-def rank() -> int:
-    """This worker's rank."""
-    return _client().rank
-
-
-def size() -> int:
-    """Number of workers."""
-    return _client().size
+_holder = DefaultClient("decent.torch", connect)
+init, shutdown, rank, size, _client = (_holder.init, _holder.shutdown, _holder.rank,
+                                       _holder.size, _holder.get)
 
 
 def neighbor_allreduce_async(
@@ -245,32 +218,21 @@ def out_neighbors(name: str | None = None) -> list[int]:
     return _client().out_neighbors(name)
 
 
-def _default_client_method(method: str) -> Callable[..., Any]:
-    """A module-level shortcut for ``Client.<method>`` on the default client."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return getattr(_client(), method)(*args, **kwargs)
-
-    call.__name__ = call.__qualname__ = method
-    call.__doc__ = f"See :meth:`decent.core.Client.{method}` (on the default client)."
-    return call
-
-
 # one-sided window ops (BlueFog's vocabulary)
-win_create = _default_client_method("win_create")
-win_put_async = _default_client_method("win_put_async")
-win_put = _default_client_method("win_put")
-win_accumulate_async = _default_client_method("win_accumulate_async")
-win_accumulate = _default_client_method("win_accumulate")
-win_get_async = _default_client_method("win_get_async")
-win_get = _default_client_method("win_get")
-win_update = _default_client_method("win_update")
-win_publish = _default_client_method("win_publish")
-win_free = _default_client_method("win_free")
-win_info = _default_client_method("win_info")
-win_versions = _default_client_method("win_versions")
-win_exchange_async = _default_client_method("win_exchange_async")
-win_exchange = _default_client_method("win_exchange")
-win_add = _default_client_method("win_add")
-group_allreduce_async = _default_client_method("group_allreduce_async")
-group_allreduce = _default_client_method("group_allreduce")
+win_create = default_client_method(_client, "win_create")
+win_put_async = default_client_method(_client, "win_put_async")
+win_put = default_client_method(_client, "win_put")
+win_accumulate_async = default_client_method(_client, "win_accumulate_async")
+win_accumulate = default_client_method(_client, "win_accumulate")
+win_get_async = default_client_method(_client, "win_get_async")
+win_get = default_client_method(_client, "win_get")
+win_update = default_client_method(_client, "win_update")
+win_publish = default_client_method(_client, "win_publish")
+win_free = default_client_method(_client, "win_free")
+win_info = default_client_method(_client, "win_info")
+win_versions = default_client_method(_client, "win_versions")
+win_exchange_async = default_client_method(_client, "win_exchange_async")
+win_exchange = default_client_method(_client, "win_exchange")
+win_add = default_client_method(_client, "win_add")
+group_allreduce_async = default_client_method(_client, "group_allreduce_async")
+group_allreduce = default_client_method(_client, "group_allreduce")

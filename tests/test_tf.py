@@ -1,0 +1,228 @@
+"""The TensorFlow client through real daemons: exact values, tf.function, errors, interop with
+torch, and the Keras wrapper against the torch wrapper."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import torch
+
+import decent.tf as dtf
+import decent.torch as dt
+from cluster import Cluster
+from conftest import ClusterFactory
+from decent.core import DecentError
+
+N = 4  # ring
+# every rank of a test is a thread of this process, and a blocking op staged in a tf.function
+# holds one of TensorFlow's inter-op threads until its neighbors call: enough for all ranks
+tf.config.threading.set_inter_op_parallelism_threads(4 * N)
+
+
+@pytest.fixture(scope="module")
+def tfc(cluster: ClusterFactory) -> Iterator[tuple[Cluster, list[dtf.TFClient]]]:
+    """The shared 4-rank ring, with one TensorFlow client per rank next to the torch ones."""
+    c = cluster(N, "ring")
+    with ThreadPoolExecutor(N) as pool:
+        clients = list(pool.map(lambda s: dtf.connect(f"unix://{s}", 60), c.sockets))
+    yield c, clients
+    for cl in clients:
+        cl.close()
+
+
+def run_tf(clients: list[dtf.TFClient], fn: Any) -> list[Any]:
+    with ThreadPoolExecutor(len(clients)) as pool:
+        return [f.result(timeout=120) for f in [pool.submit(fn, cl) for cl in clients]]
+
+
+def ring(r: int) -> list[int]:
+    return [(r - 1) % N, (r + 1) % N]
+
+
+def x_of(r: int, dtype: Any = tf.float64) -> tf.Tensor:
+    return tf.cast(tf.range(6, dtype=tf.float64) + 8.0 * r, dtype)
+
+
+def test_ops_give_exact_values_eagerly_and_in_place(tfc: Any) -> None:
+    _, clients = tfc
+
+    def work(cl: dtf.TFClient) -> dict[str, Any]:
+        r = cl.rank
+        v = tf.Variable(x_of(r, tf.float32))
+        out = {
+            "nar": cl.neighbor_allreduce(x_of(r), name="tf.nar", self_weight=0.5,
+                                         src_weights={j: 0.25 for j in ring(r)}),
+            "ar": cl.allreduce_async(x_of(r), name="tf.ar").wait(),
+            "bc": cl.broadcast(x_of(r), root=2, name="tf.bc"),
+            "ag": cl.neighbor_allgather(x_of(r), name="tf.ag"),
+            "bf": cl.allreduce(x_of(r, tf.bfloat16), op="sum", name="tf.bf"),
+            "var": cl.allreduce_(v, name="tf.var"),
+        }
+        return {k: (t.numpy(), t.dtype) for k, t in out.items()} | {"v": v.numpy()}
+
+    got = run_tf(clients, work)
+    xs = np.stack([x_of(r).numpy() for r in range(N)])
+    for r, g in enumerate(got):
+        np.testing.assert_array_equal(g["nar"][0], 0.5 * xs[r] + 0.25 * (xs[(r - 1) % N]
+                                                                          + xs[(r + 1) % N]))
+        assert g["nar"][1] == tf.float64 and g["var"][1] == tf.float32
+        np.testing.assert_array_equal(g["ar"][0], xs.mean(axis=0))
+        np.testing.assert_array_equal(g["bc"][0], xs[2])
+        np.testing.assert_array_equal(g["ag"][0], xs[sorted(ring(r))])
+        assert g["bf"][1] == tf.bfloat16
+        np.testing.assert_array_equal(g["bf"][0].astype(np.float64), xs.sum(axis=0))
+        np.testing.assert_array_equal(g["v"], xs.mean(axis=0).astype(np.float32))
+
+
+def test_blocking_ops_run_inside_tf_function(tfc: Any) -> None:
+    _, clients = tfc
+
+    def work(cl: dtf.TFClient) -> list[np.ndarray]:
+        v = tf.Variable(tf.zeros(6, tf.float64))
+
+        @tf.function
+        def step(x: tf.Tensor) -> tf.Tensor:
+            y = cl.neighbor_allreduce(x, name="tf.fn.nar")  # ring weights: 1/3 each
+            v.assign(y)
+            cl.allreduce_(v, name="tf.fn.ar")
+            cl.barrier(name="tf.fn.barrier")
+            return y * 3.0
+
+        r = cl.rank
+        return [step(x_of(r)).numpy(), step(x_of(r) * 2.0).numpy(), v.numpy()]
+
+    got = run_tf(clients, work)
+    xs = np.stack([x_of(r).numpy() for r in range(N)])
+    for r, g in enumerate(got):
+        sums = xs[r] + xs[(r - 1) % N] + xs[(r + 1) % N]
+        np.testing.assert_allclose(g[0], sums, rtol=1e-15)
+        np.testing.assert_allclose(g[1], 2 * sums, rtol=1e-15)  # runs each time the graph runs
+        np.testing.assert_allclose(g[2], 2 * xs.mean(axis=0), rtol=1e-15)
+
+
+def test_async_ops_inside_tf_function_are_refused(tfc: Any) -> None:
+    cl = tfc[1][0]
+
+    @tf.function
+    def bad(x: tf.Tensor) -> tf.Tensor:
+        return cl.neighbor_allreduce_async(x, name="tf.bad").wait()
+
+    with pytest.raises(RuntimeError, match=r"inside tf\.function use the blocking ops"):
+        bad(tf.zeros(3))
+
+
+def test_mismatch_names_the_tensor_and_both_ranks(tfc: Any) -> None:
+    _, clients = tfc
+
+    def work(cl: dtf.TFClient) -> str:
+        shape = [5] if cl.rank == 1 else [4]
+        try:
+            cl.neighbor_allreduce(tf.zeros(shape), name="tf.mis", timeout=20)
+        except DecentError as exc:
+            return str(exc)
+        return "no error"
+
+    got = run_tf(clients, work)
+    for r in (0, 2):  # rank 1's ring neighbors
+        assert "'tf.mis'" in got[r] and "float32[4]" in got[r] and "float32[5]" in got[r], got[r]
+        assert "rank 1" in got[r]
+
+
+def test_torch_and_tensorflow_workers_are_neighbors(cluster: ClusterFactory) -> None:
+    c = cluster(2, "ring")
+    tf_client = dtf.connect(f"unix://{c.sockets[0]}", 60)
+    torch_client = c.clients[1]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            a = pool.submit(tf_client.neighbor_allreduce, tf.constant([1.0, 2.0, 3.0]),
+                            name="interop")
+            b = pool.submit(torch_client.neighbor_allreduce,
+                            torch.tensor([3.0, 6.0, 9.0]), name="interop")
+            got_tf, got_torch = a.result(timeout=60), b.result(timeout=60)
+    finally:
+        tf_client.close()
+    assert isinstance(got_tf, tf.Tensor) and isinstance(got_torch, torch.Tensor)
+    assert got_tf.numpy().tolist() == [2.0, 4.0, 6.0] == got_torch.tolist()
+
+
+# ------------------------------------------------------------------ the Keras wrapper
+
+DIM, ROWS, STEPS = 3, 8, 40
+LR = 0.0625  # exact in float32, the dtype of Keras' learning-rate variable
+
+
+def _problem(r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(20 + r)
+    return (rng.normal(size=(ROWS, DIM)) / np.sqrt(ROWS), rng.normal(size=ROWS) + r,
+            np.random.default_rng(5).normal(size=DIM) * (r + 1))
+
+
+@pytest.mark.parametrize("algorithm", ["dsgd", "gradient-tracking"])
+def test_keras_wrapper_matches_the_torch_wrapper(tfc: Any, algorithm: str) -> None:
+    c, clients = tfc
+
+    def with_torch(cl: Any) -> np.ndarray:
+        a, b, x0 = (torch.from_numpy(v) for v in _problem(cl.rank))
+        x = torch.nn.Parameter(x0.clone())
+        opt = dt.DecentralizedOptimizer(torch.optim.SGD([x], lr=LR), algorithm=algorithm,
+                                        client=cl, prefix=f"ls.torch.{algorithm}")
+        for _ in range(STEPS):
+            opt.zero_grad()
+            (0.5 * ((a @ x - b) ** 2).sum()).backward()
+            opt.step()
+        return x.detach().numpy().copy()
+
+    def with_keras(cl: dtf.TFClient) -> np.ndarray:
+        a, b, x0 = (tf.constant(v) for v in _problem(cl.rank))
+        x = tf.Variable(x0)
+        opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(LR), algorithm=algorithm,
+                                         client=cl, prefix=f"ls.keras.{algorithm}")
+
+        @tf.function
+        def step() -> None:
+            with tf.GradientTape() as tape:
+                loss = 0.5 * tf.reduce_sum((tf.linalg.matvec(a, x) - b) ** 2)
+            opt.apply_gradients(zip(tape.gradient(loss, [x]), [x], strict=True))
+
+        for _ in range(STEPS):
+            step()
+        return np.asarray(x.numpy())
+
+    want = np.stack(c.run(with_torch))
+    got = np.stack(run_tf(clients, with_keras))
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert np.linalg.norm(got - got.mean(axis=0)) < np.linalg.norm(  # the ranks moved together
+        np.stack([_problem(r)[2] for r in range(N)]) - np.mean([_problem(r)[2]
+                                                                for r in range(N)], axis=0))
+
+
+def test_model_fit_with_callbacks_keeps_the_replicas_identical(tfc: Any) -> None:
+    _, clients = tfc
+
+    def work(cl: dtf.TFClient) -> dict[str, Any]:
+        r = cl.rank
+        keras.utils.set_random_seed(100 + r)  # different initial weights on every rank
+        rng = np.random.default_rng(r)
+        x = rng.normal(size=(64, 5)).astype("float32")
+        y = (x @ np.arange(5, dtype="float32") + r).reshape(-1, 1)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+        model.compile(optimizer=dtf.DecentralizedOptimizer(
+            keras.optimizers.SGD(0.01), algorithm="allreduce", client=cl, prefix="fit"),
+            loss="mse")
+        hist = model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False, callbacks=[
+            dtf.BroadcastGlobalVariablesCallback(0, client=cl),
+            dtf.MetricAverageCallback(client=cl)])
+        return {"w": [w.copy() for w in model.get_weights()], "loss": hist.history["loss"]}
+
+    got = run_tf(clients, work)
+    for g in got[1:]:
+        for w, w0 in zip(g["w"], got[0]["w"], strict=True):
+            np.testing.assert_array_equal(w, w0)  # broadcast start + global average each step
+        assert g["loss"] == got[0]["loss"]  # averaged over the ranks
+    assert got[0]["loss"][1] < got[0]["loss"][0]
