@@ -80,6 +80,37 @@ def test_ops_give_exact_values_eagerly_and_in_place(tfc: Any) -> None:
         np.testing.assert_array_equal(g["v"], xs.mean(axis=0).astype(np.float32))
 
 
+def test_window_ops_on_variables_give_exact_values(tfc: Any) -> None:
+    _, clients = tfc
+
+    def work(cl: dtf.TFClient) -> dict[str, Any]:
+        r = cl.rank
+        v = tf.Variable(x_of(r))
+        cl.win_create(v, "tf.win")
+        cl.barrier(name="tf.win.b0")
+        cl.win_put(x_of(r) * 10.0, "tf.win")  # to both ring neighbors, weight 1
+        cl.barrier(name="tf.win.b1")
+        versions = cl.win_versions("tf.win")
+        out = cl.win_update("tf.win", self_weight=0.5,
+                            neighbor_weights={j: 0.25 for j in ring(r)})
+        same, first = out is v, out.numpy().copy()  # the next update writes into v again
+        cl.barrier(name="tf.win.b2")
+        cl.win_get("tf.win", src_weights={j: 1.0 for j in ring(r)})  # their updated copies
+        got = cl.win_update("tf.win", self_weight=0.0,
+                            neighbor_weights={j: 0.5 for j in ring(r)})
+        cl.barrier(name="tf.win.b3")
+        cl.win_free("tf.win")
+        return {"versions": versions, "out": first, "got": got.numpy().copy(), "same": same}
+
+    got = run_tf(clients, work)
+    xs = np.stack([x_of(r).numpy() for r in range(N)])
+    upd = [0.5 * xs[r] + 0.25 * 10.0 * (xs[(r - 1) % N] + xs[(r + 1) % N]) for r in range(N)]
+    for r, g in enumerate(got):
+        assert g["versions"] == {j: 1 for j in ring(r)} and g["same"]  # written into v
+        np.testing.assert_array_equal(g["out"], upd[r])
+        np.testing.assert_array_equal(g["got"], 0.5 * (upd[(r - 1) % N] + upd[(r + 1) % N]))
+
+
 def test_blocking_ops_run_inside_tf_function(tfc: Any) -> None:
     _, clients = tfc
 
