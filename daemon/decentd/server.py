@@ -212,7 +212,7 @@ class Daemon:
             cfg.timeouts.stall_warning, cfg.transport.ring_threshold_bytes,
             {**OPS, **WINDOW_OPS},
         )
-        self.engine.windows = Windows(self.rank, self.size, self.topology, self.transport,
+        self.engine.windows = Windows(self.rank, self.size, self.transport,
                                       cfg.timeouts.op)
         self.transport.on_one_sided = self.engine.windows.on_message
         self.transport.on_group_failed = self.engine.windows.group_failed

@@ -30,13 +30,12 @@ import numpy as np
 from decentd import dtypes
 from decentd.engine import OpContext, OpResult, OpSpec
 from decentd.errors import OpError
-from decentd.ops import _out, gather_all, weighted_sum
+from decentd.ops import _check_ranks, _out, gather_all, weighted_sum
 from decentd.topology import butterfly_group
 from decentd.transport import Arrival, display_name, part
 from decentd.wire import pb
 
 if TYPE_CHECKING:
-    from decentd.topology import Topology
     from decentd.transport import Transport
 
 log = logging.getLogger("decentd.windows")
@@ -97,11 +96,9 @@ class Window:
 class Windows:
     """Every window of this daemon, and the answers to peers' window messages."""
 
-    def __init__(self, rank: int, size: int, topology: Topology, transport: Transport,
-                 timeout: float) -> None:
+    def __init__(self, rank: int, size: int, transport: Transport, timeout: float) -> None:
         self.rank = rank
         self.size = size
-        self.topology = topology
         self.transport = transport
         self.timeout = timeout
         self.windows: dict[str, Window] = {}
@@ -382,10 +379,7 @@ def _static_step(ctx: OpContext, what: str) -> tuple[float, dict[int, float], li
 
 
 def _ranks(ctx: OpContext, weights: dict[int, float], what: str) -> dict[int, float]:
-    bad = sorted(r for r in weights if not 0 <= r < ctx.size or r == ctx.rank)
-    if bad:
-        raise OpError(pb.INVALID_ARGUMENT, f"window '{ctx.display}': {what} names rank(s) {bad}; "
-                      f"valid: the other ranks of 0..{ctx.size - 1}")
+    _check_ranks(ctx, list(weights), what)
     return weights
 
 

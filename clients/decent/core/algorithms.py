@@ -147,6 +147,15 @@ class Algorithm(Generic[T]):
         """Once, when the adapter is built (every rank does it, before training): set up what
         the algorithm keeps in the daemons (windows). Nothing by default."""
 
+    def create_windows(self, xs: Sequence[T]) -> list[str]:
+        """One window per parameter (``<prefix>.<name>.<i>``, holding it), then a barrier: once
+        it returns, every rank's windows exist. The window names."""
+        names = [f"{self.prefix}.{self.name}.{i}" for i in range(len(xs))]
+        for x, name in zip(xs, names, strict=True):
+            self.client.win_create(x, name, zero_init=True)
+        self.client.barrier(name=f"{self.prefix}.{self.name}.ready")
+        return names
+
     def start(self, xs: Sequence[T], states: Sequence[State]) -> None:
         """Before the forward pass of an iteration: start what needs only ``x_k``."""
 
@@ -416,12 +425,8 @@ class ADPSGD(Algorithm[T]):
     def prepare(self, xs: Sequence[T]) -> None:
         """A window per parameter on every rank, then one barrier: nobody averages with a
         rank whose windows do not exist yet."""
-        if self._windows:
-            return
-        self._windows = [f"{self.prefix}.adpsgd.{i}" for i in range(len(xs))]
-        for x, name in zip(xs, self._windows, strict=True):
-            self.client.win_create(x, name, zero_init=True)
-        self.client.barrier(name=f"{self.prefix}.adpsgd.ready")
+        if not self._windows:
+            self._windows = self.create_windows(xs)
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         self.prepare(xs)
@@ -479,12 +484,8 @@ class WAGMA(Algorithm[T]):
 
     def prepare(self, xs: Sequence[T]) -> None:
         """A window per parameter on every rank (the published models), then one barrier."""
-        if self._windows:
-            return
-        self._windows = [f"{self.prefix}.wagma.{i}" for i in range(len(xs))]
-        for x, name in zip(xs, self._windows, strict=True):
-            self.client.win_create(x, name, zero_init=True)
-        self.client.barrier(name=f"{self.prefix}.wagma.ready")
+        if not self._windows:
+            self._windows = self.create_windows(xs)
 
     def start(self, xs: Sequence[T], states: Sequence[State]) -> None:
         self.prepare(xs)

@@ -846,9 +846,13 @@ class Client(Generic[T]):
         their daemons apply the write. ``wait()`` returns once every destination applied it and
         gives ``tensor``'s value back. ``step``: the worker's step of ``tensor`` (0: one more
         than the own copy's)."""
+        return self._win_write(pb.WIN_PUT, tensor, name, dst_weights, step, timeout)
+
+    def _win_write(self, op: int, tensor: T, name: str, dst_weights: WeightsArg, step: int,
+                   timeout: float | None) -> Handle[T]:
         self._window(name)
         dst = _weights(dst_weights)
-        return self._submit(pb.WIN_PUT, tensor, name, timeout, step=step,
+        return self._submit(op, tensor, name, timeout, step=step,
                             has_dst_weights=dst is not None, dst_weights=dst or {})
 
     def win_put(self, tensor: T, name: str, **kwargs: Any) -> T:
@@ -859,10 +863,7 @@ class Client(Generic[T]):
                              step: int = 0, timeout: float | None = None) -> Handle[T]:
         """Like :meth:`win_put_async`, but each destination *adds* ``d_j * tensor`` to its
         buffer for this rank (concurrent writers from several ranks all land)."""
-        self._window(name)
-        dst = _weights(dst_weights)
-        return self._submit(pb.WIN_ACCUMULATE, tensor, name, timeout, step=step,
-                            has_dst_weights=dst is not None, dst_weights=dst or {})
+        return self._win_write(pb.WIN_ACCUMULATE, tensor, name, dst_weights, step, timeout)
 
     def win_accumulate(self, tensor: T, name: str, **kwargs: Any) -> T:
         """Blocking :meth:`win_accumulate_async`."""
