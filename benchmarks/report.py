@@ -296,7 +296,7 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                 f"{netns.get('mbytes')} MB: gloo ring allreduce / one-peer D-SGD step "
                 f"({netns.get('decent_mode', 'copy')})", v, 1.6,
                 True, f"{ratio_text(v)} ({ms(netns['gloo']['median_s'])} vs "
-                f"{ms(netns['decent']['median_s'])} ms)"
+                f"{ms(netns['decent']['median_s'])} ms, steal {netns.get('steal_frac', 0):.0%})"
                 + ("" if netns.get("correct", True) else "; results WRONG"))
             if "speedup_barrier" in netns:
                 v = float(netns["speedup_barrier"])
@@ -309,7 +309,7 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
             v = float(private["speedup"])
             add("4'", "the same, D-SGD step in place on a private tensor (copies)", v, 1.6, True,
                 f"{ratio_text(v)} ({ms(private['gloo']['median_s'])} vs "
-                f"{ms(private['decent']['median_s'])} ms)"
+                f"{ms(private['decent']['median_s'])} ms, steal {private.get('steal_frac', 0):.0%})"
                 + ("" if private.get("correct", True) else "; results WRONG"))
     # (5) daemon RSS
     daemons = p2p.get("daemons") or []
@@ -759,6 +759,10 @@ def netns_lines(netns: dict[str, Any] | None) -> list[str]:
         "",
         f"Speedup gloo / decent: **{netns['speedup']:.2f}x** (link-only bound "
         f"{th.get('speedup', float('nan')):.2f}x, target {netns.get('target_speedup', 1.6)}x).",
+        "",
+        f"CPU stolen by the hypervisor during the timed calls: {netns.get('steal_frac', 0):.0%}"
+        + ("" if netns.get("quiet_host", True) else
+           " (above 10%: the host, not the links, paced this run)") + ".",
     ]
 
 
