@@ -156,8 +156,9 @@ def hivemind_state(p2p: dict[str, Any]) -> str:
         return "not run (--no-hivemind or --quick)"
     if "skipped" in hm:
         return f"skipped: {hm['skipped']}"
-    if "error" in hm:
-        return f"failed: {hm['error']}"
+    if "error" in hm:  # often a traceback: its last line says what failed, on one table row
+        lines = [ln.strip() for ln in str(hm["error"]).splitlines() if ln.strip()]
+        return f"failed: {lines[0]} ... {lines[-1]}" if len(lines) > 1 else f"failed: {hm['error']}"
     return "ok"
 
 
