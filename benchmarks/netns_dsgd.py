@@ -692,7 +692,73 @@ class Calls:
                 "errors": self.errors}
 
 
-class GlooCalls:
+class TimedSystem:
+    """One system's calls in a worker: the same sequence for both, around :meth:`timed`."""
+
+    name = ""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        import torch
+
+        self.torch, self.a = torch, a
+        self.calls = Calls()
+
+    def call(self, k: int, kind: str | None) -> None:
+        """Call ``k``: barrier, the common start (for ``kind`` "common"), the timed op, a
+        barrier, then check the result ("checks" in the module docstring) and refill."""
+        self.before(k)
+        self.barrier("step")
+        when = None
+        if kind == "common":
+            agreed = self.torch.tensor([time.perf_counter() + START_MARGIN_S],
+                                       dtype=self.torch.float64)
+            when = self.broadcast(agreed)
+            self.calls.late(sleep_until(when))
+        s0, c0, d0 = system_cpu(), time.process_time(), self.helper_cpu()
+        t0 = time.perf_counter()
+        out = self.timed()
+        t1 = time.perf_counter()
+        c1, d1, s1 = time.process_time(), self.helper_cpu(), system_cpu()
+        self.barrier("done")
+        self.check(k, out)
+        if kind is not None:
+            self.calls.add(kind, t0 if when is None else when, t1, (c1 - c0) + (d1 - d0),
+                           s0, s1, worker_cpu=c1 - c0)
+        self.refill()
+
+    def before(self, k: int) -> None:
+        """Untimed work before call ``k``'s barrier (nothing by default)."""
+
+    def helper_cpu(self) -> float:
+        """CPU seconds used so far by the system's helper process (none by default)."""
+        return 0.0
+
+    def barrier(self, label: str) -> None:
+        """The system's own barrier."""
+        raise NotImplementedError
+
+    def broadcast(self, agreed: Any) -> float:
+        """Rank 0's value of the one-element tensor ``agreed``, through the system."""
+        raise NotImplementedError
+
+    def timed(self) -> Any:
+        """The timed call; its result."""
+        raise NotImplementedError
+
+    def check(self, k: int, out: Any) -> None:
+        """Record an error when call ``k``'s result is not the closed form."""
+        raise NotImplementedError
+
+    def refill(self) -> None:
+        """Reset the tensor for the next call."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the system."""
+        raise NotImplementedError
+
+
+class GlooCalls(TimedSystem):
     """gloo ``all_reduce`` (SUM) of a float32 tensor filled with the rank."""
 
     name = "gloo"
@@ -700,99 +766,105 @@ class GlooCalls:
     def __init__(self, a: argparse.Namespace) -> None:
         import datetime as dtm
 
-        import torch
         import torch.distributed as dist
 
-        self.torch, self.dist, self.rank = torch, dist, a.rank
+        super().__init__(a)
+        self.dist = dist
         dist.init_process_group("gloo", init_method=f"tcp://{SUBNET}.1:{GLOO_PORT}",
                                 rank=a.rank, world_size=a.nodes,
                                 timeout=dtm.timedelta(seconds=300))
-        self.buf = torch.full((numel(a.mbytes),), float(a.rank), dtype=torch.float32)
+        self.buf = self.torch.full((numel(a.mbytes),), float(a.rank), dtype=self.torch.float32)
         self.expected = float(a.nodes * (a.nodes - 1) // 2)
-        self.calls = Calls()
 
-    def call(self, k: int, kind: str | None) -> None:
-        """One call: barrier, (common start), the timed all_reduce, barrier, check, refill."""
-        torch, dist = self.torch, self.dist
-        dist.barrier()
-        when = None
-        if kind == "common":
-            agreed = torch.tensor([time.perf_counter() + START_MARGIN_S], dtype=torch.float64)
-            dist.broadcast(agreed, 0)
-            when = float(agreed)
-            self.calls.late(sleep_until(when))
-        s0, c0, t0 = system_cpu(), time.process_time(), time.perf_counter()
-        dist.all_reduce(self.buf)
-        t1, c1, s1 = time.perf_counter(), time.process_time(), system_cpu()
-        dist.barrier()  # check only once every rank is done ("checks" in the docstring)
-        if not bool(torch.all(self.buf == self.expected)):
-            self.calls.errors.append(f"gloo rank {self.rank} call {k}: values "
-                                     f"{self.buf.min()}..{self.buf.max()}, "
-                                     f"expected {self.expected}")
-        if kind is not None:
-            self.calls.add(kind, t0 if when is None else when, t1, c1 - c0, s0, s1)
-        self.buf.fill_(float(self.rank))
+    def barrier(self, label: str) -> None:
+        """``dist.barrier``."""
+        self.dist.barrier()
+
+    def broadcast(self, agreed: Any) -> float:
+        """``dist.broadcast`` from rank 0."""
+        self.dist.broadcast(agreed, 0)
+        return float(agreed)
+
+    def timed(self) -> Any:
+        """``dist.all_reduce`` in place."""
+        self.dist.all_reduce(self.buf)
+        return self.buf
+
+    def check(self, k: int, out: Any) -> None:
+        """Every element must be n(n-1)/2."""
+        if not bool(self.torch.all(out == self.expected)):
+            self.calls.errors.append(f"gloo rank {self.a.rank} call {k}: values "
+                                     f"{out.min()}..{out.max()}, expected {self.expected}")
+
+    def refill(self) -> None:
+        """Back to the rank."""
+        self.buf.fill_(float(self.a.rank))
 
     def close(self) -> None:
         """Leave the process group."""
         self.dist.destroy_process_group()
 
 
-class DecentCalls:
+class DecentCalls(TimedSystem):
     """``neighbor_allreduce`` on the one-peer exponential graph, each result checked."""
 
     name = "decent"
 
     def __init__(self, a: argparse.Namespace) -> None:
-        import torch
-
         import decent.torch as dt
 
-        self.torch, self.a = torch, a
+        super().__init__(a)
         self.client = dt.connect()
         if (self.client.rank, self.client.size) != (a.rank, a.nodes):
             raise SystemExit(f"daemon says rank {self.client.rank} of {self.client.size}, "
                              f"expected {a.rank} of {a.nodes}")
-        t = torch.full((numel(a.mbytes),), float(a.rank), dtype=torch.float32)
+        t = self.torch.full((numel(a.mbytes),), float(a.rank), dtype=self.torch.float32)
         if a.mode == "shared":  # the model lives in the arena: no copies between worker and daemon
             t = self.client.shared(t)
         elif a.mode == "registered":  # in torch's shared memory, which the daemon maps
             t.share_memory_()
         self.t = t
-        self.calls = Calls()
+        self.src = -1  # the in-neighbor of the current call
 
-    def call(self, k: int, kind: str | None) -> None:
-        """One call: barrier, (common start), the timed step, barrier, check, refill."""
-        torch, a, client, t = self.torch, self.a, self.client, self.t
-        srcs = client.in_neighbors("model")
-        want = one_peer_src(a.rank, a.nodes, k)
-        if srcs != [want]:
+    def before(self, k: int) -> None:
+        """The daemon's in-neighbor for this call must be the graph's."""
+        a = self.a
+        srcs = self.client.in_neighbors("model")
+        self.src = one_peer_src(a.rank, a.nodes, k)
+        if srcs != [self.src]:
             self.calls.errors.append(f"rank {a.rank} step {k}: in_neighbors {srcs}, graph "
-                                     f"says [{want}]")
-        client.barrier(name="step")
-        when = None
-        if kind == "common":
-            agreed = torch.tensor([time.perf_counter() + START_MARGIN_S], dtype=torch.float64)
-            when = float(client.broadcast(agreed, root=0, name="start"))
-            self.calls.late(sleep_until(when))
-        s0, c0, d0 = system_cpu(), time.process_time(), proc_cpu_seconds(a.daemon_pid)
-        t0 = time.perf_counter()
-        if a.mode == "copy":
-            out = client.neighbor_allreduce(t, name="model")
-        else:  # in place, like gloo's all_reduce; reset the values for the next check
-            out = client.neighbor_allreduce_(t, name="model")
-        t1 = time.perf_counter()
-        c1, d1, s1 = time.process_time(), proc_cpu_seconds(a.daemon_pid), system_cpu()
-        client.barrier(name="done")  # check once every rank is done ("checks" in the docstring)
-        expected = 0.5 * a.rank + 0.5 * (srcs[0] if srcs else want)
-        if out.shape != t.shape or not bool(torch.all(out == expected)):
-            self.calls.errors.append(f"rank {a.rank} step {k}: values {out.min()}..{out.max()}, "
-                                     f"expected {expected}")
-        if kind is not None:
-            self.calls.add(kind, t0 if when is None else when, t1, (c1 - c0) + (d1 - d0),
-                           s0, s1, worker_cpu=c1 - c0)
-        if a.mode != "copy":
-            t.fill_(float(a.rank))
+                                     f"says [{self.src}]")
+            self.src = srcs[0] if srcs else self.src
+
+    def helper_cpu(self) -> float:
+        """The daemon's CPU seconds."""
+        return proc_cpu_seconds(self.a.daemon_pid)
+
+    def barrier(self, label: str) -> None:
+        """``client.barrier``."""
+        self.client.barrier(name=label)
+
+    def broadcast(self, agreed: Any) -> float:
+        """``client.broadcast`` from rank 0."""
+        return float(self.client.broadcast(agreed, root=0, name="start"))
+
+    def timed(self) -> Any:
+        """One D-SGD step: in place like gloo's all_reduce, or out of place (``copy``)."""
+        if self.a.mode == "copy":
+            return self.client.neighbor_allreduce(self.t, name="model")
+        return self.client.neighbor_allreduce_(self.t, name="model")
+
+    def check(self, k: int, out: Any) -> None:
+        """The average of this rank's and its in-neighbor's values."""
+        expected = 0.5 * self.a.rank + 0.5 * self.src
+        if out.shape != self.t.shape or not bool(self.torch.all(out == expected)):
+            self.calls.errors.append(f"rank {self.a.rank} step {k}: values "
+                                     f"{out.min()}..{out.max()}, expected {expected}")
+
+    def refill(self) -> None:
+        """Back to the rank (in place modes only)."""
+        if self.a.mode != "copy":
+            self.t.fill_(float(self.a.rank))
 
     def close(self) -> None:
         """Disconnect from the daemon."""
@@ -804,7 +876,7 @@ def worker_paired(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    systems: tuple[GlooCalls | DecentCalls, ...] = (GlooCalls(a), DecentCalls(a))
+    systems: tuple[TimedSystem, ...] = (GlooCalls(a), DecentCalls(a))
     warm = warmup_steps(a.nodes)
     for k in range(warm + len(STARTS) * a.repeats):
         kind = start_of(k, warm)
