@@ -3,10 +3,10 @@
 A frame is a 4-byte little-endian length, a ``BulkHeader`` of that length, then the header's
 ``payload_bytes`` of raw data. Each direction of a peer pair has its own connection:
 
-* :class:`Sender` owns the outgoing socket. A small frame is written straight from the event loop
-  with a non-blocking ``sendmsg`` when nothing is queued; anything else goes to the sender's
-  thread, which writes header and payload with blocking ``sendmsg`` calls (the GIL is released
-  while the kernel copies) directly from the worker's shared-memory slot.
+* :class:`Sender` owns the outgoing socket. When nothing is queued, the event loop writes what the
+  socket takes of a frame's head with a non-blocking ``sendmsg``; the rest goes to the sender's
+  thread, which writes it with blocking ``sendmsg`` calls (the GIL is released while the kernel
+  copies) directly from the worker's shared-memory slot.
 * :class:`Inbound` is an ``asyncio.BufferedProtocol`` on the incoming socket. Headers are parsed
   from a reused scratch buffer; a payload is received straight into the buffer its consumer
   provides (``recv_into`` semantics, no per-chunk objects).
@@ -34,16 +34,24 @@ LENGTH = 4
 #: headers are small (a name and a shape per part); a larger one means a broken stream
 MAX_HEADER = 16 << 20
 SCRATCH = 256 << 10
-#: a payload being received wakes the event loop once this much has arrived (or the rest)
-LOW_WATER = 1 << 20
-#: a payload being received reports its progress every this many bytes
-PROGRESS = 1 << 20
+#: a payload being received wakes the event loop (and reports its progress) once this much more
+#: has arrived; fewer wakeups mean less interpreter work per byte
+LOW_WATER = 4 << 20
+#: ... but toward its end at half of what is left, down to this: the last wakeup then has little
+#: left to fold, which is what the op waits for after the last byte
+TAIL = 256 << 10
 #: the sender thread writes at most this much per call, and updates its progress in between
 SLICE = 1 << 20
-#: frames up to this size are tried directly from the event loop
-DIRECT_LIMIT = 256 << 10
+#: when nothing is queued, the event loop writes what the socket takes of a frame's first this
+#: many bytes at once; the sender thread writes the rest (the link starts without a thread switch)
+DIRECT_HEAD = 2 << 20
 
 Buffer = bytes | bytearray | memoryview
+
+
+def next_step(remaining: int) -> int:
+    """Bytes of a payload to wait for before the next wakeup, with ``remaining`` still to come."""
+    return max(min(LOW_WATER, remaining // 2), min(remaining, TAIL))
 
 
 def encode(header: pb.BulkHeader) -> bytes:
@@ -125,9 +133,10 @@ class Sender:
                 if on_done is not None:
                     on_done(err)
                 return None
-            if not self._busy and not self._queue and total <= DIRECT_LIMIT:
+            if not self._busy and not self._queue:
+                head = _take(buffers, DIRECT_HEAD)  # at most 64 buffers: well within IOV_MAX
                 try:
-                    sent = self.sock.sendmsg(buffers, (), socket.MSG_DONTWAIT)
+                    sent = self.sock.sendmsg(head, (), socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     sent = 0
                 except OSError as exc:
@@ -272,7 +281,7 @@ class Inbound(asyncio.BufferedProtocol):
     def _low_water(self, nbytes: int) -> None:
         """Wake the loop only once ``nbytes`` are readable (SO_RCVLOWAT): a payload trickling
         in over a slow link is then read in large pieces instead of a packet at a time."""
-        nbytes = max(1, min(nbytes, LOW_WATER))
+        nbytes = max(1, nbytes)
         if nbytes != self._lowat and self._sock is not None:
             with contextlib.suppress(OSError, AttributeError):
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
@@ -304,9 +313,8 @@ class Inbound(asyncio.BufferedProtocol):
                 self._low_water(1)
                 self._deliver(part.header, part.dest)
             else:
-                if part.dest.size - part.filled < self._lowat:
-                    self._low_water(part.dest.size - part.filled)
-                if part.filled - part.reported >= PROGRESS:
+                self._low_water(next_step(part.dest.size - part.filled))
+                if part.filled - part.reported >= next_step(part.dest.size - part.reported):
                     part.reported = part.filled
                     try:
                         self.sink.on_progress(self, part.header, part.dest, part.filled)
@@ -351,7 +359,7 @@ class Inbound(asyncio.BufferedProtocol):
                 self._deliver(header, dest)
                 continue
             self._partial = _Partial(header, dest, dest.data, take)
-            self._low_water(size - take)
+            self._low_water(next_step(size - take))
             break
         if self._start == self._end:
             self._start = self._end = 0

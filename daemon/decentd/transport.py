@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import itertools
 import logging
 import socket
@@ -62,6 +63,16 @@ JOB_SEPARATOR = "\x1f"
 def qualify(job: str, name: str) -> str:
     """The wire key of op ``name`` in job ``job``."""
     return f"{job}{JOB_SEPARATOR}{name}" if job else name
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def display_name(wire_name: str) -> str:
@@ -166,6 +177,7 @@ class Transport:
         self._on_abort = on_abort
         self._on_peer_down = on_peer_down
         self.links = {r: PeerLink(r, a) for r, a in enumerate(addresses) if r != rank}
+        self._loopback = [_is_loopback(a) for a in addresses]
         self.window = max(MIN_WINDOW, early_limit // max(1, len(self.links)))
         self.pool = BufferPool(limit=pool_limit if pool_limit is not None else early_limit)
         self.data_port = 0
@@ -353,6 +365,11 @@ class Transport:
                 await link.channel.close(grace=None)
         if self._server is not None:
             self._server.close()
+
+    def same_host(self, peer: int) -> bool:
+        """Both this daemon and ``peer`` are addressed on loopback in the cluster's peer list
+        (which every daemon shares, so ``peer`` gives the same answer about this rank)."""
+        return self._loopback[self.rank] and self._loopback[peer]
 
     # ------------------------------------------------------------------ sending
 
