@@ -354,6 +354,8 @@ class Network:
         # meets a queue rather than tail drops
         self.burst = int(min(max(rate_bytes * 0.004, 256 << 10), 4 << 20))
         self.limit = int(max(rate_bytes * 0.050, 1 << 20, 2 * self.burst))
+        #: every veth end receives each flow on one CPU (see _steer)
+        self.steered = True
 
     def ip(self, i: int) -> str:
         """The address of node ``i``."""
@@ -373,6 +375,16 @@ class Network:
         if proc.returncode != 0:
             raise Skip(f"skipped: cannot rate-limit {dev} with tc tbf: {proc.stderr.strip()}")
 
+    def _steer(self, ns: str, dev: str) -> bool:
+        """Receive each flow of ``dev`` on one CPU (RPS by flow hash). Without it a veth hands
+        each packet to the backlog of whichever CPU sent it, and a flow whose packets leave from
+        both CPUs (the sender's and the qdisc timer's) arrives reordered: TCP then retransmits
+        data that was never lost and shrinks its window, as no real link would make it."""
+        mask = format((1 << (os.cpu_count() or 1)) - 1, "x")
+        return sh("ip", "netns", "exec", ns, "sh", "-c",
+                  f"echo {mask} > /sys/class/net/{dev}/queues/rx-0/rps_cpus",
+                  check=False).returncode == 0
+
     def up(self) -> None:
         """Create namespaces, bridge, veths, addresses and tbf qdiscs."""
         self._add_ns(self.switch)
@@ -390,6 +402,7 @@ class Network:
             sh("ip", "-n", self.switch, "link", "set", port, "up")
             self._tbf(ns, NODE_IF)  # upload
             self._tbf(self.switch, port)  # download
+            self.steered &= self._steer(ns, NODE_IF) & self._steer(self.switch, port)
         # no reachability probe here: the link test connects with retries and fails loudly
 
     def qdisc_stats(self) -> dict[str, str]:
@@ -933,7 +946,8 @@ def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 
             say(f"creating {nodes} namespaces + switch, tbf {rate} both ways")
             net = Network(prefix, nodes, rate, cleanup)
             net.up()
-            result["tbf"] = {"rate": rate, "burst_bytes": net.burst, "limit_bytes": net.limit}
+            result["tbf"] = {"rate": rate, "burst_bytes": net.burst, "limit_bytes": net.limit,
+                             "flow_steering": net.steered}
             runner = Runner(net, run_dir, cleanup)
             say("raw TCP link test (50 MB)")
             result["link"] = link_test(runner)

@@ -145,6 +145,7 @@ def test_netns_benchmark_runs_and_cleans_up(tmp_path: Path) -> None:
     for key in ("gloo", "decent", "gloo_barrier", "decent_barrier"):
         assert res[key]["correct"] and len(res[key]["per_repeat_max_s"]) == 1, key
     assert res["speedup_barrier"] > 0
+    assert res["tbf"]["flow_steering"]  # each flow on one CPU: no reordering on the veths
     assert 0.0 <= res["steal_frac"] <= 1.0 and isinstance(res["quiet_host"], bool)
     assert _netns_left() == []
 
