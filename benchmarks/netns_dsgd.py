@@ -338,6 +338,16 @@ def signals_raise() -> Iterator[None]:
 # ------------------------------------------------------------------------------ network
 
 
+def cpu_mask(cpus: int) -> str:
+    """The sysfs form of a mask of the first ``cpus`` CPUs: hex in 32-bit groups, commas between."""
+    bits, groups = (1 << cpus) - 1, []
+    while True:
+        groups.append(f"{bits & 0xFFFFFFFF:08x}")
+        bits >>= 32
+        if not bits:
+            return ",".join(reversed(groups))
+
+
 class Network:
     """A switch namespace with a bridge and ``nodes`` namespaces, each on a rate-limited veth."""
 
@@ -380,7 +390,7 @@ class Network:
         each packet to the backlog of whichever CPU sent it, and a flow whose packets leave from
         both CPUs (the sender's and the qdisc timer's) arrives reordered: TCP then retransmits
         data that was never lost and shrinks its window, as no real link would make it."""
-        mask = format((1 << (os.cpu_count() or 1)) - 1, "x")
+        mask = cpu_mask(os.cpu_count() or 1)
         return sh("ip", "netns", "exec", ns, "sh", "-c",
                   f"echo {mask} > /sys/class/net/{dev}/queues/rx-0/rps_cpus",
                   check=False).returncode == 0

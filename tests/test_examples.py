@@ -122,6 +122,14 @@ def test_report_merges_the_benchmark_results(tmp_path: Path) -> None:
     assert "netns_dsgd.json" in report  # not run here: the report says so instead of a number
 
 
+@pytest.mark.parametrize(("cpus", "mask"), [(1, "00000001"), (2, "00000003"),
+                                             (40, "000000ff,ffffffff")])
+def test_netns_flow_steering_mask(cpus: int, mask: str) -> None:
+    from benchmarks.netns_dsgd import cpu_mask
+
+    assert cpu_mask(cpus) == mask
+
+
 def _netns_left() -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if line.startswith("dcnt")]
