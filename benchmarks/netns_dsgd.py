@@ -15,6 +15,7 @@ What it builds: one "switch" namespace holding a Linux bridge, and ``--nodes`` n
 (``dcnt<pid>-<i>``), each joined to the bridge by one veth pair (``veth0`` inside the node,
 10.77.0.(i+1)/24). Every node's link is rate-limited in both directions with ``tc tbf``: on the
 node-side veth (egress = the node's upload) and on the switch-side veth (egress = its download).
+Every veth end receives each flow on one CPU (RPS by flow hash): a link keeps a flow in order.
 The root namespace is not touched. A raw TCP transfer (one flow node 0 -> node 1, then two flows
 into node 1 at once) checks the limit and the achieved rate is reported.
 
@@ -389,7 +390,7 @@ class Network:
         """Receive each flow of ``dev`` on one CPU (RPS by flow hash). Without it a veth hands
         each packet to the backlog of whichever CPU sent it, and a flow whose packets leave from
         both CPUs (the sender's and the qdisc timer's) arrives reordered: TCP then retransmits
-        data that was never lost and shrinks its window, as no real link would make it."""
+        data that was never lost and shrinks its window, which no real link would cause."""
         mask = cpu_mask(os.cpu_count() or 1)
         return sh("ip", "netns", "exec", ns, "sh", "-c",
                   f"echo {mask} > /sys/class/net/{dev}/queues/rx-0/rps_cpus",
