@@ -65,8 +65,13 @@ def qualify(job: str, name: str) -> str:
     return f"{job}{JOB_SEPARATOR}{name}" if job else name
 
 
+def host_of(address: str) -> str:
+    """The host part of a ``host:port`` peer address (IPv6 without its brackets)."""
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
 def _is_loopback(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
+    host = host_of(address)
     if host == "localhost":
         return True
     try:
@@ -271,7 +276,7 @@ class Transport:
                     f"{pb.ErrorCode.Name(reply.error.code)}: {reply.error.message}"
                 )
             break
-        host = link.address.rsplit(":", 1)[0].strip("[]")
+        host = host_of(link.address)
         loop = asyncio.get_running_loop()
         try:
             sock = await self._open(host, int(reply.data_port), loop)
