@@ -225,6 +225,34 @@ def test_decentctl_status_and_topology() -> None:
     assert proc.returncode == 0 and "rho = 0.5000" in proc.stdout
 
 
+def test_idle_peers_hear_heartbeats_on_the_bulk_connections() -> None:
+    """An idle link carries an empty frame every heartbeat interval: each peer's last-heard
+    age stays within two intervals, and the frames are counted on the bulk connections."""
+    import grpc
+
+    from decentd.wire import pb, pb_grpc
+
+    interval = 0.2
+    c = Cluster(3, "ring", "--set", f"timeouts.heartbeat={interval}")
+    try:
+        c.connect()  # every daemon has all its peers connected
+        def peers(rank: int) -> list[pb.PeerStatus]:
+            with grpc.insecure_channel(f"unix://{c.sockets[rank]}") as channel:
+                status = pb_grpc.WorkerStub(channel).Status(pb.StatusRequest(), timeout=10)
+            return list(status.peers)
+
+        before = {r: {p.rank: p.bytes_sent for p in peers(r)} for r in range(3)}
+        time.sleep(30 * interval)  # idle: without heartbeats every age would pass 6 s
+        for r in range(3):
+            for p in peers(r):
+                assert p.connected
+                # two intervals, plus scheduling slack on a loaded CI host
+                assert 0 <= p.last_heartbeat_age_s < 10 * interval, (r, p)
+                assert p.bytes_sent > before[r][p.rank], (r, p)  # frames went out on idle links
+    finally:
+        c.stop()
+
+
 def test_decentrun_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
     marker = tmp_path / "pids"
     script = tmp_path / "w.py"

@@ -174,7 +174,7 @@ class PeerService(pb_grpc.PeerServicer):
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatReply:
-        """Liveness."""
+        """Liveness, for tools; daemons hear from each other on the bulk connections."""
         link = self.d.transport.links.get(request.from_rank)
         if link is not None:
             link.last_heartbeat = time.monotonic()
