@@ -17,7 +17,7 @@ import torch
 from cluster import Cluster
 from decent.core import Client, DecentError
 from decent.v1 import decent_pb2 as pb
-from decentd.bulk import SCRATCH
+from decentd.bulk import SCRATCH, Sender
 from decentd.ops import BLOCK, PAIR_MIN_BYTES
 from decentd.transport import _is_loopback
 
@@ -437,6 +437,38 @@ def test_pair_halves_only_between_daemons_on_one_host(address: str, loopback: bo
     # by halves on loopback (memory is the limit); whole tensors across a network (the
     # 8-namespace benchmark checks those results exactly)
     assert _is_loopback(address) is loopback
+
+
+def test_sender_is_idle_only_when_nothing_is_queued_or_going_out() -> None:
+    # the heartbeat loop writes only on idle links: a frame stuck behind a peer that stopped
+    # reading must keep the sender busy, so that heartbeats do not pile up behind it
+    import asyncio
+    import socket
+    import time
+
+    a, b = socket.socketpair()
+    loop = asyncio.new_event_loop()
+    sender = Sender(a, loop, peer=1)
+    try:
+        assert sender.idle
+        sender.send([b"x" * 100])  # fits the socket buffer: written at once
+        assert sender.idle
+        sender.send([bytes(64 << 20)])  # more than the socket holds
+        assert not sender.idle
+        time.sleep(0.2)
+        assert not sender.idle  # nobody reads b: still going out
+        received = 0
+        while received < 100 + (64 << 20):
+            received += len(b.recv(1 << 20))
+        deadline = time.monotonic() + 10
+        while not sender.idle and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sender.idle
+    finally:
+        sender.close()
+        loop.close()
+        a.close()
+        b.close()
 
 
 def test_pairs_average_large_tensors_by_halves_exactly() -> None:

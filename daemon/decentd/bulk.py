@@ -161,6 +161,12 @@ class Sender:
             self._cv.notify()
             return item
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or going out."""
+        with self._cv:
+            return not self._busy and not self._queue
+
     def abandon(self, item: Outgoing) -> bool:
         """Skip ``item`` if the thread has not started it; True when it is already going out."""
         with self._cv:

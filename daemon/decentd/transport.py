@@ -354,7 +354,9 @@ class Transport:
             for link in self.links.values():
                 if link.sender is None or not link.connected:
                     continue
-                if link.sender.bytes_sent == link.heartbeat_mark:
+                # a link that is busy, or stuck behind a peer that stopped reading, gets none:
+                # heartbeats must not pile up in its queue
+                if link.sender.bytes_sent == link.heartbeat_mark and link.sender.idle:
                     self._control(link.rank, pb.BulkHeader(kind=pb.ACK))
                 link.heartbeat_mark = link.sender.bytes_sent
 
