@@ -6,8 +6,11 @@ Boundaries: the combine block (BLOCK elements), the receive window (eager vs. re
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import random
+import socket
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -442,10 +445,6 @@ def test_pair_halves_only_between_daemons_on_one_host(address: str, loopback: bo
 def test_sender_is_idle_only_when_nothing_is_queued_or_going_out() -> None:
     # the heartbeat loop writes only on idle links: a frame stuck behind a peer that stopped
     # reading must keep the sender busy, so that heartbeats do not pile up behind it
-    import asyncio
-    import socket
-    import time
-
     a, b = socket.socketpair()
     loop = asyncio.new_event_loop()
     sender = Sender(a, loop, peer=1)

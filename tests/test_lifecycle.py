@@ -10,11 +10,13 @@ import textwrap
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from cluster import Cluster, free_ports
 from decent.core import DecentError
+from decentd.wire import pb, pb_grpc
 
 
 def decentd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -228,14 +230,11 @@ def test_decentctl_status_and_topology() -> None:
 def test_idle_peers_hear_heartbeats_on_the_bulk_connections() -> None:
     """An idle link carries an empty frame every heartbeat interval: each peer's last-heard
     age stays within two intervals, and the frames are counted on the bulk connections."""
-    import grpc
-
-    from decentd.wire import pb, pb_grpc
-
     interval = 0.2
     c = Cluster(3, "ring", "--set", f"timeouts.heartbeat={interval}")
     try:
         c.connect()  # every daemon has all its peers connected
+
         def peers(rank: int) -> list[pb.PeerStatus]:
             with grpc.insecure_channel(f"unix://{c.sockets[rank]}") as channel:
                 status = pb_grpc.WorkerStub(channel).Status(pb.StatusRequest(), timeout=10)
