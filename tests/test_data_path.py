@@ -521,3 +521,44 @@ def test_pair_halves_of_different_shapes_fail_with_mismatch() -> None:
         assert all(torch.equal(t, torch.full((n,), 0.5)) for t in ok)  # nothing else broke
     finally:
         assert c.stop() == [0, 0]
+
+
+def _from(cl: Client[torch.Tensor], peer: int) -> pb.PeerStatus:
+    """This daemon's status of its link to ``peer``."""
+    (link,) = [p for p in cl.status().peers if p.rank == peer]
+    return link
+
+
+def test_an_op_started_while_its_tensor_arrives_acknowledges_it_at_once() -> None:
+    # a one-way edge: rank 0's op ends once rank 1's op has taken its tensor, which rank 1 says
+    # with an ACK. An op that starts while the tensor is still arriving acknowledges at once (the
+    # sender need not wait for the rest of the payload); one that starts after it all arrived
+    # can only acknowledge then. Rank 1 submits at each of those two moments, seen on its link
+    nbytes = 256 << 20
+    c = Cluster(2, "ring", "--set", f"memory.arena_bytes={nbytes + (16 << 20)}")
+    try:
+        c.connect()
+        zero, one = c.clients
+        sent = zero.shared(torch.full((nbytes // F32,), 3.0))
+        got = one.shared(torch.zeros(nbytes // F32))
+        for moment in ("arriving", "arrived"):
+            before = _from(one, 0)
+            handle = zero.neighbor_allreduce_async_(sent, name=moment, self_weight=1.0,
+                                                    src_weights={}, dst_weights=[1])
+            deadline = time.monotonic() + 60
+            while True:
+                arrived = _from(one, 0).bytes_received - before.bytes_received
+                if (arrived > 0 if moment == "arriving" else arrived >= nbytes) \
+                        or time.monotonic() > deadline:
+                    break
+            assert 0 < arrived < nbytes if moment == "arriving" else arrived >= nbytes, arrived
+            one.neighbor_allreduce_(got, name=moment, self_weight=0.0, src_weights={0: 1.0},
+                                    dst_weights=[])
+            handle.wait(timeout=60)
+            after = _from(one, 0)
+            early, late = after.acks_early - before.acks_early, after.acks_late - before.acks_late
+            assert (early, late) == ((1, 0) if moment == "arriving" else (0, 1)), moment
+            assert torch.equal(got, sent)
+            got.zero_()
+    finally:
+        assert c.stop() == [0, 0]

@@ -216,7 +216,7 @@ class OpContext:
         if ack:
             late = [(p.name, p.round) for p, a in zip(want, arrivals, strict=True) if not a.acked]
             if late:
-                self.transport.send_acks(src, late, tag)
+                self.transport.send_acks(src, late, tag, arrived=True)
         return arrivals
 
     async def recv(self, src: int, tag: int, ack: bool = False, sized: bool = True

@@ -130,6 +130,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                     last_heartbeat_age_s=now - link.last_heartbeat if link.last_heartbeat else -1,
                     bytes_sent=link.bytes_sent,
                     bytes_received=link.bytes_received,
+                    acks_early=link.acks_early,
+                    acks_late=link.acks_late,
                 )
                 for link in d.transport.links.values()
             ],

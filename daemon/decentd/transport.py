@@ -141,6 +141,8 @@ class PeerLink:
     unconsumed: int = 0  # eager bytes received from the peer and not consumed yet
     owed_flush: bool = False
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    acks_early: int = 0  # parts acknowledged to the peer before their payload had all arrived
+    acks_late: int = 0  # parts acknowledged only after: the op here started after the arrival
 
     @property
     def bytes_sent(self) -> int:
@@ -151,6 +153,11 @@ class PeerLink:
     def bytes_received(self) -> int:
         """Bytes read from the peer's bulk connection."""
         return self.inbound.bytes_received if self.inbound is not None else 0
+
+
+def _accepts(p: pb.Part) -> tuple[int, int, tuple[int, ...]]:
+    """What an op must accept to take part ``p``: (op, dtype, shape)."""
+    return int(p.op), int(p.meta.dtype), tuple(int(s) for s in p.meta.shape)
 
 
 def part(name: str, round_: int, tag: int, op: int, dtype: int, shape: tuple[int, ...],
@@ -194,6 +201,10 @@ class Transport:
         #: what a waiting op accepts (op, dtype, shape) where it wants the sender acknowledged
         self._ackable: dict[Key, tuple[int, int, tuple[int, ...]]] = {}
         self._acked: set[Key] = set()
+        #: parts whose payload is arriving (header read, payload not yet complete), and the keys
+        #: of each connection's arriving frame: an op that starts meanwhile acknowledges at once
+        self._arriving: dict[Key, pb.Part] = {}
+        self._arriving_on: dict[Inbound, list[Key]] = {}
         #: ops that fold a tensor in while it is still arriving: key -> (buffer, bytes, weight)
         self._progress: dict[Key, Progress] = {}
         #: ops whose result is the incoming tensor itself: received straight into their output
@@ -506,8 +517,16 @@ class Transport:
             return
         link.sender.send([self._stamp(link, header)])
 
-    def send_acks(self, dst: int, keys: list[tuple[str, int]], tag: int) -> None:
-        """Tell ``dst`` that its parts ``(name, round)`` with ``tag`` were matched here."""
+    def send_acks(self, dst: int, keys: list[tuple[str, int]], tag: int,
+                  arrived: bool = False) -> None:
+        """Tell ``dst`` that its parts ``(name, round)`` with ``tag`` were matched here;
+        ``arrived``: only after their payload had all arrived (counted apart)."""
+        link = self.links.get(dst)
+        if link is not None:
+            if arrived:
+                link.acks_late += len(keys)
+            else:
+                link.acks_early += len(keys)
         self._control(dst, pb.BulkHeader(kind=pb.ACK, parts=[
             pb.Part(name=name, round=round_, tag=tag) for name, round_ in keys]))
 
@@ -529,10 +548,12 @@ class Transport:
 
         ``ack``: the (op, dtype, shape) the op accepts. A part that arrives with exactly that is
         acknowledged as soon as its header is read, not after its payload: on a saturated link
-        the acknowledgement then travels while the payload still does. ``progress`` is told how
-        far a part that travels alone has arrived, while it arrives. ``into`` (a uint8 buffer of
-        the part's size, and the (op, dtype, shape) the op accepts): a part with exactly that,
-        travelling alone, is received straight into the buffer (no pooled buffer, no copy).
+        the acknowledgement then travels while the payload still does. A part already arriving
+        (the op started after its header) is acknowledged now, for the same reason.
+        ``progress`` is told how far a part that travels alone has arrived, while it arrives.
+        ``into`` (a uint8 buffer of the part's size, and the (op, dtype, shape) the op accepts):
+        a part with exactly that, travelling alone, is received straight into the buffer (no
+        pooled buffer, no copy).
         """
         key = (src, name, round_, tag)
         fut: asyncio.Future[Arrival] = asyncio.get_running_loop().create_future()
@@ -544,7 +565,12 @@ class Transport:
         else:
             self._waiters[key] = fut
             if ack is not None:
-                self._ackable[key] = ack
+                arriving = self._arriving.get(key)
+                if arriving is not None and ack == _accepts(arriving):
+                    self._acked.add(key)
+                    self.send_acks(src, [(name, round_)], tag)
+                else:
+                    self._ackable[key] = ack
             if progress is not None:
                 self._progress[key] = progress
             if into is not None:
@@ -717,6 +743,9 @@ class Transport:
             raise ValueError(f"a payload on a frame of kind {kind}")
         if self._ackable:
             self._ack_early(conn.src, parts)
+        keys = [(conn.src, p.name, int(p.round), int(p.tag)) for p in parts]
+        self._arriving.update(zip(keys, parts, strict=True))
+        self._arriving_on[conn] = keys
         if self._into and len(parts) == 1:
             p = parts[0]
             key = (conn.src, p.name, int(p.round), int(p.tag))
@@ -753,7 +782,7 @@ class Transport:
         for p in parts:
             key = (src, p.name, int(p.round), int(p.tag))
             want = self._ackable.get(key)
-            if want is not None and want == (p.op, p.meta.dtype, tuple(p.meta.shape)):
+            if want is not None and want == _accepts(p):
                 del self._ackable[key]
                 self._acked.add(key)
                 matched.setdefault(int(p.tag), []).append((p.name, int(p.round)))
@@ -763,6 +792,8 @@ class Transport:
     def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
         """Dispatch one complete frame; ValueError closes the connection it came on."""
         kind = header.kind
+        if self._arriving_on:
+            self._arrived(conn)
         if kind == pb.HELLO:
             self._on_hello(conn, header)
             return
@@ -875,8 +906,14 @@ class Transport:
         if wanted:
             self._clear_to_send(rts)
 
+    def _arrived(self, conn: Inbound) -> None:
+        """``conn``'s frame is complete (or will never be): its parts are no longer arriving."""
+        for key in self._arriving_on.pop(conn, ()):
+            self._arriving.pop(key, None)
+
     def on_lost(self, conn: Inbound, reason: str) -> None:
         """An incoming connection ended: when it was the peer's current one, the peer is down."""
+        self._arrived(conn)
         partial = conn.take_partial()
         if partial is not None:
             header, dest = partial
