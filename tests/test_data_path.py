@@ -545,13 +545,18 @@ def test_an_op_started_while_its_tensor_arrives_acknowledges_it_at_once() -> Non
             before = _from(one, 0)
             handle = zero.neighbor_allreduce_async_(sent, name=moment, self_weight=1.0,
                                                     src_weights={}, dst_weights=[1])
+            # arriving: rank 1 has read something of it (or a heartbeat just before its header,
+            # which makes the ACK go at header time: early too); arrived: the whole tensor waits
+            # unmatched in rank 1's early-arrival buffer
             deadline = time.monotonic() + 60
             while True:
                 arrived = _from(one, 0).bytes_received - before.bytes_received
-                if (arrived > 0 if moment == "arriving" else arrived >= nbytes) \
+                waiting = one.status().early_arrival_bytes
+                if (arrived > 0 if moment == "arriving" else waiting >= nbytes) \
                         or time.monotonic() > deadline:
                     break
-            assert 0 < arrived < nbytes if moment == "arriving" else arrived >= nbytes, arrived
+            assert 0 < arrived < nbytes if moment == "arriving" else waiting == nbytes, \
+                (arrived, waiting)
             one.neighbor_allreduce_(got, name=moment, self_weight=0.0, src_weights={0: 1.0},
                                     dst_weights=[])
             handle.wait(timeout=60)
