@@ -567,8 +567,7 @@ class Transport:
             if ack is not None:
                 arriving = self._arriving.get(key)
                 if arriving is not None and ack == _accepts(arriving):
-                    self._acked.add(key)
-                    self.send_acks(src, [(name, round_)], tag)
+                    self._ack_before_payload(src, [(name, round_)], tag)
                 else:
                     self._ackable[key] = ack
             if progress is not None:
@@ -784,10 +783,14 @@ class Transport:
             want = self._ackable.get(key)
             if want is not None and want == _accepts(p):
                 del self._ackable[key]
-                self._acked.add(key)
                 matched.setdefault(int(p.tag), []).append((p.name, int(p.round)))
         for tag, keys in matched.items():
-            self.send_acks(src, keys, tag)
+            self._ack_before_payload(src, keys, tag)
+
+    def _ack_before_payload(self, src: int, keys: list[tuple[str, int]], tag: int) -> None:
+        """Acknowledge parts whose payload is still to come: their arrivals need no ACK later."""
+        self._acked.update((src, name, round_, tag) for name, round_ in keys)
+        self.send_acks(src, keys, tag)
 
     def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
         """Dispatch one complete frame; ValueError closes the connection it came on."""
