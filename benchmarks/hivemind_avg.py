@@ -34,6 +34,15 @@ taken per case, each with one extra warm-up repeat that is not counted:
   both peers pass a barrier, then the time from ``control.allow_allreduce()`` to
   ``control.result()`` is taken.
 
+Failed rounds. hivemind sometimes fails a round on this loaded 2-CPU machine: no group within the
+step's 60 s (``could not find a group``), or a step that returns with one peer's tensors left
+unaveraged. A user's training loop would carry on; the benchmark starts the round over instead of
+giving up. After each round both peers tell each other (a shared flag per peer, then a barrier)
+whether theirs worked; if either did not, both shut their averager down, start a new one under a
+fresh DHT prefix, run its untimed warm-up round and repeat the round. Failed rounds are not timed
+(which favours hivemind) and are listed per case (``failed_rounds``, ``failures``); after more
+than ``retries`` (3) in one case the benchmark fails with every error.
+
 Statistics: each peer's median over the repeats; the reported value is the **maximum over the two
 peers** (the slower peer bounds a collective), as in ``p2p_vs_gloo.py``.
 """
@@ -128,9 +137,12 @@ class Config:
 
     repeats: int = 5
     matchmaking_time: float = 2.0
-    step_timeout: float = 120.0
+    #: a round not done by then has failed (a ResNet-18 round takes 1-2 s here)
+    step_timeout: float = 60.0
     torch_threads: int = 1
     barrier_timeout: float = 600.0
+    #: failed rounds per case that are started over before the benchmark gives up
+    retries: int = 3
 
 
 @dataclass
@@ -139,7 +151,8 @@ class PeerResult:
 
     samples: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MODES})
     matchmaking: list[float] = field(default_factory=list)
-    max_abs_err: float = 0.0
+    max_abs_err: float = 0.0  # over the rounds that counted
+    failures: list[dict[str, Any]] = field(default_factory=list)  # rounds started over
 
 
 def _reset(averager: Any, value: float) -> None:
@@ -166,8 +179,107 @@ def _await_group(control: Any, stages: Any, deadline: float) -> None:
         time.sleep(0.0005)
 
 
+def _agree(ok: bool, rank: int, flags: Any, barrier: Any, timeout: float) -> bool:
+    """Tell the other peer whether this rank's part of an attempt worked; True if both did.
+
+    Both peers always call it at the same points of an attempt, so they retry in lockstep.
+    """
+    flags[rank] = 1 if ok else 0
+    barrier.wait(timeout)
+    agreed = all(flags[r] for r in range(WORLD))
+    barrier.wait(timeout)  # both have read the flags before either writes them again
+    return agreed
+
+
+@dataclass
+class _Attempt:
+    """One averaging round as this peer saw it."""
+
+    elapsed: float = 0.0
+    formed: float = 0.0
+    max_abs_err: float = 0.0
+    error: str = ""
+
+
+def _attempt(averager: Any, mode: str, rank: int, cfg: Config, stages: Any, barrier: Any,
+             flags: Any) -> _Attempt | None:
+    """Average once in ``mode``; the timings, or None when either peer's round failed.
+
+    A failed round (hivemind raised, or left this peer's tensors unaveraged) is recorded in
+    ``Attempt.error`` on the peer that saw it; both peers then return None.
+    """
+    out = _Attempt()
+    control = None
+    try:
+        t0 = time.perf_counter()
+        if mode == "step":
+            averager.step(timeout=cfg.step_timeout)
+            out.elapsed = time.perf_counter() - t0
+        else:
+            control = averager.step(wait=False, require_trigger=True, timeout=cfg.step_timeout)
+            _await_group(control, stages, time.monotonic() + cfg.step_timeout)
+            out.formed = time.perf_counter() - t0
+    except Exception as e:  # hivemind's round failed: no group, a timeout, a peer error
+        out.error = f"{type(e).__name__}: {e}"
+    if mode == "allreduce":
+        # both groups formed (or neither is used): then the all-reduce alone is timed
+        if not _agree(not out.error, rank, flags, barrier, cfg.barrier_timeout):
+            if control is not None and not control.done():
+                control.cancel()
+            return _Attempt(error=out.error) if out.error else None
+        assert control is not None
+        t1 = time.perf_counter()
+        try:
+            control.allow_allreduce()
+            control.result(timeout=cfg.step_timeout)
+            out.elapsed = time.perf_counter() - t1
+        except Exception as e:
+            out.error = f"{type(e).__name__}: {e}"
+    if not out.error:
+        out.max_abs_err = _max_err(averager)
+        if out.max_abs_err > TOLERANCE:
+            out.error = (f"tensors not averaged: max |x - 0.5| = {out.max_abs_err:.3g} "
+                         f"on rank {rank}")
+    if not _agree(not out.error, rank, flags, barrier, cfg.barrier_timeout):
+        return out if out.error else None
+    return out
+
+
+def _averager(hivemind: Any, dht: Any, case: Case, rank: int, cfg: Config, generation: int
+              ) -> Any:
+    """A started averager over fresh tensors filled with ``rank``; ``generation`` > 0 (after a
+    failed round) gives it a DHT prefix of its own, so it meets nothing the old one left."""
+    import torch
+
+    tensors = [torch.full(s, float(rank), dtype=torch.float32) for s in case.shapes]
+    suffix = f"_retry{generation}" if generation else ""
+    return hivemind.averaging.DecentralizedAverager(
+        tensors,
+        dht,
+        start=True,
+        prefix=f"bench_{case.name}{suffix}",
+        target_group_size=WORLD,
+        min_group_size=WORLD,
+        min_matchmaking_time=cfg.matchmaking_time,
+        request_timeout=cfg.matchmaking_time / 2,
+    )
+
+
+def _shutdown(averager: Any, barrier: Any, cfg: Config) -> None:
+    """Stop an averager once both peers are done with it.
+
+    Every all-reduce makes the averager re-declare its state in the DHT through an MPFuture
+    that carries a pipe; if the averager exits before the DHT process reads that message, the DHT
+    logs FileNotFoundError and stalls its own shutdown.
+    """
+    barrier.wait(cfg.barrier_timeout)
+    time.sleep(1.0)
+    averager.shutdown()
+
+
 def _worker(
-    rank: int, cases: list[Case], cfg: Config, barrier: Any, addr_q: Any, out_q: Any
+    rank: int, cases: list[Case], cfg: Config, barrier: Any, flags: Any, addr_q: Any,
+    out_q: Any
 ) -> None:
     """Body of one peer process: DHT, then one averager per case, timed steps, results to out_q."""
     os.setpgrp()  # so the parent can clean up this peer's whole tree (DHT, averager, p2pd)
@@ -193,58 +305,45 @@ def _worker(
             dht = hivemind.DHT(initial_peers=addr_q.get(timeout=120), **dht_kwargs)
 
         for case in cases:
-            tensors = [torch.full(s, float(rank), dtype=torch.float32) for s in case.shapes]
-            averager = hivemind.averaging.DecentralizedAverager(
-                tensors,
-                dht,
-                start=True,
-                prefix=f"bench_{case.name}",
-                target_group_size=WORLD,
-                min_group_size=WORLD,
-                min_matchmaking_time=cfg.matchmaking_time,
-                request_timeout=cfg.matchmaking_time / 2,
-            )
-            del tensors  # the averager owns (shared-memory copies of) them now
+            generation = 0
+            averager = _averager(hivemind, dht, case, rank, cfg, generation)
             res = PeerResult()
             try:
                 for mode in MODES:
-                    for i in range(cfg.repeats + 1):
+                    warm = False  # the first round of an averager is a warm-up, not timed
+                    while len(res.samples[mode]) < cfg.repeats:
                         _reset(averager, float(rank))
                         barrier.wait(cfg.barrier_timeout)
-                        t0 = time.perf_counter()
-                        if mode == "step":
-                            averager.step(timeout=cfg.step_timeout)
-                            elapsed = time.perf_counter() - t0
-                        else:
-                            control = averager.step(
-                                wait=False, require_trigger=True, timeout=cfg.step_timeout
-                            )
-                            _await_group(control, stages, time.monotonic() + cfg.step_timeout)
-                            formed = time.perf_counter() - t0
-                            barrier.wait(cfg.barrier_timeout)
-                            t1 = time.perf_counter()
-                            control.allow_allreduce()
-                            control.result(timeout=cfg.step_timeout)
-                            elapsed = time.perf_counter() - t1
-                        err = _max_err(averager)
-                        res.max_abs_err = max(res.max_abs_err, err)
-                        if err > TOLERANCE:
-                            raise AssertionError(
-                                f"{case.name}/{mode}: max |x - 0.5| = {err:.3g} on rank {rank}"
-                            )
-                        if i > 0:  # the first repeat is the warm-up
-                            res.samples[mode].append(elapsed)
-                            if mode == "allreduce":
-                                res.matchmaking.append(formed)
-                        if rank == 0:
-                            out_q.put(("tick", case.name, mode))
-                # Every all-reduce makes the averager re-declare its state in the DHT through an
-                # MPFuture that carries a pipe; if the averager exits before the DHT process reads
-                # that message, the DHT logs FileNotFoundError and stalls its own shutdown.
-                barrier.wait(cfg.barrier_timeout)
-                time.sleep(1.0)
-            finally:
-                averager.shutdown()
+                        got = _attempt(averager, mode, rank, cfg, stages, barrier, flags)
+                        if got is not None and not got.error:
+                            if warm:
+                                res.max_abs_err = max(res.max_abs_err, got.max_abs_err)
+                                res.samples[mode].append(got.elapsed)
+                                if mode == "allreduce":
+                                    res.matchmaking.append(got.formed)
+                            warm = True
+                            if rank == 0:
+                                out_q.put(("tick", case.name, mode))
+                            continue
+                        # hivemind failed this round on one peer or both: both start over with a
+                        # new averager (and its warm-up); the failed round is not timed
+                        res.failures.append({
+                            "mode": mode, "timed_so_far": len(res.samples[mode]),
+                            "error": got.error if got is not None else "the other peer failed",
+                        })
+                        if len(res.failures) > cfg.retries:
+                            errors = "; ".join(f["error"] for f in res.failures)
+                            raise RuntimeError(f"{case.name}/{mode}: hivemind failed "
+                                               f"{len(res.failures)} rounds: {errors}")
+                        _shutdown(averager, barrier, cfg)
+                        generation += 1
+                        averager = _averager(hivemind, dht, case, rank, cfg, generation)
+                        warm = False
+                _shutdown(averager, barrier, cfg)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    averager.shutdown()
+                raise
             out_q.put(("case", rank, case.name, asdict(res)))
         out_q.put(("done", rank))
     except BaseException:
@@ -308,6 +407,9 @@ def _summarize(case: Case, per_peer: dict[int, dict[str, Any]], repeats: int) ->
         row[f"{key}_median_per_peer_s"] = [medians[r] for r in sorted(medians)]
         row[f"{key}_samples_s"] = [series[r] for r in sorted(series)]
     row["max_abs_err"] = max(p["max_abs_err"] for p in per_peer.values())
+    # both peers record a round they started over (one of them with the other's failure)
+    row["failed_rounds"] = max(len(p["failures"]) for p in per_peer.values())
+    row["failures"] = {r: p["failures"] for r, p in sorted(per_peer.items())}
     row["correct"] = row["max_abs_err"] <= TOLERANCE
     return row
 
@@ -341,9 +443,11 @@ def run(
 
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(WORLD)
+    flags = ctx.Array("b", WORLD)  # each peer's verdict on the round both just tried
     addr_q, out_q = ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(r, cases, cfg, barrier, addr_q, out_q), daemon=False)
+        ctx.Process(target=_worker, args=(r, cases, cfg, barrier, flags, addr_q, out_q),
+                    daemon=False)
         for r in range(WORLD)
     ]
     per_case: dict[str, dict[int, dict[str, Any]]] = {c.name: {} for c in cases}
@@ -404,6 +508,8 @@ def run(
             "request_timeout_s": matchmaking_time / 2,
             "torch_threads_per_peer": torch_threads,
             "warmup_repeats_excluded": 1,
+            "step_timeout_s": cfg.step_timeout,
+            "failed_rounds_retried_per_case": cfg.retries,
             "statistic": "max over peers of per-peer median",
             "step_s": "blocking averager.step(), matchmaking included",
             "allreduce_s": "allow_allreduce() to result(), group already formed",

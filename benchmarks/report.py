@@ -491,6 +491,14 @@ def hivemind_lines(p2p: dict[str, Any]) -> list[str]:
     lines += table(["case", "hm all-reduce ms", "hm step() ms", "hm matchmaking ms",
                     "decent nar ms", "gloo ms", "hm all-reduce / gloo", "hm step / gloo",
                     "hm step / decent", "hm all-reduce / decent", "exact"], rows)
+    failed = [r for r in hivemind_rows(p2p) if r.get("failed_rounds")]
+    if failed:
+        lines += ["", "hivemind rounds that failed and were started over with a new averager "
+                  "(not timed): " + "; ".join(
+                      f"{r['case']}: {r['failed_rounds']} ("
+                      + ", ".join(sorted({f['error'] for fs in r.get('failures', {}).values()
+                                          for f in fs if f['error'] != 'the other peer failed'}))
+                      + ")" for r in failed) + "."]
     return lines
 
 

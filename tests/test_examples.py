@@ -122,6 +122,30 @@ def test_report_merges_the_benchmark_results(tmp_path: Path) -> None:
     assert "netns_dsgd.json" in report  # not run here: the report says so instead of a number
 
 
+def _verdicts(rank: int, fails: set[int], barrier: object, flags: object, out: object) -> None:
+    from benchmarks.hivemind_avg import _agree
+
+    got = [_agree(i not in fails, rank, flags, barrier, 30.0) for i in range(4)]
+    out.put((rank, got))  # type: ignore[attr-defined]
+
+
+def test_hivemind_peers_start_a_failed_round_over_together() -> None:
+    """Both hivemind peers learn that a round failed, whichever of them saw it."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    barrier, flags, out = ctx.Barrier(2), ctx.Array("b", 2), ctx.Queue()
+    fails = {0: {1}, 1: {1, 3}}  # round 1 fails on both, round 3 on rank 1 only
+    procs = [ctx.Process(target=_verdicts, args=(r, fails[r], barrier, flags, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(10)
+    assert got == {0: [True, False, True, False], 1: [True, False, True, False]}
+
+
 @pytest.mark.parametrize(("cpus", "mask"), [(1, "00000001"), (2, "00000003"),
                                              (40, "000000ff,ffffffff")])
 def test_netns_flow_steering_mask(cpus: int, mask: str) -> None:
