@@ -73,6 +73,8 @@ LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
 TOLERANCE = 1e-6
 WORLD = 2
 MODES = ("step", "allreduce")
+#: a failed round's error on the peer whose own part of it worked (report.py leaves it out)
+OTHER_PEER_FAILED = "the other peer failed"
 
 
 # ---------------------------------------------------------------------------------------- cases
@@ -203,10 +205,10 @@ class _Attempt:
 
 def _attempt(averager: Any, mode: str, rank: int, cfg: Config, stages: Any, barrier: Any,
              flags: Any) -> _Attempt | None:
-    """Average once in ``mode``; the timings, or None when either peer's round failed.
+    """Average once in ``mode``: the round's timings, its ``error`` set if it failed here.
 
-    A failed round (hivemind raised, or left this peer's tensors unaveraged) is recorded in
-    ``Attempt.error`` on the peer that saw it; both peers then return None.
+    A round fails when hivemind raises or leaves this peer's tensors unaveraged. Both peers learn
+    of it: the one that saw it returns the round with its ``error``, the other None.
     """
     out = _Attempt()
     control = None
@@ -329,7 +331,7 @@ def _worker(
                         # new averager (and its warm-up); the failed round is not timed
                         res.failures.append({
                             "mode": mode, "timed_so_far": len(res.samples[mode]),
-                            "error": got.error if got is not None else "the other peer failed",
+                            "error": got.error if got is not None else OTHER_PEER_FAILED,
                         })
                         if len(res.failures) > cfg.retries:
                             errors = "; ".join(f["error"] for f in res.failures)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,11 +123,10 @@ def test_report_merges_the_benchmark_results(tmp_path: Path) -> None:
     assert "netns_dsgd.json" in report  # not run here: the report says so instead of a number
 
 
-def _verdicts(rank: int, fails: set[int], barrier: object, flags: object, out: object) -> None:
+def _verdicts(rank: int, fails: set[int], barrier: Any, flags: Any, out: Any) -> None:
     from benchmarks.hivemind_avg import _agree
 
-    got = [_agree(i not in fails, rank, flags, barrier, 30.0) for i in range(4)]
-    out.put((rank, got))  # type: ignore[attr-defined]
+    out.put((rank, [_agree(i not in fails, rank, flags, barrier, 30.0) for i in range(4)]))
 
 
 def test_hivemind_peers_start_a_failed_round_over_together() -> None:
