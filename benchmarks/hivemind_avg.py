@@ -41,7 +41,10 @@ giving up. After each round both peers tell each other (a shared flag per peer, 
 whether theirs worked; if either did not, both shut their averager down, start a new one under a
 fresh DHT prefix, run its untimed warm-up round and repeat the round. Failed rounds are not timed
 (which favours hivemind) and are listed per case (``failed_rounds``, ``failures``); after more
-than ``retries`` (3) in one case the benchmark fails with every error.
+than ``retries`` (3) in one case the benchmark fails with every error. So a wrong average shows
+as a failed round: ``max_abs_err`` and ``correct`` describe the rounds that counted. Each round
+is bounded: the search for a group by ``step(timeout=60)``, the all-reduce by
+``allreduce_timeout`` (60 s; hivemind's default is none).
 
 Statistics: each peer's median over the repeats; the reported value is the **maximum over the two
 peers** (the slower peer bounds a collective), as in ``p2p_vs_gloo.py``.
@@ -208,7 +211,8 @@ def _attempt(averager: Any, mode: str, rank: int, cfg: Config, stages: Any, barr
     """Average once in ``mode``: the round's timings, its ``error`` set if it failed here.
 
     A round fails when hivemind raises or leaves this peer's tensors unaveraged. Both peers learn
-    of it: the one that saw it returns the round with its ``error``, the other None.
+    of it: a peer that saw it returns the round with its ``error``; a peer whose own part worked
+    returns None.
     """
     out = _Attempt()
     control = None
@@ -264,6 +268,8 @@ def _averager(hivemind: Any, dht: Any, case: Case, rank: int, cfg: Config, gener
         min_group_size=WORLD,
         min_matchmaking_time=cfg.matchmaking_time,
         request_timeout=cfg.matchmaking_time / 2,
+        # step(timeout=) bounds the search for a group only; this bounds the all-reduce
+        allreduce_timeout=cfg.step_timeout,
     )
 
 
@@ -312,7 +318,8 @@ def _worker(
             res = PeerResult()
             try:
                 for mode in MODES:
-                    warm = False  # the first round of an averager is a warm-up, not timed
+                    # the first round of each mode, and of each new averager, is an untimed warm-up
+                    warm = False
                     while len(res.samples[mode]) < cfg.repeats:
                         _reset(averager, float(rank))
                         barrier.wait(cfg.barrier_timeout)
@@ -338,13 +345,15 @@ def _worker(
                             raise RuntimeError(f"{case.name}/{mode}: hivemind failed "
                                                f"{len(res.failures)} rounds: {errors}")
                         _shutdown(averager, barrier, cfg)
+                        averager = None
                         generation += 1
                         averager = _averager(hivemind, dht, case, rank, cfg, generation)
                         warm = False
                 _shutdown(averager, barrier, cfg)
             except BaseException:
-                with contextlib.suppress(Exception):
-                    averager.shutdown()
+                if averager is not None:
+                    with contextlib.suppress(Exception):
+                        averager.shutdown()
                 raise
             out_q.put(("case", rank, case.name, asdict(res)))
         out_q.put(("done", rank))
@@ -511,6 +520,7 @@ def run(
             "torch_threads_per_peer": torch_threads,
             "warmup_repeats_excluded": 1,
             "step_timeout_s": cfg.step_timeout,
+            "allreduce_timeout_s": cfg.step_timeout,
             "failed_rounds_retried_per_case": cfg.retries,
             "statistic": "max over peers of per-peer median",
             "step_s": "blocking averager.step(), matchmaking included",

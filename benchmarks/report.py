@@ -496,6 +496,7 @@ def hivemind_lines(p2p: dict[str, Any]) -> list[str]:
         lines += ["", "hivemind rounds that failed and were started over with a new averager "
                   "(not timed): " + "; ".join(
                       f"{r['case']}: {r['failed_rounds']} ("
+                      # the other peer's verdict, hivemind_avg.OTHER_PEER_FAILED, is no error
                       + ", ".join(sorted({f['error'] for fs in r.get('failures', {}).values()
                                           for f in fs if f['error'] != 'the other peer failed'}))
                       + ")" for r in failed) + "."]

@@ -123,26 +123,51 @@ def test_report_merges_the_benchmark_results(tmp_path: Path) -> None:
     assert "netns_dsgd.json" in report  # not run here: the report says so instead of a number
 
 
+class _SlowReads:
+    """The shared flags, read slowly: the other rank runs ahead into the next round meanwhile."""
+
+    def __init__(self, flags: Any) -> None:
+        self.flags = flags
+
+    def __getitem__(self, i: int) -> int:
+        import time
+
+        time.sleep(0.1)
+        return int(self.flags[i])
+
+    def __setitem__(self, i: int, value: int) -> None:
+        self.flags[i] = value
+
+
 def _verdicts(rank: int, fails: set[int], barrier: Any, flags: Any, out: Any) -> None:
     from benchmarks.hivemind_avg import _agree
 
-    out.put((rank, [_agree(i not in fails, rank, flags, barrier, 30.0) for i in range(4)]))
+    mine = _SlowReads(flags) if rank == 0 else flags
+    out.put((rank, [_agree(i not in fails, rank, mine, barrier, 30.0) for i in range(4)]))
 
 
 def test_hivemind_peers_start_a_failed_round_over_together() -> None:
     """Both hivemind peers learn that a round failed, whichever of them saw it."""
     import multiprocessing as mp
 
+    from benchmarks.hivemind_avg import _agree  # noqa: F401  (an import error shows here)
+
     ctx = mp.get_context("fork")
     barrier, flags, out = ctx.Barrier(2), ctx.Array("b", 2), ctx.Queue()
     fails = {0: {1}, 1: {1, 3}}  # round 1 fails on both, round 3 on rank 1 only
     procs = [ctx.Process(target=_verdicts, args=(r, fails[r], barrier, flags, out))
              for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(10)
+    try:
+        for p in procs:
+            p.start()
+        got = dict(out.get(timeout=60) for _ in procs)
+        for p in procs:
+            p.join(10)
+        assert [p.exitcode for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
     assert got == {0: [True, False, True, False], 1: [True, False, True, False]}
 
 
