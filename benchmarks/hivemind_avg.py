@@ -232,7 +232,7 @@ def _attempt(averager: Any, mode: str, rank: int, cfg: Config, stages: Any, barr
         if not _agree(not out.error, rank, flags, barrier, cfg.barrier_timeout):
             if control is not None and not control.done():
                 control.cancel()
-            return _Attempt(error=out.error) if out.error else None
+            return out if out.error else None
         assert control is not None
         t1 = time.perf_counter()
         try:
