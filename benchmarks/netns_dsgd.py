@@ -1053,6 +1053,50 @@ def skip_reason() -> str | None:
 # ------------------------------------------------------------------------------ output
 
 
+def attempt_summary(res: dict[str, Any]) -> dict[str, Any]:
+    """What the report lists of one attempt: when, the host's steal, both systems' medians."""
+    return {
+        "date": res["date"], "steal_frac": res["steal_frac"], "quiet_host": res["quiet_host"],
+        "gloo_ms": res["gloo"]["median_s"] * 1e3, "decent_ms": res["decent"]["median_s"] * 1e3,
+        "speedup": res["speedup"], "speedup_barrier": res["speedup_barrier"],
+        "correct": res["correct"],
+    }
+
+
+def choose_attempt(attempts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The attempt that stands for the run, chosen by the host alone, never by the speedup: the
+    first with a wrong result (it must not be hidden), else the first on a quiet host, else the
+    last. Every attempt is listed in it (``attempts``; ``attempt`` is its 1-based index)."""
+    if not attempts:
+        raise ValueError("no attempts")
+    wrong = [k for k, r in enumerate(attempts) if not r["correct"]]
+    quiet = [k for k, r in enumerate(attempts) if r["quiet_host"]]
+    k = wrong[0] if wrong else quiet[0] if quiet else len(attempts) - 1
+    chosen = dict(attempts[k])
+    chosen["attempt"] = k + 1
+    chosen["attempts"] = [attempt_summary(r) for r in attempts]
+    return chosen
+
+
+def measure(a: argparse.Namespace, status: Callable[[str], None]) -> dict[str, Any]:
+    """Up to ``a.attempts`` runs, a new one (after ``a.pause`` s) only while the hypervisor
+    took more than QUIET_STEAL of the CPU during the last one's calls; see :func:`choose_attempt`.
+    """
+    attempts: list[dict[str, Any]] = []
+    for k in range(max(1, a.attempts)):
+        res = run(a.nodes, a.mbytes, a.rate, a.repeats, status=status, mode=a.mode)
+        if "skipped" in res:
+            return res
+        attempts.append(res)
+        if res["quiet_host"] or not res["correct"] or k + 1 == a.attempts:
+            break
+        console.print(f"attempt {k + 1}: the hypervisor took {res['steal_frac']:.0%} of the CPU "
+                      f"during the calls (quiet: at most {QUIET_STEAL:.0%}; speedup "
+                      f"{res['speedup']:.2f}x); measuring again in {a.pause:g} s")
+        time.sleep(a.pause)
+    return choose_attempt(attempts)
+
+
 def ms(seconds: float) -> str:
     """Seconds as milliseconds text."""
     return f"{seconds * 1e3:.0f} ms"
@@ -1109,6 +1153,11 @@ def print_report(res: dict[str, Any]) -> None:
             r.add_row(key.replace("_", ", "),
                       *(f"{v * 1e3:.0f}" for v in res[key]["per_repeat_max_s"]))
     out.print(r)
+    for k, att in enumerate(res.get("attempts", []), 1):
+        used = " <- this run" if k == res["attempt"] else ""
+        out.print(f"attempt {k} ({att['date']}): steal {att['steal_frac']:.0%}, gloo "
+                  f"{att['gloo_ms']:.0f} ms, decent {att['decent_ms']:.0f} ms, "
+                  f"{att['speedup']:.2f}x (barrier {att['speedup_barrier']:.2f}x){used}")
     out.print(f"load average start {res['loadavg_start']} end {res['loadavg_end']}; "
               f"{res['cpus']} CPUs; tbf drops {res['tbf_dropped_packets']}; "
               f"total {res['total_s']:.1f} s")
@@ -1156,6 +1205,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(registered with the daemon: no copies), in place on a private tensor (like "
                    "gloo's all_reduce; copied to the daemon and back), in place on a "
                    "client.shared() arena tensor, or neighbor_allreduce returning a new tensor")
+    p.add_argument("--attempts", type=int, default=1,
+                   help=f"measure again, up to this many times in all, while the hypervisor took "
+                   f"more than {QUIET_STEAL:.0%} of the CPU during the timed calls; the first "
+                   "attempt on a quiet host stands for the run (chosen by the host alone), and "
+                   "every attempt is listed")
+    p.add_argument("--pause", type=float, default=30.0,
+                   help="seconds to wait before measuring again (--attempts)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     p.add_argument("--png", type=Path)
     p.add_argument("--cleanup", action="store_true",
@@ -1195,8 +1251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         with console.status("starting") as st:
-            res = run(a.nodes, a.mbytes, a.rate, a.repeats,
-                      status=lambda msg: st.update(f"[bold]{msg}"), mode=a.mode)
+            res = measure(a, status=lambda msg: st.update(f"[bold]{msg}"))
     except BenchError as exc:
         print(f"failed: {exc}", file=sys.stderr)
         return 1

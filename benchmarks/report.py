@@ -298,7 +298,8 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                 f"({netns.get('decent_mode', 'copy')})", v, 1.6,
                 True, f"{ratio_text(v)} ({ms(netns['gloo']['median_s'])} vs "
                 f"{ms(netns['decent']['median_s'])} ms, steal {netns.get('steal_frac', 0):.0%})"
-                + ("" if netns.get("correct", True) else "; results WRONG"))
+                + ("" if netns.get("correct", True) else "; results WRONG")
+                + (f"; {tried}" if (tried := attempts_text(netns)) else ""))
             if "speedup_barrier" in netns:
                 v = float(netns["speedup_barrier"])
                 add("4b", "the same, each call timed from the rank's barrier exit (reported; "
@@ -743,6 +744,18 @@ def load(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else {"error": f"{path.name} is not a JSON object"}
 
 
+def attempts_text(netns: dict[str, Any]) -> str:
+    """The attempts a netns run made (``--attempts``) when it made more than one, else ''."""
+    attempts = netns.get("attempts", [])
+    if len(attempts) < 2:
+        return ""
+    listed = "; ".join(
+        f"{k}: steal {a['steal_frac']:.0%}, {a['speedup']:.2f}x"
+        + (" (this one)" if k == netns.get("attempt") else "")
+        for k, a in enumerate(attempts, 1))
+    return f"attempt {netns.get('attempt')} of {len(attempts)} ({listed})"
+
+
 def netns_lines(netns: dict[str, Any] | None) -> list[str]:
     """Summary of the network-namespace D-SGD benchmark."""
     if netns is None:
@@ -773,6 +786,8 @@ def netns_lines(netns: dict[str, Any] | None) -> list[str]:
         f"CPU stolen by the hypervisor during the timed calls: {netns.get('steal_frac', 0):.0%}"
         + ("" if netns.get("quiet_host", True) else
            " (above 10%: the host, not the links, paced this run)") + ".",
+        *([f"Measured again while the host was not quiet: {tried}."]
+          if (tried := attempts_text(netns)) else []),
     ]
 
 

@@ -179,6 +179,45 @@ def test_netns_flow_steering_mask(cpus: int, mask: str) -> None:
     assert cpu_mask(cpus) == mask
 
 
+def _attempt(date: str, steal: float, speedup: float, correct: bool = True) -> dict[str, object]:
+    from benchmarks.netns_dsgd import QUIET_STEAL
+
+    return {"date": date, "steal_frac": steal, "quiet_host": steal <= QUIET_STEAL,
+            "gloo": {"median_s": 0.370}, "decent": {"median_s": 0.370 / speedup},
+            "speedup": speedup, "speedup_barrier": speedup, "correct": correct}
+
+
+@pytest.mark.parametrize(("attempts", "chosen"), [
+    # the first quiet attempt stands, whether a noisy one before or a quiet one after was faster
+    ([("a", 0.25, 1.70), ("b", 0.02, 1.58), ("c", 0.0, 1.66)], "b"),
+    ([("a", 0.30, 1.50), ("b", 0.12, 1.52)], "b"),  # never quiet: the last one
+    ([("a", 0.0, 1.65)], "a"),
+])
+def test_netns_attempt_is_chosen_by_the_host_not_the_speedup(
+        attempts: list[tuple[str, float, float]], chosen: str) -> None:
+    from benchmarks.netns_dsgd import choose_attempt
+    from benchmarks.report import attempts_text
+
+    res = choose_attempt([_attempt(*a) for a in attempts])
+    assert res["date"] == chosen
+    assert [a["date"] for a in res["attempts"]] == [a[0] for a in attempts]
+    assert res["attempts"][res["attempt"] - 1]["date"] == chosen
+    text = attempts_text(res)
+    if len(attempts) > 1:  # every attempt is in the report, the chosen one marked
+        assert text.startswith(f"attempt {res['attempt']} of {len(attempts)}")
+        assert text.count("steal") == len(attempts) and text.count("(this one)") == 1
+    else:
+        assert text == ""
+
+
+def test_netns_attempt_with_a_wrong_result_is_never_hidden() -> None:
+    from benchmarks.netns_dsgd import choose_attempt
+
+    res = choose_attempt([_attempt("a", 0.30, 1.5), _attempt("b", 0.0, 1.4, correct=False),
+                          _attempt("c", 0.0, 1.7)])
+    assert res["date"] == "b" and not res["correct"]
+
+
 def _netns_left() -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if line.startswith("dcnt")]
