@@ -991,6 +991,7 @@ def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 
             # the CPU the hypervisor took from this VM during the timed calls (the larger of the
             # two systems'): above QUIET_STEAL the host, not the links, paced the run
             result["steal_frac"] = max(result[k]["steal_frac"] for k in ("gloo", "decent"))
+            result["quiet_steal"] = QUIET_STEAL
             result["quiet_host"] = result["steal_frac"] <= QUIET_STEAL
             result["correct"] = all(result[k]["correct"] for k in (
                 "gloo", "decent", "gloo_barrier", "decent_barrier"))
@@ -1071,29 +1072,41 @@ def choose_attempt(attempts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("no attempts")
     wrong = [k for k, r in enumerate(attempts) if not r["correct"]]
     quiet = [k for k, r in enumerate(attempts) if r["quiet_host"]]
-    k = wrong[0] if wrong else quiet[0] if quiet else len(attempts) - 1
+    if wrong:
+        k = wrong[0]
+    elif quiet:
+        k = quiet[0]
+    else:
+        k = len(attempts) - 1
     chosen = dict(attempts[k])
     chosen["attempt"] = k + 1
     chosen["attempts"] = [attempt_summary(r) for r in attempts]
     return chosen
 
 
-def measure(a: argparse.Namespace, status: Callable[[str], None]) -> dict[str, Any]:
-    """Up to ``a.attempts`` runs, a new one (after ``a.pause`` s) only while the hypervisor
-    took more than QUIET_STEAL of the CPU during the last one's calls; see :func:`choose_attempt`.
-    """
+def measure(a: argparse.Namespace, status: Callable[[str], None],
+            run_once: Callable[..., dict[str, Any]] | None = None,
+            pause: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+    """Up to ``a.attempts`` runs of :func:`run` (``run_once``), a new one (after ``a.pause`` s)
+    only while the hypervisor took more than QUIET_STEAL of the CPU during the last one's calls
+    and it left nothing behind; see :func:`choose_attempt`."""
+    once = run_once or run
     attempts: list[dict[str, Any]] = []
-    for k in range(max(1, a.attempts)):
-        res = run(a.nodes, a.mbytes, a.rate, a.repeats, status=status, mode=a.mode)
+    for k in range(a.attempts):
+        res = once(a.nodes, a.mbytes, a.rate, a.repeats, status=status, mode=a.mode)
         if "skipped" in res:
-            return res
+            if not attempts:
+                return res
+            console.print(f"attempt {k + 1} could not run: {res['skipped']}")
+            break
         attempts.append(res)
-        if res["quiet_host"] or not res["correct"] or k + 1 == a.attempts:
+        left = res["leftover_namespaces"] or res["leftover_processes"]
+        if res["quiet_host"] or not res["correct"] or left or k + 1 == a.attempts:
             break
         console.print(f"attempt {k + 1}: the hypervisor took {res['steal_frac']:.0%} of the CPU "
                       f"during the calls (quiet: at most {QUIET_STEAL:.0%}; speedup "
                       f"{res['speedup']:.2f}x); measuring again in {a.pause:g} s")
-        time.sleep(a.pause)
+        pause(a.pause)
     return choose_attempt(attempts)
 
 
@@ -1190,6 +1203,21 @@ def write_png(res: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _at_least(low: float) -> Callable[[str], Any]:
+    """An argparse type: a number (int when ``low`` is) no smaller than ``low``."""
+    kind = type(low)
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -1205,12 +1233,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(registered with the daemon: no copies), in place on a private tensor (like "
                    "gloo's all_reduce; copied to the daemon and back), in place on a "
                    "client.shared() arena tensor, or neighbor_allreduce returning a new tensor")
-    p.add_argument("--attempts", type=int, default=1,
+    p.add_argument("--attempts", type=_at_least(1), default=1,
                    help=f"measure again, up to this many times in all, while the hypervisor took "
                    f"more than {QUIET_STEAL:.0%} of the CPU during the timed calls; the first "
                    "attempt on a quiet host stands for the run (chosen by the host alone), and "
                    "every attempt is listed")
-    p.add_argument("--pause", type=float, default=30.0,
+    p.add_argument("--pause", type=_at_least(0.0), default=30.0,
                    help="seconds to wait before measuring again (--attempts)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     p.add_argument("--png", type=Path)

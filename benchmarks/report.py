@@ -785,7 +785,8 @@ def netns_lines(netns: dict[str, Any] | None) -> list[str]:
         "",
         f"CPU stolen by the hypervisor during the timed calls: {netns.get('steal_frac', 0):.0%}"
         + ("" if netns.get("quiet_host", True) else
-           " (above 10%: the host, not the links, paced this run)") + ".",
+           f" (above {netns.get('quiet_steal', 0.10):.0%}: the host, not the links, paced this "
+           "run)") + ".",
         *([f"Measured again while the host was not quiet: {tried}."]
           if (tried := attempts_text(netns)) else []),
     ]
