@@ -101,6 +101,11 @@ from rich.table import Table
 from decentd.launcher import stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python benchmarks/netns_dsgd.py` puts only benchmarks/ on it
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.hostprobe import memmove_ms  # noqa: E402
+
 PREFIX = "dcnt"
 SUBNET = "10.77.0"
 NODE_IF = "veth0"
@@ -952,6 +957,7 @@ def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 
                 "decent_mode": mode,
                 "warmup": warmup_steps(nodes), "cpus": os.cpu_count(), "run_dir": str(run_dir),
                 "loadavg_start": list(os.getloadavg()),
+                "memmove_64mib_ms": memmove_ms(),
                 "decent_source": decent_source(),
             }
             say(f"creating {nodes} namespaces + switch, tbf {rate} both ways")
@@ -1171,7 +1177,8 @@ def print_report(res: dict[str, Any]) -> None:
         out.print(f"attempt {k} ({att['date']}): steal {att['steal_frac']:.0%}, gloo "
                   f"{att['gloo_ms']:.0f} ms, decent {att['decent_ms']:.0f} ms, "
                   f"{att['speedup']:.2f}x (barrier {att['speedup_barrier']:.2f}x){used}")
-    out.print(f"load average start {res['loadavg_start']} end {res['loadavg_end']}; "
+    out.print(f"64 MiB memmove {res.get('memmove_64mib_ms', float('nan')):.1f} ms at start; "
+              f"load average start {res['loadavg_start']} end {res['loadavg_end']}; "
               f"{res['cpus']} CPUs; tbf drops {res['tbf_dropped_packets']}; "
               f"total {res['total_s']:.1f} s")
     for e in gloo["errors"] + dec["errors"] + res.get("decent_barrier", {}).get("errors", []):

@@ -91,6 +91,7 @@ if str(REPO) not in sys.path:  # `python benchmarks/p2p_vs_gloo.py` puts only be
 
 from benchmarks import report  # noqa: E402
 from benchmarks.hivemind_avg import resnet18_shapes  # noqa: E402
+from benchmarks.hostprobe import memmove_ms  # noqa: E402
 
 OPS = tuple(report.OPS)
 RN_OPS = tuple(report.RN_OPS)
@@ -827,6 +828,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: load average {load_start[0]:.2f} > {report.LOAD_WARNING} at start: "
                   "the machine is busy with other work", flush=True)
     dist.barrier()
+    memmove_start = memmove_ms() if rank == 0 else None  # rank 1 waits: one copy at a time
+    dist.barrier()
 
     progress: Any = None
     if rank == 0:
@@ -904,6 +907,7 @@ def main(argv: list[str] | None = None) -> int:
             "sizes": sizes,
             "loadavg_start": list(load_start),
             "loadavg_end": list(os.getloadavg()),
+            "memmove_64mib_ms": memmove_start,
             "uptime_start": uptime_start,
             "uptime_end": uptime_text(),
             "loaded_at_start": load_start[0] > report.LOAD_WARNING,

@@ -360,6 +360,12 @@ def acceptance_lines(rows: list[dict[str, Any]]) -> list[str]:
 # ------------------------------------------------------------------------------ p2p markdown
 
 
+def _memmove(result: dict[str, Any]) -> str:
+    """The host's 64 MiB copy time recorded with a run (``hostprobe``), or that it was not."""
+    value = result.get("memmove_64mib_ms")
+    return "not recorded" if value is None else f"{value:.1f} ms"
+
+
 def environment_lines(meta: dict[str, Any]) -> list[str]:
     """Command, machine, versions, load."""
     v = meta.get("versions", {})
@@ -374,6 +380,7 @@ def environment_lines(meta: dict[str, Any]) -> list[str]:
            else ""),
         f"- load average (1/5/15 min) at start: {_load(meta.get('loadavg_start'))}, at end: "
         f"{_load(meta.get('loadavg_end'))}",
+        f"- memory: a 64 MiB copy took {_memmove(meta)} at start (compare hosts by this first)",
         f"- settings: torch threads {meta.get('threads')}, warm-up calls {meta.get('warmup')}, "
         f"timing {meta.get('mode')}, budget {meta.get('budget')} s per op and size"
         + (", --quick" if meta.get("quick") else ""),
@@ -775,7 +782,8 @@ def netns_lines(netns: dict[str, Any] | None) -> list[str]:
         f"{netns['rate']} both ways (tc tbf), {netns['mbytes']} MB float32 model, median of "
         f"{netns['repeats']} repeats (slowest rank each). Raw TCP check: "
         f"{link.get('single_gbit_s', float('nan')):.3f} Gbit/s one flow. Load average at start "
-        f"{_load(netns.get('loadavg_start'))}; date {netns.get('date')}; decent "
+        f"{_load(netns.get('loadavg_start'))}, 64 MiB memmove {_memmove(netns)}; date "
+        f"{netns.get('date')}; decent "
         f"{netns.get('decent_source', {}).get('repo_commit', '?')}.",
         "",
         *table(["op", "median ms", "link-only bound ms", "CPU cores busy", "exact"], rows),
@@ -797,7 +805,8 @@ def readme_table(p2p: dict[str, Any] | None, netns: dict[str, Any] | None) -> st
     p2p = p2p or {}
     meta = p2p.get("meta", {})
     lines = [f"Loopback, 2 daemons, {meta.get('nproc', '?')} CPUs, decent {meta.get('git', '?')}"
-             f" (load average at start {_load(meta.get('loadavg_start'))}); median ms, "
+             f" (load average at start {_load(meta.get('loadavg_start'))}, 64 MiB memmove "
+             f"{_memmove(meta)}); median ms, "
              "ratio = decent / gloo from the same run:", ""]
     rows = []
     for e in p2p.get("sizes", []):

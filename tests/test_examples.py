@@ -121,6 +121,9 @@ def test_report_merges_the_benchmark_results(tmp_path: Path) -> None:
     report = (tmp_path / "REPORT.md").read_text()
     assert "## Acceptance" in report and "| 2 | 4 KiB neighbor_allreduce_" in report
     assert "netns_dsgd.json" in report  # not run here: the report says so instead of a number
+    # the host's memory speed is recorded with the run: tables from two hosts can be told apart
+    assert re.search(r"a 64 MiB copy took \d+\.\d ms at start", report), report[:2000]
+    assert re.search(r"64 MiB memmove \d+\.\d ms", (tmp_path / "README_TABLE.md").read_text())
 
 
 class _SlowReads:
