@@ -1172,7 +1172,8 @@ def print_report(res: dict[str, Any]) -> None:
             r.add_row(key.replace("_", ", "),
                       *(f"{v * 1e3:.0f}" for v in res[key]["per_repeat_max_s"]))
     out.print(r)
-    for k, att in enumerate(res.get("attempts", []), 1):
+    attempts = res.get("attempts", [])
+    for k, att in enumerate(attempts if len(attempts) > 1 else [], 1):
         used = " <- this run" if k == res["attempt"] else ""
         out.print(f"attempt {k} ({att['date']}): steal {att['steal_frac']:.0%}, gloo "
                   f"{att['gloo_ms']:.0f} ms, decent {att['decent_ms']:.0f} ms, "

@@ -24,6 +24,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python benchmarks/report.py` puts only benchmarks/ on it
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.hivemind_avg import OTHER_PEER_FAILED  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 #: per-size series measured by p2p_vs_gloo.py, in table order
@@ -504,9 +510,8 @@ def hivemind_lines(p2p: dict[str, Any]) -> list[str]:
         lines += ["", "hivemind rounds that failed and were started over with a new averager "
                   "(not timed): " + "; ".join(
                       f"{r['case']}: {r['failed_rounds']} ("
-                      # the other peer's verdict, hivemind_avg.OTHER_PEER_FAILED, is no error
                       + ", ".join(sorted({f['error'] for fs in r.get('failures', {}).values()
-                                          for f in fs if f['error'] != 'the other peer failed'}))
+                                          for f in fs if f['error'] != OTHER_PEER_FAILED}))
                       + ")" for r in failed) + "."]
     return lines
 

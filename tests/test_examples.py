@@ -228,6 +228,12 @@ def test_netns_attempt_with_a_wrong_result_is_never_hidden() -> None:
     assert res["date"] == "b"
 
 
+def _bench_args(attempts: int, pause: float) -> Any:
+    from benchmarks.netns_dsgd import build_parser
+
+    return build_parser().parse_args(["--attempts", str(attempts), "--pause", str(pause)])
+
+
 @pytest.mark.parametrize(("runs", "attempts", "ran", "chosen"), [
     ([("a", 0.0, 1.6)], 3, 1, "a"),  # quiet at once: no second run
     ([("a", 0.3, 1.7), ("b", 0.2, 1.5), ("c", 0.0, 1.6)], 3, 3, "c"),
@@ -236,8 +242,6 @@ def test_netns_attempt_with_a_wrong_result_is_never_hidden() -> None:
 ])
 def test_netns_measures_again_only_while_the_host_is_noisy(
         runs: list[tuple[Any, ...]], attempts: int, ran: int, chosen: str) -> None:
-    import argparse
-
     from benchmarks.netns_dsgd import measure
 
     queue = [_attempt(*r) for r in runs]
@@ -248,24 +252,20 @@ def test_netns_measures_again_only_while_the_host_is_noisy(
         calls.append(1)
         return queue.pop(0)
 
-    a = argparse.Namespace(attempts=attempts, pause=7.0, nodes=8, mbytes=25, rate="1gbit",
-                           repeats=18, mode="registered")
-    res = measure(a, status=lambda _msg: None, run_once=run_once, pause=sleeps.append)
+    res = measure(_bench_args(attempts, 7.0), status=lambda _msg: None, run_once=run_once,
+                  pause=sleeps.append)
     assert len(calls) == ran and sleeps == [7.0] * (ran - 1)
     assert res["date"] == chosen and len(res["attempts"]) == ran
 
 
 def test_netns_attempts_stop_when_a_run_leaves_namespaces_behind() -> None:
-    import argparse
-
     from benchmarks.netns_dsgd import measure
 
     first = _attempt("a", 0.3, 1.7)
     first["leftover_namespaces"] = ["dcnt1-0"]  # the next attempt would reuse the name
     queue = [first, _attempt("b", 0.0, 1.6)]
-    a = argparse.Namespace(attempts=3, pause=0.0, nodes=8, mbytes=25, rate="1gbit", repeats=18,
-                           mode="registered")
-    res = measure(a, status=lambda _msg: None, run_once=lambda *_a, **_k: queue.pop(0),
+    res = measure(_bench_args(3, 0.0), status=lambda _msg: None,
+                  run_once=lambda *_a, **_k: queue.pop(0),
                   pause=lambda _s: None)
     assert res["date"] == "a" and queue  # b never ran
 
