@@ -32,6 +32,11 @@ both systems:
   shared memory (``registered``, the default: ``t.share_memory_()``, handed to the daemon at the
   first call, no copies after), private (``inplace``: copied to the daemon and back each step),
   in the daemon's arena (``shared``: ``client.shared(t)``), or out of place (``copy``).
+  ``optimizer`` times a whole training step's update as users write it, for both systems: the
+  model is :data:`PIECES` parameters of the same total size with their gradients set; decent runs
+  ``DecentralizedOptimizer(SGD, algorithm="dsgd").step()`` (the SGD update, then the one-peer
+  average of the flattened parameters in place), gloo ``all_reduce`` of the gradients (one
+  bucket, the way DDP lays them out) and then the same SGD update.
 
 Pairing: the two systems' calls are interleaved, call by call (gloo first in half of them,
 decent first in the other half), so both meet the same host: the same background load, the
@@ -182,6 +187,19 @@ def sleep_until(when: float) -> float:
     if when > now:
         time.sleep(when - now)
     return time.perf_counter() - when
+
+
+#: parameters of the ``optimizer`` mode's model (equal pieces of ``--mbytes``, the last one
+#: holding the remainder)
+PIECES = 16
+#: the ``optimizer`` mode's SGD learning rate
+OPT_LR = 0.1
+
+
+def piece_sizes(total: int, pieces: int = PIECES) -> list[int]:
+    """Element counts of the ``optimizer`` mode's parameters: they add up to ``total``."""
+    each = total // pieces
+    return [each] * (pieces - 1) + [total - each * (pieces - 1)]
 
 
 def one_peer_src(rank: int, size: int, step: int) -> int:
@@ -804,6 +822,13 @@ class GlooCalls(TimedSystem):
                                 timeout=dtm.timedelta(seconds=300))
         self.buf = self.torch.full((numel(a.mbytes),), float(a.rank), dtype=self.torch.float32)
         self.expected = float(a.nodes * (a.nodes - 1) // 2)
+        self.opt: Any = None
+        if a.mode == "optimizer":  # PmSGD: the gradients (views of one bucket), then SGD
+            torch = self.torch
+            params = [torch.nn.Parameter(torch.zeros(n)) for n in piece_sizes(self.buf.numel())]
+            for p, g in zip(params, self.buf.split(piece_sizes(self.buf.numel())), strict=True):
+                p.grad = g
+            self.opt = torch.optim.SGD(params, lr=OPT_LR)
 
     def barrier(self, label: str) -> None:
         """``dist.barrier``."""
@@ -815,8 +840,10 @@ class GlooCalls(TimedSystem):
         return float(agreed)
 
     def timed(self) -> Any:
-        """``dist.all_reduce`` in place."""
+        """``dist.all_reduce`` in place (then the SGD update in ``optimizer`` mode)."""
         self.dist.all_reduce(self.buf)
+        if self.opt is not None:
+            self.opt.step()
         return self.buf
 
     def check(self, k: int, out: Any) -> None:
@@ -848,17 +875,40 @@ class DecentCalls(TimedSystem):
             raise SystemExit(f"daemon says rank {self.client.rank} of {self.client.size}, "
                              f"expected {a.rank} of {a.nodes}")
         t = self.torch.full((numel(a.mbytes),), float(a.rank), dtype=self.torch.float32)
+        #: the name whose schedule the step follows
+        self.op_name = "model"
+        self.opt: Any = None
         if a.mode == "shared":  # the model lives in the arena: no copies between worker and daemon
             t = self.client.shared(t)
         elif a.mode == "registered":  # in torch's shared memory, which the daemon maps
             t.share_memory_()
+        elif a.mode == "optimizer":  # the optimizer flattens the parameters into shared memory
+            t = self._optimizer(t.numel())
         self.t = t
         self.src = -1  # the in-neighbor of the current call
+
+    def _optimizer(self, total: int) -> Any:
+        """D-SGD around SGD on :data:`PIECES` parameters with zero gradients (each step leaves
+        the values to the average, which is checked); the flat buffer they now live in."""
+        import decent.torch as dt
+
+        torch = self.torch
+        params = [torch.nn.Parameter(torch.full((n,), float(self.a.rank)))
+                  for n in piece_sizes(total)]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = dt.DecentralizedOptimizer(torch.optim.SGD(params, lr=OPT_LR), algorithm="dsgd",
+                                        client=self.client, prefix="model")
+        if len(opt.flat_buffers) != 1:
+            raise SystemExit("DecentralizedOptimizer did not flatten the parameters")
+        self.opt = opt
+        self.op_name = "model.x.0"
+        return opt.flat_buffers[0]
 
     def before(self, k: int) -> None:
         """The daemon's in-neighbor for this call must be the graph's."""
         a = self.a
-        srcs = self.client.in_neighbors("model")
+        srcs = self.client.in_neighbors(self.op_name)
         self.src = one_peer_src(a.rank, a.nodes, k)
         if srcs != [self.src]:
             self.calls.errors.append(f"rank {a.rank} step {k}: in_neighbors {srcs}, graph "
@@ -879,6 +929,9 @@ class DecentCalls(TimedSystem):
 
     def timed(self) -> Any:
         """One D-SGD step: in place like gloo's all_reduce, or out of place (``copy``)."""
+        if self.opt is not None:
+            self.opt.step()
+            return self.t
         if self.a.mode == "copy":
             return self.client.neighbor_allreduce(self.t, name="model")
         return self.client.neighbor_allreduce_(self.t, name="model")
@@ -1235,12 +1288,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=18,
                    help="timed calls; a multiple of the graph's period (3 for 8 nodes) weighs "
                    "every step of the schedule equally")
-    p.add_argument("--mode", choices=("registered", "inplace", "shared", "copy"),
+    p.add_argument("--mode", choices=("registered", "inplace", "shared", "copy", "optimizer"),
                    default="registered",
                    help="decent's step: neighbor_allreduce_ in place on a share_memory_() tensor "
                    "(registered with the daemon: no copies), in place on a private tensor (like "
                    "gloo's all_reduce; copied to the daemon and back), in place on a "
-                   "client.shared() arena tensor, or neighbor_allreduce returning a new tensor")
+                   "client.shared() arena tensor, neighbor_allreduce returning a new tensor, or "
+                   "a DecentralizedOptimizer(SGD) step against gloo's gradient all_reduce + SGD")
     p.add_argument("--attempts", type=_at_least(1), default=1,
                    help=f"measure again, up to this many times in all, while the hypervisor took "
                    f"more than {QUIET_STEAL:.0%} of the CPU during the timed calls; the first "

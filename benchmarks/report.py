@@ -203,11 +203,12 @@ def _verdict(value: float | None, target: float, at_least: bool) -> bool | None:
 
 
 def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
-               pngs: Sequence[Path] = ()) -> list[dict[str, Any]]:
+               pngs: Sequence[Path] = (), results: Path | None = None) -> list[dict[str, Any]]:
     """One row per acceptance criterion: id, criterion, measured text, value, target, pass.
 
     ``pass`` is True/False, or None when the number is missing (not measured, skipped, failed).
-    ``netns`` None leaves the netns criterion out (``p2p_vs_gloo.md`` does not cover it).
+    ``netns`` None leaves the netns criterion out (``p2p_vs_gloo.md`` does not cover it); the
+    netns variants (rows 4', 4o) come from their JSON in ``results``, when given.
     """
     rows: list[dict[str, Any]] = []
 
@@ -312,13 +313,20 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                     "row 4 times every rank from one common start)", v, 1.6, True,
                     f"{ratio_text(v)} ({ms(netns['gloo_barrier']['median_s'])} vs "
                     f"{ms(netns['decent_barrier']['median_s'])} ms)")
-        private = load(RESULTS / "netns_dsgd_inplace.json")
-        if private is not None and "speedup" in private:
-            v = float(private["speedup"])
-            add("4'", "the same, D-SGD step in place on a private tensor (copies)", v, 1.6, True,
-                f"{ratio_text(v)} ({ms(private['gloo']['median_s'])} vs "
-                f"{ms(private['decent']['median_s'])} ms, steal {private.get('steal_frac', 0):.0%})"
-                + ("" if private.get("correct", True) else "; results WRONG"))
+        for row, file, what in (
+                ("4'", "netns_dsgd_inplace.json",
+                 "the same, D-SGD step in place on a private tensor (copies)"),
+                ("4o", "netns_dsgd_optimizer.json",
+                 "the same as a training step: DecentralizedOptimizer(SGD, dsgd).step() / gloo "
+                 "all_reduce of the gradients + SGD.step()")):
+            other = None if results is None else load(results / file)
+            if other is not None and "speedup" in other:
+                v = float(other["speedup"])
+                add(row, what, v, 1.6, True,
+                    f"{ratio_text(v)} ({ms(other['gloo']['median_s'])} vs "
+                    f"{ms(other['decent']['median_s'])} ms, steal "
+                    f"{other.get('steal_frac', 0):.0%})"
+                    + ("" if other.get("correct", True) else "; results WRONG"))
     # (5) daemon RSS
     daemons = p2p.get("daemons") or []
     peaks = [d.get("peak", {}).get("VmRSS") for d in daemons]
@@ -805,8 +813,10 @@ def netns_lines(netns: dict[str, Any] | None) -> list[str]:
     ]
 
 
-def readme_table(p2p: dict[str, Any] | None, netns: dict[str, Any] | None) -> str:
-    """Compact markdown for the README: per-size ratios, ResNet-18, acceptance verdicts."""
+def readme_table(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
+                 results: Path | None = None) -> str:
+    """Compact markdown for the README: per-size ratios, ResNet-18, acceptance verdicts (the
+    netns variants' rows from their JSON in ``results``)."""
     p2p = p2p or {}
     meta = p2p.get("meta", {})
     lines = [f"Loopback, 2 daemons, {meta.get('nproc', '?')} CPUs, decent {meta.get('git', '?')}"
@@ -837,7 +847,8 @@ def readme_table(p2p: dict[str, Any] | None, netns: dict[str, Any] | None) -> st
                   + (f"hivemind step() {ms(hm['step_s'])} ms ({hm['step_s'] / d:.1f}x slower), "
                      f"all-reduce only {ms(hm['allreduce_s'])} ms" if hm and d
                      else f"hivemind {hivemind_state(p2p)}") + "."]
-    rows_a = acceptance(p2p, netns if netns is not None else {"skipped": "netns_dsgd.json missing"})
+    rows_a = acceptance(p2p, netns if netns is not None else {"skipped": "netns_dsgd.json missing"},
+                        results=results)
     verdict = {True: "PASS", False: "FAIL", None: "n/a"}
     lines += ["", *table(["#", "criterion", "measured", "target", ""],
                          [[r["id"], r["criterion"], r["measured"], r["target"],
@@ -851,7 +862,7 @@ def render_report(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
     """``REPORT.md``: acceptance over all criteria, then each benchmark's tables."""
     pngs = [results / n for n in P2P_PNGS]
     rows = acceptance(p2p, netns if netns is not None else {"skipped": "netns_dsgd.json missing"},
-                      pngs if p2p else [])
+                      pngs if p2p else [], results)
     lines = ["# Benchmark report", "",
              "Merged from `p2p_vs_gloo.json` (`decentrun -np 2 -- python "
              "benchmarks/p2p_vs_gloo.py`) and `netns_dsgd.json` (`python "
@@ -893,7 +904,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (results / "p2p_vs_gloo.md").write_text(render_p2p(p2p, results))
     results.mkdir(parents=True, exist_ok=True)
     (results / "REPORT.md").write_text(render_report(p2p, netns, results))
-    short = readme_table(p2p if p2p and "sizes" in p2p else None, netns)
+    short = readme_table(p2p if p2p and "sizes" in p2p else None, netns, results)
     (results / "README_TABLE.md").write_text(short)
     sys.stdout.write(short)
     print(f"\nwrote {results / 'REPORT.md'} and {results / 'README_TABLE.md'}")

@@ -105,6 +105,10 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         assert c.stop() == [0] * N
 
 
+#: the algorithms whose update is x' = M (x - d): the optimizer flattens their parameters
+IN_PLACE = {"dsgd", "dmsgd", "allreduce", "pga"}
+
+
 def _train(c: Cluster, algorithm: str, make_sgd: Callable[[list[torch.Tensor]], Any],
            steps: int = STEPS, x0: np.ndarray = X0, **options: Any) -> np.ndarray:
     def run(cl: Client[torch.Tensor]) -> np.ndarray:
@@ -113,6 +117,8 @@ def _train(c: Cluster, algorithm: str, make_sgd: Callable[[list[torch.Tensor]], 
         a, b = torch.tensor(A[r]), torch.tensor(B[r])
         opt = dt.DecentralizedOptimizer(make_sgd([x]), algorithm=algorithm, client=cl,
                                         prefix=f"ls.{algorithm}", **options)
+        # the path under test: flat buffers averaged in place, or the general finish()
+        assert opt.flattened == (algorithm in IN_PLACE and options.get("flatten", True))
         for _ in range(steps):
             opt.zero_grad()
             (0.5 * ((a @ x - b) ** 2).sum()).backward()
@@ -146,6 +152,62 @@ def test_iterates_match_the_numpy_recursion(cluster: Cluster, algorithm: str,
     got = _train(cluster, algorithm, _sgd, **options)
     want = simulate(algorithm, w, **options)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize(("algorithm", "options"),
+                         [c for c in CASES if c[0] in IN_PLACE],
+                         ids=[c[0] for c in CASES if c[0] in IN_PLACE])
+def test_adapt_then_combine_without_flattening_gives_the_same_iterates(
+        cluster: Cluster, algorithm: str, options: dict[str, Any]) -> None:
+    w = build_topology(cluster.clients[0].topology.kind, N).matrix()
+    got = _train(cluster, algorithm, _sgd, flatten=False, **options)
+    np.testing.assert_allclose(got, simulate(algorithm, w, **options), rtol=1e-6, atol=1e-9)
+
+
+def test_flattened_parameters_are_averaged_in_place_in_shared_memory(cluster: Cluster) -> None:
+    # mixed dtypes, an empty parameter, one large enough to be registered with the daemon; and
+    # a transposed (non-contiguous) parameter, which keeps the general path
+    w = build_topology(cluster.clients[0].topology.kind, N).matrix()
+    shapes = [((200, 100), torch.float32), ((100,), torch.float32), ((17,), torch.float64),
+              ((0,), torch.float32), ((3, 4), torch.float64)]
+
+    def run(cl: Client[torch.Tensor]) -> dict[str, Any]:
+        r = cl.rank
+        params: list[torch.Tensor] = [torch.nn.Parameter(torch.full(s, float(r), dtype=t))
+                                      for s, t in shapes]
+        ids = [id(p) for p in params]
+        opt = dt.DecentralizedOptimizer(_sgd(params, lr=0.5), algorithm="dsgd", client=cl,
+                                        prefix="flat")
+        moved = [torch.equal(p.detach(), torch.full(s, float(r), dtype=t))
+                 for p, (s, t) in zip(params, shapes, strict=True)]
+        bound = [id(p) for p in opt.param_groups[0]["params"]] == ids
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        odd = torch.nn.Parameter(torch.full((4, 3), float(r)).t())  # a view over (4, 3)
+        other = dt.DecentralizedOptimizer(_sgd([odd], lr=0.5), algorithm="dsgd", client=cl,
+                                          prefix="flat.odd")
+        odd.grad = torch.ones_like(odd)
+        other.step()
+        return {"flattened": opt.flattened, "flats": [(f.dtype, f.numel(), f.is_shared())
+                                                       for f in opt.flat_buffers],
+                "moved": moved, "bound": bound, "shared": [p.is_shared() for p in params],
+                "registered": cl.regions.nbytes, "values": [p.detach().clone() for p in params],
+                "odd": (other.flattened, odd.detach().clone())}
+
+    out = cluster.run(run)
+    want = w @ (np.arange(N, dtype=np.float64) - 0.5)
+    for r, o in enumerate(out):
+        assert o["flattened"] and all(o["moved"]) and o["bound"] and all(o["shared"])
+        assert o["flats"] == [(torch.float32, 20100, True), (torch.float64, 29, True)]
+        assert o["registered"] >= 200 * 100 * 4  # averaged where it lies, never copied
+        for got, (s, t) in zip(o["values"], shapes, strict=True):
+            assert got.shape == s and got.dtype == t
+            np.testing.assert_allclose(got.numpy(), np.full(s, want[r]),
+                                       rtol=1e-6 if t == torch.float32 else 1e-13)
+        flat_odd, odd = o["odd"]
+        assert not flat_odd and odd.shape == (3, 4)
+        np.testing.assert_allclose(odd.numpy(), np.full((3, 4), want[r]), rtol=1e-6)
 
 
 def test_dmsgd_is_dsgd_around_a_momentum_optimizer(cluster: Cluster) -> None:

@@ -126,6 +126,33 @@ def test_report_merges_the_benchmark_results(tmp_path: Path) -> None:
     assert re.search(r"64 MiB memmove \d+\.\d ms", (tmp_path / "README_TABLE.md").read_text())
 
 
+def test_report_rows_for_the_netns_variants(tmp_path: Path) -> None:
+    """Rows 4, 4', 4o from the netns runs' JSON, each its own run's ratio and host."""
+    import json
+
+    _quick_p2p(tmp_path, "4K")
+    where = {"nodes": 8, "rate": "1gbit", "mbytes": 25.0, "repeats": 18}
+    for name, mode, steal, speedup in (("netns_dsgd", "registered", 0.0, 1.66),
+                                       ("netns_dsgd_inplace", "inplace", 0.02, 1.57),
+                                       ("netns_dsgd_optimizer", "optimizer", 0.05, 1.61)):
+        res = {**_attempt(name, steal, speedup), **where, "decent_mode": mode,
+               "gloo_barrier": {"median_s": 0.371}, "decent_barrier": {"median_s": 0.219}}
+        (tmp_path / f"{name}.json").write_text(json.dumps(res))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"),
+                           "--results", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in
+            (tmp_path / "REPORT.md").read_text().splitlines() if line.startswith("| 4")}
+    assert "1.66x" in rows["4"] and "(registered)" in rows["4"] and "PASS" in rows["4"]
+    assert "1.57x" in rows["4'"] and "steal 2%" in rows["4'"] and "FAIL" in rows["4'"]
+    assert "1.61x" in rows["4o"] and "steal 5%" in rows["4o"] and "PASS" in rows["4o"]
+    assert "DecentralizedOptimizer" in rows["4o"]
+    short = [line for line in (tmp_path / "README_TABLE.md").read_text().splitlines()
+             if line.startswith(("| 4' ", "| 4o "))]
+    assert len(short) == 2 and "1.57x" in short[0] and "1.61x" in short[1], short
+
+
 class _SlowReads:
     """The shared flags, read slowly: the other rank runs ahead into the next round meanwhile."""
 

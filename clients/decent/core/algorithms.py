@@ -121,15 +121,21 @@ class Algorithm(Generic[T]):
         return {"self_weight": s.self_weight, "src_weights": dict(s.src_weights),
                 "dst_weights": list(s.dst_ranks)}
 
-    def mix_async(self, key: str, tensors: Sequence[T], mean: bool = False) -> None:
-        """Start ``W t`` (or the global mean) for every tensor; :meth:`mixed` collects them."""
+    def mix_async(self, key: str, tensors: Sequence[T], mean: bool = False,
+                  in_place: bool = False) -> None:
+        """Start ``W t`` (or the global mean) for every tensor; :meth:`mixed` collects them.
+        ``in_place``: each result is written into its tensor, one unfused op per tensor (for a
+        few large tensors, such as an adapter's flat parameter buffers)."""
+        c = self.client
+        names = [f"{self.prefix}.{key}.{i}" for i in range(len(tensors))]
         if mean:
-            hs = [self.client.allreduce_async(t, name=f"{self.prefix}.{key}.{i}")
-                  for i, t in enumerate(tensors)]
+            hs = [c.allreduce_async_(t, name=n, _fuse=False) if in_place
+                  else c.allreduce_async(t, name=n) for t, n in zip(tensors, names, strict=True)]
         else:
             w = self._weights()
-            hs = [self.client.neighbor_allreduce_async(t, name=f"{self.prefix}.{key}.{i}", **w)
-                  for i, t in enumerate(tensors)]
+            hs = [c.neighbor_allreduce_async_(t, name=n, _fuse=False, **w) if in_place
+                  else c.neighbor_allreduce_async(t, name=n, **w)
+                  for t, n in zip(tensors, names, strict=True)]
         self._pending[key] = hs
 
     def mixed(self, key: str) -> list[T]:
@@ -170,14 +176,38 @@ class Algorithm(Generic[T]):
         self.iteration += 1
 
 
-class DSGD(Algorithm[T]):
-    """Adapt-then-combine D-SGD: ``x' = W (x - d)``; with a momentum optimizer, DmSGD."""
+class AdaptThenCombine(Algorithm[T]):
+    """Algorithms whose update is ``x' = M (x - d)``: the optimizer's own step, then one linear
+    combine chosen per iteration by :meth:`combine` (or none).
 
-    name = "dsgd"
+    ``x - d`` is exactly what the wrapped optimizer writes into the parameters, so an adapter
+    that keeps them where the daemon can read them (torch: one shared-memory buffer per dtype)
+    finishes with :meth:`finish_in_place` instead: nothing is cloned, subtracted or copied, and
+    the combine reads and writes the parameters themselves.
+    """
+
+    def combine(self) -> tuple[str, bool] | None:
+        """This iteration's combine, ``(exchange key, global mean?)``, or None (a local step)."""
+        return ("x", False) if self.communicates else None
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         half = [x - d for x, d in zip(xs, ds, strict=True)]
-        return self.mix("x", half) if self.communicates else half
+        how = self.combine()
+        return half if how is None else self.mix(how[0], half, mean=how[1])
+
+    def finish_in_place(self, halves: Sequence[T]) -> None:
+        """``x' = M halves`` written into ``halves``, which hold ``x - d`` (the parameters after
+        the optimizer's step)."""
+        how = self.combine()
+        if how is not None:
+            self.mix_async(how[0], halves, mean=how[1], in_place=True)
+            self.mixed(how[0])
+
+
+class DSGD(AdaptThenCombine[T]):
+    """Adapt-then-combine D-SGD: ``x' = W (x - d)``; with a momentum optimizer, DmSGD."""
+
+    name = "dsgd"
 
 
 class DSGDCombineThenAdapt(Algorithm[T]):
@@ -196,18 +226,18 @@ class DSGDCombineThenAdapt(Algorithm[T]):
         return [wx - d for wx, d in zip(self.mixed("x"), ds, strict=True)]
 
 
-class AllreduceBaseline(Algorithm[T]):
+class AllreduceBaseline(AdaptThenCombine[T]):
     """PmSGD: every worker takes its local step, then all average globally."""
 
     name = "allreduce"
     needs = ()
 
-    def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
-        half = [x - d for x, d in zip(xs, ds, strict=True)]
-        return self.mix("x", half, mean=True) if self.communicates else half
+    def combine(self) -> tuple[str, bool] | None:
+        """The global mean, every ``communication_interval``-th iteration."""
+        return ("x", True) if self.communicates else None
 
 
-class PeriodicGlobalAveraging(Algorithm[T]):
+class PeriodicGlobalAveraging(AdaptThenCombine[T]):
     """ATC D-SGD whose every ``period``-th combine is a global average."""
 
     name = "pga"
@@ -218,11 +248,11 @@ class PeriodicGlobalAveraging(Algorithm[T]):
         if int(self.options["period"]) < 1:
             raise AlgorithmError(f"pga: period must be >= 1, got {self.options['period']}")
 
-    def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
-        half = [x - d for x, d in zip(xs, ds, strict=True)]
+    def combine(self) -> tuple[str, bool] | None:
+        """The global mean every ``period``-th iteration, else D-SGD's."""
         if (self.iteration + 1) % int(self.options["period"]) == 0:
-            return self.mix("g", half, mean=True)
-        return self.mix("x", half) if self.communicates else half
+            return ("g", True)
+        return super().combine()
 
 
 class GradientTracking(Algorithm[T]):

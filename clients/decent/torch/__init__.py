@@ -25,6 +25,7 @@ from decent.torch.optim import (
     broadcast_optimizer_state,
     broadcast_parameters,
     consensus,
+    flatten_parameters,
 )
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "compressed_neighbor_allreduce_async",
     "connect",
     "consensus",
+    "flatten_parameters",
     "flush",
     "group_allreduce",
     "group_allreduce_async",

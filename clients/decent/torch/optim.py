@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from decent.core.algorithms import Algorithm, AlgorithmError, State, consensus_distance
+from decent.core.algorithms import (
+    AdaptThenCombine,
+    Algorithm,
+    AlgorithmError,
+    State,
+    consensus_distance,
+)
 from decent.core.algorithms import make_algorithm as _make
 from decent.core.client import Client
 
@@ -33,6 +39,41 @@ def _default_client() -> TorchClient:
     return dt.init()
 
 
+def _owns_storage(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a dense CPU tensor laid out contiguously over the whole of its own
+    storage (so that moving it strands no other view of that storage)."""
+    return (p.device.type == "cpu" and p.layout == torch.strided and p.is_contiguous()
+            and p.storage_offset() == 0
+            and p.untyped_storage().nbytes() == p.numel() * p.element_size())
+
+
+def flatten_parameters(params: Iterable[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Move ``params`` into one shared-memory buffer per dtype, in order; the flat buffers.
+
+    Each parameter keeps its identity, shape and values; its ``.data`` becomes a view of its
+    dtype's buffer. The daemon maps the buffers once and averages them where they lie: a step is
+    one op per dtype, with no copy between the worker and the daemon. None (nothing moved) unless
+    every parameter is a dense, contiguous CPU tensor over its own storage.
+    """
+    ps = list(params)
+    if not ps or not all(_owns_storage(p) for p in ps):
+        return None
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in ps:
+        groups.setdefault(p.dtype, []).append(p)
+    flats = []
+    for dtype, members in groups.items():
+        flat = torch.empty(sum(p.numel() for p in members), dtype=dtype).share_memory_()
+        at = 0
+        for p in members:
+            view = flat[at:at + p.numel()].view_as(p)
+            view.copy_(p.detach())
+            p.data = view
+            at += p.numel()
+        flats.append(flat)
+    return flats
+
+
 class DecentralizedOptimizer:
     """Wraps a torch optimizer so that its step becomes one step of ``algorithm``.
 
@@ -41,11 +82,18 @@ class DecentralizedOptimizer:
     algorithm's own (``period`` for pga, ``beta`` for decentlam). The algorithm's state lives in
     the wrapped optimizer's ``state`` and its counters in :meth:`state_dict`, so checkpoints
     restore both.
+
+    ``flatten`` (default True): for the algorithms whose update is ``x' = M (x - d)`` (dsgd,
+    dmsgd, allreduce, pga), CPU parameters move into one shared-memory buffer per dtype
+    (:func:`flatten_parameters`) and each step averages those buffers in place, with no
+    per-step clone or copy of the model. Build the optimizer after moving the model to its device
+    and set ``flatten`` alike on every rank; tensors that alias a parameter's old storage (numpy
+    views, ``.data`` taken before) no longer follow it. ``flattened`` tells whether it happened.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
                  algorithm: str = "dsgd", client: TorchClient | None = None,
-                 **options: Any) -> None:
+                 flatten: bool = True, **options: Any) -> None:
         self.optimizer = optimizer
         self.client = client if client is not None else _default_client()
         options.setdefault("prefix", f"decent.opt{next(_prefixes)}")
@@ -57,6 +105,9 @@ class DecentralizedOptimizer:
                                      "combined update; wrap an optimizer without momentum "
                                      f"(got momentum={moving[0]})")
         self.algorithm.prepare([p.detach() for p in self._params()])
+        #: the flat parameter buffers that :meth:`step` averages in place, or None
+        self._flat = flatten_parameters(self._params()) \
+            if flatten and isinstance(self.algorithm, AdaptThenCombine) else None
         self._started = False
         self._hook = model.register_forward_pre_hook(self._before_forward) \
             if model is not None else None
@@ -87,9 +138,21 @@ class DecentralizedOptimizer:
         if not self._started and torch.is_grad_enabled():
             self._start()
 
+    @property
+    def flattened(self) -> bool:
+        """Whether the parameters live in flat shared buffers averaged in place."""
+        return self._flat is not None
+
+    @property
+    def flat_buffers(self) -> list[torch.Tensor]:
+        """The flat shared buffers the parameters are views of, one per dtype (none unless
+        :attr:`flattened`)."""
+        return list(self._flat or [])
+
     def _start(self) -> None:
-        params = self._params()
-        self.algorithm.start([p.detach().clone() for p in params], self._states(params))
+        if type(self.algorithm).start is not Algorithm.start:  # it starts exchanges of x_k
+            params = self._params()
+            self.algorithm.start([p.detach().clone() for p in params], self._states(params))
         self._started = True
 
     @torch.no_grad()
@@ -101,6 +164,12 @@ class DecentralizedOptimizer:
                 loss = closure()
         if not self._started:
             self._start()
+        if self._flat is not None and isinstance(self.algorithm, AdaptThenCombine):
+            self.optimizer.step()  # x - d, written into the flat buffers
+            self.algorithm.finish_in_place(self._flat)
+            self.algorithm.advance()
+            self._started = False
+            return loss
         params = self._params()
         xs = [p.detach().clone() for p in params]
         self.optimizer.step()
