@@ -184,6 +184,11 @@ def test_flattened_parameters_are_averaged_in_place_in_shared_memory(cluster: Cl
         for p in params:
             p.grad = torch.ones_like(p)
         opt.step()
+        # wrapped again (a new optimizer on the same model): the buffers stay where they are
+        again = dt.DecentralizedOptimizer(_sgd(params, lr=0.5), algorithm="dsgd", client=cl,
+                                          prefix="flat.again")
+        kept = again.flattened and [f.data_ptr() for f in again.flat_buffers] == \
+            [f.data_ptr() for f in opt.flat_buffers]
         odd = torch.nn.Parameter(torch.full((4, 3), float(r)).t())  # a view over (4, 3)
         other = dt.DecentralizedOptimizer(_sgd([odd], lr=0.5), algorithm="dsgd", client=cl,
                                           prefix="flat.odd")
@@ -191,7 +196,8 @@ def test_flattened_parameters_are_averaged_in_place_in_shared_memory(cluster: Cl
         other.step()
         return {"flattened": opt.flattened, "flats": [(f.dtype, f.numel(), f.is_shared())
                                                        for f in opt.flat_buffers],
-                "moved": moved, "bound": bound, "shared": [p.is_shared() for p in params],
+                "moved": moved, "bound": bound, "kept": kept,
+                "shared": [p.is_shared() for p in params],
                 "registered": cl.regions.nbytes, "values": [p.detach().clone() for p in params],
                 "odd": (other.flattened, odd.detach().clone())}
 
@@ -199,6 +205,7 @@ def test_flattened_parameters_are_averaged_in_place_in_shared_memory(cluster: Cl
     want = w @ (np.arange(N, dtype=np.float64) - 0.5)
     for r, o in enumerate(out):
         assert o["flattened"] and all(o["moved"]) and o["bound"] and all(o["shared"])
+        assert o["kept"]
         assert o["flats"] == [(torch.float32, 20100, True), (torch.float64, 29, True)]
         assert o["registered"] >= 200 * 100 * 4  # averaged where it lies, never copied
         for got, (s, t) in zip(o["values"], shapes, strict=True):

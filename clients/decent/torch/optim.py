@@ -47,29 +47,51 @@ def _owns_storage(p: torch.Tensor) -> bool:
             and p.untyped_storage().nbytes() == p.numel() * p.element_size())
 
 
+def _flat_already(members: list[torch.Tensor]) -> torch.Tensor | None:
+    """The shared buffer ``members`` already tile in order, end to end (a model flattened
+    before, wrapped again), or None."""
+    first = members[0]
+    storage, at = first.untyped_storage(), 0
+    for p in members:
+        if (p.device.type != "cpu" or p.layout != torch.strided or not p.is_contiguous()
+                or p.untyped_storage().data_ptr() != storage.data_ptr()
+                or p.storage_offset() != at):
+            return None
+        at += p.numel()
+    if at * first.element_size() != storage.nbytes() or not first.is_shared():
+        return None
+    return torch.empty(0, dtype=first.dtype).set_(storage, 0, (at,), (1,))
+
+
 def flatten_parameters(params: Iterable[torch.Tensor]) -> list[torch.Tensor] | None:
     """Move ``params`` into one shared-memory buffer per dtype, in order; the flat buffers.
 
     Each parameter keeps its identity, shape and values; its ``.data`` becomes a view of its
     dtype's buffer. The daemon maps the buffers once and averages them where they lie: a step is
-    one op per dtype, with no copy between the worker and the daemon. None (nothing moved) unless
-    every parameter is a dense, contiguous CPU tensor over its own storage.
+    one op per dtype, with no copy between the worker and the daemon. Parameters that already
+    tile such a buffer (flattened before) stay where they are. None (nothing moved) unless every
+    parameter is a dense, contiguous CPU tensor over its own storage or one of those.
     """
-    ps = list(params)
-    if not ps or not all(_owns_storage(p) for p in ps):
-        return None
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in ps:
+    for p in params:
         groups.setdefault(p.dtype, []).append(p)
+    if not groups:
+        return None
+    found = {dtype: _flat_already(members) for dtype, members in groups.items()}
+    if any(found[dtype] is None and not all(_owns_storage(p) for p in members)
+           for dtype, members in groups.items()):
+        return None
     flats = []
     for dtype, members in groups.items():
-        flat = torch.empty(sum(p.numel() for p in members), dtype=dtype).share_memory_()
-        at = 0
-        for p in members:
-            view = flat[at:at + p.numel()].view_as(p)
-            view.copy_(p.detach())
-            p.data = view
-            at += p.numel()
+        flat = found[dtype]
+        if flat is None:
+            flat = torch.empty(sum(p.numel() for p in members), dtype=dtype).share_memory_()
+            at = 0
+            for p in members:
+                view = flat[at:at + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+                at += p.numel()
         flats.append(flat)
     return flats
 
