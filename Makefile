@@ -28,6 +28,7 @@ bench:
 	$(VENV)/python benchmarks/netns_dsgd.py --attempts 3 --png benchmarks/results/netns_dsgd.png
 	$(VENV)/python benchmarks/netns_dsgd.py --mode inplace --json benchmarks/results/netns_dsgd_inplace.json
 	$(VENV)/python benchmarks/netns_dsgd.py --mode optimizer --json benchmarks/results/netns_dsgd_optimizer.json
+	$(VENV)/decentrun -np 2 -- $(VENV)/python benchmarks/optimizer_step.py
 	$(VENV)/python benchmarks/report.py
 
 ## every decentralized algorithm on real data (digits, breast_cancer), 8 workers, iid and

@@ -202,6 +202,21 @@ def _verdict(value: float | None, target: float, at_least: bool) -> bool | None:
     return value >= target if at_least else value <= target
 
 
+def wrong_is_fail(row: dict[str, Any], res: dict[str, Any]) -> None:
+    """A row whose results were wrong fails, however fast."""
+    if not res.get("correct", True):
+        row["pass"] = False
+
+
+def provenance(res: dict[str, Any], main: dict[str, Any]) -> str:
+    """``; from <commit>, <date>`` when ``res`` was measured at another commit than ``main``
+    (a variant's JSON left from an older run), else nothing."""
+    commit = res.get("decent_source", {}).get("repo_commit")
+    if commit == main.get("decent_source", {}).get("repo_commit"):
+        return ""
+    return f"; from {commit or 'an unknown commit'}, {res.get('date', 'undated')}"
+
+
 def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                pngs: Sequence[Path] = (), results: Path | None = None) -> list[dict[str, Any]]:
     """One row per acceptance criterion: id, criterion, measured text, value, target, pass.
@@ -307,6 +322,7 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                 f"{ms(netns['decent']['median_s'])} ms, steal {netns.get('steal_frac', 0):.0%})"
                 + ("" if netns.get("correct", True) else "; results WRONG")
                 + (f"; {tried}" if (tried := attempts_text(netns)) else ""))
+            wrong_is_fail(rows[-1], netns)
             if "speedup_barrier" in netns:
                 v = float(netns["speedup_barrier"])
                 add("4b", "the same, each call timed from the rank's barrier exit (reported; "
@@ -317,8 +333,9 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                 ("4'", "netns_dsgd_inplace.json",
                  "the same, D-SGD step in place on a private tensor (copies)"),
                 ("4o", "netns_dsgd_optimizer.json",
-                 "the same as a training step: DecentralizedOptimizer(SGD, dsgd).step() / gloo "
-                 "all_reduce of the gradients + SGD.step()")):
+                 "the same as an update: DecentralizedOptimizer(SGD, dsgd).step() / gloo "
+                 "all_reduce of the gradients (one bucket, not overlapped with backward) + "
+                 "SGD.step()")):
             other = None if results is None else load(results / file)
             if other is not None and "speedup" in other:
                 v = float(other["speedup"])
@@ -326,7 +343,9 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                     f"{ratio_text(v)} ({ms(other['gloo']['median_s'])} vs "
                     f"{ms(other['decent']['median_s'])} ms, steal "
                     f"{other.get('steal_frac', 0):.0%})"
-                    + ("" if other.get("correct", True) else "; results WRONG"))
+                    + ("" if other.get("correct", True) else "; results WRONG")
+                    + provenance(other, netns))
+                wrong_is_fail(rows[-1], other)
     # (5) daemon RSS
     daemons = p2p.get("daemons") or []
     peaks = [d.get("peak", {}).get("VmRSS") for d in daemons]

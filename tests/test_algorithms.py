@@ -217,6 +217,70 @@ def test_flattened_parameters_are_averaged_in_place_in_shared_memory(cluster: Cl
         np.testing.assert_allclose(odd.numpy(), np.full((3, 4), want[r]), rtol=1e-6)
 
 
+def test_the_flat_layout_follows_the_parameters(cluster: Cluster) -> None:
+    # communication every 2nd step; a param group added, then the model made float64, between
+    # steps: each step averages what the parameters are now. Tied or already-shared parameters
+    # are not moved (the general path).
+    w = build_topology(cluster.clients[0].topology.kind, N).matrix()
+
+    def sgd_step(opt: dt.DecentralizedOptimizer, params: list[torch.Tensor]) -> None:
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+
+    def run(cl: Client[torch.Tensor]) -> dict[str, Any]:
+        r = float(cl.rank)
+        a = torch.nn.Parameter(torch.full((300, 100), r))
+        b = torch.nn.Parameter(torch.full((5,), r))
+        opt = dt.DecentralizedOptimizer(_sgd([a, b], lr=0.5), algorithm="dsgd", client=cl,
+                                        prefix="lay", communication_interval=2)
+        sgd_step(opt, [a, b])  # local only
+        local = (a[0, 0].item(), b[0].item())
+        c = torch.nn.Parameter(torch.full((7,), r))
+        opt.add_param_group({"params": [c]})
+        sgd_step(opt, [a, b, c])  # averaged, c included
+        after_group = [(f.dtype, f.numel()) for f in opt.flat_buffers]
+        two = (a[0, 0].item(), b[0].item(), c[0].item())
+        for p in (a, b, c):  # what model.double() does to each parameter
+            p.data = p.data.double()
+        sgd_step(opt, [a, b, c])
+        sgd_step(opt, [a, b, c])
+        after_double = [(f.dtype, f.numel()) for f in opt.flat_buffers]
+        four = (a.detach().clone(), b.detach().clone(), c.detach().clone())
+        tied = torch.nn.Parameter(torch.full((4,), r))
+        twin = torch.nn.Parameter(tied.data)  # one storage, two parameters
+        shared: list[torch.Tensor] = [torch.nn.Parameter(torch.full((3,), r).share_memory_())
+                                      for _ in range(2)]
+        where = [p.data_ptr() for p in shared]
+        others = [dt.DecentralizedOptimizer(_sgd(ps, lr=0.5), algorithm="dsgd", client=cl,
+                                            prefix=f"lay.{i}")
+                  for i, ps in enumerate((list[torch.Tensor]([tied, twin]), shared))]
+        sgd_step(others[1], shared)
+        return {"local": local, "two": two, "four": four, "after_group": after_group,
+                "after_double": after_double, "flat": [o.flattened for o in others],
+                "kept": [p.data_ptr() for p in shared] == where,
+                "same_tie": tied.data_ptr() == twin.data_ptr(),
+                "shared": [p.detach().clone() for p in shared]}
+
+    out = cluster.run(run)
+    ranks = np.arange(N, dtype=np.float64)
+    two_ab, two_c = w @ (ranks - 1.0), w @ (ranks - 0.5)
+    for r, o in enumerate(out):
+        assert o["local"] == (r - 0.5, r - 0.5)
+        np.testing.assert_allclose(o["two"], [two_ab[r], two_ab[r], two_c[r]], rtol=1e-6)
+        assert o["after_group"] == [(torch.float32, 30000 + 5 + 7)]
+        assert o["after_double"] == [(torch.float64, 30000 + 5 + 7)]
+        a, b, c = o["four"]
+        assert a.dtype == b.dtype == c.dtype == torch.float64
+        for got, want in ((a, w @ (two_ab - 1.0)), (b, w @ (two_ab - 1.0)),
+                          (c, w @ (two_c - 1.0))):
+            np.testing.assert_allclose(got.numpy(), np.full(got.shape, want[r]), rtol=1e-6)
+        assert o["flat"] == [False, False] and o["kept"] and o["same_tie"]
+        for got in o["shared"]:
+            np.testing.assert_allclose(got.numpy(), np.full(3, (w @ (ranks - 0.5))[r]),
+                                       rtol=1e-6)
+
+
 def test_dmsgd_is_dsgd_around_a_momentum_optimizer(cluster: Cluster) -> None:
     w = build_topology(cluster.clients[0].topology.kind, N).matrix()
     got = _train(cluster, "dmsgd",

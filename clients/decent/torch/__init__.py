@@ -20,12 +20,12 @@ from decent.core import Client, DecentError, Handle
 from decent.core.algorithms import ALGORITHMS, AlgorithmError
 from decent.core.shortcuts import DefaultClient, default_client_method
 from decent.torch.codec import TorchCodec
+from decent.torch.flat import flatten_parameters
 from decent.torch.optim import (
     DecentralizedOptimizer,
     broadcast_optimizer_state,
     broadcast_parameters,
     consensus,
-    flatten_parameters,
 )
 
 __all__ = [

@@ -28,6 +28,7 @@ from decent.core.algorithms import (
 )
 from decent.core.algorithms import make_algorithm as _make
 from decent.core.client import Client
+from decent.torch.flat import flatten_parameters
 
 TorchClient = Client[torch.Tensor]
 _prefixes = itertools.count()
@@ -37,63 +38,6 @@ def _default_client() -> TorchClient:
     import decent.torch as dt
 
     return dt.init()
-
-
-def _owns_storage(p: torch.Tensor) -> bool:
-    """Whether ``p`` is a dense CPU tensor laid out contiguously over the whole of its own
-    storage (so that moving it strands no other view of that storage)."""
-    return (p.device.type == "cpu" and p.layout == torch.strided and p.is_contiguous()
-            and p.storage_offset() == 0
-            and p.untyped_storage().nbytes() == p.numel() * p.element_size())
-
-
-def _flat_already(members: list[torch.Tensor]) -> torch.Tensor | None:
-    """The shared buffer ``members`` already tile in order, end to end (a model flattened
-    before, wrapped again), or None."""
-    first = members[0]
-    storage, at = first.untyped_storage(), 0
-    for p in members:
-        if (p.device.type != "cpu" or p.layout != torch.strided or not p.is_contiguous()
-                or p.untyped_storage().data_ptr() != storage.data_ptr()
-                or p.storage_offset() != at):
-            return None
-        at += p.numel()
-    if at * first.element_size() != storage.nbytes() or not first.is_shared():
-        return None
-    return torch.empty(0, dtype=first.dtype).set_(storage, 0, (at,), (1,))
-
-
-def flatten_parameters(params: Iterable[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Move ``params`` into one shared-memory buffer per dtype, in order; the flat buffers.
-
-    Each parameter keeps its identity, shape and values; its ``.data`` becomes a view of its
-    dtype's buffer. The daemon maps the buffers once and averages them where they lie: a step is
-    one op per dtype, with no copy between the worker and the daemon. Parameters that already
-    tile such a buffer (flattened before) stay where they are. None (nothing moved) unless every
-    parameter is a dense, contiguous CPU tensor over its own storage or one of those.
-    """
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        groups.setdefault(p.dtype, []).append(p)
-    if not groups:
-        return None
-    found = {dtype: _flat_already(members) for dtype, members in groups.items()}
-    if any(found[dtype] is None and not all(_owns_storage(p) for p in members)
-           for dtype, members in groups.items()):
-        return None
-    flats = []
-    for dtype, members in groups.items():
-        flat = found[dtype]
-        if flat is None:
-            flat = torch.empty(sum(p.numel() for p in members), dtype=dtype).share_memory_()
-            at = 0
-            for p in members:
-                view = flat[at:at + p.numel()].view_as(p)
-                view.copy_(p.detach())
-                p.data = view
-                at += p.numel()
-        flats.append(flat)
-    return flats
 
 
 class DecentralizedOptimizer:
@@ -107,10 +51,17 @@ class DecentralizedOptimizer:
 
     ``flatten`` (default True): for the algorithms whose update is ``x' = M (x - d)`` (dsgd,
     dmsgd, allreduce, pga), CPU parameters move into one shared-memory buffer per dtype
-    (:func:`flatten_parameters`) and each step averages those buffers in place, with no
-    per-step clone or copy of the model. Build the optimizer after moving the model to its device
-    and set ``flatten`` alike on every rank; tensors that alias a parameter's old storage (numpy
-    views, ``.data`` taken before) no longer follow it. ``flattened`` tells whether it happened.
+    (:func:`decent.torch.flat.flatten_parameters`) and each step averages those buffers in place,
+    with no per-step clone or copy of the model. Set ``flatten`` alike on every rank. Tensors
+    that alias a parameter's old storage (numpy views, ``.data`` taken before) no longer follow
+    it, and ``torch.save`` of one parameter writes its whole buffer (save ``.clone()``s or the
+    state dict of the model). When the parameters change (``model.double()``,
+    ``add_param_group``), the next step lays them out again. If any parameter cannot be moved
+    (not a dense contiguous CPU tensor, tied to another, or already in shared memory, as after
+    ``model.share_memory()``), every parameter takes the general path, which copies;
+    ``flattened`` tells which path the last step took. On the flat path an op that fails leaves
+    the parameters partly averaged (the daemon writes results as they arrive): after a
+    DecentError, restore them from a checkpoint.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
@@ -127,9 +78,11 @@ class DecentralizedOptimizer:
                                      "combined update; wrap an optimizer without momentum "
                                      f"(got momentum={moving[0]})")
         self.algorithm.prepare([p.detach() for p in self._params()])
+        self._flatten = flatten and isinstance(self.algorithm, AdaptThenCombine)
         #: the flat parameter buffers that :meth:`step` averages in place, or None
-        self._flat = flatten_parameters(self._params()) \
-            if flatten and isinstance(self.algorithm, AdaptThenCombine) else None
+        self._flat: list[torch.Tensor] | None = None
+        self._layout: list[tuple[int, int]] = []  # (id, data_ptr) of each parameter when laid out
+        self._lay_out()
         self._started = False
         self._hook = model.register_forward_pre_hook(self._before_forward) \
             if model is not None else None
@@ -160,6 +113,19 @@ class DecentralizedOptimizer:
         if not self._started and torch.is_grad_enabled():
             self._start()
 
+    def _lay_out(self) -> None:
+        """Flatten the parameters again if they are not where the last layout left them (a new
+        param group, ``model.double()``, a reassigned ``.data``)."""
+        if not self._flatten:
+            return
+        params = self._params()
+        layout = [(id(p), p.data_ptr()) for p in params]
+        if layout == self._layout:
+            return
+        ours = {f.untyped_storage().data_ptr() for f in self._flat or []}
+        self._flat = flatten_parameters(params, ours)
+        self._layout = [(id(p), p.data_ptr()) for p in params]
+
     @property
     def flattened(self) -> bool:
         """Whether the parameters live in flat shared buffers averaged in place."""
@@ -186,6 +152,7 @@ class DecentralizedOptimizer:
                 loss = closure()
         if not self._started:
             self._start()
+        self._lay_out()
         if self._flat is not None and isinstance(self.algorithm, AdaptThenCombine):
             self.optimizer.step()  # x - d, written into the flat buffers
             self.algorithm.finish_in_place(self._flat)

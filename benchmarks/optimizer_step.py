@@ -1,0 +1,143 @@
+"""One ``DecentralizedOptimizer`` step with the parameters flattened into shared memory or not.
+
+    .venv/bin/decentrun -np 2 -- .venv/bin/python benchmarks/optimizer_step.py \\
+        [--mbytes 25] [--params 16] [--steps 30] [--json benchmarks/results/optimizer_step.json]
+
+Every rank wraps ``torch.optim.SGD`` (lr 0.1) around a model of ``--params`` float32 parameters
+adding up to ``--mbytes`` MB, with ``algorithm="dsgd"`` on the daemons' topology, and times
+``opt.step()`` after a barrier, ``--steps`` times per round. The gradients are zero, so each
+step leaves every rank's values at the average its step's weights give, which is checked.
+Rounds alternate ``flatten=True`` (the parameters in one shared buffer, averaged in place by the
+daemon) and ``flatten=False`` (the general path: clone ``x``, subtract the update, the exchange
+through the arena, copy back), two rounds each. Rank 0 prints the medians (wall time and the
+worker's own CPU time per step; the daemon's work is the same on both paths) and writes them as
+JSON and a bar chart next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+WARMUP = 3
+
+
+def one_round(client: Any, flatten: bool, sizes: list[int], steps: int,
+              tag: str) -> tuple[list[float], list[float], bool]:
+    """Wall and worker-CPU seconds of ``steps`` timed steps; whether every result was exact."""
+    import torch
+
+    import decent.torch as dt
+
+    rank = client.rank
+    params = [torch.nn.Parameter(torch.full((n,), float(rank))) for n in sizes]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = dt.DecentralizedOptimizer(torch.optim.SGD(params, lr=0.1), algorithm="dsgd",
+                                    client=client, prefix=tag, flatten=flatten)
+    if opt.flattened != flatten:
+        raise SystemExit(f"flatten={flatten} but the optimizer says flattened={opt.flattened}")
+    walls: list[float] = []
+    cpus: list[float] = []
+    exact = True
+    for k in range(WARMUP + steps):
+        for p in params:
+            p.data.fill_(float(rank))
+        # every rank starts at its rank: the step's weights give the result
+        st = opt.algorithm.topology.step(rank, opt.algorithm.exchanges)
+        want = st.self_weight * rank + sum(w * j for j, w in st.src_weights.items())
+        client.barrier(name=f"{tag}.b")
+        t0, c0 = time.perf_counter(), time.process_time()
+        opt.step()
+        t1, c1 = time.perf_counter(), time.process_time()
+        if k >= WARMUP:
+            walls.append(t1 - t0)
+            cpus.append(c1 - c0)
+        exact &= all(torch.allclose(p, torch.full_like(p, want), rtol=1e-6, atol=0)
+                     for p in params)
+    opt.close()
+    return walls, cpus, exact
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the rounds; rank 0 reports."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mbytes", type=float, default=25.0, help="model size in MB (10^6 bytes)")
+    ap.add_argument("--params", type=int, default=16, help="number of parameters")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per round")
+    ap.add_argument("--json", type=Path, default=RESULTS / "optimizer_step.json")
+    a = ap.parse_args(argv)
+    import torch
+
+    import decent.torch as dt
+
+    torch.set_num_threads(1)
+    client = dt.connect()
+    total = int(a.mbytes * 1e6) // 4
+    sizes = [total // a.params] * (a.params - 1) + [total - total // a.params * (a.params - 1)]
+    runs: dict[str, dict[str, list[float]]] = {
+        "flat": {"wall": [], "cpu": []}, "general": {"wall": [], "cpu": []}}
+    exact = True
+    for i, flatten in enumerate((True, False, False, True)):
+        walls, cpus, ok = one_round(client, flatten, sizes, a.steps, f"optstep{i}")
+        key = "flat" if flatten else "general"
+        runs[key]["wall"] += walls
+        runs[key]["cpu"] += cpus
+        exact &= ok
+    client.close()
+    if client.rank != 0:
+        return 0 if exact else 1
+    res: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "ranks": client.size, "mbytes": a.mbytes, "params": a.params, "steps": a.steps,
+        "exact": exact,
+        **{key: {"wall_ms": statistics.median(r["wall"]) * 1e3,
+                 "cpu_ms": statistics.median(r["cpu"]) * 1e3} for key, r in runs.items()}}
+    report(res, a.json)
+    return 0 if exact else 1
+
+
+def report(res: dict[str, Any], path: Path) -> None:
+    """Table on the console, JSON and a bar chart next to each other."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"DecentralizedOptimizer(SGD, dsgd).step(), {res['mbytes']:g} MB in "
+                    f"{res['params']} parameters, {res['ranks']} ranks (median ms)")
+    for col in ("path", "step", "worker CPU"):
+        t.add_column(col, justify="left" if col == "path" else "right")
+    for key, label in (("flat", "flattened (shared buffer, in place)"),
+                       ("general", "general (flatten=False)")):
+        t.add_row(label, f"{res[key]['wall_ms']:.1f}", f"{res[key]['cpu_ms']:.1f}")
+    Console().print(t)
+    print(f"results exact: {res['exact']}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    keys = ["flat", "general"]
+    xs = range(len(keys))
+    ax.bar([x - 0.2 for x in xs], [res[k]["wall_ms"] for k in keys], 0.4, label="step")
+    ax.bar([x + 0.2 for x in xs], [res[k]["cpu_ms"] for k in keys], 0.4, label="worker CPU")
+    ax.set_xticks(list(xs), ["flattened", "general"])
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title(f"optimizer step, {res['mbytes']:g} MB, {res['ranks']} ranks")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

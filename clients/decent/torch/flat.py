@@ -1,0 +1,110 @@
+"""Parameters laid out in one shared-memory buffer per dtype, which the daemon averages in place.
+
+``DecentralizedOptimizer`` uses this for the algorithms whose update is ``x' = M (x - d)``: the
+wrapped optimizer writes ``x - d`` into the parameters, so once they live in a buffer the daemon
+has mapped, a step is the optimizer's own step and one in-place op per buffer, with no clone and
+no copy between the worker and the daemon.
+
+Moving a tensor's memory strands whatever else points at the old memory, so only memory nobody
+else can see is moved: a parameter that is the whole of its own private storage, or a view of a
+buffer made here before (``ours``). Memory that is already shared (``model.share_memory()`` for
+Hogwild-style sharing across processes) or that two parameters share (tied weights) is left
+alone, and the caller keeps its copying path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+import torch
+
+from decent.core.algorithms import AlgorithmError
+
+
+def _dense_cpu(p: torch.Tensor) -> bool:
+    return p.device.type == "cpu" and p.layout == torch.strided and p.is_contiguous()
+
+
+def _storage(p: torch.Tensor) -> int:
+    return p.untyped_storage().data_ptr()
+
+
+def _movable(p: torch.Tensor, ours: Collection[int]) -> bool:
+    """Whether ``p`` may be moved: a view of one of ``ours``, or a dense CPU tensor that is the
+    whole of its own private storage."""
+    if _storage(p) in ours:
+        return True
+    return (_dense_cpu(p) and not p.is_shared() and p.storage_offset() == 0
+            and p.untyped_storage().nbytes() == p.numel() * p.element_size())
+
+
+def tiled_buffer(members: list[torch.Tensor]) -> torch.Tensor | None:
+    """The storage ``members`` tile in order, end to end, as a flat tensor over it, or None."""
+    first = members[0]
+    storage, at = first.untyped_storage(), 0
+    for p in members:
+        if not _dense_cpu(p) or _storage(p) != storage.data_ptr() or p.storage_offset() != at:
+            return None
+        at += p.numel()
+    if at == 0 or at * first.element_size() != storage.nbytes():
+        return None
+    return torch.empty(0, dtype=first.dtype).set_(storage, 0, (at,), (1,))
+
+
+def _share(flat: torch.Tensor) -> None:
+    """Put ``flat``'s storage in shared memory, in place (every view of it follows)."""
+    storage = flat.untyped_storage()
+    if storage.is_shared() or not storage.nbytes():
+        return
+    try:
+        storage.share_memory_()
+    except RuntimeError as exc:
+        raise AlgorithmError(
+            f"cannot place {storage.nbytes()} bytes of parameters in shared memory ({exc}): "
+            "give the worker more shared memory (docker: --shm-size; Kubernetes: an emptyDir of "
+            "medium Memory on /dev/shm) or pass flatten=False on every rank") from None
+
+
+def flatten_parameters(params: Iterable[torch.Tensor],
+                       ours: Collection[int] = ()) -> list[torch.Tensor] | None:
+    """Lay ``params`` out in one shared-memory buffer per dtype, in order; the flat buffers.
+
+    Each parameter keeps its identity, shape and values; its ``.data`` becomes a view of its
+    dtype's buffer. Parameters that already tile one storage end to end (flattened before, or a
+    lone parameter) stay where they are, and that storage is put in shared memory in place. The
+    others must all be movable (module docstring; ``ours`` are the storages of buffers made here
+    before), else nothing changes and the result is None. AlgorithmError when shared memory is
+    too small.
+    """
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(p.dtype, []).append(p)
+    if not groups:
+        return None
+    tiled: dict[torch.dtype, torch.Tensor | None] = {}
+    claimed: set[int] = set()
+    for dtype, members in groups.items():
+        tiled[dtype] = tiled_buffer(members)
+        if tiled[dtype] is not None:
+            continue
+        for p in members:
+            key = _storage(p)
+            if not _movable(p, ours) or (p.numel() and key not in ours and key in claimed):
+                return None  # memory others may see, or one storage under two parameters
+            claimed.add(key)
+    flats = []
+    for dtype, members in groups.items():
+        flat = tiled[dtype]
+        if flat is None:
+            flat = torch.empty(sum(p.numel() for p in members), dtype=dtype)
+            _share(flat)
+            at = 0
+            for p in members:
+                view = flat[at:at + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+                at += p.numel()
+        else:
+            _share(flat)
+        flats.append(flat)
+    return flats
