@@ -95,8 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     client.close()
     if client.rank != 0:
         return 0 if exact else 1
+    if str(REPO) not in sys.path:  # `python benchmarks/optimizer_step.py` puts benchmarks/ first
+        sys.path.insert(0, str(REPO))
+    from benchmarks.netns_dsgd import decent_source
+
     res: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "decent_source": decent_source(),
         "ranks": client.size, "mbytes": a.mbytes, "params": a.params, "steps": a.steps,
         "exact": exact,
         **{key: {"wall_ms": statistics.median(r["wall"]) * 1e3,

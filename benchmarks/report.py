@@ -209,10 +209,12 @@ def wrong_is_fail(row: dict[str, Any], res: dict[str, Any]) -> None:
 
 
 def provenance(res: dict[str, Any], main: dict[str, Any]) -> str:
-    """``; from <commit>, <date>`` when ``res`` was measured at another commit than ``main``
-    (a variant's JSON left from an older run), else nothing."""
+    """``; from <commit>, <date>`` unless ``res`` was measured at the same clean commit as
+    ``main`` (a variant's JSON may be left from an older run; a modified tree cannot be told
+    apart by its commit)."""
     commit = res.get("decent_source", {}).get("repo_commit")
-    if commit == main.get("decent_source", {}).get("repo_commit"):
+    if commit and commit == main.get("decent_source", {}).get("repo_commit") and \
+            "modified" not in commit:
         return ""
     return f"; from {commit or 'an unknown commit'}, {res.get('date', 'undated')}"
 
@@ -329,6 +331,7 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                     "row 4 times every rank from one common start)", v, 1.6, True,
                     f"{ratio_text(v)} ({ms(netns['gloo_barrier']['median_s'])} vs "
                     f"{ms(netns['decent_barrier']['median_s'])} ms)")
+                wrong_is_fail(rows[-1], netns)
         for row, file, what in (
                 ("4'", "netns_dsgd_inplace.json",
                  "the same, D-SGD step in place on a private tensor (copies)"),

@@ -231,8 +231,9 @@ def test_the_flat_layout_follows_the_parameters(cluster: Cluster) -> None:
     def run(cl: Client[torch.Tensor]) -> dict[str, Any]:
         r = float(cl.rank)
         a = torch.nn.Parameter(torch.full((300, 100), r))
+        e = torch.nn.Parameter(torch.zeros(0))
         b = torch.nn.Parameter(torch.full((5,), r))
-        opt = dt.DecentralizedOptimizer(_sgd([a, b], lr=0.5), algorithm="dsgd", client=cl,
+        opt = dt.DecentralizedOptimizer(_sgd([a, e, b], lr=0.5), algorithm="dsgd", client=cl,
                                         prefix="lay", communication_interval=2)
         sgd_step(opt, [a, b])  # local only
         local = (a[0, 0].item(), b[0].item())
@@ -241,12 +242,17 @@ def test_the_flat_layout_follows_the_parameters(cluster: Cluster) -> None:
         sgd_step(opt, [a, b, c])  # averaged, c included
         after_group = [(f.dtype, f.numel()) for f in opt.flat_buffers]
         two = (a[0, 0].item(), b[0].item(), c[0].item())
-        for p in (a, b, c):  # what model.double() does to each parameter
+        for p in (a, e, b, c):  # what model.double() does to each parameter
             p.data = p.data.double()
         sgd_step(opt, [a, b, c])
+        third = [f.data_ptr() for f in opt.flat_buffers]
         sgd_step(opt, [a, b, c])
+        stayed = [f.data_ptr() for f in opt.flat_buffers] == third  # nothing changed: no re-layout
         after_double = [(f.dtype, f.numel()) for f in opt.flat_buffers]
         four = (a.detach().clone(), b.detach().clone(), c.detach().clone())
+        opt.add_param_group({"params": [torch.nn.Parameter(a.data)]})  # tied to a, in our buffer
+        sgd_step(opt, [a])
+        tied_in_ours = (opt.flattened, opt.param_groups[-1]["params"][0].data_ptr() == a.data_ptr())
         tied = torch.nn.Parameter(torch.full((4,), r))
         twin = torch.nn.Parameter(tied.data)  # one storage, two parameters
         shared: list[torch.Tensor] = [torch.nn.Parameter(torch.full((3,), r).share_memory_())
@@ -257,6 +263,7 @@ def test_the_flat_layout_follows_the_parameters(cluster: Cluster) -> None:
                   for i, ps in enumerate((list[torch.Tensor]([tied, twin]), shared))]
         sgd_step(others[1], shared)
         return {"local": local, "two": two, "four": four, "after_group": after_group,
+                "stayed": stayed, "tied_in_ours": tied_in_ours,
                 "after_double": after_double, "flat": [o.flattened for o in others],
                 "kept": [p.data_ptr() for p in shared] == where,
                 "same_tie": tied.data_ptr() == twin.data_ptr(),
@@ -269,7 +276,8 @@ def test_the_flat_layout_follows_the_parameters(cluster: Cluster) -> None:
         assert o["local"] == (r - 0.5, r - 0.5)
         np.testing.assert_allclose(o["two"], [two_ab[r], two_ab[r], two_c[r]], rtol=1e-6)
         assert o["after_group"] == [(torch.float32, 30000 + 5 + 7)]
-        assert o["after_double"] == [(torch.float64, 30000 + 5 + 7)]
+        assert o["after_double"] == [(torch.float64, 30000 + 5 + 7)] and o["stayed"]
+        assert o["tied_in_ours"] == (False, True)  # the general path keeps the tie
         a, b, c = o["four"]
         assert a.dtype == b.dtype == c.dtype == torch.float64
         for got, want in ((a, w @ (two_ab - 1.0)), (b, w @ (two_ab - 1.0)),

@@ -5,15 +5,19 @@ wrapped optimizer writes ``x - d`` into the parameters, so once they live in a b
 has mapped, a step is the optimizer's own step and one in-place op per buffer, with no clone and
 no copy between the worker and the daemon.
 
-Moving a tensor's memory strands whatever else points at the old memory, so only memory nobody
-else can see is moved: a parameter that is the whole of its own private storage, or a view of a
-buffer made here before (``ours``). Memory that is already shared (``model.share_memory()`` for
-Hogwild-style sharing across processes) or that two parameters share (tied weights) is left
-alone, and the caller keeps its copying path.
+Moving a tensor's memory strands whatever else points at the old memory (numpy views, DLPack
+exports), so only memory nobody else should see is moved: a parameter that is the whole of its
+own private storage, or a view of a buffer made here before (``ours``). Memory that two
+parameters share (tied weights), or that several parameters hold in shared memory already
+(``model.share_memory()`` for Hogwild-style sharing across processes), is left alone, and the
+caller keeps its copying path. Parameters that tile one storage end to end already (a buffer
+made here, or a lone parameter) are used where they lie; a private such storage is put in shared
+memory in place, which torch views follow and numpy views do not.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Iterable
 
 import torch
@@ -71,10 +75,10 @@ def flatten_parameters(params: Iterable[torch.Tensor],
 
     Each parameter keeps its identity, shape and values; its ``.data`` becomes a view of its
     dtype's buffer. Parameters that already tile one storage end to end (flattened before, or a
-    lone parameter) stay where they are, and that storage is put in shared memory in place. The
-    others must all be movable (module docstring; ``ours`` are the storages of buffers made here
-    before), else nothing changes and the result is None. AlgorithmError when shared memory is
-    too small.
+    lone parameter) keep it, and it is put in shared memory in place if it is private. The
+    others must all be movable and untied (module docstring; ``ours`` are the storages of buffers
+    made here before), else nothing changes and the result is None. AlgorithmError when shared
+    memory is too small.
     """
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
@@ -82,16 +86,21 @@ def flatten_parameters(params: Iterable[torch.Tensor],
     if not groups:
         return None
     tiled: dict[torch.dtype, torch.Tensor | None] = {}
-    claimed: set[int] = set()
+    claimed: dict[int, list[tuple[int, int]]] = {}  # storage -> element ranges of parameters
     for dtype, members in groups.items():
         tiled[dtype] = tiled_buffer(members)
         if tiled[dtype] is not None:
             continue
         for p in members:
-            key = _storage(p)
-            if not _movable(p, ours) or (p.numel() and key not in ours and key in claimed):
-                return None  # memory others may see, or one storage under two parameters
-            claimed.add(key)
+            if not _movable(p, ours):
+                return None  # memory others may see
+            if p.numel():
+                at = int(p.storage_offset())
+                claimed.setdefault(_storage(p), []).append((at, at + p.numel()))
+    for ranges in claimed.values():
+        ranges.sort()
+        if any(b[0] < a[1] for a, b in itertools.pairwise(ranges)):
+            return None  # two parameters on the same memory (tied): moving would untie them
     flats = []
     for dtype, members in groups.items():
         flat = tiled[dtype]

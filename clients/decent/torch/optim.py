@@ -52,16 +52,17 @@ class DecentralizedOptimizer:
     ``flatten`` (default True): for the algorithms whose update is ``x' = M (x - d)`` (dsgd,
     dmsgd, allreduce, pga), CPU parameters move into one shared-memory buffer per dtype
     (:func:`decent.torch.flat.flatten_parameters`) and each step averages those buffers in place,
-    with no per-step clone or copy of the model. Set ``flatten`` alike on every rank. Tensors
-    that alias a parameter's old storage (numpy views, ``.data`` taken before) no longer follow
-    it, and ``torch.save`` of one parameter writes its whole buffer (save ``.clone()``s or the
-    state dict of the model). When the parameters change (``model.double()``,
+    with no per-step clone or copy of the model. Numpy views of a parameter taken before no
+    longer follow it, and ``torch.save`` of one parameter writes its whole buffer (save
+    ``.clone()``s or the model's state dict). When the parameters change (``model.double()``,
     ``add_param_group``), the next step lays them out again. If any parameter cannot be moved
-    (not a dense contiguous CPU tensor, tied to another, or already in shared memory, as after
-    ``model.share_memory()``), every parameter takes the general path, which copies;
-    ``flattened`` tells which path the last step took. On the flat path an op that fails leaves
-    the parameters partly averaged (the daemon writes results as they arrive): after a
-    DecentError, restore them from a checkpoint.
+    (not a dense contiguous CPU tensor, tied to another, or among several already in shared
+    memory, as after ``model.share_memory()``), every parameter takes the general path, which
+    copies; ``flattened`` tells which path the last step took. The path must be the same on
+    every rank (the same ``flatten``, the same kind of parameters): otherwise the first exchange
+    fails with a mismatch naming the tensor. On the flat path an op that fails leaves the
+    parameters partly averaged (the daemon writes results as they arrive): after a DecentError,
+    restore them from a checkpoint.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
