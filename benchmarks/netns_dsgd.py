@@ -825,8 +825,9 @@ class GlooCalls(TimedSystem):
         self.opt: Any = None
         if a.mode == "optimizer":  # PmSGD: the gradients (views of one bucket), then SGD
             torch = self.torch
-            params = [torch.nn.Parameter(torch.zeros(n)) for n in piece_sizes(self.buf.numel())]
-            for p, g in zip(params, self.buf.split(piece_sizes(self.buf.numel())), strict=True):
+            sizes = piece_sizes(self.buf.numel())
+            params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+            for p, g in zip(params, self.buf.split(sizes), strict=True):
                 p.grad = g
             self.opt = torch.optim.SGD(params, lr=OPT_LR)
 

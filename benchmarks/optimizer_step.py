@@ -26,6 +26,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python benchmarks/optimizer_step.py` puts only benchmarks/ on it
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.netns_dsgd import decent_source, piece_sizes  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results"
 WARMUP = 3
 
@@ -81,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     client = dt.connect()
-    total = int(a.mbytes * 1e6) // 4
-    sizes = [total // a.params] * (a.params - 1) + [total - total // a.params * (a.params - 1)]
+    sizes = piece_sizes(int(a.mbytes * 1e6) // 4, a.params)
     runs: dict[str, dict[str, list[float]]] = {
         "flat": {"wall": [], "cpu": []}, "general": {"wall": [], "cpu": []}}
     exact = True
@@ -95,10 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     client.close()
     if client.rank != 0:
         return 0 if exact else 1
-    if str(REPO) not in sys.path:  # `python benchmarks/optimizer_step.py` puts benchmarks/ first
-        sys.path.insert(0, str(REPO))
-    from benchmarks.netns_dsgd import decent_source
-
     res: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "decent_source": decent_source(),

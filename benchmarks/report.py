@@ -203,9 +203,10 @@ def _verdict(value: float | None, target: float, at_least: bool) -> bool | None:
 
 
 def wrong_is_fail(row: dict[str, Any], res: dict[str, Any]) -> None:
-    """A row whose results were wrong fails, however fast."""
+    """A row whose results were wrong fails, however fast, and says so."""
     if not res.get("correct", True):
         row["pass"] = False
+        row["measured"] += "; results WRONG"
 
 
 def provenance(res: dict[str, Any], main: dict[str, Any]) -> str:
@@ -322,7 +323,6 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                 f"({netns.get('decent_mode', 'copy')})", v, 1.6,
                 True, f"{ratio_text(v)} ({ms(netns['gloo']['median_s'])} vs "
                 f"{ms(netns['decent']['median_s'])} ms, steal {netns.get('steal_frac', 0):.0%})"
-                + ("" if netns.get("correct", True) else "; results WRONG")
                 + (f"; {tried}" if (tried := attempts_text(netns)) else ""))
             wrong_is_fail(rows[-1], netns)
             if "speedup_barrier" in netns:
@@ -345,9 +345,7 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                 add(row, what, v, 1.6, True,
                     f"{ratio_text(v)} ({ms(other['gloo']['median_s'])} vs "
                     f"{ms(other['decent']['median_s'])} ms, steal "
-                    f"{other.get('steal_frac', 0):.0%})"
-                    + ("" if other.get("correct", True) else "; results WRONG")
-                    + provenance(other, netns))
+                    f"{other.get('steal_frac', 0):.0%})" + provenance(other, netns))
                 wrong_is_fail(rows[-1], other)
     # (5) daemon RSS
     daemons = p2p.get("daemons") or []
