@@ -160,22 +160,24 @@ def drive(args: argparse.Namespace) -> list[dict[str, Any]]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     runs = plan(args.slowdowns)
-    flags = tempfile.mkdtemp(prefix="decent-stragglers-")
-    out_file = Path(flags) / "results.json"
-    cmd = [sys.executable, "-m", "decentd.launcher", "-np", str(args.workers), "--topology",
-           "hypercube", "--", sys.executable, str(Path(__file__).resolve()), "--worker",
-           "--worker-out", str(out_file), "--flags", flags, "--steps", str(args.steps),
-           "--base-ms", str(args.base_ms), "--slow-steps", str(args.slow_steps),
-           "--slowdowns", ",".join(map(str, args.slowdowns))]
-    with Progress(TextColumn("{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total} runs"), TimeElapsedColumn()) as bar:
-        task = bar.add_task(f"starting {args.workers} daemons and workers", total=len(runs))
-        code, tail = stream_events(cmd, MARK, lambda ev: bar.update(
-            task, completed=ev["run"] + 1, description=f"{ev['key']}: {ev['rate']:.1f} steps/s"))
-    if code != 0 or not out_file.exists():
-        print("\n".join(tail), file=sys.stderr)
-        raise SystemExit(f"the workers failed (decentrun exit code {code})")
-    results: list[dict[str, Any]] = json.loads(out_file.read_text())
+    with tempfile.TemporaryDirectory(prefix="decent-stragglers-") as flags:
+        out_file = Path(flags) / "results.json"
+        cmd = [sys.executable, "-m", "decentd.launcher", "-np", str(args.workers), "--topology",
+               "hypercube", "--", sys.executable, str(Path(__file__).resolve()), "--worker",
+               "--worker-out", str(out_file), "--flags", flags, "--steps", str(args.steps),
+               "--base-ms", str(args.base_ms), "--slow-steps", str(args.slow_steps),
+               "--slowdowns", ",".join(map(str, args.slowdowns))]
+        with Progress(TextColumn("{task.description}"), BarColumn(),
+                      TextColumn("{task.completed}/{task.total} runs"),
+                      TimeElapsedColumn()) as bar:
+            task = bar.add_task(f"starting {args.workers} daemons and workers", total=len(runs))
+            code, tail = stream_events(cmd, MARK, lambda ev: bar.update(
+                task, completed=ev["run"] + 1,
+                description=f"{ev['key']}: {ev['rate']:.1f} steps/s"))
+        if code != 0 or not out_file.exists():
+            print("\n".join(tail), file=sys.stderr)
+            raise SystemExit(f"the workers failed (decentrun exit code {code})")
+        results: list[dict[str, Any]] = json.loads(out_file.read_text())
     return results
 
 

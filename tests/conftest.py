@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -17,10 +18,12 @@ ARENA_BYTES = 32 << 20
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_daemon_left_behind() -> Iterator[None]:
-    """Whatever a failing test left running is killed at the end of the session."""
+    """Whatever a failing test left running is killed at the end of the session, and every
+    cluster's directory (sockets, daemon logs) removed."""
     yield
     for c in Cluster.started:
         c.kill()
+        shutil.rmtree(c.dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

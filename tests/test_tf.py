@@ -96,6 +96,9 @@ def test_window_ops_on_variables_give_exact_values(tfc: Any) -> None:
         same, first = out is v, out.numpy().copy()  # the next update writes into v again
         cl.barrier(name="tf.win.b2")
         cl.win_get("tf.win", src_weights={j: 1.0 for j in ring(r)})  # their updated copies
+        # gets are answered from the own copy at arrival: no neighbor updates again before
+        # every get was served (without this, a slow rank reads its neighbors' next update)
+        cl.barrier(name="tf.win.b2b")
         got = cl.win_update("tf.win", self_weight=0.0,
                             neighbor_weights={j: 0.5 for j in ring(r)})
         cl.barrier(name="tf.win.b3")

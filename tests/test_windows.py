@@ -69,6 +69,7 @@ def test_get_reads_published_copies_with_their_steps(cluster: ClusterFactory) ->
         assert cl.win_get_async("wget", src_weights={j: 0.5 for j in ring_neighbors(r)}) \
             .wait(timeout=30).numel() == 0
         info = cl.win_info("wget")
+        cl.barrier(name="wget.b0b")  # every get served before any own copy changes again
         out = cl.win_update("wget", self_weight=0.0,
                             neighbor_weights={j: 1.0 for j in ring_neighbors(r)}, step=20)
         cl.barrier(name="wget.b1")
@@ -254,6 +255,7 @@ def test_large_windows_in_any_order_both_ways(cluster: ClusterFactory) -> None:
                 for name in reversed(order)]
         for h in gets:
             h.wait(timeout=120)
+        cl.barrier(name="wbig.b0b")  # every get served before any own copy changes again
         out = {}
         for name in names:
             res = cl.win_update(name, self_weight=0.0,
