@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import random
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -533,37 +535,65 @@ def test_an_op_started_while_its_tensor_arrives_acknowledges_it_at_once() -> Non
     # a one-way edge: rank 0's op ends once rank 1's op has taken its tensor, which rank 1 says
     # with an ACK. An op that starts while the tensor is still arriving acknowledges at once (the
     # sender need not wait for the rest of the payload); one that starts after it all arrived
-    # can only acknowledge then. Rank 1 submits at each of those two moments, seen on its link
+    # can only acknowledge then. Rank 1 submits at each of those two moments, seen on its link;
+    # for the first, rank 0's daemon is frozen (SIGSTOP) part way through the tensor
     nbytes = 256 << 20
     c = Cluster(2, "ring", "--set", f"memory.arena_bytes={nbytes + (16 << 20)}")
+    sender = c.procs[0].pid
     try:
         c.connect()
         zero, one = c.clients
         sent = zero.shared(torch.full((nbytes // F32,), 3.0))
         got = one.shared(torch.zeros(nbytes // F32))
-        for moment in ("arriving", "arrived"):
+
+        def take(name: str) -> None:
+            one.neighbor_allreduce_(got, name=name, self_weight=0.0, src_weights={0: 1.0},
+                                    dst_weights=[])
+
+        def exchange(name: str, arriving: bool) -> tuple[int, int] | None:
+            """Rank 1's (early, late) ACKs, or None if it all came before rank 0 froze."""
             before = _from(one, 0)
-            handle = zero.neighbor_allreduce_async_(sent, name=moment, self_weight=1.0,
+            handle = zero.neighbor_allreduce_async_(sent, name=name, self_weight=1.0,
                                                     src_weights={}, dst_weights=[1])
-            # arriving: rank 1 has read something of it (or a heartbeat just before its header,
-            # which makes the ACK go at header time: early too); arrived: the whole tensor waits
-            # unmatched in rank 1's early-arrival buffer
             deadline = time.monotonic() + 60
-            while True:
+            while time.monotonic() < deadline:
                 arrived = _from(one, 0).bytes_received - before.bytes_received
                 waiting = one.status().early_arrival_bytes
-                if (arrived > 0 if moment == "arriving" else waiting >= nbytes) \
-                        or time.monotonic() > deadline:
+                if arrived > 0 if arriving else waiting >= nbytes:
                     break
-            assert 0 < arrived < nbytes if moment == "arriving" else waiting == nbytes, \
-                (arrived, waiting)
-            one.neighbor_allreduce_(got, name=moment, self_weight=0.0, src_weights={0: 1.0},
-                                    dst_weights=[])
+            if not arriving:
+                assert waiting == nbytes, waiting
+                take(name)
+            else:
+                os.kill(sender, signal.SIGSTOP)
+                time.sleep(0.2)  # what the kernel already buffered lands; nothing more comes
+                arrived = _from(one, 0).bytes_received - before.bytes_received
+                if arrived >= nbytes:
+                    os.kill(sender, signal.SIGCONT)
+                    take(name)
+                    handle.wait(timeout=60)
+                    return None
+                assert arrived > 0, arrived
+                mine = one.neighbor_allreduce_async_(got, name=name, self_weight=0.0,
+                                                     src_weights={0: 1.0}, dst_weights=[])
+                while _from(one, 0).acks_early == before.acks_early \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the ACK goes while the sender is still frozen
+                os.kill(sender, signal.SIGCONT)
+                mine.wait(timeout=60)
             handle.wait(timeout=60)
-            after = _from(one, 0)
-            early, late = after.acks_early - before.acks_early, after.acks_late - before.acks_late
-            assert (early, late) == ((1, 0) if moment == "arriving" else (0, 1)), moment
-            assert torch.equal(got, sent)
+            assert torch.equal(got, sent), name
             got.zero_()
+            after = _from(one, 0)
+            return after.acks_early - before.acks_early, after.acks_late - before.acks_late
+
+        early = None
+        for attempt in range(5):
+            early = exchange(f"arriving{attempt}", arriving=True)
+            if early is not None:
+                break
+        assert early == (1, 0), "the whole tensor arrived before rank 0 froze, 5 times"
+        assert exchange("arrived", arriving=False) == (0, 1)
     finally:
+        os.kill(sender, signal.SIGCONT)
         assert c.stop() == [0, 0]

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -114,6 +115,28 @@ def test_daemons_with_different_topologies_refuse_each_other(tmp_path: Path) -> 
     assert refused and all("give every daemon the same topology" in err for err in refused), outs
 
 
+def test_close_returns_once_the_daemon_let_the_worker_go() -> None:
+    # a job started right after close() must find the daemon without the old worker (its
+    # history is forgotten only then): close() waits for the daemon, frozen here for a while
+    c = Cluster(2, "ring")
+    try:
+        c.connect()
+        os.kill(c.procs[0].pid, signal.SIGSTOP)
+        try:
+            closing = threading.Thread(target=c.clients[0].close)
+            closing.start()
+            closing.join(timeout=0.5)
+            assert closing.is_alive(), "close() returned while the daemon could not answer"
+        finally:
+            os.kill(c.procs[0].pid, signal.SIGCONT)
+        closing.join(timeout=30)
+        with grpc.insecure_channel(f"unix://{c.sockets[0]}") as channel:
+            status = pb_grpc.WorkerStub(channel).Status(pb.StatusRequest(), timeout=10)
+        assert status.workers == 0
+    finally:
+        assert c.stop() == [0, 0]
+
+
 def test_sigterm_fails_in_flight_and_releases_shared_memory() -> None:
     before = shm_names()
     c = Cluster(2, "ring")
@@ -123,7 +146,9 @@ def test_sigterm_fails_in_flight_and_releases_shared_memory() -> None:
         assert not {n for n in shm_names() - before if f"-{pid}-" in n}, "arena name left linked"
         # rank 1 never joins this op, so it is still in flight when rank 0's daemon is stopped
         h = c.clients[0].neighbor_allreduce_async(torch.zeros(10), name="inflight", timeout=60)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while not c.clients[0].status().ops_in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)  # the daemon took the op before it is stopped
         c.procs[0].send_signal(signal.SIGTERM)
         with pytest.raises(DecentError) as info:
             h.wait(timeout=30)

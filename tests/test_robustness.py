@@ -12,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -21,6 +22,7 @@ from cluster import Cluster
 from conftest import ClusterFactory
 from decent.core import Client, DecentError
 from decent.v1 import decent_pb2 as pb
+from decent.v1 import decent_pb2_grpc as pb_grpc
 
 
 def test_abort_that_arrives_before_the_local_submit_fails_the_op_at_once(
@@ -112,7 +114,10 @@ def test_receive_window_bounds_early_data_and_nothing_fails(
                                          self_weight=1.0, src_weights={}, dst_weights=[1],
                                          timeout=60)
               for i in range(6)]
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30
+        while not b.status().early_arrival_bytes and time.monotonic() < deadline:
+            time.sleep(0.05)  # the sender pushes what the receiver's window takes
+        time.sleep(0.5)  # and would push more now without the bound
         assert 0 < b.status().early_arrival_bytes <= 1 << 20
         assert not any(h.done() for h in hs)
         for i in reversed(range(6)):  # the last pushed first: its data was held back
@@ -124,6 +129,12 @@ def test_receive_window_bounds_early_data_and_nothing_fails(
         assert b.status().early_arrival_bytes == 0
     finally:
         assert c.stop() == [0, 0]
+
+
+def _workers(socket_path: str) -> int:
+    """Workers registered with the daemon listening on ``socket_path``."""
+    with grpc.insecure_channel(f"unix://{socket_path}") as channel:
+        return int(pb_grpc.WorkerStub(channel).Status(pb.StatusRequest(), timeout=10).workers)
 
 
 def _average_w(cl: Client[torch.Tensor], offset: int) -> torch.Tensor:
@@ -144,7 +155,8 @@ def test_new_job_on_long_lived_daemons_reuses_names(job_ids: bool,
             assert torch.equal(got[0], torch.full((2,), 1.0 + job)), job
             for cl in c.clients:
                 cl.close()
-            time.sleep(0.5)  # the daemons retire the sessions
+            # close() returns once the daemon let the worker go: the next job may start now
+            assert [_workers(sock) for sock in c.sockets] == [0, 0]
     finally:
         c.clients = []
         assert c.stop() == [0, 0]

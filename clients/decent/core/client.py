@@ -991,14 +991,22 @@ class Client(Generic[T]):
         return reply
 
     def close(self) -> None:
-        """Disconnect; the daemon fails this worker's in-flight ops and frees its arena."""
+        """Disconnect; the daemon fails this worker's in-flight ops and frees its arena.
+
+        Returns once the daemon has let this worker go (its end of the data channel closes
+        after that), so a job started right after sees a daemon with no trace of this one.
+        """
         if self._closed:
             return
         self._fusion.close()
         self._closed = True
         with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.shutdown(socket.SHUT_WR)
         self._reader.join(timeout=5)
+        if self._reader.is_alive():  # the daemon does not answer: stop reading anyway
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._reader.join(timeout=5)
         self._sock.close()
         self._channel.close()
         self.arena.close()
