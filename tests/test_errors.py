@@ -142,7 +142,7 @@ def test_peer_killed_mid_op_gives_clear_error() -> None:
             assert info.value.code_name in ("PEER_UNAVAILABLE", "TIMEOUT")
             assert "rank 2" in info.value.message or "[2]" in info.value.message
             assert "'doomed'" in info.value.message
-        assert time.monotonic() - start < 16
+        assert time.monotonic() - start < 25  # by the op's own 15 s timeout, not the wait's
         # the surviving daemons still serve requests that do not need rank 2
         got = [c.clients[i].neighbor_allreduce(torch.ones(2), name="alive", self_weight=0.5,
                                                src_weights={}, dst_weights=[]) for i in (0, 1)]

@@ -130,6 +130,7 @@ def test_close_returns_once_the_daemon_let_the_worker_go() -> None:
         finally:
             os.kill(c.procs[0].pid, signal.SIGCONT)
         closing.join(timeout=30)
+        assert not closing.is_alive(), "close() did not return once the daemon ran again"
         with grpc.insecure_channel(f"unix://{c.sockets[0]}") as channel:
             status = pb_grpc.WorkerStub(channel).Status(pb.StatusRequest(), timeout=10)
         assert status.workers == 0
