@@ -160,7 +160,8 @@ def drive(args: argparse.Namespace) -> list[dict[str, Any]]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     runs = plan(args.slowdowns)
-    with tempfile.TemporaryDirectory(prefix="decent-stragglers-") as flags:
+    with tempfile.TemporaryDirectory(prefix="decent-stragglers-",
+                                     ignore_cleanup_errors=True) as flags:
         out_file = Path(flags) / "results.json"
         cmd = [sys.executable, "-m", "decentd.launcher", "-np", str(args.workers), "--topology",
                "hypercube", "--", sys.executable, str(Path(__file__).resolve()), "--worker",

@@ -17,13 +17,18 @@ ARENA_BYTES = 32 << 20
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _no_daemon_left_behind() -> Iterator[None]:
-    """Whatever a failing test left running is killed at the end of the session, and every
-    cluster's directory (sockets, daemon logs) removed."""
+def _no_daemon_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Whatever a failing test left running is killed at the end of the session. Every
+    cluster's directory (sockets, daemon logs) is removed, unless a test failed: then they are
+    kept, and named, for the daemons' logs."""
     yield
+    failed = request.session.testsfailed
     for c in Cluster.started:
         c.kill()
-        shutil.rmtree(c.dir, ignore_errors=True)
+        if not failed:
+            shutil.rmtree(c.dir, ignore_errors=True)
+    if failed:
+        print("\ndaemon logs kept in:", *sorted({c.dir for c in Cluster.started}))
 
 
 @pytest.fixture(scope="session")

@@ -552,6 +552,7 @@ def test_an_op_started_while_its_tensor_arrives_acknowledges_it_at_once() -> Non
 
         def exchange(name: str, arriving: bool) -> tuple[int, int] | None:
             """Rank 1's (early, late) ACKs, or None if it all came before rank 0 froze."""
+            got.zero_()
             before = _from(one, 0)
             handle = zero.neighbor_allreduce_async_(sent, name=name, self_weight=1.0,
                                                     src_weights={}, dst_weights=[1])
@@ -559,7 +560,8 @@ def test_an_op_started_while_its_tensor_arrives_acknowledges_it_at_once() -> Non
             while time.monotonic() < deadline:
                 arrived = _from(one, 0).bytes_received - before.bytes_received
                 waiting = one.status().early_arrival_bytes
-                if arrived > 0 if arriving else waiting >= nbytes:
+                # more than a heartbeat frame: the tensor itself is coming
+                if arrived > 1 << 20 if arriving else waiting >= nbytes:
                     break
             if not arriving:
                 assert waiting == nbytes, waiting
@@ -573,7 +575,7 @@ def test_an_op_started_while_its_tensor_arrives_acknowledges_it_at_once() -> Non
                     take(name)
                     handle.wait(timeout=60)
                     return None
-                assert arrived > 0, arrived
+                assert arrived > 1 << 20, arrived
                 mine = one.neighbor_allreduce_async_(got, name=name, self_weight=0.0,
                                                      src_weights={0: 1.0}, dst_weights=[])
                 while _from(one, 0).acks_early == before.acks_early \
@@ -583,7 +585,6 @@ def test_an_op_started_while_its_tensor_arrives_acknowledges_it_at_once() -> Non
                 mine.wait(timeout=60)
             handle.wait(timeout=60)
             assert torch.equal(got, sent), name
-            got.zero_()
             after = _from(one, 0)
             return after.acks_early - before.acks_early, after.acks_late - before.acks_late
 
@@ -592,7 +593,8 @@ def test_an_op_started_while_its_tensor_arrives_acknowledges_it_at_once() -> Non
             early = exchange(f"arriving{attempt}", arriving=True)
             if early is not None:
                 break
-        assert early == (1, 0), "the whole tensor arrived before rank 0 froze, 5 times"
+        assert early is not None, "the whole tensor arrived before rank 0 froze, 5 times"
+        assert early == (1, 0), early
         assert exchange("arrived", arriving=False) == (0, 1)
     finally:
         os.kill(sender, signal.SIGCONT)

@@ -138,6 +138,24 @@ def test_close_returns_once_the_daemon_let_the_worker_go() -> None:
         assert c.stop() == [0, 0]
 
 
+def test_a_result_not_read_before_close_fails_clearly() -> None:
+    # the op finished, but its result was still in the arena when the client closed
+    c = Cluster(2, "ring")
+    try:
+        c.connect()
+        cl = c.clients[0]
+        h = cl.neighbor_allreduce_async(torch.ones(4), name="unread", self_weight=1.0,
+                                        src_weights={}, dst_weights=[])
+        deadline = time.monotonic() + 30
+        while not h.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cl.close()
+        with pytest.raises(DecentError, match="'unread'.*closed before its result was read"):
+            h.wait(timeout=10)
+    finally:
+        assert c.stop() == [0, 0]
+
+
 def test_sigterm_fails_in_flight_and_releases_shared_memory() -> None:
     before = shm_names()
     c = Cluster(2, "ring")

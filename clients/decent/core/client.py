@@ -158,6 +158,8 @@ class Handle(Generic[T]):
             self._client._release(p)
             raise p.error
         self._client._collect(p)
+        if p.error is not None:
+            raise p.error
         result: T = p.result
         return result
 
@@ -293,7 +295,7 @@ class Client(Generic[T]):
         self._reader.start()
         if not self._attached.wait(connect_timeout) or self._lost is not None:
             lost = self._lost
-            self.close()
+            self._close(wait=False)  # the daemon did not answer: no point waiting for it again
             raise lost or DecentError(pb.PEER_UNAVAILABLE, f"daemon at {self.address} did not "
                                       "answer on its data channel")
 
@@ -379,6 +381,9 @@ class Client(Generic[T]):
                     else:
                         p.result = self.codec.read(view, p.dtype, shape, p.like)
                     del view
+                elif c is not None and not p.abandoned:  # closed: the arena may be gone
+                    p.error = DecentError(pb.SHUTTING_DOWN, f"{p.label}: the client was closed "
+                                                            "before its result was read")
                 p.collected = True
         self._release(p)
 
@@ -993,16 +998,22 @@ class Client(Generic[T]):
     def close(self) -> None:
         """Disconnect; the daemon fails this worker's in-flight ops and frees its arena.
 
-        Returns once the daemon has let this worker go (its end of the data channel closes
-        after that), so a job started right after sees a daemon with no trace of this one.
+        Returns once the daemon has dropped this worker (it closes its end of the data channel
+        after that), or after 5 s if it does not answer. With no op in flight, a job started
+        right after finds the daemon's history of this one forgotten; ops still in flight are
+        cancelled first, and the history is forgotten once they have ended.
         """
+        self._close(wait=True)
+
+    def _close(self, wait: bool) -> None:
         if self._closed:
             return
         self._fusion.close()
         self._closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_WR)
-        self._reader.join(timeout=5)
+        if wait:
+            self._reader.join(timeout=5)
         if self._reader.is_alive():  # the daemon does not answer: stop reading anyway
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
