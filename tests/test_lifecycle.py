@@ -150,7 +150,7 @@ def test_a_result_not_read_before_close_fails_clearly() -> None:
         while not h.done() and time.monotonic() < deadline:
             time.sleep(0.01)
         cl.close()
-        with pytest.raises(DecentError, match="'unread'.*closed before its result was read"):
+        with pytest.raises(DecentError, match=r"'unread'.*closed before its result was read"):
             h.wait(timeout=10)
     finally:
         assert c.stop() == [0, 0]
