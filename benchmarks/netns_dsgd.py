@@ -202,6 +202,23 @@ def piece_sizes(total: int, pieces: int = PIECES) -> list[int]:
     return [each] * (pieces - 1) + [total - each * (pieces - 1)]
 
 
+def dsgd_optimizer(client: Any, sizes: list[int], prefix: str,
+                   flatten: bool = True) -> tuple[Any, list[Any]]:
+    """D-SGD around SGD (lr :data:`OPT_LR`) on parameters of ``sizes`` elements filled with the
+    rank, with zero gradients (a step leaves the values to the average); the optimizer and the
+    parameters."""
+    import torch
+
+    import decent.torch as dt
+
+    params = [torch.nn.Parameter(torch.full((n,), float(client.rank))) for n in sizes]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = dt.DecentralizedOptimizer(torch.optim.SGD(params, lr=OPT_LR), algorithm="dsgd",
+                                    client=client, prefix=prefix, flatten=flatten)
+    return opt, params
+
+
 def one_peer_src(rank: int, size: int, step: int) -> int:
     """The rank ``rank`` receives from at ``step`` of the one-peer exponential graph."""
     powers = [1 << k for k in range((size - 1).bit_length())] if size > 1 else [0]
@@ -875,35 +892,28 @@ class DecentCalls(TimedSystem):
         if (self.client.rank, self.client.size) != (a.rank, a.nodes):
             raise SystemExit(f"daemon says rank {self.client.rank} of {self.client.size}, "
                              f"expected {a.rank} of {a.nodes}")
-        t = self.torch.full((numel(a.mbytes),), float(a.rank), dtype=self.torch.float32)
         #: the name whose schedule the step follows
         self.op_name = "model"
         self.opt: Any = None
-        if a.mode == "shared":  # the model lives in the arena: no copies between worker and daemon
-            t = self.client.shared(t)
-        elif a.mode == "registered":  # in torch's shared memory, which the daemon maps
-            t.share_memory_()
-        elif a.mode == "optimizer":  # the optimizer flattens the parameters into shared memory
-            t = self._optimizer(t.numel())
-        self.t = t
+        if a.mode == "optimizer":  # the optimizer flattens the parameters into shared memory
+            self.t = self._optimizer(numel(a.mbytes))
+        else:
+            t = self.torch.full((numel(a.mbytes),), float(a.rank), dtype=self.torch.float32)
+            if a.mode == "shared":  # in the arena: no copies between worker and daemon
+                t = self.client.shared(t)
+            elif a.mode == "registered":  # in torch's shared memory, which the daemon maps
+                t.share_memory_()
+            self.t = t
         self.src = -1  # the in-neighbor of the current call
 
     def _optimizer(self, total: int) -> Any:
         """D-SGD around SGD on :data:`PIECES` parameters with zero gradients (each step leaves
         the values to the average, which is checked); the flat buffer they now live in."""
-        import decent.torch as dt
-
-        torch = self.torch
-        params = [torch.nn.Parameter(torch.full((n,), float(self.a.rank)))
-                  for n in piece_sizes(total)]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt = dt.DecentralizedOptimizer(torch.optim.SGD(params, lr=OPT_LR), algorithm="dsgd",
-                                        client=self.client, prefix="model")
+        opt, _ = dsgd_optimizer(self.client, piece_sizes(total), "model")
         if len(opt.flat_buffers) != 1:
             raise SystemExit("DecentralizedOptimizer did not flatten the parameters")
         self.opt = opt
-        self.op_name = "model.x.0"
+        self.op_name = f"{opt.algorithm.prefix}.x.0"  # the algorithm's name for buffer 0
         return opt.flat_buffers[0]
 
     def before(self, k: int) -> None:

@@ -29,7 +29,12 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/optimizer_step.py` puts only benchmarks/ on it
     sys.path.insert(0, str(REPO))
 
-from benchmarks.netns_dsgd import decent_source, piece_sizes  # noqa: E402
+from benchmarks.netns_dsgd import (  # noqa: E402
+    decent_source,
+    dsgd_optimizer,
+    numel,
+    piece_sizes,
+)
 
 RESULTS = REPO / "benchmarks" / "results"
 WARMUP = 3
@@ -40,14 +45,8 @@ def one_round(client: Any, flatten: bool, sizes: list[int], steps: int,
     """Wall and worker-CPU seconds of ``steps`` timed steps; whether every result was exact."""
     import torch
 
-    import decent.torch as dt
-
     rank = client.rank
-    params = [torch.nn.Parameter(torch.full((n,), float(rank))) for n in sizes]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt = dt.DecentralizedOptimizer(torch.optim.SGD(params, lr=0.1), algorithm="dsgd",
-                                    client=client, prefix=tag, flatten=flatten)
+    opt, params = dsgd_optimizer(client, sizes, tag, flatten)
     if opt.flattened != flatten:
         raise SystemExit(f"flatten={flatten} but the optimizer says flattened={opt.flattened}")
     walls: list[float] = []
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     client = dt.connect()
-    sizes = piece_sizes(int(a.mbytes * 1e6) // 4, a.params)
+    sizes = piece_sizes(numel(a.mbytes), a.params)
     runs: dict[str, dict[str, list[float]]] = {
         "flat": {"wall": [], "cpu": []}, "general": {"wall": [], "cpu": []}}
     exact = True

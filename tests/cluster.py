@@ -12,9 +12,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
+import grpc
+
 import decent.torch as dt
 from decent.core import Client
 from decentd.launcher import free_ports
+from decentd.wire import pb, pb_grpc
 
 __all__ = ["Cluster", "free_ports"]
 
@@ -85,6 +88,13 @@ class Cluster:
             except Exception as exc:  # returned for the test to inspect
                 return exc
         return self.run(wrapped, timeout)
+
+    def status(self, i: int) -> pb.StatusReply:
+        """Daemon ``i``'s status, asked over its socket without registering a worker."""
+        with grpc.insecure_channel(f"unix://{self.sockets[i]}") as channel:
+            reply: pb.StatusReply = pb_grpc.WorkerStub(channel).Status(pb.StatusRequest(),
+                                                                       timeout=10)
+        return reply
 
     def log(self, i: int) -> str:
         """Daemon ``i``'s log so far."""

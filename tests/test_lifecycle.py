@@ -11,13 +11,12 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
 from cluster import Cluster, free_ports
 from decent.core import DecentError
-from decentd.wire import pb, pb_grpc
+from decentd.wire import pb
 
 
 def decentd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -131,9 +130,7 @@ def test_close_returns_once_the_daemon_let_the_worker_go() -> None:
             os.kill(c.procs[0].pid, signal.SIGCONT)
         closing.join(timeout=30)
         assert not closing.is_alive(), "close() did not return once the daemon ran again"
-        with grpc.insecure_channel(f"unix://{c.sockets[0]}") as channel:
-            status = pb_grpc.WorkerStub(channel).Status(pb.StatusRequest(), timeout=10)
-        assert status.workers == 0
+        assert c.status(0).workers == 0
     finally:
         assert c.stop() == [0, 0]
 
@@ -280,9 +277,7 @@ def test_idle_peers_hear_heartbeats_on_the_bulk_connections() -> None:
         c.connect()  # every daemon has all its peers connected
 
         def peers(rank: int) -> list[pb.PeerStatus]:
-            with grpc.insecure_channel(f"unix://{c.sockets[rank]}") as channel:
-                status = pb_grpc.WorkerStub(channel).Status(pb.StatusRequest(), timeout=10)
-            return list(status.peers)
+            return list(c.status(rank).peers)
 
         before = {r: {p.rank: p.bytes_sent for p in peers(r)} for r in range(3)}
         time.sleep(30 * interval)  # idle: without heartbeats every age would pass 6 s

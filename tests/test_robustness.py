@@ -12,7 +12,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 import torch
@@ -22,7 +21,6 @@ from cluster import Cluster
 from conftest import ClusterFactory
 from decent.core import Client, DecentError
 from decent.v1 import decent_pb2 as pb
-from decent.v1 import decent_pb2_grpc as pb_grpc
 
 
 def test_abort_that_arrives_before_the_local_submit_fails_the_op_at_once(
@@ -131,12 +129,6 @@ def test_receive_window_bounds_early_data_and_nothing_fails(
         assert c.stop() == [0, 0]
 
 
-def _workers(socket_path: str) -> int:
-    """Workers registered with the daemon listening on ``socket_path``."""
-    with grpc.insecure_channel(f"unix://{socket_path}") as channel:
-        return int(pb_grpc.WorkerStub(channel).Status(pb.StatusRequest(), timeout=10).workers)
-
-
 def _average_w(cl: Client[torch.Tensor], offset: int) -> torch.Tensor:
     return cl.neighbor_allreduce(torch.full((2,), 2.0 * cl.rank + offset), name="w")
 
@@ -156,7 +148,7 @@ def test_new_job_on_long_lived_daemons_reuses_names(job_ids: bool,
             for cl in c.clients:
                 cl.close()
             # close() returns once the daemon let the worker go: the next job may start now
-            assert [_workers(sock) for sock in c.sockets] == [0, 0]
+            assert [c.status(i).workers for i in range(c.n)] == [0, 0]
     finally:
         c.clients = []
         assert c.stop() == [0, 0]

@@ -295,7 +295,7 @@ class Client(Generic[T]):
         self._reader.start()
         if not self._attached.wait(connect_timeout) or self._lost is not None:
             lost = self._lost
-            self._close(wait=False)  # the daemon did not answer: no point waiting for it again
+            self._close(patience=0)  # the daemon did not answer: no point waiting for it again
             raise lost or DecentError(pb.PEER_UNAVAILABLE, f"daemon at {self.address} did not "
                                       "answer on its data channel")
 
@@ -1003,17 +1003,16 @@ class Client(Generic[T]):
         right after finds the daemon's history of this one forgotten; ops still in flight are
         cancelled first, and the history is forgotten once they have ended.
         """
-        self._close(wait=True)
+        self._close(patience=5)
 
-    def _close(self, wait: bool) -> None:
+    def _close(self, patience: float) -> None:
         if self._closed:
             return
         self._fusion.close()
         self._closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_WR)
-        if wait:
-            self._reader.join(timeout=5)
+        self._reader.join(timeout=patience)
         if self._reader.is_alive():  # the daemon does not answer: stop reading anyway
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)

@@ -42,7 +42,7 @@ def _movable(p: torch.Tensor, ours: Collection[int]) -> bool:
             and p.untyped_storage().nbytes() == p.numel() * p.element_size())
 
 
-def tiled_buffer(members: list[torch.Tensor]) -> torch.Tensor | None:
+def _tiled_buffer(members: list[torch.Tensor]) -> torch.Tensor | None:
     """The storage ``members`` tile in order, end to end, as a flat tensor over it, or None."""
     first = members[0]
     storage, at = first.untyped_storage(), 0
@@ -88,7 +88,7 @@ def flatten_parameters(params: Iterable[torch.Tensor],
     tiled: dict[torch.dtype, torch.Tensor | None] = {}
     claimed: dict[int, list[tuple[int, int]]] = {}  # storage -> element ranges of parameters
     for dtype, members in groups.items():
-        tiled[dtype] = tiled_buffer(members)
+        tiled[dtype] = _tiled_buffer(members)
         if tiled[dtype] is not None:
             continue
         for p in members:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import io
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,11 @@ def _default_client() -> TorchClient:
     import decent.torch as dt
 
     return dt.init()
+
+
+def _where(params: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Each parameter's identity and address: a layout stays valid while these do."""
+    return [(id(p), p.data_ptr()) for p in params]
 
 
 class DecentralizedOptimizer:
@@ -120,12 +125,11 @@ class DecentralizedOptimizer:
         if not self._flatten:
             return
         params = self._params()
-        layout = [(id(p), p.data_ptr()) for p in params]
-        if layout == self._layout:
+        if _where(params) == self._layout:
             return
         ours = {f.untyped_storage().data_ptr() for f in self._flat or []}
         self._flat = flatten_parameters(params, ours)
-        self._layout = [(id(p), p.data_ptr()) for p in params]
+        self._layout = _where(params)  # flattening moved them
 
     @property
     def flattened(self) -> bool:
