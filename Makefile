@@ -15,8 +15,9 @@ test: setup lint
 	$(VENV)/python -m pytest
 
 lint: setup
-	$(VENV)/ruff check daemon clients tests benchmarks examples setup.py
-	$(VENV)/mypy daemon/decentd clients/decent benchmarks examples tests
+	$(VENV)/ruff check wire daemon clients tests benchmarks examples scripts setup.py
+	@bash scripts/typing_links.sh
+	$(VENV)/mypy build/typing/decent_wire build/typing/decentd build/typing/decent benchmarks examples tests
 
 ## the data-plane benchmarks, side by side with gloo (and hivemind, raw TCP) in the same run:
 ## 2 daemons on loopback, then 8 nodes in network namespaces at 1 Gbit/s (root only), then the
@@ -42,4 +43,4 @@ stragglers: setup
 	$(VENV)/python benchmarks/stragglers.py
 
 clean:
-	rm -rf .venv build *.egg-info clients/decent/v1/*_pb2*.py clients/decent/v1/*_pb2*.pyi
+	rm -rf .venv build *.egg-info wire/v1/*_pb2*.py wire/v1/*_pb2*.pyi

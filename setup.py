@@ -1,24 +1,33 @@
-"""Build hook: generate the decent.v1 protobuf/gRPC modules from proto/ before packaging."""
+"""Build hook: generate the decent_wire.v1 protobuf/gRPC modules from proto/ before packaging."""
 
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = pathlib.Path(__file__).parent
+#: proto/decent/v1/*.proto is imported as decent_wire.v1.*_pb2 (protoc maps the path)
+PROTO_DIR = "proto/decent/v1"
+MODULE_DIR = "decent_wire/v1"
+OUT = ROOT / "wire" / "v1"
 
 
 def generate_protos() -> None:
-    """Run grpc_tools.protoc over proto/ into clients/ (the `decent` package owns `decent.v1`)."""
-    out = ROOT / "clients"
-    protos = sorted(str(p.relative_to(ROOT / "proto")) for p in (ROOT / "proto").rglob("*.proto"))
-    args = [sys.executable, "-m", "grpc_tools.protoc", "-Iproto", f"--python_out={out}",
-            f"--grpc_python_out={out}", *protos]
-    subprocess.run(args, cwd=ROOT, check=True)
+    """Run grpc_tools.protoc over proto/decent/v1 into wire/v1 (messages and services)."""
+    protos = sorted(p.name for p in (ROOT / PROTO_DIR).glob("*.proto"))
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [sys.executable, "-m", "grpc_tools.protoc", f"-I{MODULE_DIR}={PROTO_DIR}",
+                f"--python_out={tmp}", f"--grpc_python_out={tmp}",
+                *(f"{MODULE_DIR}/{name}" for name in protos)]
+        subprocess.run(args, cwd=ROOT, check=True)
+        for made in (pathlib.Path(tmp) / MODULE_DIR).iterdir():
+            shutil.copyfile(made, OUT / made.name)
 
 
 class BuildWithProtos(build_py):

@@ -160,7 +160,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch
 
     import decent.torch as dt
-    from decentd.topology import build_topology
+    from decent_wire.topology import build_topology
 
     torch.set_num_threads(1)
     client = dt.init()

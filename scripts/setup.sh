@@ -15,7 +15,7 @@ pip_install() {
   .venv/bin/python -m pip install -q "$@" 2> >(grep -v "^WARNING: Location '" >&2)
 }
 stamp=.venv/.decent-setup
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -f clients/decent/v1/decent_pb2.py ]
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -f wire/v1/decent_pb2.py ]
 then
   echo "setting up .venv (first run takes a minute or two)"
   pip_install --upgrade pip

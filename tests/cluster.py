@@ -16,8 +16,9 @@ import grpc
 
 import decent.torch as dt
 from decent.core import Client
+from decent_wire.v1 import decent_pb2 as pb
+from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.launcher import free_ports
-from decentd.wire import pb, pb_grpc
 
 __all__ = ["Cluster", "free_ports"]
 

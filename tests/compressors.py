@@ -1,4 +1,4 @@
-"""Reference compressors for tests, from their definitions in numpy (not decentd.compression)."""
+"""Reference compressors for tests, from their definitions in numpy (not the daemon's)."""
 
 from __future__ import annotations
 

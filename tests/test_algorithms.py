@@ -19,7 +19,7 @@ import decent.torch as dt
 from cluster import Cluster
 from compressors import int8, sign, topk
 from decent.core import Client
-from decentd.topology import Topology, build_topology
+from decent_wire.topology import Topology, build_topology
 
 N, DIM, ROWS, STEPS = 8, 5, 12, 100
 LR, BETA = 0.05, 0.5

@@ -1,7 +1,7 @@
 """compressed_neighbor_allreduce through real daemons: the values, the bytes, the errors.
 
 The expected ``Q(x)`` of each compressor is computed here from its definition in numpy (not with
-``decentd.compression``); the bytes come from the daemons' per-peer counters.
+``decentd.ops.compression``); the bytes come from the daemons' per-peer counters.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from compressors import int8, sign, topk
 from conftest import ClusterFactory
 from decent.core import DecentError
-from decent.v1 import decent_pb2 as pb
+from decent_wire.v1 import decent_pb2 as pb
 
 COMPRESSORS: dict[str, tuple[Any, dict[str, float]]] = {
     "topk": (lambda v: topk(v, 0.25), {"ratio": 0.25}),

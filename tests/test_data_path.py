@@ -21,10 +21,11 @@ import torch
 
 from cluster import Cluster
 from decent.core import Client, DecentError
-from decent.v1 import decent_pb2 as pb
+from decent_wire.v1 import decent_pb2 as pb
 from decentd.bulk import SCRATCH, Sender
-from decentd.ops import BLOCK, PAIR_MIN_BYTES
-from decentd.transport import _is_loopback
+from decentd.links import is_loopback
+from decentd.numerics import BLOCK
+from decentd.ops.neighbor import PAIR_MIN_BYTES
 
 WINDOW = 1 << 20
 F32 = 4
@@ -402,18 +403,18 @@ def test_a_registration_whose_answer_is_lost_is_released() -> None:
         n = (1 << 20) // F32
 
         def run(cl: Client[torch.Tensor]) -> tuple[int, int, bool]:
-            real = cl._memory_call
+            real = cl.connection.memory_call
 
             def lossy(req: pb.MemoryRequest, fd: int | None) -> None:
                 real(req, fd)
                 if fd is not None:  # the daemon mapped it, but the answer never came back
                     raise DecentError(pb.PEER_UNAVAILABLE, "lost")
 
-            cl._memory_call = lossy  # type: ignore[method-assign]
+            cl.connection.memory_call = lossy  # type: ignore[method-assign]
             t = torch.full((n,), float(2 * cl.rank)).share_memory_()
             cl.allreduce_(t, name="lossy")
             mapped = cl.status().registered_bytes
-            cl._memory_call = real  # type: ignore[method-assign]
+            cl.connection.memory_call = real  # type: ignore[method-assign]
             cl.barrier(name="lossy_done")  # releases what the client could not record
             return mapped, cl.status().registered_bytes, bool(torch.equal(t, torch.ones(n)))
 
@@ -441,7 +442,7 @@ def _pair_tensors(rank: int) -> list[torch.Tensor]:
 def test_pair_halves_only_between_daemons_on_one_host(address: str, loopback: bool) -> None:
     # by halves on loopback (memory is the limit); whole tensors across a network (the
     # 8-namespace benchmark checks those results exactly)
-    assert _is_loopback(address) is loopback
+    assert is_loopback(address) is loopback
 
 
 def test_sender_is_idle_only_when_nothing_is_queued_or_going_out() -> None:

@@ -16,7 +16,7 @@ import torch
 
 from cluster import Cluster, free_ports
 from decent.core import DecentError
-from decentd.wire import pb
+from decent_wire.v1 import decent_pb2 as pb
 
 
 def decentd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,7 @@ from conftest import ClusterFactory
 
 
 def expected_matrix(kind: str, n: int) -> np.ndarray:
-    """Mixing matrix from the definitions (not from decentd.topology): uniform 1/(indeg+1)."""
+    """Mixing matrix from the definitions (not from decent_wire.topology): uniform 1/(indeg+1)."""
     hops = [1 << k for k in range(n.bit_length()) if (1 << k) < n]
     senders: dict[int, set[int]] = {i: set() for i in range(n)}
     for i in range(n):

@@ -20,7 +20,7 @@ import decent.torch as dt
 from cluster import Cluster
 from conftest import ClusterFactory
 from decent.core import Client, DecentError
-from decent.v1 import decent_pb2 as pb
+from decent_wire.v1 import decent_pb2 as pb
 
 
 def test_abort_that_arrives_before_the_local_submit_fails_the_op_at_once(
@@ -184,11 +184,12 @@ def test_malformed_frame_closes_only_that_connection() -> None:
         c.connect()
         script = textwrap.dedent(f"""
             import socket, grpc
-            from decent.v1 import decent_pb2 as pb, decent_pb2_grpc as pbg
+            from decent_wire.v1 import decent_pb2 as pb, decent_pb2_grpc as pbg
             stub = pbg.PeerStub(grpc.insecure_channel("{c.peers[0]}"))
-            from decentd.topology import build_topology
+            from decent_wire.topology import build_topology
             port = stub.Handshake(pb.HandshakeRequest(
-                cluster_id="decent", protocol_version=1, from_rank=1, to_rank=0,
+                cluster_id="decent", protocol_version=pb.PROTOCOL_VERSION_CURRENT, from_rank=1,
+                to_rank=0,
                 topology_digest=build_topology("ring", 2).digest())).data_port
             def frame(h):
                 body = h.SerializeToString()
@@ -319,7 +320,7 @@ def test_bad_memory_registrations_fail_alone(cluster: ClusterFactory) -> None:
         body = req if isinstance(req, bytes) else req.SerializeToString()  # type: ignore[attr-defined]
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(10)
-            s.connect(cl._memory_socket)
+            s.connect(cl.connection.registration.memory_socket)
             socket.send_fds(s, [len(body).to_bytes(4, "little") + body], fds)
             reply = s.recv(4096)
         err = pb.Error.FromString(reply[4:])
@@ -361,4 +362,4 @@ def test_bad_memory_registrations_fail_alone(cluster: ClusterFactory) -> None:
     assert c.procs[0].poll() is None
     got2 = c.run(lambda k: k.neighbor_allreduce(torch.full((2,), 2.0 * k.rank), name="aftermem"))
     assert torch.equal(got2[0], torch.ones(2))
-    cl._memory_call(pb.MemoryRequest(worker_id=cl.worker_id, release=[high]), None)
+    cl.connection.memory_call(pb.MemoryRequest(worker_id=cl.worker_id, release=[high]), None)

@@ -8,9 +8,9 @@ import networkx as nx
 import numpy as np
 import pytest
 
+from decent_wire.topology import TopologyError, build_topology, from_graph, kinds
 from decentd import ctl
 from decentd.config import NodeConfig
-from decentd.topology import TopologyError, build_topology, from_graph, kinds
 
 
 @pytest.mark.parametrize("kind", ["ring", "exponential", "full", "star", "one-peer-exponential"])

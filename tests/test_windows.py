@@ -11,7 +11,7 @@ import torch
 
 from conftest import ClusterFactory
 from decent.core import DecentError
-from decent.v1 import decent_pb2 as pb
+from decent_wire.v1 import decent_pb2 as pb
 
 N = 4  # ring: rank r's neighbors are r - 1 and r + 1
 

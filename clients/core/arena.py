@@ -1,0 +1,120 @@
+"""The worker's side of the shared-memory arena: attach once, allocate slots for requests."""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from decent_wire.errors import DecentError
+from decent_wire.v1 import decent_pb2 as pb
+
+ALIGN = 64
+PAGE = 4096
+
+
+class ClientArena:
+    """A mapped arena plus a first-fit allocator; ``alloc`` blocks while the arena is full."""
+
+    def __init__(self, name: str, nbytes: int) -> None:
+        self._shm = shared_memory.SharedMemory(name=name)
+        # the daemon owns the segment; keep the stdlib tracker from unlinking it at our exit
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self.nbytes = nbytes
+        buf = self._shm.buf
+        assert buf is not None
+        self.buf: memoryview = buf
+        pages = np.frombuffer(self.buf, np.uint8)
+        int(pages[::PAGE].sum())  # map every page now
+        #: the arena's address in this process (to recognize tensors that live in it)
+        self.address = int(pages.ctypes.data)
+        del pages
+        self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted by offset
+        self._cond = threading.Condition()
+
+    def alloc(
+        self,
+        nbytes: int,
+        what: str,
+        reclaim: Callable[[], bool] | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Offset of a free slot of ``nbytes``; waits for space (DecentError if it never fits).
+
+        When the arena is full, ``reclaim()`` is asked to free space (it returns whether it freed
+        anything) before waiting for in-flight requests to finish.
+        """
+        size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        if size > self.nbytes:
+            raise DecentError(
+                pb.ARENA_ERROR,
+                f"{what} needs {nbytes} bytes but the shared-memory arena holds {self.nbytes}; "
+                "raise memory.arena_bytes in the daemon's config",
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for i, (off, free) in enumerate(self._free):
+                    if free >= size:
+                        if free == size:
+                            del self._free[i]
+                        else:
+                            self._free[i] = (off + size, free - size)
+                        return off
+                if reclaim is not None and reclaim():
+                    continue
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise DecentError(pb.ARENA_ERROR, f"{what}: no room in the arena for "
+                                      f"{nbytes} bytes after {timeout}s (too much in flight)")
+                self._cond.wait(left)
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Return a slot, merging it with free neighbors."""
+        size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        with self._cond:
+            i = bisect.bisect(self._free, (offset, 0))
+            start, end = offset, offset + size
+            if i < len(self._free) and self._free[i][0] == end:
+                end += self._free.pop(i)[1]
+            if i > 0 and sum(self._free[i - 1]) == start:
+                i -= 1
+                start = self._free.pop(i)[0]
+            self._free.insert(i, (start, end - start))
+            self._cond.notify_all()
+
+    def notify(self) -> None:
+        """Wake allocations waiting for space (a result became reclaimable)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """Bytes ``[offset, offset + nbytes)`` of the arena."""
+        return self.buf[offset:offset + nbytes]
+
+    def offset_of(self, address: int, nbytes: int) -> int | None:
+        """The arena offset of memory at ``address`` if all ``nbytes`` lie in the arena."""
+        offset = address - self.address
+        if offset >= 0 and offset + nbytes <= self.nbytes:
+            return offset
+        return None
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not allocated right now."""
+        with self._cond:
+            return sum(size for _, size in self._free)
+
+    def close(self) -> None:
+        """Unmap (views still held elsewhere keep it mapped until they go)."""
+        self.buf = memoryview(b"")
+        try:
+            self._shm.close()
+        except BufferError:  # shared() tensors still use it: it stays mapped until they go
+            self._shm.close = lambda: None  # type: ignore[method-assign]

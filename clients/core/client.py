@@ -1,0 +1,321 @@
+"""The framework-agnostic client: the op surface every adapter shares (torch, TensorFlow, numpy).
+
+Each op method builds the op's typed arguments and hands the tensor to the
+:class:`~decent.core.submitter.Submitter`, which places it in the shared-memory arena and sends a
+small request without waiting; the caller gets a :class:`~decent.core.handles.Handle`. One
+background thread reads the daemon's completion stream and wakes the handles; ``Handle.wait()``
+blocks on an event, it never polls. Framework adapters supply a
+:class:`~decent.core.codec.TensorCodec`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, Generic, TypeVar
+
+from decent.core.arena import ClientArena
+from decent.core.args import WeightsArg, op_args, rank_weights
+from decent.core.codec import TensorCodec
+from decent.core.connection import Connection, default_address
+from decent.core.fusion import settings_from_env
+from decent.core.handles import Handle
+from decent.core.regions import RegionTable
+from decent.core.registrar import Registrar
+from decent.core.submitter import OpCall, Submitter
+from decent.core.windows import WindowOps, WindowTable
+from decent_wire import dtypes
+from decent_wire.protocol import COMPRESSORS
+from decent_wire.v1 import decent_pb2 as pb
+
+T = TypeVar("T")
+
+class Client(WindowOps[T], Generic[T]):
+    """A worker's connection to its daemon. Thread-safe; one per process is typical."""
+
+    def __init__(
+        self,
+        codec: TensorCodec[T],
+        address: str | None = None,
+        connect_timeout: float = 120.0,
+        job: str | None = None,
+        fusion_threshold: int | None = None,
+        cycle_time: float | None = None,
+        register: bool | None = None,
+    ) -> None:
+        """Register with the daemon at ``address`` ($DECENT_DAEMON by default).
+
+        ``fusion_threshold`` (bytes, 0: off) and ``cycle_time`` (seconds) control tensor fusion
+        of asynchronous requests; defaults from $DECENT_FUSION_THRESHOLD / $DECENT_CYCLE_TIME
+        (ms), else 64 MiB and 1 ms. ``register`` (default on; $DECENT_REGISTER=0 turns it off)
+        lets in-place ops hand a tensor of 64 KiB or more that already lives in shared memory
+        (torch: ``t.share_memory_()``, ``model.share_memory()``) to the daemon once, after which
+        they copy nothing (see :mod:`decent.core.regions`).
+        """
+        env_threshold, env_cycle = settings_from_env()
+        self.codec = codec
+        #: ops of different jobs never match; decentrun sets $DECENT_JOB fresh for each launch
+        self.job = os.environ.get("DECENT_JOB", "") if job is None else job
+        self.address = address or default_address()
+        #: the links to the daemon (registration, data channel, memory socket)
+        self.connection = Connection(self.address, codec.framework, self.job, connect_timeout)
+        reg = self.connection.registration
+        self.worker_id = reg.worker_id
+        self.rank = reg.rank
+        self.size = reg.size
+        self.cluster_id = reg.cluster_id
+        self.topology = reg.topology
+        self.default_timeout = reg.default_timeout
+        self.ring_threshold = reg.ring_threshold
+        if register is None:
+            register = os.environ.get("DECENT_REGISTER", "1") not in ("0", "false", "no")
+        self._registrar = Registrar(codec, self.connection, reg.worker_id,
+                                    register and bool(reg.memory_socket))
+        self.arena = ClientArena(reg.arena_name, reg.arena_bytes)
+        codec.attach(self.arena)
+        self._submitter = Submitter(
+            codec, self.arena, self._registrar, self.connection.send,
+            env_threshold if fusion_threshold is None else fusion_threshold,
+            env_cycle if cycle_time is None else cycle_time)
+        try:
+            self.connection.start(self._submitter.finish, self._submitter.connection_lost)
+        except BaseException:
+            self.arena.close()
+            raise
+        self._window_table: WindowTable[T] = WindowTable()
+
+    @property
+    def regions(self) -> RegionTable:
+        """The worker memory registered with the daemon."""
+        return self._registrar.regions
+
+    def _call(self, call: OpCall, tensor: T | None, name: str | None, timeout: float | None,
+              **options: Any) -> Handle[T]:
+        return self._submitter.submit(call, tensor, name, timeout, **options)
+
+    # ------------------------------------------------------------------ neighbor ops
+
+    def neighbor_allreduce_async(
+        self, tensor: T, name: str | None = None, self_weight: float | None = None,
+        src_weights: Mapping[int, float] | None = None, dst_weights: WeightsArg = None,
+        timeout: float | None = None, *, fuse: bool = True,
+    ) -> Handle[T]:
+        """Start ``self_weight*x + sum_j src_weights[j] * d_j * x_j``; returns at once.
+
+        No weights: the topology's at this step. ``dst_weights`` (dict or list of ranks) makes the
+        call dynamic: it sends to exactly those ranks and receives from the ``src_weights`` keys.
+        Requests with the same weights are fused (``fuse=False``: sent alone).
+        """
+        return self._neighbor_allreduce(tensor, None, name, self_weight, src_weights,
+                                        dst_weights, timeout, fuse)
+
+    def _neighbor_allreduce(self, tensor: T, into: T | None, name: str | None,
+                            self_weight: float | None, src_weights: WeightsArg,
+                            dst_weights: WeightsArg, timeout: float | None,
+                            fuse: bool) -> Handle[T]:
+        args = op_args(name, pb.NeighborAllreduce, self_weight=self_weight,
+                       src_weights=rank_weights(src_weights),
+                       dst_weights=rank_weights(dst_weights))
+        return self._call(OpCall("neighbor_allreduce", args), tensor, name, timeout,
+                          into=into, fuse=fuse)
+
+    def neighbor_allreduce(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking :meth:`neighbor_allreduce_async`."""
+        return self.neighbor_allreduce_async(tensor, fuse=False, **kwargs).wait()
+
+    def neighbor_allreduce_async_(
+        self, tensor: T, name: str | None = None, self_weight: float | None = None,
+        src_weights: Mapping[int, float] | None = None, dst_weights: WeightsArg = None,
+        timeout: float | None = None, *, fuse: bool = True,
+    ) -> Handle[T]:
+        """In-place :meth:`neighbor_allreduce_async`: ``wait()`` writes the result into
+        ``tensor`` and returns it (no new tensor is allocated). A tensor in shared memory
+        (torch: ``share_memory_()``) is registered with the daemon and never copied; leave it
+        alone until the handle is waited for."""
+        return self._neighbor_allreduce(tensor, tensor, name, self_weight, src_weights,
+                                        dst_weights, timeout, fuse)
+
+    def neighbor_allreduce_(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking in-place :meth:`neighbor_allreduce_async`."""
+        return self.neighbor_allreduce_async_(tensor, fuse=False, **kwargs).wait()
+
+    def compressed_neighbor_allreduce_async(
+        self, tensor: T, compressor: str, ratio: float | None = None, name: str | None = None,
+        self_weight: float | None = None, src_weights: Mapping[int, float] | None = None,
+        dst_weights: WeightsArg = None, timeout: float | None = None,
+    ) -> Handle[T]:
+        """Start a neighbor_allreduce of ``Q(x)``, the tensor compressed by ``compressor``.
+
+        ``compressor``: ``"topk"`` (with ``ratio``, the fraction of entries kept), ``"sign"`` or
+        ``"int8"``. The daemon compresses, sends only the compressed bytes and decodes what
+        arrives. The result has shape ``[2, *shape]``: row 0 is
+        ``self_weight * Q(x) + sum_j src_weights[j] * d_j * Q(x_j)`` (weights as in
+        :meth:`neighbor_allreduce_async`), row 1 is ``Q(x)`` exactly as the neighbors decoded it::
+
+            mixed, own = client.compressed_neighbor_allreduce(t, "topk", ratio=0.01)
+        """
+        kind = COMPRESSORS.get(compressor)
+        if kind is None:
+            raise ValueError(f"tensor '{name}': unknown compressor {compressor!r}; known: "
+                             f"{', '.join(sorted(COMPRESSORS))}")
+        if kind == pb.TOPK and ratio is None:
+            raise ValueError(f"tensor '{name}': compressor 'topk' needs a ratio (0 < ratio <= 1)")
+        args = op_args(name, pb.CompressedNeighborAllreduce, self_weight=self_weight,
+                       src_weights=rank_weights(src_weights),
+                       dst_weights=rank_weights(dst_weights),
+                       compression=pb.Compression(kind=kind, ratio=float(ratio or 0.0)))
+        return self._call(OpCall("compressed_neighbor_allreduce", args), tensor, name, timeout,
+                          out_factor=2)
+
+    def compressed_neighbor_allreduce(self, tensor: T, compressor: str, **kwargs: Any) -> T:
+        """Blocking :meth:`compressed_neighbor_allreduce_async`."""
+        return self.compressed_neighbor_allreduce_async(tensor, compressor, **kwargs).wait()
+
+    def neighbor_allgather_async(
+        self, tensor: T, name: str | None = None, src_ranks: Iterable[int] | None = None,
+        dst_ranks: Iterable[int] | None = None, timeout: float | None = None,
+    ) -> Handle[T]:
+        """Start gathering the in-neighbors' tensors, stacked on a new leading dim (rank order)."""
+        srcs = None if src_ranks is None else pb.RankList(ranks=sorted({int(r) for r in src_ranks}))
+        dsts = None if dst_ranks is None else pb.RankList(ranks=sorted({int(r) for r in dst_ranks}))
+        if srcs is not None:
+            factor = len(srcs.ranks)
+        else:  # the output holds one tensor per in-neighbor at the step this call will use
+            factor = len(self.topology_at(name or "neighbor_allgather.unnamed").in_neighbors)
+        args = op_args(name, pb.NeighborAllgather, src_ranks=srcs, dst_ranks=dsts)
+        return self._call(OpCall("neighbor_allgather", args), tensor, name, timeout,
+                          out_factor=factor)
+
+    def neighbor_allgather(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking :meth:`neighbor_allgather_async`."""
+        return self.neighbor_allgather_async(tensor, **kwargs).wait()
+
+    # ------------------------------------------------------------------ collectives
+
+    def allreduce_async(self, tensor: T, op: str = "average", name: str | None = None,
+                        timeout: float | None = None, *, fuse: bool = True) -> Handle[T]:
+        """Start an average (or ``op="sum"``) over all ranks.
+
+        Tensors below the daemon's ring threshold are fused (up to that many bytes per bucket:
+        a fused allreduce is a direct exchange); larger ones run alone as a ring.
+        """
+        return self._allreduce(tensor, None, op, name, timeout, fuse)
+
+    def _allreduce(self, tensor: T, into: T | None, op: str, name: str | None,
+                   timeout: float | None, fuse: bool) -> Handle[T]:
+        if op not in ("average", "sum"):
+            raise ValueError(f"allreduce op must be 'average' or 'sum', not {op!r}")
+        args = pb.Allreduce(reduce_op=pb.AVERAGE if op == "average" else pb.SUM)
+        small = fuse and self._nbytes(tensor) < self.ring_threshold
+        return self._call(OpCall("allreduce", args), tensor, name, timeout, into=into,
+                          fuse=small, fuse_limit=self.ring_threshold)
+
+    def allreduce(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking :meth:`allreduce_async`."""
+        return self.allreduce_async(tensor, fuse=False, **kwargs).wait()
+
+    def allreduce_async_(self, tensor: T, op: str = "average", name: str | None = None,
+                         timeout: float | None = None, *, fuse: bool = True) -> Handle[T]:
+        """In-place :meth:`allreduce_async` (the result is written into ``tensor``)."""
+        return self._allreduce(tensor, tensor, op, name, timeout, fuse)
+
+    def allreduce_(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking in-place :meth:`allreduce_async`."""
+        return self.allreduce_async_(tensor, fuse=False, **kwargs).wait()
+
+    def broadcast_async(self, tensor: T, root: int = 0, name: str | None = None,
+                        timeout: float | None = None, *, fuse: bool = True) -> Handle[T]:
+        """Start copying ``root``'s tensor to every rank (fused with other broadcasts)."""
+        return self._broadcast(tensor, None, root, name, timeout, fuse)
+
+    def _broadcast(self, tensor: T, into: T | None, root: int, name: str | None,
+                   timeout: float | None, fuse: bool) -> Handle[T]:
+        args = op_args(name, pb.Broadcast, root=root)
+        return self._call(OpCall("broadcast", args), tensor, name, timeout, into=into,
+                          fuse=fuse)
+
+    def broadcast(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking :meth:`broadcast_async`."""
+        return self.broadcast_async(tensor, fuse=False, **kwargs).wait()
+
+    def broadcast_async_(self, tensor: T, root: int = 0, name: str | None = None,
+                         timeout: float | None = None, *, fuse: bool = True) -> Handle[T]:
+        """In-place :meth:`broadcast_async` (root's tensor is written into ``tensor``)."""
+        return self._broadcast(tensor, tensor, root, name, timeout, fuse)
+
+    def broadcast_(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking in-place :meth:`broadcast_async`."""
+        return self.broadcast_async_(tensor, fuse=False, **kwargs).wait()
+
+    def barrier(self, name: str | None = None, timeout: float | None = None) -> None:
+        """Return once every rank has reached a barrier of the same name and round."""
+        self._submitter.flush()
+        self._registrar.release_dead()
+        self._call(OpCall("barrier", pb.Barrier()), None, name, timeout).join()
+
+    def _nbytes(self, tensor: T) -> int:
+        try:
+            return dtypes.nbytes(*self.codec.describe(tensor))
+        except TypeError:
+            return 0  # the submission reports it with the tensor's name
+
+    # ------------------------------------------------------------------ memory and fusion
+
+    def shared(self, tensor: T) -> T:
+        """A copy of ``tensor`` that lives in the shared-memory arena (CPU only).
+
+        Ops take such a tensor without copying it to the daemon, and in-place ops
+        (``neighbor_allreduce_`` and co.) have the daemon write the result straight into it: no
+        copy either way. Keep model parameters there (``p.data = client.shared(p.data)``) for the
+        cheapest steps, or in torch's shared memory (``model.share_memory()``), which in-place ops
+        register with the daemon to the same effect. Its arena space is freed when the last
+        tensor using it is gone. As with any asynchronous in-place op, do not modify it until the
+        op's handle is waited for.
+        """
+        return self._submitter.shared(tensor)
+
+    def flush(self) -> None:
+        """Send every request still waiting in a fusion bucket now."""
+        self._submitter.flush()
+
+    # ------------------------------------------------------------------ queries
+
+    def topology_at(self, name: str | None = None) -> pb.TopologyInfo:
+        """Neighbors and weights at the step the next call of op ``name`` will use."""
+        return self.connection.topology(name or "",
+                                        self._submitter.round_of(name) if name else 0)
+
+    def in_neighbors(self, name: str | None = None) -> list[int]:
+        """Ranks this worker receives from (at the next step of ``name``)."""
+        return list(self.topology_at(name).in_neighbors)
+
+    def out_neighbors(self, name: str | None = None) -> list[int]:
+        """Ranks this worker sends to (at the next step of ``name``)."""
+        return list(self.topology_at(name).out_neighbors)
+
+    def status(self) -> pb.StatusReply:
+        """The daemon's counters and peer health."""
+        return self.connection.status()
+
+    def close(self) -> None:
+        """Disconnect; the daemon fails this worker's in-flight ops and frees its arena.
+
+        Returns once the daemon has dropped this worker (it closes its end of the data channel
+        after that), or after 5 s if it does not answer. With no op in flight, a job started
+        right after finds the daemon's history of this one forgotten; ops still in flight are
+        cancelled first, and the history is forgotten once they have ended.
+        """
+        if self._submitter.closed:
+            return
+        self._submitter.close()
+        self.connection.close(patience=5)
+        self.arena.close()
+
+    def __enter__(self) -> Client[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Client", "Handle", "TensorCodec", "default_address"]

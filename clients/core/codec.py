@@ -1,0 +1,41 @@
+"""What a framework adapter supplies: how its tensors go into and come out of the arena."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeVar
+
+from decent.core.arena import ClientArena
+from decent.core.regions import SharedStorage
+
+T = TypeVar("T")
+
+
+class TensorCodec(Protocol[T]):
+    """How a framework's tensors go into and come out of the arena."""
+
+    framework: str
+
+    def describe(self, tensor: T) -> tuple[int, tuple[int, ...]]:
+        """(wire dtype, shape) of ``tensor``; raise TypeError for an unsupported dtype."""
+
+    def write(self, tensor: T, dst: memoryview) -> None:
+        """Copy ``tensor``'s bytes into ``dst`` (exactly its size), finished on return."""
+
+    def read(self, src: memoryview, dtype: int, shape: tuple[int, ...], like: T) -> T:
+        """A new tensor of ``dtype``/``shape`` from ``src``, on ``like``'s device."""
+
+    def read_into(self, src: memoryview, into: T) -> T:
+        """Copy ``src`` (``into``'s dtype and shape) into ``into``, finished on return."""
+
+    def address(self, tensor: T) -> int | None:
+        """The host address of ``tensor``'s bytes if they are contiguous in host memory."""
+
+    def wrap(self, owner: Any, dtype: int, shape: tuple[int, ...]) -> T:
+        """A tensor over the bytes of buffer ``owner``, keeping ``owner`` alive as long as it."""
+
+    def attach(self, arena: ClientArena) -> None:
+        """Called once the arena is mapped (e.g. to pin it for GPU copies)."""
+
+    def shared_storage(self, tensor: T) -> SharedStorage | None:
+        """The memory block holding a contiguous host ``tensor`` if that block is fd-backed
+        shared memory (never moving it there); None otherwise, cheaply for private memory."""

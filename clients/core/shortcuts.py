@@ -1,0 +1,217 @@
+"""Module-level shortcuts (``decent.torch.neighbor_allreduce(t)``, ...) over a default client.
+
+Each framework module makes one :class:`DefaultClient` and exports its methods under the same
+names: ``init()`` creates the client, the op functions call it, ``shutdown()`` closes it. The
+ops are written once here, for every adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from decent.core.client import Client
+from decent.core.handles import Handle
+from decent.core.windows import WindowState
+from decent_wire.v1 import decent_pb2 as pb
+
+T = TypeVar("T")
+C = TypeVar("C", bound=Client[Any])
+
+
+class DefaultClient(Generic[T, C]):
+    """The default client (a ``C`` of tensors ``T``) of a framework module (``decent.torch``,
+    ``decent.tf``)."""
+
+    def __init__(self, module: str, connect: Callable[[str | None], C]) -> None:
+        self.module = module
+        self._connect = connect
+        self.client: C | None = None
+
+    def init(self, address: str | None = None) -> C:
+        """Create (once) the default client the module-level functions use, and return it."""
+        if self.client is None:
+            self.client = self._connect(address)
+        return self.client
+
+    def get(self) -> C:
+        """The default client; RuntimeError before ``init()``."""
+        if self.client is None:
+            raise RuntimeError(f"{self.module} is not initialized: call {self.module}.init() "
+                               "first")
+        return self.client
+
+    def shutdown(self) -> None:
+        """Close the default client."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def rank(self) -> int:
+        """This worker's rank."""
+        return self.get().rank
+
+    def size(self) -> int:
+        """Number of workers."""
+        return self.get().size
+
+    # ------------------------------------------------------------------ ops
+
+    def neighbor_allreduce_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.neighbor_allreduce_async`."""
+        return self.get().neighbor_allreduce_async(tensor, *args, **kwargs)
+
+    def neighbor_allreduce(self, tensor: T, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.neighbor_allreduce`."""
+        return self.get().neighbor_allreduce(tensor, **kwargs)
+
+    def neighbor_allreduce_async_(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.neighbor_allreduce_async_`."""
+        return self.get().neighbor_allreduce_async_(tensor, *args, **kwargs)
+
+    def neighbor_allreduce_(self, tensor: T, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.neighbor_allreduce_`."""
+        return self.get().neighbor_allreduce_(tensor, **kwargs)
+
+    def compressed_neighbor_allreduce_async(self, tensor: T, compressor: str, *args: Any,
+                                            **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.compressed_neighbor_allreduce_async`."""
+        return self.get().compressed_neighbor_allreduce_async(tensor, compressor, *args,
+                                                              **kwargs)
+
+    def compressed_neighbor_allreduce(self, tensor: T, compressor: str, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.compressed_neighbor_allreduce`."""
+        return self.get().compressed_neighbor_allreduce(tensor, compressor, **kwargs)
+
+    def neighbor_allgather_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.neighbor_allgather_async`."""
+        return self.get().neighbor_allgather_async(tensor, *args, **kwargs)
+
+    def neighbor_allgather(self, tensor: T, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.neighbor_allgather`."""
+        return self.get().neighbor_allgather(tensor, **kwargs)
+
+    def allreduce_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.allreduce_async`."""
+        return self.get().allreduce_async(tensor, *args, **kwargs)
+
+    def allreduce(self, tensor: T, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.allreduce`."""
+        return self.get().allreduce(tensor, **kwargs)
+
+    def allreduce_async_(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.allreduce_async_`."""
+        return self.get().allreduce_async_(tensor, *args, **kwargs)
+
+    def allreduce_(self, tensor: T, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.allreduce_`."""
+        return self.get().allreduce_(tensor, **kwargs)
+
+    def broadcast_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.broadcast_async`."""
+        return self.get().broadcast_async(tensor, *args, **kwargs)
+
+    def broadcast(self, tensor: T, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.broadcast`."""
+        return self.get().broadcast(tensor, **kwargs)
+
+    def broadcast_async_(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.broadcast_async_`."""
+        return self.get().broadcast_async_(tensor, *args, **kwargs)
+
+    def broadcast_(self, tensor: T, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.broadcast_`."""
+        return self.get().broadcast_(tensor, **kwargs)
+
+    def barrier(self, name: str | None = None, timeout: float | None = None) -> None:
+        """See :meth:`decent.core.Client.barrier`."""
+        self.get().barrier(name=name, timeout=timeout)
+
+    def flush(self) -> None:
+        """See :meth:`decent.core.Client.flush`."""
+        self.get().flush()
+
+    def in_neighbors(self, name: str | None = None) -> list[int]:
+        """See :meth:`decent.core.Client.in_neighbors`."""
+        return self.get().in_neighbors(name)
+
+    def out_neighbors(self, name: str | None = None) -> list[int]:
+        """See :meth:`decent.core.Client.out_neighbors`."""
+        return self.get().out_neighbors(name)
+
+    def status(self) -> pb.StatusReply:
+        """See :meth:`decent.core.Client.status`."""
+        return self.get().status()
+
+    # ------------------------------------------------------------------ windows
+
+    def win_create(self, tensor: T, name: str, zero_init: bool = False) -> bool:
+        """See :meth:`decent.core.Client.win_create`."""
+        return self.get().win_create(tensor, name, zero_init)
+
+    def win_put_async(self, tensor: T, name: str, *args: Any, **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.win_put_async`."""
+        return self.get().win_put_async(tensor, name, *args, **kwargs)
+
+    def win_put(self, tensor: T, name: str, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.win_put`."""
+        return self.get().win_put(tensor, name, **kwargs)
+
+    def win_accumulate_async(self, tensor: T, name: str, *args: Any,
+                             **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.win_accumulate_async`."""
+        return self.get().win_accumulate_async(tensor, name, *args, **kwargs)
+
+    def win_accumulate(self, tensor: T, name: str, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.win_accumulate`."""
+        return self.get().win_accumulate(tensor, name, **kwargs)
+
+    def win_get_async(self, name: str, *args: Any, **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.win_get_async`."""
+        return self.get().win_get_async(name, *args, **kwargs)
+
+    def win_get(self, name: str, **kwargs: Any) -> None:
+        """See :meth:`decent.core.Client.win_get`."""
+        self.get().win_get(name, **kwargs)
+
+    def win_update(self, name: str, *args: Any, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.win_update`."""
+        return self.get().win_update(name, *args, **kwargs)
+
+    def win_publish(self, tensor: T, name: str, step: int = 0) -> None:
+        """See :meth:`decent.core.Client.win_publish`."""
+        self.get().win_publish(tensor, name, step)
+
+    def win_free(self, name: str) -> None:
+        """See :meth:`decent.core.Client.win_free`."""
+        self.get().win_free(name)
+
+    def win_exchange_async(self, tensor: T, name: str, peer: int, *args: Any,
+                           **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.win_exchange_async`."""
+        return self.get().win_exchange_async(tensor, name, peer, *args, **kwargs)
+
+    def win_exchange(self, tensor: T, name: str, peer: int, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.win_exchange`."""
+        return self.get().win_exchange(tensor, name, peer, **kwargs)
+
+    def win_add(self, tensor: T, name: str, *args: Any, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.win_add`."""
+        return self.get().win_add(tensor, name, *args, **kwargs)
+
+    def group_allreduce_async(self, tensor: T, name: str, group_size: int, *args: Any,
+                              **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.group_allreduce_async`."""
+        return self.get().group_allreduce_async(tensor, name, group_size, *args, **kwargs)
+
+    def group_allreduce(self, tensor: T, name: str, group_size: int, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.group_allreduce`."""
+        return self.get().group_allreduce(tensor, name, group_size, **kwargs)
+
+    def win_info(self, name: str) -> WindowState:
+        """See :meth:`decent.core.Client.win_info`."""
+        return self.get().win_info(name)
+
+    def win_versions(self, name: str) -> dict[int, int]:
+        """See :meth:`decent.core.Client.win_versions`."""
+        return self.get().win_versions(name)

@@ -1,0 +1,323 @@
+"""Turning op calls into requests: arena slots, rounds, fusion, and reading results back.
+
+A request is: place the tensor (allocate a slot in the shared-memory arena and copy it in, or use
+memory the daemon maps already), give it the next round of its name, and send a small
+``SubmitRequest`` without waiting for an answer; the caller gets a
+:class:`~decent.core.handles.Handle`. Small asynchronous requests may wait in a fusion bucket
+and go as one request. Completions arrive on the connection's reader thread and wake the handles;
+``Handle.wait()`` reads the result out of the arena and frees the slots.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from decent.core.arena import ClientArena
+from decent.core.codec import TensorCodec
+from decent.core.fusion import Fusion
+from decent.core.handles import FREED, Handle, Pending, State
+from decent.core.registrar import Registrar
+from decent_wire import dtypes
+from decent_wire.errors import DecentError
+from decent_wire.v1 import decent_pb2 as pb
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One call of an op: its field of ``SubmitRequest.op`` and its typed arguments."""
+
+    field: str  #: ``neighbor_allreduce``, ``broadcast``, ...
+    args: Any  #: ``pb.NeighborAllreduce(...)``, ``pb.Broadcast(root=0)``, ...
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request's input and result lie (arena or registered offsets)."""
+
+    slots: list[tuple[int, int]]  #: arena memory the request holds: (offset, bytes)
+    offset: int
+    out_offset: int
+    out_capacity: int
+    resident: bool  #: in place on memory the daemon writes: the result needs no copy
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A request waiting in a fusion bucket."""
+
+    call: OpCall
+    tensor: pb.TensorRef
+    timeout: float
+    pending: Pending
+
+
+class Submitter(Generic[T]):
+    """Requests of one client: their slots, rounds and completions. Thread-safe."""
+
+    def __init__(self, codec: TensorCodec[T], arena: ClientArena, registrar: Registrar,
+                 send: Callable[[pb.SubmitRequest], None], fusion_threshold: int,
+                 cycle_time: float) -> None:
+        self.codec = codec
+        self.arena = arena
+        self.registrar = registrar
+        self._send_request = send
+        # reentrant: a Handle finalizer (which takes it) may run during GC while it is held
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._rounds: dict[str, int] = {}
+        self._in_flight: dict[int, list[Pending]] = {}
+        self._unread: dict[int, Pending] = {}  #: DONE: result still in the arena
+        self._fusion: Fusion[Queued] = Fusion(fusion_threshold, cycle_time, self._send_bucket)
+        self.closed = False
+        self.lost: DecentError | None = None
+
+    # ------------------------------------------------------------------ submission
+
+    def submit(self, call: OpCall, tensor: T | None, name: str | None, timeout: float | None,
+               into: T | None = None, out_factor: int = 1, fuse: bool = False,
+               fuse_limit: int | None = None) -> Handle[T]:
+        """Place ``tensor``, spend the next round of ``name`` and send (or bucket) the request.
+
+        ``into``: an in-place op's target; ``out_factor``: the result is that many times the
+        input; ``fuse``: the request may wait in a bucket of compatible ones (at most
+        ``fuse_limit`` bytes).
+        """
+        self.check_open()
+        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        name = name or f"{call.field}.unnamed"
+        dtype, shape = self.describe(tensor, name)
+        nbytes = dtypes.nbytes(dtype, shape)
+        place = self._place(tensor, name, nbytes, into, out_factor)
+        # from here on nothing can fail before the request is sent: the round is spent only now,
+        # so a refused argument above does not put this name's rounds out of step with the peers
+        round_ = self.next_round(name)
+        ref = pb.TensorRef(name=name, round=round_, meta=pb.TensorMeta(dtype=dtype, shape=shape),
+                           offset=place.offset, nbytes=nbytes, out_offset=place.out_offset,
+                           out_capacity=place.out_capacity)
+        p = Pending(next(self._ids), f"{call.field} '{name}' round {round_}", place.slots, dtype,
+                    shape, nbytes, place.out_offset, tensor, into, place.resident)
+        if fuse and self._fusion.enabled:
+            p.state = State.QUEUED
+            key = (call.field, call.args.SerializeToString(deterministic=True), round_, timeout)
+            self._fusion.add(key, Queued(call, ref, timeout or 0.0, p), nbytes, fuse_limit)
+        else:
+            self._send(call, [ref], timeout or 0.0, [p])
+        return Handle(self, p)
+
+    def check_open(self) -> None:
+        """DecentError once the client is closed or the daemon is gone."""
+        if self.closed:
+            raise DecentError(pb.SHUTTING_DOWN, "client is closed")
+        if self.lost is not None:
+            raise self.lost
+
+    def describe(self, tensor: T | None, name: str) -> tuple[int, tuple[int, ...]]:
+        """(wire dtype, shape) of ``tensor`` (an op without one: an empty float32)."""
+        if tensor is None:
+            return pb.FLOAT32, (0,)
+        try:
+            return self.codec.describe(tensor)
+        except TypeError as exc:
+            raise TypeError(f"tensor '{name}': {exc}") from None
+
+    def next_round(self, name: str) -> int:
+        """The round the next call of ``name`` gets (and count it)."""
+        with self._lock:
+            r = self._rounds.get(name, 0)
+            self._rounds[name] = r + 1
+            return r
+
+    def round_of(self, name: str) -> int:
+        """The round the next call of ``name`` will get."""
+        with self._lock:
+            return self._rounds.get(name, 0)
+
+    def _place(self, tensor: T | None, name: str, nbytes: int, into: T | None,
+               out_factor: int) -> Placement:
+        """Where the input and the result go, and the input copied there."""
+        # a shared() tensor is already in the arena: no copy in, and in place no copy out
+        at = None if tensor is None or not nbytes else self.codec.address(tensor)
+        resident = None if at is None else self.arena.offset_of(at, nbytes)
+        in_place = tensor is not None and into is tensor and out_factor == 1
+        if resident is None and in_place and at is not None:
+            resident = self.registrar.offset(tensor, at, nbytes)
+        slots: list[tuple[int, int]] = []
+        try:
+            if resident is None:
+                slots.append((self.alloc(nbytes, f"tensor '{name}'"), nbytes))
+            # the daemon writes a result over its input once the input is sent, so one slot
+            # serves both; a resident tensor gets its own result slot unless the op is in place
+            if out_factor != 1 or (resident is not None and not in_place):
+                out_bytes = nbytes * out_factor
+                slots.append((self.alloc(out_bytes, f"tensor '{name}' output"), out_bytes))
+            if tensor is not None and nbytes and resident is None:
+                self.codec.write(tensor, self.arena.view(slots[0][0], nbytes))
+        except BaseException:
+            for s in slots:
+                self.arena.free(*s)
+            raise
+        offset = slots[0][0] if resident is None else resident
+        if resident is not None and in_place:
+            return Placement(slots, offset, offset, nbytes, True)
+        out_offset, out_capacity = slots[-1] if slots else (offset, nbytes)
+        return Placement(slots, offset, out_offset, out_capacity, False)
+
+    def alloc(self, nbytes: int, what: str) -> int:
+        """An arena slot, reading finished results out first when the arena is full."""
+        return self.arena.alloc(nbytes, what, self._reclaim)
+
+    def _send(self, call: OpCall, tensors: list[pb.TensorRef], timeout: float,
+              members: list[Pending]) -> None:
+        req = pb.SubmitRequest(request_id=members[0].request_id if len(members) == 1
+                               else next(self._ids), tensors=tensors, timeout_s=timeout)
+        getattr(req, call.field).CopyFrom(call.args)
+        with self._lock:
+            self._in_flight[req.request_id] = members
+        for p in members:
+            p.state = State.SENT
+        try:
+            self._send_request(req)
+        except DecentError as error:
+            with self._lock:
+                self._in_flight.pop(req.request_id, None)
+            for p in members:
+                self._settle(p, None, error)
+
+    def _send_bucket(self, members: list[Queued]) -> None:
+        """Send a closed fusion bucket: one request whose tensors are the members'."""
+        if len(members) > 1:
+            for m in members:
+                m.pending.own_shape = True
+        first = members[0]
+        self._send(first.call, [m.tensor for m in members], first.timeout,
+                   [m.pending for m in members])
+
+    def flush(self) -> None:
+        """Send every request still waiting in a fusion bucket now."""
+        self._fusion.flush()
+
+    # ------------------------------------------------------------------ completions
+
+    def finish(self, completion: pb.Completion) -> None:
+        """A completion arrived (on the connection's reader thread)."""
+        with self._lock:
+            members = self._in_flight.pop(completion.request_id, None)
+        if members is None:
+            return
+        error = None if completion.error.code == pb.OK else DecentError.from_pb(completion.error)
+        for p in members:
+            self._settle(p, completion, error)
+
+    def connection_lost(self, error: DecentError) -> None:
+        """The data channel ended: every request still in flight fails with ``error``."""
+        with self._lock:
+            self.lost = error
+            members = [p for group in self._in_flight.values() for p in group]
+            self._in_flight.clear()
+        for p in members:
+            self._settle(p, None, error)
+
+    def _settle(self, p: Pending, completion: pb.Completion | None,
+                error: DecentError | None) -> None:
+        with p.lock:
+            p.completion, p.error = completion, error
+            if error is not None:
+                self._free(p, State.FAILED)
+            elif p.state is State.ABANDONED:
+                self._free(p, State.RELEASED)
+            else:
+                p.state = State.DONE
+                with self._lock:
+                    self._unread[p.request_id] = p
+        p.event.set()
+        self.arena.notify()
+
+    def abandon(self, p: Pending) -> None:
+        """``p``'s handle is gone: its slots are freed once it finished."""
+        with p.lock:
+            if p.state in (State.QUEUED, State.SENT):
+                p.state = State.ABANDONED
+            elif p.state is State.DONE:
+                self._free(p, State.RELEASED)
+
+    def collect(self, p: Pending) -> None:
+        """Read ``p``'s result out of the arena (once) and free its slots."""
+        with p.lock:
+            if p.state is not State.DONE:
+                return
+            if self.closed:  # the arena may be gone
+                p.error = DecentError(pb.SHUTTING_DOWN, f"{p.label}: the client was closed "
+                                                        "before its result was read")
+                self._free(p, State.FAILED)
+                return
+            p.result = self._read(p)
+            self._free(p, State.READ)
+
+    def _read(self, p: Pending) -> Any:
+        if p.resident:
+            return p.into
+        nbytes, shape = p.result_layout()
+        view = self.arena.view(p.out_offset, nbytes)
+        if p.into is not None:
+            return self.codec.read_into(view, p.into)
+        return self.codec.read(view, p.dtype, shape, p.like)
+
+    def _free(self, p: Pending, state: State) -> None:
+        """Move ``p`` to a state whose slots are free (caller holds ``p.lock``)."""
+        assert state in FREED
+        p.state = state
+        p.like = None
+        with self._lock:
+            self._unread.pop(p.request_id, None)
+        if not self.closed:
+            for off, n in p.slots:
+                self.arena.free(off, n)
+        p.slots = []
+
+    def _reclaim(self) -> bool:
+        """Arena full: read finished-but-unread results out to free their slots."""
+        if self.lost is not None:
+            raise self.lost
+        with self._lock:
+            unread = list(self._unread.values())
+        for p in unread:
+            self.collect(p)
+        return bool(unread)
+
+    # ------------------------------------------------------------------ shared tensors
+
+    def shared(self, tensor: T) -> T:
+        """A copy of ``tensor`` in the arena, freed when the last tensor using it is gone."""
+        dtype, shape = self.codec.describe(tensor)
+        nbytes = dtypes.nbytes(dtype, shape)
+        offset = self.arena.alloc(nbytes, "shared tensor", self._reclaim)
+        owner = np.frombuffer(self.arena.buf, np.uint8, count=nbytes, offset=offset)
+        # the slot lives as long as the buffer the tensor wraps
+        weakref.finalize(owner, self.free_shared, offset, nbytes)
+        out = self.codec.wrap(owner, dtype, shape)
+        if nbytes:
+            self.codec.write(tensor, self.arena.view(offset, nbytes))
+        return out
+
+    def free_shared(self, offset: int, nbytes: int) -> None:
+        """A shared tensor's buffer is gone: its slot is free."""
+        if not self.closed:
+            self.arena.free(offset, nbytes)
+
+    def close(self) -> None:
+        """Send what waits in buckets, then refuse new requests (the arena is unmapped by the
+        client after this)."""
+        self._fusion.close()
+        self.closed = True
+

@@ -1,1 +1,0 @@
-"""Generated wire modules for protocol package ``decent.v1`` (built from ``proto/``)."""

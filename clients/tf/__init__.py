@@ -1,0 +1,123 @@
+"""TensorFlow client of decentd: the torch client's API for ``tf.Tensor`` and ``tf.Variable``.
+
+    import decent.tf as dtf
+    client = dtf.connect()                       # $DECENT_DAEMON, else the default socket
+    h = client.neighbor_allreduce_async(t)       # returns at once
+    y = h.wait()                                 # a tf.Tensor, same dtype, shape and device
+    client.neighbor_allreduce_(v)                # a tf.Variable: the result is assigned to it
+
+What runs where: every op runs eagerly in the calling Python thread (the daemon does the work).
+Inside a ``tf.function`` the *blocking* ops (``neighbor_allreduce``, ``allreduce``,
+``broadcast``, their in-place forms on variables, ``neighbor_allgather``,
+``compressed_neighbor_allreduce``, ``barrier``) are staged as ``tf.py_function`` nodes, so they
+run each time the graph runs, in graph order; asynchronous ops return handles, which a graph
+cannot hold, so they are refused inside a ``tf.function`` (start them eagerly). TensorFlow does
+not expose its buffers: each op copies the tensor into the daemon's shared memory and the result
+out (``client.shared()`` and memory registration are torch-only).
+"""
+
+from __future__ import annotations
+
+from decent.core import Client, DecentError, Handle
+from decent.tf.client import TFClient, connect, default_client
+from decent.tf.optim import (
+    BroadcastGlobalVariablesCallback,
+    DecentralizedOptimizer,
+    MetricAverageCallback,
+)
+
+# the module-level shortcuts: the default client's methods (decent.core.shortcuts)
+_default = default_client
+init = _default.init
+shutdown = _default.shutdown
+rank = _default.rank
+size = _default.size
+neighbor_allreduce_async = _default.neighbor_allreduce_async
+neighbor_allreduce = _default.neighbor_allreduce
+neighbor_allreduce_async_ = _default.neighbor_allreduce_async_
+neighbor_allreduce_ = _default.neighbor_allreduce_
+compressed_neighbor_allreduce_async = _default.compressed_neighbor_allreduce_async
+compressed_neighbor_allreduce = _default.compressed_neighbor_allreduce
+neighbor_allgather_async = _default.neighbor_allgather_async
+neighbor_allgather = _default.neighbor_allgather
+allreduce_async = _default.allreduce_async
+allreduce = _default.allreduce
+allreduce_async_ = _default.allreduce_async_
+allreduce_ = _default.allreduce_
+broadcast_async = _default.broadcast_async
+broadcast = _default.broadcast
+broadcast_async_ = _default.broadcast_async_
+broadcast_ = _default.broadcast_
+barrier = _default.barrier
+flush = _default.flush
+in_neighbors = _default.in_neighbors
+out_neighbors = _default.out_neighbors
+win_create = _default.win_create
+win_put_async = _default.win_put_async
+win_put = _default.win_put
+win_accumulate_async = _default.win_accumulate_async
+win_accumulate = _default.win_accumulate
+win_get_async = _default.win_get_async
+win_get = _default.win_get
+win_update = _default.win_update
+win_publish = _default.win_publish
+win_free = _default.win_free
+win_info = _default.win_info
+win_versions = _default.win_versions
+win_exchange_async = _default.win_exchange_async
+win_exchange = _default.win_exchange
+win_add = _default.win_add
+group_allreduce_async = _default.group_allreduce_async
+group_allreduce = _default.group_allreduce
+
+__all__ = [
+    "BroadcastGlobalVariablesCallback",
+    "Client",
+    "DecentError",
+    "DecentralizedOptimizer",
+    "Handle",
+    "MetricAverageCallback",
+    "TFClient",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "compressed_neighbor_allreduce",
+    "compressed_neighbor_allreduce_async",
+    "connect",
+    "flush",
+    "group_allreduce",
+    "group_allreduce_async",
+    "in_neighbors",
+    "init",
+    "neighbor_allgather",
+    "neighbor_allgather_async",
+    "neighbor_allreduce",
+    "neighbor_allreduce_",
+    "neighbor_allreduce_async",
+    "neighbor_allreduce_async_",
+    "out_neighbors",
+    "rank",
+    "shutdown",
+    "size",
+    "win_accumulate",
+    "win_accumulate_async",
+    "win_add",
+    "win_create",
+    "win_exchange",
+    "win_exchange_async",
+    "win_free",
+    "win_get",
+    "win_get_async",
+    "win_info",
+    "win_publish",
+    "win_put",
+    "win_put_async",
+    "win_update",
+    "win_versions",
+]

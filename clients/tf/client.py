@@ -1,0 +1,113 @@
+"""The TensorFlow client: :class:`decent.core.Client` for ``tf.Tensor`` and ``tf.Variable``.
+
+Every op runs eagerly in the calling Python thread (the daemon does the work). Inside a
+``tf.function`` the *blocking* ops are staged as ``tf.py_function`` nodes, so they run each time
+the graph runs, in graph order; asynchronous ops return handles, which a graph cannot hold, so
+they are refused there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from decent.core import Client, Handle
+from decent.core.shortcuts import DefaultClient
+from decent.core.submitter import OpCall
+from decent.tf.codec import TFCodec
+
+
+class TFClient(Client[Any]):
+    """:class:`decent.core.Client` for TensorFlow (see the module docs for tf.function)."""
+
+    def _call(self, call: OpCall, tensor: Any, name: str | None, timeout: float | None,
+              **options: Any) -> Handle[Any]:
+        if not tf.executing_eagerly():
+            raise RuntimeError("decent.tf: asynchronous ops return handles, which a tf.function "
+                               "cannot hold; inside tf.function use the blocking ops "
+                               "(neighbor_allreduce, allreduce, ...) or start them eagerly")
+        return super()._call(call, tensor, name, timeout, **options)
+
+    def _staged(self, run: Callable[..., Any], tensor: Any,
+                shape: Callable[[tf.TensorShape], tf.TensorShape], **kwargs: Any) -> Any:
+        """``run(tensor, **kwargs)`` now, or as a py_function node inside tf.function (whose
+        result has the static ``shape`` of the input's)."""
+        if tf.executing_eagerly():
+            return run(tensor, **kwargs)
+        value = tensor.read_value() if isinstance(tensor, tf.Variable) else tensor
+        out = tf.py_function(lambda t: run(t, **kwargs), [value], Tout=value.dtype)
+        out.set_shape(shape(value.shape))
+        return out
+
+    def _in_place(self, run: Callable[..., Any], staged: Callable[..., Any], variable: Any,
+                  **kwargs: Any) -> Any:
+        """``run(variable)`` now, or inside tf.function the staged op assigned to it."""
+        if tf.executing_eagerly():
+            return run(variable, **kwargs)
+        if not isinstance(variable, tf.Variable):
+            raise TypeError(f"{run.__name__}: in place needs a tf.Variable, got "
+                            f"{type(variable).__name__}")
+        variable.assign(staged(variable, **kwargs))
+        return variable
+
+    def neighbor_allreduce(self, tensor: Any, **kwargs: Any) -> Any:
+        """Blocking neighbor_allreduce (also inside tf.function)."""
+        return self._staged(super().neighbor_allreduce, tensor, _same, **kwargs)
+
+    def allreduce(self, tensor: Any, **kwargs: Any) -> Any:
+        """Blocking allreduce (also inside tf.function)."""
+        return self._staged(super().allreduce, tensor, _same, **kwargs)
+
+    def broadcast(self, tensor: Any, **kwargs: Any) -> Any:
+        """Blocking broadcast (also inside tf.function)."""
+        return self._staged(super().broadcast, tensor, _same, **kwargs)
+
+    def neighbor_allgather(self, tensor: Any, **kwargs: Any) -> Any:
+        """Blocking neighbor_allgather (also inside tf.function)."""
+        return self._staged(super().neighbor_allgather, tensor,
+                            lambda s: tf.TensorShape([None]).concatenate(s), **kwargs)
+
+    def compressed_neighbor_allreduce(self, tensor: Any, compressor: str, **kwargs: Any) -> Any:
+        """Blocking compressed_neighbor_allreduce (also inside tf.function)."""
+        return self._staged(super().compressed_neighbor_allreduce, tensor,
+                            lambda s: tf.TensorShape([2]).concatenate(s),
+                            compressor=compressor, **kwargs)
+
+    def neighbor_allreduce_(self, tensor: Any, **kwargs: Any) -> Any:
+        """Blocking in-place neighbor_allreduce on a tf.Variable (also inside tf.function)."""
+        return self._in_place(super().neighbor_allreduce_, self.neighbor_allreduce, tensor,
+                              **kwargs)
+
+    def allreduce_(self, tensor: Any, **kwargs: Any) -> Any:
+        """Blocking in-place allreduce on a tf.Variable (also inside tf.function)."""
+        return self._in_place(super().allreduce_, self.allreduce, tensor, **kwargs)
+
+    def broadcast_(self, tensor: Any, **kwargs: Any) -> Any:
+        """Blocking in-place broadcast on a tf.Variable (also inside tf.function)."""
+        return self._in_place(super().broadcast_, self.broadcast, tensor, **kwargs)
+
+    def barrier(self, name: str | None = None, timeout: float | None = None) -> None:
+        """Wait for every rank (also inside tf.function)."""
+        if tf.executing_eagerly():
+            super().barrier(name=name, timeout=timeout)
+            return
+        wait = super().barrier
+        tf.py_function(lambda: wait(name=name, timeout=timeout), [], Tout=[])
+
+
+def _same(shape: tf.TensorShape) -> tf.TensorShape:
+    return shape
+
+
+def connect(address: str | None = None, connect_timeout: float = 120.0,
+            job: str | None = None, fusion_threshold: int | None = None,
+            cycle_time: float | None = None) -> TFClient:
+    """A new client of the local daemon (the arguments as in ``decent.torch.connect``)."""
+    return TFClient(TFCodec(), address, connect_timeout, job, fusion_threshold, cycle_time,
+                    register=False)
+
+
+#: the default client of ``decent.tf``: ``init()`` creates it
+default_client: DefaultClient[Any, TFClient] = DefaultClient("decent.tf", connect)

@@ -1,0 +1,104 @@
+"""Moves TensorFlow tensors and variables in and out of the shared-memory arena.
+
+TensorFlow tensors are immutable and TensorFlow cannot hand out the address of a tensor's
+buffer, so every request copies: the tensor's host value (``.numpy()``, a device-to-host copy
+for GPU tensors) into the arena slot, and the result out of it into a new tensor placed like the
+input, or assigned into a ``tf.Variable`` for in-place ops.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from decent.core.arena import ClientArena
+from decent.core.regions import SharedStorage
+from decent_wire.v1 import decent_pb2 as pb
+
+_TO_WIRE = {
+    tf.float16: pb.FLOAT16,
+    tf.bfloat16: pb.BFLOAT16,
+    tf.float32: pb.FLOAT32,
+    tf.float64: pb.FLOAT64,
+    tf.int32: pb.INT32,
+    tf.int64: pb.INT64,
+}
+_FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
+
+#: a tensor or a variable: what the TensorFlow client takes
+TFTensor = Any
+
+
+def unwrap(tensor: TFTensor) -> TFTensor:
+    """The ``tf.Variable`` inside a Keras variable; anything else as it is."""
+    inner = getattr(tensor, "value", None)
+    return inner if isinstance(inner, tf.Variable) else tensor
+
+
+def _host(tensor: TFTensor) -> np.ndarray:
+    tensor = unwrap(tensor)
+    value = tensor.read_value() if isinstance(tensor, tf.Variable) else tensor
+    return np.ascontiguousarray(value.numpy())
+
+
+class TFCodec:
+    """The TensorFlow side of the arena hand-off."""
+
+    framework = "tf"
+
+    def describe(self, tensor: TFTensor) -> tuple[int, tuple[int, ...]]:
+        """Wire dtype and shape of ``tensor`` (an eager tensor or a variable)."""
+        tensor = unwrap(tensor)
+        if not isinstance(tensor, (tf.Tensor, tf.Variable)):
+            raise TypeError(f"expected a tf.Tensor or tf.Variable, got {type(tensor).__name__}")
+        dtype = tensor.dtype.base_dtype
+        if dtype not in _TO_WIRE:
+            names = ", ".join(d.name for d in _TO_WIRE)
+            raise TypeError(f"dtype {dtype.name} is not supported (use one of {names})")
+        if not tensor.shape.is_fully_defined():
+            raise TypeError(f"shape {tensor.shape} is not fully known")
+        return _TO_WIRE[dtype], tuple(int(d) for d in tensor.shape)
+
+    def write(self, tensor: TFTensor, dst: memoryview) -> None:
+        """Copy the tensor's value into ``dst``."""
+        if len(dst):
+            np.frombuffer(dst, np.uint8)[...] = _host(tensor).reshape(-1).view(np.uint8)
+
+    def read(self, src: memoryview, dtype: int, shape: tuple[int, ...],
+             like: TFTensor | None) -> tf.Tensor:
+        """A new tensor with the result, on ``like``'s device."""
+        tf_dtype = _FROM_WIRE[dtype]
+        if math.prod(shape) == 0:
+            return tf.zeros(shape, dtype=tf_dtype)
+        host = np.frombuffer(src, tf_dtype.as_numpy_dtype).reshape(shape).copy()
+        device = getattr(like, "device", "") or ""
+        with tf.device(device or None):
+            return tf.identity(tf.convert_to_tensor(host, dtype=tf_dtype))
+
+    def read_into(self, src: memoryview, into: TFTensor) -> TFTensor:
+        """Assign the result to ``into`` (a ``tf.Variable``) and return it."""
+        dtype, shape = self.describe(into)
+        value = self.read(src, dtype, shape, into)
+        if isinstance(unwrap(into), tf.Variable):
+            into.assign(value)
+            return into
+        return value  # a plain tensor cannot change: the result is a new one
+
+    def address(self, tensor: TFTensor) -> int | None:
+        """None: TensorFlow does not expose its buffers, so nothing is handed over in place."""
+        return None
+
+    def wrap(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...]) -> TFTensor:
+        """Not available: a TensorFlow tensor cannot live in memory the daemon writes."""
+        raise TypeError("client.shared() is not available for TensorFlow tensors (they are "
+                        "immutable); use in-place ops on a tf.Variable instead")
+
+    def attach(self, arena: ClientArena) -> None:
+        """Nothing to pin."""
+
+    def shared_storage(self, tensor: TFTensor) -> SharedStorage | None:
+        """None: TensorFlow memory is never registered with the daemon."""
+        return None

@@ -1,0 +1,153 @@
+"""Moves torch tensors in and out of the shared-memory arena.
+
+CPU tensors are copied straight into the arena. CUDA tensors take the same path: the arena is
+registered as pinned host memory once, the device-to-host copy is issued non-blocking on the
+tensor's current stream and synchronized before the request is submitted; results come back with a
+non-blocking host-to-device copy that is synchronized before the arena slot is reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+
+import numpy as np
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from decent.core.arena import ClientArena
+from decent.core.regions import SharedStorage
+from decent_wire.v1 import decent_pb2 as pb
+
+_TO_WIRE = {
+    torch.float16: pb.FLOAT16,
+    torch.bfloat16: pb.BFLOAT16,
+    torch.float32: pb.FLOAT32,
+    torch.float64: pb.FLOAT64,
+    torch.int32: pb.INT32,
+    torch.int64: pb.INT64,
+}
+_FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
+
+
+def _address(buf: memoryview) -> int:
+    return int(np.frombuffer(buf, np.uint8).ctypes.data)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A contiguous CPU tensor: its bytes can be moved with one memmove (faster than a
+    single-threaded torch copy, and it releases the GIL)."""
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
+def _host_view(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
+class TorchCodec:
+    """The torch side of the arena hand-off."""
+
+    framework = "torch"
+
+    def __init__(self) -> None:
+        self._pinned = False
+
+    def describe(self, tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+        """Wire dtype and shape of ``tensor``."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        try:
+            return _TO_WIRE[tensor.dtype], tuple(tensor.shape)
+        except KeyError:
+            names = ", ".join(str(d).replace("torch.", "") for d in _TO_WIRE)
+            raise TypeError(f"dtype {tensor.dtype} is not supported (use one of {names})") from None
+
+    def attach(self, arena: ClientArena) -> None:
+        """Pin the arena for asynchronous GPU copies when CUDA is present."""
+        if not torch.cuda.is_available():
+            return
+        base = np.frombuffer(arena.buf, np.uint8)
+        ptr = base.ctypes.data_as(ctypes.c_void_p).value
+        with contextlib.suppress(Exception):
+            err = torch.cuda.cudart().cudaHostRegister(ptr, arena.nbytes, 0)
+            self._pinned = int(err) == 0
+
+    def write(self, tensor: torch.Tensor, dst: memoryview) -> None:
+        """Copy ``tensor`` into ``dst`` (device tensors: non-blocking D2H, then synchronize)."""
+        src = tensor.detach()
+        if _plain(src) and len(dst):
+            ctypes.memmove(_address(dst), src.data_ptr(), len(dst))
+            return
+        host = _host_view(dst, tensor.dtype, tuple(tensor.shape))
+        if src.is_cuda:
+            host.copy_(src, non_blocking=self._pinned)
+            torch.cuda.current_stream(src.device).synchronize()
+        else:
+            host.copy_(src)
+
+    def read(self, src: memoryview, dtype: int, shape: tuple[int, ...],
+             like: torch.Tensor | None) -> torch.Tensor:
+        """A new tensor with the result, on ``like``'s device."""
+        host = _host_view(src, _FROM_WIRE[dtype], shape)
+        if like is not None and like.is_cuda:
+            out = torch.empty(shape, dtype=host.dtype, device=like.device)
+            out.copy_(host, non_blocking=self._pinned)
+            torch.cuda.current_stream(like.device).synchronize()
+            return out
+        out = torch.empty(shape, dtype=host.dtype)
+        if len(src):
+            ctypes.memmove(out.data_ptr(), _address(src), len(src))
+        return out
+
+    def read_into(self, src: memoryview, into: torch.Tensor) -> torch.Tensor:
+        """Copy the result into ``into`` (same dtype and shape) and return it."""
+        if _plain(into) and len(src):
+            ctypes.memmove(into.data_ptr(), _address(src), len(src))
+            return into
+        host = _host_view(src, into.dtype, tuple(into.shape))
+        with torch.no_grad():
+            into.copy_(host, non_blocking=into.is_cuda and self._pinned)
+        if into.is_cuda:
+            torch.cuda.current_stream(into.device).synchronize()
+        return into
+
+    def address(self, tensor: torch.Tensor) -> int | None:
+        """Host address of a contiguous CPU tensor's bytes (None otherwise)."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        return int(tensor.data_ptr())
+
+    def wrap(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor over ``owner``'s bytes (torch keeps ``owner`` alive as long as the storage)."""
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=_FROM_WIRE[dtype])
+        return torch.frombuffer(owner, dtype=_FROM_WIRE[dtype]).view(shape)
+
+    def shared_storage(self, tensor: torch.Tensor) -> SharedStorage | None:
+        """A contiguous CPU tensor's storage if it is in torch's fd-backed shared memory
+        (``share_memory_()`` with the default file_descriptor strategy); None for private or
+        file_system-shared storages, which are never moved."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        st = tensor.untyped_storage()
+        if st.nbytes() == 0 or not st.is_shared():
+            return None
+        try:
+            fd = int(st._get_shared_fd())  # type: ignore[attr-defined]
+        except RuntimeError:
+            return None
+        # torch's fd strategy keeps an unlinked /dev/shm file open; anything else (a file mapped
+        # by from_file, maybe privately) is not memory the daemon may map and write
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}") if fd >= 0 else ""
+        except OSError:
+            return None
+        if not target.startswith("/dev/shm/"):
+            return None
+        ref = StorageWeakRef(st)
+        return SharedStorage(int(st.data_ptr()), int(st.nbytes()), lambda: not ref.expired(), fd)

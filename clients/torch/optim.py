@@ -1,0 +1,273 @@
+"""PyTorch adapter of the decentralized algorithms (:mod:`decent.core.algorithms`).
+
+    opt = dt.DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    model, algorithm="dsgd")   # DmSGD on the daemon's topology
+    for x, y in loader:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+The wrapped optimizer's own step (lr, momentum, weight decay, Adam, ...) is the local update; the
+algorithm turns it into the decentralized one. With ``model``, exchanges that need only the
+current parameters start in a forward pre-hook and overlap forward and backward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from decent.core.algorithms import (
+    Algorithm,
+    AlgorithmError,
+    State,
+    consensus_distance,
+    make_algorithm,
+)
+from decent.torch import state as state_format
+from decent.torch.client import TorchClient, default_client
+from decent.torch.flat import flatten_parameters
+
+_prefixes = itertools.count()
+
+
+def _default_client() -> TorchClient:
+    return default_client.init()
+
+
+def _where(params: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Each parameter's identity and address: a layout stays valid while these do."""
+    return [(id(p), p.data_ptr()) for p in params]
+
+
+class DecentralizedOptimizer:
+    """Wraps a torch optimizer so that its step becomes one step of ``algorithm``.
+
+    ``options``: ``topology`` (a kind name, a ``decent_wire.topology.Topology`` or a networkx graph;
+    default: the daemon's), ``communication_interval`` (average every k-th step), and the
+    algorithm's own (``period`` for pga, ``beta`` for decentlam). The algorithm's state lives in
+    the wrapped optimizer's ``state`` and its counters in :meth:`state_dict`, so checkpoints
+    restore both.
+
+    ``flatten`` (default True): for the algorithms whose update is ``x' = M (x - d)`` (dsgd,
+    dmsgd, allreduce, pga), CPU parameters move into one shared-memory buffer per dtype
+    (:func:`decent.torch.flat.flatten_parameters`) and each step averages those buffers in place,
+    with no per-step clone or copy of the model. Numpy views of a parameter taken before no
+    longer follow it, and ``torch.save`` of one parameter writes its whole buffer (save
+    ``.clone()``s or the model's state dict). When the parameters change (``model.double()``,
+    ``add_param_group``), the next step lays them out again. If any parameter cannot be moved
+    (not a dense contiguous CPU tensor, tied to another, or among several already in shared
+    memory, as after ``model.share_memory()``), every parameter takes the general path, which
+    copies; ``flattened`` tells which path the last step took. The path must be the same on
+    every rank (the same ``flatten``, the same kind of parameters): otherwise the first exchange
+    fails with a mismatch naming the tensor. On the flat path an op that fails leaves the
+    parameters partly averaged (the daemon writes results as they arrive): after a DecentError,
+    restore them from a checkpoint.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
+                 algorithm: str = "dsgd", client: TorchClient | None = None,
+                 flatten: bool = True, **options: Any) -> None:
+        self.optimizer = optimizer
+        self.client = client if client is not None else _default_client()
+        options.setdefault("prefix", f"decent.opt{next(_prefixes)}")
+        self.algorithm: Algorithm[torch.Tensor] = make_algorithm(algorithm, self.client,
+                                                                 **options)
+        self.algorithm.check_optimizer(optimizer.param_groups)
+        self.algorithm.prepare([p.detach() for p in self._params()])
+        self._flatten = flatten and self.algorithm.in_place
+        #: the flat parameter buffers that :meth:`step` averages in place, or None
+        self._flat: list[torch.Tensor] | None = None
+        self._layout: list[tuple[int, int]] = []  # (id, data_ptr) of each parameter when laid out
+        self._lay_out()
+        self._started = False
+        self._hook = model.register_forward_pre_hook(self._before_forward) \
+            if model is not None else None
+
+    # ------------------------------------------------------------------ what torch expects
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's state (the algorithm's per-parameter state included)."""
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _states(self, params: list[torch.nn.Parameter]) -> list[State]:
+        return [self.optimizer.state[p].setdefault("decent", {}) for p in params]
+
+    def _before_forward(self, *_args: Any) -> None:
+        if not self._started and torch.is_grad_enabled():
+            self._start()
+
+    def _lay_out(self) -> None:
+        """Flatten the parameters again if they are not where the last layout left them (a new
+        param group, ``model.double()``, a reassigned ``.data``)."""
+        if not self._flatten:
+            return
+        params = self._params()
+        if _where(params) == self._layout:
+            return
+        ours = {f.untyped_storage().data_ptr() for f in self._flat or []}
+        self._flat = flatten_parameters(params, ours)
+        self._layout = _where(params)  # flattening moved them
+
+    @property
+    def flattened(self) -> bool:
+        """Whether the parameters live in flat shared buffers averaged in place."""
+        return self._flat is not None
+
+    @property
+    def flat_buffers(self) -> list[torch.Tensor]:
+        """The flat shared buffers the parameters are views of, one per dtype (none unless
+        :attr:`flattened`)."""
+        return list(self._flat or [])
+
+    def _start(self) -> None:
+        if self.algorithm.starts_early:
+            params = self._params()
+            self.algorithm.start([p.detach().clone() for p in params], self._states(params))
+        self._started = True
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One local update by the wrapped optimizer, then the algorithm's combine."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._started:
+            self._start()
+        self._lay_out()
+        if self._flat is not None:
+            self.optimizer.step()  # x - d, written into the flat buffers
+            self.algorithm.finish_in_place(self._flat)
+            self.algorithm.advance()
+            self._started = False
+            return loss
+        params = self._params()
+        xs = [p.detach().clone() for p in params]
+        self.optimizer.step()
+        ds = [x - p.detach() for x, p in zip(xs, params, strict=True)]
+        new = self.algorithm.finish(xs, ds, self._states(params))
+        for p, value in zip(params, new, strict=True):
+            p.copy_(value)
+        self.algorithm.advance()
+        self._started = False
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict plus the algorithm's counters."""
+        out = self.optimizer.state_dict()
+        out["decent"] = {"algorithm": self.algorithm.name, "iteration": self.algorithm.iteration,
+                         "exchanges": self.algorithm.exchanges}
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the algorithm must be the same)."""
+        state = dict(state)
+        counters = state.pop("decent", None)
+        if counters is not None and counters.get("algorithm") != self.algorithm.name:
+            raise AlgorithmError(f"checkpoint was written by algorithm "
+                                 f"{counters.get('algorithm')!r}, this optimizer runs "
+                                 f"{self.algorithm.name!r}")
+        self.optimizer.load_state_dict(state)
+        if counters is not None:
+            self.algorithm.iteration = int(counters["iteration"])
+            self.algorithm.exchanges = int(counters["exchanges"])
+
+    def close(self) -> None:
+        """Remove the forward hook."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                         root: int = 0, client: TorchClient | None = None) -> None:
+    """Overwrite every tensor (``model.state_dict()`` or ``named_parameters()``) with ``root``'s,
+    in place."""
+    client = client if client is not None else _default_client()
+    items = sorted(params.items() if isinstance(params, Mapping) else params)
+    handles = [client.broadcast_async_(t.data if isinstance(t, torch.nn.Parameter) else t,
+                                       root=root, name=f"decent.bcast.{name}")
+               for name, t in items]
+    for h in handles:
+        h.wait()
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer | DecentralizedOptimizer,
+                              root: int = 0, client: TorchClient | None = None) -> None:
+    """Give every rank ``root``'s optimizer state (momentum buffers, steps, the algorithm's
+    state and counters), whatever state the others had.
+
+    The state travels as tensors and plain values (:mod:`decent.torch.state`), never as a pickle:
+    a peer can send wrong numbers, not code.
+    """
+    client = client if client is not None else _default_client()
+    tensors: list[torch.Tensor] = []
+    meta = b""
+    if client.rank == root:
+        skeleton = state_format.flatten(optimizer.state_dict(), tensors)
+        meta = json.dumps({"skeleton": skeleton,
+                           "tensors": [state_format.describe(t) for t in tensors]}).encode()
+    announced = _broadcast_bytes(client, meta, root)
+    if client.rank == root:
+        for i, t in enumerate(tensors):
+            client.broadcast(state_format.on_wire(t), root=root, name=f"decent.optstate.{i}")
+        return
+    try:
+        received = json.loads(announced)
+        descriptions = received["tensors"]
+        if not isinstance(descriptions, list):
+            raise state_format.StateFormatError("no tensor list")
+        values = []
+        for i, desc in enumerate(descriptions):
+            dtype, wire = state_format.receiving(desc)
+            client.broadcast_(wire, root=root, name=f"decent.optstate.{i}")
+            values.append(state_format.from_wire(dtype, wire))
+        state = state_format.unflatten(received["skeleton"], values)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise AlgorithmError(f"rank {root} sent an optimizer state this rank cannot read: "
+                             f"{exc}") from None
+    optimizer.load_state_dict(state)
+
+
+#: the largest state description a rank accepts from the root (the tensors travel apart)
+MAX_STATE_META = 256 << 20
+
+
+def _broadcast_bytes(client: TorchClient, data: bytes, root: int) -> bytes:
+    """``root``'s ``data`` on every rank (as int64 words: the wire has no uint8)."""
+    size = int(client.broadcast(torch.tensor([len(data)], dtype=torch.int64), root=root,
+                                name="decent.optstate.size")[0])
+    if not 0 <= size <= MAX_STATE_META:
+        raise AlgorithmError(f"rank {root} announced an optimizer state description of "
+                             f"{size} bytes (at most {MAX_STATE_META})")
+    blob = torch.zeros(-(-size // 8), dtype=torch.int64)
+    if client.rank == root:
+        blob.view(torch.uint8)[:size] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    got = client.broadcast(blob, root=root, name="decent.optstate")
+    return bytes(got.view(torch.uint8)[:size].numpy().tobytes())
+
+
+def consensus(params: Iterable[torch.Tensor], client: TorchClient | None = None) -> float:
+    """The consensus distance ``sum_i ||x_i - mean||^2`` over the ranks (the same everywhere)."""
+    client = client if client is not None else _default_client()
+    return consensus_distance(client, [p.detach() for p in params],
+                              lambda t: (t.double() ** 2).sum(), lambda t: float(t))

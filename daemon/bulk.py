@@ -1,0 +1,404 @@
+"""The bulk data path between daemons: raw TCP, protobuf headers, tensor bytes never copied twice.
+
+A frame is a ``BulkHeader`` framed as :mod:`decent_wire.framing` frames it, then the header's
+``payload_bytes`` of raw data. Each direction of a peer pair has its own connection:
+
+* :class:`Sender` owns the outgoing socket. When nothing is queued, the event loop writes what the
+  socket takes of a frame's head with a non-blocking ``sendmsg``; the rest goes to the sender's
+  thread, which writes it with blocking ``sendmsg`` calls (the GIL is released while the kernel
+  copies) directly from the worker's shared-memory slot.
+* :class:`Inbound` is an ``asyncio.BufferedProtocol`` on the incoming socket. Headers are parsed
+  from a reused scratch buffer; a payload is received straight into the buffer its consumer
+  provides (``recv_into`` semantics, no per-chunk objects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, cast
+
+import numpy as np
+
+from decent_wire import framing
+from decent_wire.v1 import decent_pb2 as pb
+
+log = logging.getLogger("decentd.bulk")
+
+#: headers are small (a name and a shape per part); a larger one means a broken stream
+MAX_HEADER = 16 << 20
+SCRATCH = 256 << 10
+#: a payload being received wakes the event loop (and reports its progress) once this much more
+#: has arrived; fewer wakeups mean less interpreter work per byte
+LOW_WATER = 4 << 20
+#: ... but toward its end at half of what is left, down to this: the last wakeup then has little
+#: left to fold, which is what the op waits for after the last byte
+TAIL = 256 << 10
+#: the sender thread writes at most this much per call, and updates its progress in between
+SLICE = 1 << 20
+#: when nothing is queued, the event loop writes what the socket takes of a frame's first this
+#: many bytes at once; the sender thread writes the rest (the link starts without a thread switch)
+DIRECT_HEAD = 2 << 20
+
+Buffer = bytes | bytearray | memoryview
+
+
+def next_step(remaining: int) -> int:
+    """Bytes of a payload to wait for before the next wakeup, with ``remaining`` still to come."""
+    return max(min(LOW_WATER, remaining // 2), min(remaining, TAIL))
+
+
+def tune(sock: socket.socket) -> None:
+    """TCP options for the bulk path: no Nagle delay. Buffer sizes are left to the kernel's
+    autotuning, which grows them past what SO_SNDBUF/SO_RCVBUF may set (net.core.*mem_max)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+@dataclass
+class Outgoing:
+    """One frame waiting for the sender thread."""
+
+    buffers: list[Buffer]
+    on_done: Callable[[BaseException | None], None] | None
+    abandoned: bool = False  # its op was cancelled: skip it if not started
+    started: bool = False
+    sent: int = 0  # bytes of the whole frame in the kernel so far (header included)
+
+
+def _take(buffers: list[Buffer], limit: int) -> list[Buffer]:
+    """The first ``limit`` bytes of ``buffers`` (at most 64 of them)."""
+    out: list[Buffer] = []
+    for b in buffers[:64]:
+        n = len(b)
+        if n >= limit:
+            out.append(memoryview(b)[:limit])
+            break
+        out.append(b)
+        limit -= n
+    return out
+
+
+def _advance(buffers: list[Buffer], sent: int) -> list[Buffer]:
+    """What is left of ``buffers`` after ``sent`` bytes went out."""
+    rest: list[Buffer] = []
+    for b in buffers:
+        n = len(b)
+        if sent >= n:
+            sent -= n
+            continue
+        rest.append(memoryview(b)[sent:] if sent else b)
+        sent = 0
+    return rest
+
+
+class Sender:
+    """The outgoing connection to one peer: frames go out whole and in order."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, peer: int) -> None:
+        self.sock = sock
+        self.loop = loop
+        self.peer = peer
+        self.bytes_sent = 0
+        self.error: BaseException | None = None
+        self._cv = threading.Condition()
+        self._queue: collections.deque[Outgoing] = collections.deque()
+        self._busy = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"decentd-send-{peer}")
+        self._thread.start()
+
+    def send(self, buffers: list[Buffer],
+             on_done: Callable[[BaseException | None], None] | None = None) -> Outgoing | None:
+        """Queue one frame (header and payload buffers); ``on_done`` runs on the event loop.
+
+        Returns the queued item (to abandon it), or None when it went out at once.
+        """
+        total = sum(len(b) for b in buffers)
+        with self._cv:
+            if self.error is not None or self._closed:
+                err = self.error or ConnectionError(f"connection to rank {self.peer} is closed")
+                if on_done is not None:
+                    on_done(err)
+                return None
+            if not self._busy and not self._queue:
+                head = _take(buffers, DIRECT_HEAD)  # at most 64 buffers: well within IOV_MAX
+                try:
+                    sent = self.sock.sendmsg(head, (), socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as exc:
+                    self._broken(exc)
+                    if on_done is not None:
+                        on_done(exc)
+                    return None
+                self.bytes_sent += sent
+                if sent == total:
+                    if on_done is not None:
+                        on_done(None)
+                    return None
+                buffers = _advance(buffers, sent)
+                total -= sent
+                # part of the frame is on the wire: the rest must follow, whatever happens
+                item = Outgoing(buffers, on_done, started=sent > 0, sent=sent)
+                self._queue.append(item)
+                self._cv.notify()
+                return item
+            item = Outgoing(buffers, on_done)
+            self._queue.append(item)
+            self._cv.notify()
+            return item
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or going out."""
+        with self._cv:
+            return not self._busy and not self._queue
+
+    def abandon(self, item: Outgoing) -> bool:
+        """Skip ``item`` if the thread has not started it; True when it is already going out."""
+        with self._cv:
+            item.abandoned = True
+            return item.started
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                if item.abandoned and not item.started:
+                    self._done(item, asyncio.CancelledError())
+                    continue
+                item.started = True
+                self._busy = True
+            err: BaseException | None = None
+            try:
+                buffers = item.buffers
+                while buffers:  # in slices, so that progress is visible (Outgoing.sent)
+                    sent = self.sock.sendmsg(_take(buffers, SLICE))
+                    self.bytes_sent += sent
+                    item.sent += sent
+                    buffers = _advance(buffers, sent)
+            except OSError as exc:
+                err = exc
+            with self._cv:
+                self._busy = False
+                if err is not None:
+                    self._broken(err)
+            self._done(item, err)
+
+    def _done(self, item: Outgoing, err: BaseException | None) -> None:
+        item.buffers = []
+        if item.on_done is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                self.loop.call_soon_threadsafe(item.on_done, err)
+
+    def _broken(self, exc: BaseException) -> None:
+        """The connection failed: every queued frame fails with it (lock held)."""
+        if self.error is None:
+            self.error = exc
+        while self._queue:
+            self._done(self._queue.popleft(), exc)
+
+    def abort(self) -> None:
+        """Break the connection now: a write blocked on a peer that stopped reading fails."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Stop after what is queued; the socket is shut down for writing."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=2.0)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+        self.sock.close()
+
+
+class FrameSink(Protocol):
+    """Where an :class:`Inbound` connection delivers what it reads."""
+
+    def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
+        """A header arrived; return the uint8 buffer of exactly its payload's size that the
+        payload is received into (None: no payload)."""
+
+    def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
+        """A whole frame (header and payload) arrived."""
+
+    def on_progress(self, conn: Inbound, header: pb.BulkHeader, dest: np.ndarray,
+                    filled: int) -> None:
+        """``dest[:filled]`` of a payload still being received has arrived."""
+
+    def on_lost(self, conn: Inbound, reason: str) -> None:
+        """The connection ended."""
+
+
+@dataclass
+class _Partial:
+    """A payload being received in place."""
+
+    header: pb.BulkHeader
+    dest: np.ndarray
+    view: memoryview
+    filled: int = 0
+    reported: int = 0  # progress last reported at
+
+
+@dataclass(eq=False)
+class Inbound(asyncio.BufferedProtocol):
+    """One incoming bulk connection: a frame parser that receives payloads in place."""
+
+    sink: FrameSink
+    src: int = -1  # set by the HELLO frame
+    bytes_received: int = 0
+    transport: asyncio.Transport | None = None
+    _scratch: bytearray = field(default_factory=lambda: bytearray(SCRATCH))
+    _start: int = 0
+    _end: int = 0
+    _partial: _Partial | None = None
+    _closed: bool = False
+    _sock: socket.socket | None = None
+    _lowat: int = 1
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Tune the socket."""
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._sock = transport.get_extra_info("socket")
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                tune(self._sock)
+
+    def _low_water(self, nbytes: int) -> None:
+        """Wake the loop only once ``nbytes`` are readable (SO_RCVLOWAT): a payload trickling
+        in over a slow link is then read in large pieces instead of a packet at a time."""
+        nbytes = max(1, nbytes)
+        if nbytes != self._lowat and self._sock is not None:
+            with contextlib.suppress(OSError, AttributeError):
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+                self._lowat = nbytes
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """The payload being received, else free scratch space."""
+        if self._partial is not None:
+            return self._partial.view[self._partial.filled:]
+        if self._end == len(self._scratch):
+            pending = self._end - self._start
+            if self._start:
+                self._scratch[:pending] = self._scratch[self._start:self._end]
+                self._start, self._end = 0, pending
+            else:  # one header larger than the scratch buffer (a new one: the old may be exported)
+                grown = bytearray(2 * len(self._scratch))
+                grown[:pending] = self._scratch
+                self._scratch = grown
+        return memoryview(self._scratch)[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """Advance the payload in progress, or parse the frames now complete in scratch."""
+        self.bytes_received += nbytes
+        part = self._partial
+        if part is not None:
+            part.filled += nbytes
+            if part.filled == part.dest.size:
+                self._partial = None
+                self._low_water(1)
+                self._deliver(part.header, part.dest)
+            else:
+                self._low_water(next_step(part.dest.size - part.filled))
+                if part.filled - part.reported >= next_step(part.dest.size - part.reported):
+                    part.reported = part.filled
+                    try:
+                        self.sink.on_progress(self, part.header, part.dest, part.filled)
+                    except Exception:  # a bug in a consumer must not take the link down
+                        log.exception("progress callback failed")
+            return
+        self._end += nbytes
+        try:
+            self._parse()
+        except ValueError as exc:
+            self.fail(f"malformed frame: {exc}")
+
+    def _parse(self) -> None:
+        buf = self._scratch
+        length = framing.LENGTH
+        while not self._closed:
+            hlen = framing.body_length(buf, self._start, self._end, MAX_HEADER)
+            if hlen is None or self._end - self._start < length + hlen:
+                break
+            header = pb.BulkHeader()
+            try:
+                header.ParseFromString(bytes(buf[self._start + length:self._start + length + hlen]))
+            except Exception as exc:  # protobuf's DecodeError
+                raise ValueError(f"undecodable header ({exc})") from None
+            self._start += length + hlen
+            size = header.payload_bytes
+            dest = self.sink.on_header(self, header) if size else None
+            if size and (dest is None or dest.size != size):
+                raise ValueError(f"no buffer for a {size}-byte payload")
+            if dest is None:
+                self._deliver(header, None)
+                continue
+            take = min(size, self._end - self._start)
+            if take:
+                dest[:take] = np.frombuffer(buf, np.uint8, take, self._start)
+                self._start += take
+            if take == size:
+                self._deliver(header, dest)
+                continue
+            self._partial = _Partial(header, dest, dest.data, take)
+            self._low_water(next_step(size - take))
+            break
+        if self._start == self._end:
+            self._start = self._end = 0
+        if self._partial is not None and len(self._scratch) > SCRATCH:
+            self._scratch = bytearray(SCRATCH)  # shrink after a huge header
+
+    def _deliver(self, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
+        try:
+            self.sink.on_frame(self, header, payload)
+        except ValueError as exc:
+            self.fail(f"malformed frame: {exc}")
+
+    def receiving_into(self, dest: np.ndarray) -> bool:
+        """Whether the payload being received goes into ``dest``."""
+        return self._partial is not None and self._partial.dest is dest
+
+    def redirect(self, dest: np.ndarray, into: np.ndarray) -> bool:
+        """If the payload being received goes into ``dest``, send the rest into ``into``
+        instead (same size; what already arrived is not copied). True when it did."""
+        part = self._partial
+        if part is None or part.dest is not dest:
+            return False
+        part.dest, part.view = into, into.data
+        return True
+
+    def take_partial(self) -> tuple[pb.BulkHeader, np.ndarray] | None:
+        """The header and destination of a payload cut off mid-way (to return its buffer)."""
+        part, self._partial = self._partial, None
+        return None if part is None else (part.header, part.dest)
+
+    def fail(self, reason: str) -> None:
+        """Close this connection (and only this one) after a protocol error."""
+        if self._closed:
+            return
+        log.error("bulk connection from rank %d: %s; closing it", self.src, reason)
+        self._closed = True
+        if self.transport is not None:
+            self.transport.abort()
+        self.sink.on_lost(self, reason)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The peer closed the connection or it broke."""
+        if self._closed:
+            return
+        self._closed = True
+        self.sink.on_lost(self, "stream closed" if exc is None else type(exc).__name__)

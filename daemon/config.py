@@ -1,0 +1,231 @@
+"""Node configuration (``node.yaml``), validated with pydantic.
+
+Every value has a default, so a local run needs no file. Command-line flags override the file;
+``--set a.b=value`` overrides any key. Errors name the key and the bad value.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from decent_wire import topology
+from decentd.errors import StartupError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TopologyConfig(_Strict):
+    """Which graph the daemon averages over, and its weights."""
+
+    kind: str = "ring"
+    #: ``uniform`` (1/(in_degree+1)) or ``metropolis`` (Metropolis-Hastings, undirected graphs)
+    scheme: Literal["uniform", "metropolis"] = "uniform"
+    #: the kind's options: ``rows`` (torus), ``seed`` (random-matching), ``group_size`` and
+    #: ``mean`` (wagma)
+    options: dict[str, int | str] = Field(default_factory=dict)
+    #: kind ``custom``: ``[[src, dst], ...]`` or ``[[src, dst, weight], ...]`` (the weight dst
+    #: gives src), and optionally ``self_weights: {rank: w}``
+    edges: list[list[float]] | None = None
+    self_weights: dict[int, float] | None = None
+    #: optional explicit weights: ``{receiver: {sender: w}}``; a receiver's self weight is
+    #: ``weights[i][i]``. Edges listed here replace the kind's edges for that receiver.
+    weights: dict[int, dict[int, float]] | None = None
+
+    def build(self, size: int) -> topology.Topology:
+        """The topology over ``size`` ranks (TopologyError says what is wrong)."""
+        options: dict[str, Any] = dict(self.options)
+        if self.edges is not None:
+            options["edges"] = self.edges
+        if self.self_weights is not None:
+            options["self_weights"] = self.self_weights
+        return topology.from_spec({"kind": self.kind, "scheme": self.scheme, "options": options,
+                                   "weights": self.weights}, size)
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        if kind not in topology.kinds():
+            raise ValueError(f"unknown topology {kind!r}; known: {', '.join(topology.kinds())}")
+        return kind
+
+
+class TimeoutConfig(_Strict):
+    """Timeouts, in seconds."""
+
+    start: float = Field(60.0, gt=0, description="how long to wait for all peers at start")
+    op: float = Field(60.0, gt=0, description="default per-op timeout")
+    stall_warning: float = Field(10.0, gt=0, description="log the ranks an op waits on after this")
+    heartbeat: float = Field(2.0, gt=0, description="heartbeat interval between peers")
+    shutdown: float = Field(5.0, ge=0, description="grace period for in-flight ops at SIGTERM")
+
+
+class MemoryConfig(_Strict):
+    """Memory bounds."""
+
+    arena_bytes: int = Field(256 << 20, ge=1 << 20, description="shared-memory arena per worker")
+    early_arrival_bytes: int = Field(
+        1 << 30, ge=0,
+        description="receive window: bytes peers may send before the op that takes them runs "
+        "here (split between peers, at least 1 MiB each); a larger message waits for that op",
+    )
+    pool_bytes: int = Field(
+        512 << 20, ge=0,
+        description="idle receive buffers kept for the next step's messages (same sizes recur "
+        "every step); buffers past this are freed",
+    )
+    max_regions: int = Field(
+        4096, ge=0,
+        description="shared-memory tensors a worker may register (each mapping holds a file "
+        "descriptor in the daemon); past this, its tensors are copied through the arena",
+    )
+
+
+class TransportConfig(_Strict):
+    """Peer transport tuning."""
+
+    data_port: int = Field(
+        0, ge=0, le=65535,
+        description="TCP port for bulk tensor data next to the gRPC port (0: any free port; "
+        "peers learn it in the handshake)",
+    )
+    ring_threshold_bytes: int = Field(
+        256 << 10, ge=0, description="allreduce uses the ring at or above this size"
+    )
+
+
+class NodeConfig(_Strict):
+    """Everything one ``decentd`` needs to know."""
+
+    cluster_id: str = Field("decent", min_length=1)
+    #: this node's rank, or "auto": $DECENT_RANK, $RANK, $SLURM_PROCID, else the trailing ordinal
+    #: of the hostname (Kubernetes StatefulSet pods are ``name-0``, ``name-1``, ...)
+    rank: int | Literal["auto"] = 0
+    #: peer addresses ``host:port`` indexed by rank, this node included; empty: a one-node cluster
+    peers: list[str] = Field(default_factory=list)
+    #: where to listen for peers; default ``0.0.0.0:<port of peers[rank]>``
+    listen: str | None = None
+    #: Unix socket for local workers
+    socket: str = Field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "decentd.sock"))
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("peers")
+    @classmethod
+    def _check_peers(cls, peers: list[str]) -> list[str]:
+        for address in peers:
+            if not re.fullmatch(r"\[?[\w.\-:]+\]?:\d{1,5}", address):
+                raise ValueError(f"peer address {address!r} is not host:port")
+        if len(set(peers)) != len(peers):
+            raise ValueError("peer addresses must be distinct")
+        return peers
+
+    @model_validator(mode="after")
+    def _check_rank(self) -> NodeConfig:
+        if isinstance(self.rank, int) and self.peers and not 0 <= self.rank < len(self.peers):
+            raise ValueError(f"rank {self.rank} is outside peers (there are {len(self.peers)})")
+        if isinstance(self.rank, int) and self.rank < 0:
+            raise ValueError(f"rank must be >= 0, got {self.rank}")
+        return self
+
+    @property
+    def size(self) -> int:
+        """Number of nodes in the cluster."""
+        return max(1, len(self.peers))
+
+    def resolved_rank(self) -> int:
+        """The numeric rank, deriving it from the environment when ``rank: auto``."""
+        if isinstance(self.rank, int):
+            return self.rank
+        for var in ("DECENT_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+            if os.environ.get(var, "").isdigit():
+                return int(os.environ[var])
+        match = re.search(r"-(\d+)$", socket.gethostname())
+        if match:
+            return int(match.group(1))
+        raise StartupError(
+            "config error: rank: 'auto' found none of $DECENT_RANK, $RANK, $SLURM_PROCID and the "
+            f"hostname {socket.gethostname()!r} has no trailing -N ordinal"
+        )
+
+    def listen_address(self) -> str:
+        """The TCP address the peer service binds."""
+        if self.listen:
+            return self.listen
+        if self.peers:
+            port = self.peers[self.resolved_rank()].rsplit(":", 1)[1]
+            return f"0.0.0.0:{port}"
+        return "127.0.0.1:0"
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        key = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        value = item.get("input")
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key (value {value!r})")
+        else:
+            lines.append(f"{key}: {item['msg']} (got {value!r})")
+    return "config error: " + "; ".join(lines)
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise StartupError(f"config error: {dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> NodeConfig:
+    """Read ``path`` (YAML, optional), apply dotted-key ``overrides``, validate.
+
+    Raises StartupError with a message that names the bad key and value.
+    """
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise StartupError(f"config error: cannot read {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise StartupError(f"config error: {path} is not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            kind = type(loaded).__name__
+            raise StartupError(f"config error: {path} must hold a mapping, not a {kind}")
+        data = loaded
+    for key, value in (overrides or {}).items():
+        _set_path(data, key, value)
+    try:
+        return NodeConfig.model_validate(data)
+    except ValidationError as exc:
+        raise StartupError(_format_error(exc)) from None
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """Turn ``--set a.b=v`` items into overrides; values are parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise StartupError(f"config error: --set {item!r} is not key=value")
+        key, raw = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(raw)
+    return out

@@ -1,0 +1,241 @@
+"""The request engine: validates worker requests, runs each as a task, times out, aborts, reports.
+
+Every request is keyed by (name, round) and involves only the peers its op needs. A failure
+(mismatch, timeout, a peer gone) fails the op here and is sent as ABORT to the op's other
+participants, so both sides of a disagreement fail with the same message instead of one of them
+hanging. A stall inspector logs the ranks an op is still waiting for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from decent_wire import dtypes
+from decent_wire.errors import DecentError
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.arena import Arena
+from decentd.mailbox import OpKey
+from decentd.names import JOB_SEPARATOR, qualify
+from decentd.ops.api import OpContext, OpSpec, PartSpec, Services
+
+log = logging.getLogger("decentd.engine")
+
+#: the OpType of each field of ``SubmitRequest.op`` (a field is named after its OpType)
+OP_OF_FIELD: dict[str, int] = {
+    f.name: pb.OpType.Value(f.name.upper())
+    for f in pb.SubmitRequest.DESCRIPTOR.oneofs_by_name["op"].fields
+}
+
+
+@dataclass
+class WorkerSession:
+    """One registered local worker: its arena and the channel its completions go out on."""
+
+    worker_id: str
+    pid: int
+    framework: str
+    arena: Arena
+    job: str = ""
+    in_flight: set[OpKey] = field(default_factory=set)
+    attached: bool = False
+    #: writes one completion to the worker's data channel (set when the worker attaches)
+    deliver: Callable[[pb.Completion], None] | None = None
+
+    def complete(self, completion: pb.Completion) -> None:
+        """Send a completion to the worker (dropped if it is gone)."""
+        if self.deliver is not None:
+            self.deliver(completion)
+
+
+class Engine:
+    """Runs requests; one per daemon."""
+
+    def __init__(self, services: Services, ops: Mapping[int, OpSpec], default_timeout: float,
+                 stall_warning: float) -> None:
+        self.services = services
+        self.rank = services.rank
+        self.ops = ops
+        self.default_timeout = default_timeout
+        self.stall_warning = stall_warning
+        self.running: dict[OpKey, OpContext] = {}
+        self.completed = 0
+        self.failed = 0
+        self.closing = False
+
+    # ------------------------------------------------------------------ submission
+
+    def submit(self, session: WorkerSession, req: pb.SubmitRequest) -> None:
+        """Validate and start one request; DecentError when it is refused outright."""
+        if self.closing:
+            raise DecentError(pb.SHUTTING_DOWN, f"daemon rank {self.rank} is shutting down")
+        ctx = self._context(session, req)
+        keys = ctx.keys
+        for key, p in zip(keys, ctx.parts, strict=True):
+            if key in self.running:
+                raise DecentError(pb.INVALID_ARGUMENT, f"'{p.display}' round {p.round} is "
+                                                       f"already in flight on rank {self.rank}")
+        if len(set(keys)) != len(keys):
+            raise DecentError(pb.INVALID_ARGUMENT, f"fused request '{ctx.display}' names a "
+                                                   "tensor twice")
+        for key in keys:
+            self.running[key] = ctx
+            session.in_flight.add(key)
+        for src, error in self.services.mailbox.open(keys, ctx):
+            ctx.aborted(src, error)
+        timeout = req.timeout_s or self.default_timeout
+        ctx.task = asyncio.get_running_loop().create_task(
+            self._run(ctx, session, timeout, req.request_id))
+
+    def _context(self, session: WorkerSession, req: pb.SubmitRequest) -> OpContext:
+        """The request's op, arguments and tensors, checked."""
+        which = req.WhichOneof("op")
+        op = OP_OF_FIELD.get(which or "")
+        spec = self.ops.get(op) if op is not None else None
+        if op is None or spec is None:
+            raise DecentError(pb.INVALID_ARGUMENT, f"request {req.request_id} names no op this "
+                                                   f"daemon runs ({which})")
+        first = req.tensors[0].name if req.tensors else "?"
+        if not math.isfinite(req.timeout_s) or req.timeout_s < 0:
+            raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{first}': timeout must be a "
+                              f"positive number of seconds, got {req.timeout_s}")
+        if not req.tensors:
+            raise DecentError(pb.INVALID_ARGUMENT, f"request {req.request_id} carries no tensor")
+        if len(req.tensors) > 1 and not spec.fusable:
+            raise DecentError(pb.INVALID_ARGUMENT, f"{which} requests cannot be fused")
+        parts = [self._part(session, t) for t in req.tensors]
+        if len({p.round for p in parts}) != 1:
+            raise DecentError(pb.INVALID_ARGUMENT, f"fused request '{first}' mixes rounds "
+                              f"{sorted({p.round for p in parts})}; fuse one step's tensors")
+        return OpContext(self.services, op, getattr(req, which or ""), parts, spec)
+
+    @staticmethod
+    def _part(session: WorkerSession, t: pb.TensorRef) -> PartSpec:
+        """Validate one tensor of a request and map its arena views."""
+        name = t.name
+        if not name:
+            raise DecentError(pb.INVALID_ARGUMENT, "request has an empty name")
+        if JOB_SEPARATOR in name:
+            raise DecentError(pb.INVALID_ARGUMENT, f"op name {name!r} contains \\x1f")
+        meta = t.meta
+        if meta.dtype not in dtypes.STORAGE:
+            raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{name}': unsupported dtype "
+                                                   f"{meta.dtype}")
+        shape = tuple(int(s) for s in meta.shape)
+        if any(s < 0 for s in shape):
+            raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{name}': negative dimension in "
+                                                   f"shape {list(shape)}")
+        x_bytes = session.arena.view(t.offset, t.nbytes, f"tensor '{name}' input")
+        out_bytes = session.arena.view(t.out_offset, t.out_capacity, f"tensor '{name}' output")
+        want = dtypes.nbytes(meta.dtype, shape)
+        if want != len(x_bytes):
+            raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{name}': "
+                              f"{dtypes.describe(meta.dtype, shape)} is {want} bytes but the "
+                              f"request says {len(x_bytes)}")
+        x = np.frombuffer(x_bytes, dtypes.STORAGE[meta.dtype])
+        return PartSpec(qualify(session.job, name), name, int(t.round), int(meta.dtype), shape,
+                        x, out_bytes, x_bytes)
+
+    # ------------------------------------------------------------------ running
+
+    async def _run(self, ctx: OpContext, session: WorkerSession, timeout: float,
+                   request_id: int) -> None:
+        ctx.running = True
+        completion = pb.Completion(request_id=request_id)
+        try:
+            try:
+                ctx.participants = ctx.spec.peers(ctx)
+            except DecentError:  # its own arguments are bad: every rank may be waiting for it
+                ctx.participants = set(range(ctx.size)) - {self.rank}
+                raise
+            if ctx.failure is not None:  # aborted by a peer, or shut down, before it started
+                raise asyncio.CancelledError
+            # a timer instead of asyncio.wait_for: no extra task per op on the hot path
+            timer = asyncio.get_running_loop().call_later(timeout, self._time_out, ctx, timeout)
+            try:
+                result = await ctx.spec.run(ctx)
+            finally:
+                timer.cancel()
+        except asyncio.CancelledError:
+            err = ctx.failure or DecentError(pb.SHUTTING_DOWN, f"{ctx.label} was cancelled")
+            self._fail(ctx, err, completion)
+        except DecentError as err:
+            if not err.message.startswith(ctx.label) and ctx.display not in err.message:
+                err = DecentError(err.code, f"{ctx.label}: {err.message}")
+            self._fail(ctx, err, completion)
+        except Exception as exc:  # a bug: fail this request, keep the daemon
+            log.exception("internal error in %s", ctx.label)
+            self._fail(ctx, DecentError(pb.INTERNAL, f"{ctx.label}: internal error: {exc!r}"),
+                       completion)
+        else:
+            self.completed += 1
+            completion.out_nbytes = result.out_nbytes
+            completion.out_meta.dtype = ctx.dtype
+            completion.out_meta.shape.extend(result.shape)
+            completion.src_ranks.extend(result.src_ranks)
+        finally:
+            for key in ctx.keys:
+                self.running.pop(key, None)
+                session.in_flight.discard(key)
+            self.services.mailbox.close(ctx.keys)
+            ctx.release_views()
+        session.complete(completion)
+
+    def _time_out(self, ctx: OpContext, timeout: float) -> None:
+        ctx.fail(DecentError(pb.TIMEOUT, f"{ctx.label} timed out after {timeout:g}s on rank "
+                                         f"{self.rank}; still waiting for {ctx.waiting_for()}"))
+
+    def _fail(self, ctx: OpContext, err: DecentError, completion: pb.Completion) -> None:
+        self.failed += 1
+        completion.error.CopyFrom(err.to_pb())
+        if err.code != pb.SHUTTING_DOWN or ctx.failure is None:
+            log.warning("%s failed: %s", ctx.label, err)
+        for peer in ctx.participants - {ctx.aborted_by}:
+            self.services.links.send_abort(peer, ctx.keys, err.to_pb())
+
+    # ------------------------------------------------------------------ housekeeping
+
+    async def stall_inspector(self) -> None:
+        """Every second, warn about ops that have waited longer than ``stall_warning``."""
+        while True:
+            await asyncio.sleep(min(1.0, self.stall_warning))
+            now = time.monotonic()
+            for ctx in set(self.running.values()):
+                age = now - ctx.started
+                if age >= self.stall_warning and now - ctx.warned_at >= self.stall_warning:
+                    ctx.warned_at = now
+                    log.warning("stall: %s on rank %d has waited %.1fs; still waiting for %s",
+                                ctx.label, self.rank, age, ctx.waiting_for())
+
+    def fail_session(self, session: WorkerSession) -> list[asyncio.Task[None]]:
+        """The worker went away: fail its in-flight ops; their tasks, to wait for."""
+        tasks = []
+        for key in list(session.in_flight):
+            ctx = self.running.get(key)
+            if ctx is not None:
+                ctx.fail(DecentError(pb.ABORTED, f"{ctx.label}: its worker went away"))
+                if ctx.task is not None:
+                    tasks.append(ctx.task)
+        return tasks
+
+    def forget_history(self) -> None:
+        """The last local worker left: a new job may reuse (name, round) keys from round 0."""
+        self.services.mailbox.forget_history()
+
+    async def shutdown(self, reason: str) -> None:
+        """Fail every in-flight op with SHUTTING_DOWN and wait for their completions."""
+        self.closing = True
+        tasks = []
+        for ctx in set(self.running.values()):
+            ctx.fail(DecentError(pb.SHUTTING_DOWN, f"{ctx.label}: daemon rank {self.rank} is "
+                                                   f"shutting down ({reason})"))
+            if ctx.task is not None:
+                tasks.append(ctx.task)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

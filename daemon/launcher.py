@@ -1,0 +1,196 @@
+"""``decentrun -np N [--topology KIND] [--] COMMAND ...``: a local cluster in one command.
+
+Starts N daemons on loopback (free ports, one Unix socket each), then N copies of COMMAND with
+``DECENT_DAEMON``, ``DECENT_RANK`` and ``DECENT_SIZE`` set, prefixes their output with the rank,
+and tears everything down when a worker fails, a daemon dies, or on Ctrl-C. The exit code is the
+first failing worker's (0 when all succeed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+from decent_wire import topology
+
+_SPLIT = re.compile(rb"([\r\n])")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 right now.
+
+    They are picked below the kernel's ephemeral range, so that the outgoing connections of
+    daemons already running cannot take one between this check and the daemon's bind.
+    """
+    low = 20000
+    with contextlib.suppress(OSError, ValueError):
+        low = min(low, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]))
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
+
+
+class _Prefixer(threading.Thread):
+    """Copies a child's output to ours, each line (or \\r-update) prefixed with a tag."""
+
+    lock = threading.Lock()
+
+    def __init__(self, stream: IO[bytes], tag: str, out: IO[bytes]) -> None:
+        super().__init__(daemon=True)
+        self.stream, self.tag, self.out = stream, tag.encode(), out
+
+    def run(self) -> None:
+        pending = b""
+        for chunk in iter(lambda: self.stream.read1(65536), b""):  # type: ignore[attr-defined]
+            parts = _SPLIT.split(pending + chunk)
+            pending = parts.pop()
+            with self.lock:
+                for i in range(0, len(parts), 2):
+                    # a bare \r (progress bars redraw with it) gets no tag of its own
+                    tag = self.tag if parts[i] else b""
+                    self.out.write(tag + parts[i] + parts[i + 1])
+                self.out.flush()
+        if pending:
+            with self.lock:
+                self.out.write(self.tag + pending + b"\n")
+                self.out.flush()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The decentrun command line."""
+    p = argparse.ArgumentParser(prog="decentrun", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-np", "--np", dest="np", type=int, required=True, help="number of workers")
+    p.add_argument("--topology", default="ring", choices=topology.kinds(),
+                   help="topology kind (default ring)")
+    p.add_argument("--config", help="node.yaml applied to every daemon")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every daemon")
+    p.add_argument("--daemon-log-level", default="warning",
+                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("command", nargs=argparse.REMAINDER, help="worker command")
+    return p
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
+    """SIGTERM every process still running, SIGKILL those still alive ``grace`` s later."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``decentrun`` console script."""
+    args = build_parser().parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("decentrun: no command given", file=sys.stderr)
+        return 2
+    if args.np < 1:
+        print("decentrun: -np must be >= 1", file=sys.stderr)
+        return 2
+    n = args.np
+    workdir = tempfile.mkdtemp(prefix="decentrun-")
+    job = os.environ.get("DECENT_JOB") or f"decentrun-{secrets.token_hex(4)}"
+    peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(n))
+    out = sys.stdout.buffer
+    daemons: list[subprocess.Popen[bytes]] = []
+    workers: list[subprocess.Popen[bytes]] = []
+    pumps: list[_Prefixer] = []
+    interrupted = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        for i in range(n):
+            sock = os.path.join(workdir, f"rank{i}.sock")
+            cmd = [sys.executable, "-m", "decentd.cli", "--rank", str(i), "--peers", peers,
+                   "--socket", sock, "--topology", args.topology,
+                   "--log-level", args.daemon_log_level]
+            if args.config:
+                cmd += ["--config", args.config]
+            for item in args.set:
+                cmd += ["--set", item]
+            d = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            daemons.append(d)
+            pumps.append(_Prefixer(d.stdout, f"[decentd {i}] ", out))  # type: ignore[arg-type]
+        for i in range(n):
+            env = dict(os.environ, DECENT_DAEMON=f"unix://{workdir}/rank{i}.sock", DECENT_JOB=job,
+                       DECENT_RANK=str(i), DECENT_SIZE=str(n), PYTHONUNBUFFERED="1")
+            w = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+            workers.append(w)
+            pumps.append(_Prefixer(w.stdout, f"[{i}] ", out))  # type: ignore[arg-type]
+        for pump in pumps:
+            pump.start()
+        while True:
+            if interrupted:
+                print("decentrun: interrupted; stopping workers and daemons", file=sys.stderr)
+                code = 130
+                break
+            failed = [(i, w.returncode) for i, w in enumerate(workers)
+                      if w.poll() is not None and w.returncode != 0]
+            if failed:
+                rank, code = failed[0]
+                print(f"decentrun: worker {rank} exited with code {code}; stopping the rest",
+                      file=sys.stderr)
+                break
+            dead = [i for i, d in enumerate(daemons) if d.poll() is not None]
+            if dead:
+                print(f"decentrun: daemon {dead[0]} exited with code {daemons[dead[0]].returncode}"
+                      "; stopping the rest", file=sys.stderr)
+                code = 1
+                break
+            if all(w.poll() is not None for w in workers):
+                break
+            time.sleep(0.05)
+    finally:
+        stop_processes(workers)
+        stop_processes(daemons)
+        for pump in pumps:
+            pump.join(timeout=2)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

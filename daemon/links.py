@@ -1,0 +1,460 @@
+"""The daemon's links to its peers: connect, handshake, heartbeat, and sending.
+
+gRPC carries the handshake (cluster id, protocol version, ranks, the bulk port and receive
+window). Tensor data goes over :mod:`decentd.bulk` connections, one per direction of each peer
+pair: this module opens ours and writes to it; :mod:`decentd.receiver` reads the peer's. Every
+frame counts as a heartbeat; an idle link gets an empty frame every interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from decent_wire import framing
+from decent_wire.errors import DecentError
+from decent_wire.protocol import PROTOCOL_VERSION
+from decent_wire.v1 import decent_pb2 as pb
+from decent_wire.v1 import decent_pb2_grpc as pb_grpc
+from decentd.bulk import Buffer, FrameSink, Inbound, Outgoing, Sender, tune
+from decentd.errors import StartupError
+from decentd.flow import LinkFlow, Rendezvous
+from decentd.mailbox import OpKey
+from decentd.names import display_name
+
+log = logging.getLogger("decentd.links")
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 16 << 20),
+    ("grpc.max_receive_message_length", 16 << 20),
+    # peers start in any order: retry a peer that is not up yet soon, not after gRPC's 1 s
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+#: a cancelled op whose half-written message is still not out after this long says so in the log
+WRITE_GRACE = 5.0
+#: credit owed to a peer is sent on its own after this long if no other frame carried it
+CREDIT_DELAY = 0.002
+
+
+def host_of(address: str) -> str:
+    """The host part of a ``host:port`` peer address (IPv6 without its brackets)."""
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a ``host:port`` peer address is on this host's loopback."""
+    host = host_of(address)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def part(name: str, round_: int, tag: int, op: int, dtype: int, shape: tuple[int, ...],
+         nbytes: int, weight: float = 1.0) -> pb.Part:
+    """The wire description of one tensor of a message."""
+    return pb.Part(name=name, round=round_, tag=tag, op=op,
+                   meta=pb.TensorMeta(dtype=dtype, shape=shape), weight=weight, nbytes=nbytes)
+
+
+@dataclass
+class PeerLink:
+    """Everything about one peer: control channel, bulk connections, flow, counters."""
+
+    rank: int
+    address: str
+    flow: LinkFlow
+    channel: grpc.aio.Channel | None = None
+    sender: Sender | None = None
+    inbound: Inbound | None = None
+    connected: bool = False  #: our connection to the peer is up
+    inbound_lost: bool = False  #: the peer's connection to us was up and ended
+    last_heartbeat: float = 0.0  #: when the peer was last heard from (any frame)
+    heartbeat_mark: int = -1  #: bytes sent to the peer at the last heartbeat tick
+    acks_early: int = 0  #: parts acknowledged before their payload had all arrived
+    acks_late: int = 0  #: parts acknowledged only after: the op here started after the arrival
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes written to the peer's bulk connection."""
+        return self.sender.bytes_sent if self.sender is not None else 0
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes read from the peer's bulk connection."""
+        return self.inbound.bytes_received if self.inbound is not None else 0
+
+
+def _settle(fut: asyncio.Future[None], err: BaseException | None, rank: int, name: str) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    elif isinstance(err, asyncio.CancelledError):
+        fut.set_exception(DecentError(pb.ABORTED, f"op '{display_name(name)}': cancelled "
+                                                  "before it was sent"))
+    else:
+        fut.set_exception(DecentError(pb.PEER_UNAVAILABLE, f"op '{display_name(name)}': sending "
+                                      f"to rank {rank} failed ({type(err).__name__}: {err})"))
+
+
+class Links:
+    """The links of one daemon to every peer."""
+
+    def __init__(self, rank: int, addresses: list[str], cluster_id: str, window: int,
+                 topology_digest: str) -> None:
+        self.rank = rank
+        self.cluster_id = cluster_id
+        #: eager bytes each peer may have unconsumed here (its receive window)
+        self.window = window
+        #: Topology.digest() of this daemon's topology: peers must have the same
+        self.topology_digest = topology_digest
+        self.links = {r: PeerLink(r, a, LinkFlow(window)) for r, a in enumerate(addresses)
+                      if r != rank}
+        self._loopback = [is_loopback(a) for a in addresses]
+        self.data_port = 0
+        self._server: asyncio.Server | None = None
+
+    # ------------------------------------------------------------------ connection setup
+
+    async def listen(self, host: str, port: int, sink: FrameSink) -> int:
+        """Accept the peers' bulk connections on ``host`` (port 0: any free one), each read by
+        an :class:`~decentd.bulk.Inbound` that hands its frames to ``sink``; the port."""
+        loop = asyncio.get_running_loop()
+        bind = None if host in ("", "0.0.0.0", "[::]", "::") else host.strip("[]")
+        self._server = await loop.create_server(lambda: Inbound(sink), bind, port,
+                                                reuse_address=True)
+        self.data_port = int(self._server.sockets[0].getsockname()[1])
+        return self.data_port
+
+    async def connect_all(self, timeout: float) -> None:
+        """Handshake with every peer, retrying with backoff; StartupError names missing ranks."""
+        deadline = time.monotonic() + timeout
+        results = await asyncio.gather(
+            *(self._connect(link, deadline) for link in self.links.values()),
+            return_exceptions=True,
+        )
+        fatal = [r for r in results if isinstance(r, StartupError)]
+        if fatal:
+            raise fatal[0]
+        for r in results:
+            if isinstance(r, BaseException):
+                raise StartupError(f"connecting to peers failed: {r!r}") from r
+        missing = sorted(link.rank for link in self.links.values() if not link.connected)
+        if missing:
+            where = ", ".join(f"{r} ({self.links[r].address})" for r in missing)
+            raise StartupError(
+                f"peers not reachable after {timeout:.0f}s start timeout: rank(s) {where}"
+            )
+
+    async def _connect(self, link: PeerLink, deadline: float) -> None:
+        link.channel = grpc.aio.insecure_channel(link.address, options=GRPC_OPTIONS)
+        reply = await self._handshake(link, pb_grpc.PeerStub(link.channel), deadline)
+        if reply is None:
+            return
+        try:
+            sock = await self._open(host_of(link.address), int(reply.data_port))
+        except OSError as exc:
+            raise StartupError(f"rank {link.rank} at {link.address}: cannot open the bulk "
+                               f"connection to port {reply.data_port}: {exc}") from None
+        link.flow.credits = int(reply.window_bytes)
+        link.sender = Sender(sock, asyncio.get_running_loop(), link.rank)
+        link.sender.send([framing.encode(pb.BulkHeader(kind=pb.HELLO, cluster_id=self.cluster_id,
+                                                       from_rank=self.rank))])
+        link.connected = True
+        link.last_heartbeat = time.monotonic()
+        log.debug("connected to rank %d at %s (bulk port %d)", link.rank, link.address,
+                  reply.data_port)
+
+    async def _handshake(self, link: PeerLink, stub: pb_grpc.PeerStub,
+                         deadline: float) -> pb.HandshakeReply | None:
+        """The peer's handshake reply, retried until ``deadline`` (None: not reachable)."""
+        delay = 0.05
+        request = pb.HandshakeRequest(cluster_id=self.cluster_id,
+                                      protocol_version=PROTOCOL_VERSION, from_rank=self.rank,
+                                      to_rank=link.rank, topology_digest=self.topology_digest)
+        while True:
+            try:
+                reply: pb.HandshakeReply = await stub.Handshake(
+                    request, timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() + delay >= deadline:
+                    log.error("rank %d at %s: %s", link.rank, link.address, exc.code().name)
+                    return None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.25)
+                continue
+            if reply.error.code != pb.OK:
+                raise StartupError(
+                    f"handshake with rank {link.rank} at {link.address} refused: "
+                    f"{pb.ErrorCode.Name(reply.error.code)}: {reply.error.message}"
+                )
+            return reply
+
+    @staticmethod
+    async def _open(host: str, port: int) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, addr)
+        except BaseException:
+            sock.close()
+            raise
+        tune(sock)
+        sock.setblocking(True)  # the sender thread writes with blocking calls
+        return sock
+
+    def check_handshake(self, request: pb.HandshakeRequest) -> pb.Error | None:
+        """Validate a peer's handshake; an Error to send back when it must be refused."""
+        theirs = request.from_rank
+        if request.cluster_id != self.cluster_id:
+            return pb.Error(code=pb.CLUSTER_MISMATCH, message=(
+                f"rank {theirs} is in cluster {request.cluster_id!r}, this daemon (rank "
+                f"{self.rank}) is in {self.cluster_id!r}"))
+        if request.protocol_version != PROTOCOL_VERSION:
+            return pb.Error(code=pb.VERSION_MISMATCH, message=(
+                f"rank {theirs} speaks protocol {request.protocol_version}, rank {self.rank} "
+                f"speaks {PROTOCOL_VERSION}"))
+        if request.to_rank != self.rank:
+            return pb.Error(code=pb.RANK_MISMATCH, message=(
+                f"rank {theirs} expected rank {request.to_rank} here, but this daemon is rank "
+                f"{self.rank}"))
+        if request.topology_digest != self.topology_digest:
+            return pb.Error(code=pb.CLUSTER_MISMATCH, message=(
+                f"rank {theirs} runs another topology than rank {self.rank} (digest "
+                f"{request.topology_digest[:12] or 'none'} vs "
+                f"{self.topology_digest[:12] or 'none'}): give every daemon the same topology "
+                "settings (kind, scheme, options, weights)"))
+        if theirs not in self.links:
+            return pb.Error(code=pb.RANK_MISMATCH,
+                            message=f"rank {theirs} is not a peer of rank {self.rank}")
+        return None
+
+    def bind_inbound(self, conn: Inbound, src: int, cluster_id: str) -> None:
+        """A bulk connection said HELLO as rank ``src``; ValueError closes it if it cannot be."""
+        if conn.src >= 0:
+            raise ValueError("a second HELLO")
+        link = self.links.get(src)
+        if cluster_id != self.cluster_id or link is None:
+            raise ValueError(f"HELLO from rank {src} of cluster {cluster_id!r}")
+        if link.inbound is not None:  # reconnecting is not supported: keep the first one
+            raise ValueError(f"a second HELLO from rank {src}, which is already connected")
+        conn.src = src
+        link.inbound = conn
+        link.inbound_lost = False
+
+    def inbound_lost(self, conn: Inbound) -> int | None:
+        """A bulk connection ended: its peer's rank when it was that peer's current one."""
+        link = self.links.get(conn.src)
+        if link is None or link.inbound is not conn:
+            return None
+        link.inbound = None
+        link.inbound_lost = True
+        return link.rank
+
+    async def heartbeat_loop(self, interval: float) -> None:
+        """Every ``interval`` seconds, send an empty frame on each bulk connection that carried
+        nothing since the last tick, so that every peer hears from us at least every two
+        intervals (its ``last_heartbeat``). Any frame counts, so busy links cost nothing, and
+        an idle one costs one small write."""
+        while True:
+            await asyncio.sleep(interval)
+            for link in self.links.values():
+                if link.sender is None or not link.connected:
+                    continue
+                # a link that is busy, or stuck behind a peer that stopped reading, gets none:
+                # heartbeats must not pile up in its queue
+                if link.sender.bytes_sent == link.heartbeat_mark and link.sender.idle:
+                    self.control(link.rank, pb.BulkHeader(kind=pb.ACK))
+                link.heartbeat_mark = link.sender.bytes_sent
+
+    async def close(self) -> None:
+        """Close every connection and channel."""
+        loop = asyncio.get_running_loop()
+        senders = [link.sender for link in self.links.values() if link.sender is not None]
+        await asyncio.gather(*(loop.run_in_executor(None, s.close) for s in senders))
+        for link in self.links.values():
+            link.connected = False
+            if link.inbound is not None and link.inbound.transport is not None:
+                link.inbound.transport.close()
+            if link.channel is not None:
+                await link.channel.close(grace=None)
+        if self._server is not None:
+            self._server.close()
+
+    def same_host(self, peer: int) -> bool:
+        """Both this daemon and ``peer`` are addressed on loopback in the cluster's peer list
+        (which every daemon shares, so ``peer`` gives the same answer about this rank)."""
+        return self._loopback[self.rank] and self._loopback[peer]
+
+    # ------------------------------------------------------------------ sending
+
+    def _link(self, dst: int, name: str) -> PeerLink:
+        link = self.links.get(dst)
+        if link is None or link.sender is None or not link.connected:
+            raise DecentError(
+                pb.PEER_UNAVAILABLE,
+                f"op '{display_name(name)}': rank {dst} is not connected to rank {self.rank}",
+            )
+        return link
+
+    async def _write(self, link: PeerLink, buffers: list[Buffer], name: str,
+                     refund: tuple[int, int] | None = None,
+                     track: list[tuple[Outgoing, int]] | None = None, header: int = 0) -> None:
+        """Write one frame to ``link`` and wait until the kernel has all of it.
+
+        A frame is never abandoned half-way: its payload is read straight from the worker's arena
+        slot, so a cancelled op waits for a frame already being written (a torn frame would break
+        the stream, and a freed slot could send its next tensor under this key). A frame still
+        queued when its op is cancelled is skipped.
+        """
+        assert link.sender is not None
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def done(err: BaseException | None) -> None:
+            if isinstance(err, asyncio.CancelledError) and refund is not None:
+                link.flow.refund(*refund)  # skipped: the peer never saw it
+            _settle(fut, err, link.rank, name)
+
+        item = link.sender.send(buffers, done)
+        if item is not None and track is not None:
+            track.append((item, header))  # (frame, header bytes): its payload's progress
+        if item is None:
+            await fut
+            return
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await self._abandon(fut, item, link, name)
+            raise
+
+    @staticmethod
+    async def _abandon(fut: asyncio.Future[None], item: Outgoing, link: PeerLink,
+                       name: str) -> None:
+        """Skip a queued frame; wait (through cancellations) for one already being written."""
+        if link.sender is None or not link.sender.abandon(item):
+            return
+        warned = False
+        while not fut.done():
+            try:
+                await asyncio.wait({fut}, timeout=WRITE_GRACE)
+            except asyncio.CancelledError:
+                continue
+            if not fut.done() and not warned:
+                warned = True
+                log.warning("op '%s': a message to rank %d is still being written %gs after "
+                            "its op ended; rank %d is not reading: closing the connection",
+                            display_name(name), link.rank, WRITE_GRACE, link.rank)
+                link.connected = False
+                if link.sender is not None:
+                    link.sender.abort()
+
+    async def send_parts(self, dst: int, parts: list[pb.Part], payload: list[memoryview],
+                         track: list[tuple[Outgoing, int]] | None = None) -> None:
+        """Send one message to ``dst``: ``parts`` with their bytes ``payload`` (one buffer per
+        part, gathered by the kernel: nothing is copied into a message buffer).
+
+        Returns once the kernel has every byte: eagerly when the receiver's window has room,
+        otherwise after the receiver's CTS.
+        """
+        name = parts[0].name
+        link = self._link(dst, name)
+        payload = [b for b in payload if len(b)]
+        size = sum(len(b) for b in payload)
+        mid = link.flow.next_id()
+        if link.flow.take(size):
+            header = pb.BulkHeader(kind=pb.DATA, message_id=mid, payload_bytes=size, parts=parts)
+            stamped = link.flow.stamp(header)
+            await self._write(link, [stamped, *payload], name, (size, int(header.credit)),
+                              track, len(stamped))
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        rdv = Rendezvous(payload, name, done)
+        link.flow.rendezvous[mid] = rdv
+        try:
+            rts = pb.BulkHeader(kind=pb.RTS, message_id=mid, payload_bytes=0, parts=parts)
+            await self._write(link, [link.flow.stamp(rts)], name)
+            await asyncio.shield(done)  # the CTS queues the payload; this is its write
+        except BaseException:
+            link.flow.rendezvous.pop(mid, None)
+            if isinstance(rdv.queued, Outgoing) and not done.done():  # queued or going out
+                await self._abandon(done, rdv.queued, link, name)
+            raise
+
+    def cleared(self, dst: int, mid: int) -> None:
+        """``dst`` cleared our message ``mid`` to send: its payload goes out now."""
+        link = self.links[dst]
+        rdv = link.flow.rendezvous.pop(mid, None)
+        if rdv is None or rdv.done.done() or link.sender is None:
+            return  # its op gave up meanwhile
+        size = sum(len(b) for b in rdv.payload)
+        header = pb.BulkHeader(kind=pb.PAYLOAD, message_id=mid, payload_bytes=size)
+        done = rdv.done
+        item = link.sender.send([link.flow.stamp(header), *rdv.payload],
+                                lambda err: _settle(done, err, link.rank, rdv.name))
+        rdv.queued = item if item is not None else Outgoing([], None, started=True)
+
+    async def send_data(
+        self, dst: int, name: str, round_: int, tag: int, op: int, dtype: int,
+        shape: tuple[int, ...], payload: memoryview, weight: float = 1.0,
+    ) -> None:
+        """Send one tensor to ``dst`` (a one-part message)."""
+        await self.send_parts(
+            dst, [part(name, round_, tag, op, dtype, shape, len(payload), weight)], [payload])
+
+    def control(self, dst: int, header: pb.BulkHeader) -> None:
+        """Send a payload-free frame (best effort: a dead peer is ignored)."""
+        link = self.links.get(dst)
+        if link is None or link.sender is None or not link.connected:
+            return
+        link.sender.send([link.flow.stamp(header)])
+
+    def send_acks(self, dst: int, keys: list[OpKey], tag: int, arrived: bool) -> None:
+        """Tell ``dst`` that its parts ``(name, round)`` with ``tag`` were matched here;
+        ``arrived``: only after their payload had all arrived (counted apart)."""
+        link = self.links.get(dst)
+        if link is not None:
+            if arrived:
+                link.acks_late += len(keys)
+            else:
+                link.acks_early += len(keys)
+        self.control(dst, pb.BulkHeader(kind=pb.ACK, parts=[
+            pb.Part(name=name, round=round_, tag=tag) for name, round_ in keys]))
+
+    def send_cts(self, dst: int, message_id: int) -> None:
+        """Clear ``dst`` to send the payload of its message ``message_id``."""
+        self.control(dst, pb.BulkHeader(kind=pb.CTS, message_id=message_id))
+
+    def send_abort(self, dst: int, keys: list[OpKey], error: pb.Error,
+                   op: int = pb.OP_UNSPECIFIED) -> None:
+        """Tell ``dst`` that the op of the tensors ``(name, round)`` failed here (``op``
+        GROUP_RESULT: that a group round failed at its leader)."""
+        self.control(dst, pb.BulkHeader(kind=pb.ABORT, error=error, parts=[
+            pb.Part(name=name, round=round_, op=op) for name, round_ in keys]))
+
+    # ------------------------------------------------------------------ credit given back
+
+    def consumed(self, src: int, credit: int) -> None:
+        """We consumed ``credit`` eager bytes from ``src``: given back on the next frame to it,
+        or by itself a moment later."""
+        link = self.links.get(src)
+        if link is not None and credit and link.flow.consumed(credit):
+            asyncio.get_running_loop().call_later(CREDIT_DELAY, self._flush_credit, link)
+
+    def _flush_credit(self, link: PeerLink) -> None:
+        if link.flow.flush_due():
+            self.control(link.rank, pb.BulkHeader(kind=pb.ACK))

@@ -1,0 +1,154 @@
+"""The numpy arithmetic the daemon does on wire dtypes (the table is ``decent_wire.dtypes``).
+
+numpy has no bfloat16: bfloat16 tensors are stored as uint16 bit patterns and converted to float32
+for arithmetic (round-to-nearest-even on the way back).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from decent_wire.dtypes import STORAGE
+from decent_wire.v1 import decent_pb2 as pb
+
+#: Dtype weighted sums are accumulated in.
+COMPUTE: dict[int, np.dtype] = {
+    pb.FLOAT16: np.dtype(np.float32),
+    pb.BFLOAT16: np.dtype(np.float32),
+    pb.FLOAT32: np.dtype(np.float32),
+    pb.FLOAT64: np.dtype(np.float64),
+    pb.INT32: np.dtype(np.float64),
+    pb.INT64: np.dtype(np.float64),
+}
+
+#: Dtype allreduce sums are accumulated in: wider floats, exact 64-bit integers.
+ACCUM: dict[int, np.dtype] = {
+    pb.FLOAT16: np.dtype(np.float32),
+    pb.BFLOAT16: np.dtype(np.float32),
+    pb.FLOAT32: np.dtype(np.float32),
+    pb.FLOAT64: np.dtype(np.float64),
+    pb.INT32: np.dtype(np.int64),
+    pb.INT64: np.dtype(np.int64),
+}
+
+INTEGER = frozenset({pb.INT32, pb.INT64})
+
+
+
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """Widen bfloat16 bit patterns (uint16) to float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(values: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 bit patterns (nearest even; NaN stays NaN)."""
+    v = np.ascontiguousarray(values, dtype=np.float32)
+    u = v.view(np.uint32)
+    rounded = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    nan = np.isnan(v)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return rounded
+
+
+def to_compute(storage: np.ndarray, dtype: int) -> np.ndarray:
+    """A new array holding ``storage`` in the compute dtype."""
+    if dtype == pb.BFLOAT16:
+        return bf16_to_f32(storage)
+    return storage.astype(COMPUTE[dtype])
+
+
+def from_compute(values: np.ndarray, dtype: int) -> np.ndarray:
+    """Cast computed values back to the storage dtype (integers round to nearest)."""
+    if dtype == pb.BFLOAT16:
+        return f32_to_bf16(values)
+    if dtype in INTEGER:
+        return np.rint(values).astype(STORAGE[dtype])
+    return values.astype(STORAGE[dtype])
+
+
+def to_accum(storage: np.ndarray, dtype: int) -> np.ndarray:
+    """A new array holding ``storage`` in the dtype sums are accumulated in (exact for ints)."""
+    if dtype == pb.BFLOAT16:
+        return bf16_to_f32(storage)
+    return storage.astype(ACCUM[dtype])
+
+
+def from_accum(values: np.ndarray, dtype: int, divide_by: int = 1) -> np.ndarray:
+    """Storage-dtype result of an accumulated sum, divided by ``divide_by`` (an average).
+
+    Integer results are exact: averages round half up (in integer arithmetic), a sum that does
+    not fit the dtype wraps, as in torch.
+    """
+    if dtype in INTEGER:
+        if divide_by != 1:
+            q, r = np.divmod(values, divide_by)  # no intermediate can overflow
+            values = q + (2 * r >= divide_by)
+        return values.astype(STORAGE[dtype])
+    if divide_by != 1:
+        values = values * values.dtype.type(1.0 / divide_by)
+    return from_compute(values, dtype)
+
+
+#: elements combined per pass: small enough that the temporaries stay in cache
+BLOCK = 1 << 18
+
+
+def _power_of_two(w: float) -> bool:
+    return w > 0.0 and math.frexp(w)[0] == 0.5
+
+
+def weighted_sum(out: np.ndarray, x: np.ndarray, self_weight: float,
+                 terms: list[tuple[np.ndarray, float]], dtype: int) -> None:
+    """``out = self_weight * x + sum(w * y for y, w in terms)`` in the compute dtype.
+
+    Works block by block into ``out`` (storage dtype): no tensor-sized temporary, and the terms
+    are added in the given order, so every run gives the same bits. A weight of 0 drops its term
+    (its NaN/Inf too) for every dtype.
+    """
+    compute = COMPUTE[dtype]
+    live = [(v, w) for v, w in ((x, self_weight), *terms) if w != 0.0]
+    if STORAGE[dtype] != compute:
+        acc = np.empty(min(BLOCK, x.size), compute)
+        for start in range(0, x.size, BLOCK):
+            end = min(start + BLOCK, x.size)
+            a = acc[:end - start]
+            a[...] = 0
+            for v, w in live:
+                a += to_compute(v[start:end], dtype) * w
+            out[start:end] = from_compute(a, dtype)
+        return
+    if not live:
+        out[...] = 0
+        return
+    # one power-of-two weight for all terms (uniform averaging over 2, 4, 8 ... members): the
+    # sum is scaled once, in two passes instead of four. Scaling by a power of two is exact, so
+    # the bits are those of scaling each term except at the dtype's edges, as with the averages
+    # of NCCL and Horovod (sum, then scale): a sum past the largest finite value is inf, and a
+    # result in the subnormal range is rounded once instead of per term
+    common = live[0][1]
+    factor = len(live) > 1 and all(w == common for _, w in live) and _power_of_two(common)
+    # the first term is the output itself (in place): nothing to copy
+    first_is_out = out.size == live[0][0].size and out.ctypes.data == live[0][0].ctypes.data
+    tmp = np.empty(min(BLOCK, x.size), compute)
+    for start in range(0, x.size, BLOCK):
+        end = min(start + BLOCK, x.size)
+        o = out[start:end]
+        for i, (v, w) in enumerate(live):
+            src = v[start:end]
+            if i == 0:
+                if factor or w == 1.0:
+                    if not first_is_out:
+                        np.copyto(o, src)
+                else:
+                    np.multiply(src, w, out=o)
+            elif factor or w == 1.0:
+                np.add(o, src, out=o)
+            else:
+                np.add(o, np.multiply(src, w, out=tmp[:end - start]), out=o)
+        if factor and common != 1.0:
+            np.multiply(o, common, out=o)

@@ -1,0 +1,361 @@
+"""What an op may use: its request, its tensors, and the daemon's services, all through one
+:class:`OpContext`.
+
+An op reads the worker's input tensors (storage-dtype views of the arena), talks to exactly the
+peers it involves with :meth:`OpContext.send` and :meth:`OpContext.recv_parts` (which match parts
+by ``(peer, name, round, tag)`` in the mailbox and check what arrives against what this op
+has), and writes its result into the worker's output region. The engine builds the context and
+runs the op; the op sees nothing else of the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from decent_wire import dtypes
+from decent_wire.errors import DecentError
+from decent_wire.protocol import op_label
+from decent_wire.topology import Step, Topology
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.bufpool import BufferPool
+from decentd.bulk import Outgoing
+from decentd.links import Links, part
+from decentd.mailbox import Accepts, Arrival, Key, Mailbox, Progress
+from decentd.tasks import gather_all
+from decentd.window_store import WindowStore
+
+__all__ = ["Arrival", "DecentError", "OpContext", "OpResult", "OpSpec", "PartSpec", "Services",
+           "gather_all", "part"]
+
+_EMPTY = np.empty(0, np.uint8)
+_NO_BYTES = memoryview(b"")
+
+
+@dataclass(frozen=True)
+class Services:
+    """The daemon services ops use, handed to every op explicitly."""
+
+    rank: int
+    size: int
+    topology: Topology
+    links: Links
+    mailbox: Mailbox
+    pool: BufferPool  #: reusable buffers (a ring allreduce's working copy)
+    windows: WindowStore
+    ring_threshold: int  #: allreduce of a lone tensor this large runs as a ring
+
+
+@dataclass
+class PartSpec:
+    """One tensor of a request (a fused request has several): its wire key and arena views."""
+
+    name: str  #: wire name (job-qualified)
+    display: str  #: the user's name
+    round: int
+    dtype: int
+    shape: tuple[int, ...]
+    x: np.ndarray  #: storage-dtype view of the input, flat
+    out: memoryview  #: this tensor's output region
+    raw: memoryview  #: the input's bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Input bytes."""
+        return int(self.x.nbytes)
+
+    def output(self, nbytes: int, label: str) -> np.ndarray:
+        """The output region as a flat storage-dtype array of ``nbytes``; ARENA_ERROR when the
+        result does not fit."""
+        if nbytes > len(self.out):
+            raise DecentError(pb.ARENA_ERROR, f"{label}: result of {nbytes} bytes does not fit "
+                                              f"the {len(self.out)}-byte output region")
+        return np.frombuffer(self.out, dtypes.STORAGE[self.dtype],
+                             nbytes // dtypes.itemsize(self.dtype))
+
+
+@dataclass
+class OpResult:
+    """What an op wrote to the worker's output region."""
+
+    out_nbytes: int
+    shape: tuple[int, ...]
+    src_ranks: list[int] = field(default_factory=list)
+
+
+OpFn = Callable[["OpContext"], Awaitable[OpResult]]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An op: how to run it, and which peers it involves (known before it runs, so that an op
+    failing before or while it starts can tell them)."""
+
+    run: OpFn
+    peers: Callable[[OpContext], set[int]]
+    #: the message tags this op can receive (None: any); another tag means the sender went
+    #: another way (e.g. another broadcast root, ring vs. direct allreduce)
+    tags: Callable[[OpContext], set[int] | None] = lambda _ctx: None
+    #: whether several tensors may travel as one request (each still matched on its own)
+    fusable: bool = False
+    #: what a tag disagreement means, for the MISMATCH message
+    tag_hint: str = "different message tags"
+
+
+class OpContext:
+    """One running op: its request, its tensors and peers, and send/receive with checks."""
+
+    def __init__(self, services: Services, op: int, args: Any, parts: list[PartSpec],
+                 spec: OpSpec) -> None:
+        self.services = services
+        self.rank = services.rank
+        self.size = services.size
+        self.op = op
+        #: the op's typed arguments (``pb.NeighborAllreduce``, ``pb.Broadcast``, ...)
+        self.args = args
+        self.spec = spec
+        self.parts = parts
+        self.by_name = {p.name: p for p in parts}
+        #: every part's input, in order: the payload of this op's messages (sent gathered)
+        self.payload = [p.raw for p in parts]
+        first = parts[0]
+        #: the op's key on the wire (the job id, if any, qualifies the user's name)
+        self.name = first.name
+        self.display = first.display
+        self.round = first.round
+        self.dtype = first.dtype
+        self.shape = first.shape
+        self.waiting: set[int] = set()  #: ranks whose data this op still needs
+        self.unacked: set[int] = set()  #: ranks that have not yet matched what this op sent
+        self.participants: set[int] = set()
+        self.started = time.monotonic()
+        self.warned_at = 0.0
+        self.task: asyncio.Task[None] | None = None
+        self.failure: DecentError | None = None
+        self.aborted_by = -1
+        self.running = False  #: set once the task has started
+
+    @property
+    def keys(self) -> list[tuple[str, int]]:
+        """The ``(name, round)`` of every tensor of the op."""
+        return [(p.name, p.round) for p in self.parts]
+
+    @property
+    def label(self) -> str:
+        """``neighbor_allreduce 'w' round 3`` for messages."""
+        fused = f" (+{len(self.parts) - 1} fused)" if len(self.parts) > 1 else ""
+        return f"{op_label(self.op)} '{self.display}'{fused} round {self.round}"
+
+    @property
+    def topology(self) -> Topology:
+        """The daemon's topology."""
+        return self.services.topology
+
+    def topology_step(self, rank: int | None = None) -> Step:
+        """This rank's (or ``rank``'s) neighbors and weights at this op's step (= its round)."""
+        return self.services.topology.step(self.rank if rank is None else rank, self.round)
+
+    def same_host(self, peer: int) -> bool:
+        """Whether ``peer``'s daemon is on this host (both addressed on loopback)."""
+        return self.services.links.same_host(peer)
+
+    def output(self, p: PartSpec, nbytes: int) -> np.ndarray:
+        """Part ``p``'s output region as a flat storage-dtype array of ``nbytes``."""
+        return p.output(nbytes, self.label)
+
+    def check_ranks(self, ranks: list[int], what: str) -> None:
+        """INVALID_ARGUMENT unless every rank exists and is not this one."""
+        for r in ranks:
+            if not 0 <= r < self.size:
+                raise DecentError(pb.INVALID_ARGUMENT, f"{self.label}: {what} names rank {r}, "
+                                                       f"but ranks are 0..{self.size - 1}")
+            if r == self.rank:
+                raise DecentError(pb.INVALID_ARGUMENT, f"{self.label}: {what} names this rank "
+                                  f"({r}) itself; use self_weight for the own share")
+
+    # ------------------------------------------------------------------ sending
+
+    def wire_parts(self, tag: int, weight: float, parts: list[PartSpec] | None = None
+                   ) -> list[pb.Part]:
+        """This op's tensors (or ``parts`` of them) as the parts of one message."""
+        return [part(p.name, p.round, tag, self.op, p.dtype, p.shape, p.nbytes, weight)
+                for p in (self.parts if parts is None else parts)]
+
+    async def send(self, dst: int, tag: int, weight: float = 1.0, ack: bool = False,
+                   track: list[tuple[Outgoing, int]] | None = None,
+                   parts: list[PartSpec] | None = None,
+                   data: memoryview | None = None) -> None:
+        """Send this op's tensors (or ``parts`` of them; one message) to ``dst``; ``ack``: wait
+        until they are matched.
+
+        ``track`` receives the queued frame (and its header size), to follow its progress.
+        ``data`` replaces the payload of a one-tensor op (e.g. its compressed form).
+        """
+        want = self.parts if parts is None else parts
+        payload = self.payload if parts is None else [p.raw for p in parts]
+        wire = self.wire_parts(tag, weight, want)
+        if data is not None:
+            payload = [data]
+            wire[0].nbytes = len(data)
+        mailbox = self.services.mailbox
+        futs = [mailbox.expect_ack(dst, p.name, p.round, tag) for p in want] if ack else []
+        self.unacked.add(dst)
+        await self.services.links.send_parts(dst, wire, payload, track)
+        if futs:
+            await asyncio.gather(*futs)
+        self.unacked.discard(dst)
+
+    async def send_bytes(self, dst: int, tag: int, payload: memoryview,
+                         p: PartSpec | None = None) -> None:
+        """Send ``payload`` as the one part of tensor ``p`` (default: the op's first) with
+        ``tag``; the header carries the whole tensor's meta, so mismatches show."""
+        p = self.parts[0] if p is None else p
+        await self.services.links.send_data(dst, p.name, p.round, tag, self.op, p.dtype,
+                                            p.shape, payload)
+
+    async def send_part(self, dst: int, wire: pb.Part, payload: memoryview) -> None:
+        """Send one part described by the caller (window requests)."""
+        await self.services.links.send_parts(dst, [wire], [payload])
+
+    # ------------------------------------------------------------------ receiving
+
+    def expect(self, src: int, tag: int) -> asyncio.Future[Arrival]:
+        """A future for this op's first tensor with ``tag`` from ``src``, unchecked."""
+        return self.services.mailbox.expect(src, self.name, self.round, tag)
+
+    async def recv_parts(self, src: int, tag: int, ack: bool = False,
+                         parts: list[PartSpec] | None = None, sized: bool = True,
+                         progress: Progress | None = None, direct: bool = False,
+                         into: np.ndarray | None = None) -> list[Arrival]:
+        """Receive this op's tensors (or ``parts`` of them) from ``src``, however the sender
+        grouped them into messages.
+
+        A part whose op, dtype or shape differs from ours fails the op with MISMATCH. The
+        arrivals' bytes stay valid until the op ends (or :meth:`release`). ``direct``: a part
+        that travels alone is received straight into its output region; ``into`` (uint8, for
+        one part): straight into that buffer when the payload has its size. Either may still
+        arrive elsewhere (it came before the op ran): compare ``Arrival.data`` with it.
+        """
+        link = self.services.links.links.get(src)
+        if link is None:
+            raise DecentError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} is not a peer")
+        want = self.parts if parts is None else parts
+        futs = [self._expect(src, tag, p, ack and sized, progress, into, direct) for p in want]
+        if link.inbound_lost and not all(f.done() for f in futs):
+            for f in futs:
+                f.cancel()
+            raise DecentError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} has disconnected")
+        self.waiting.add(src)
+        arrivals = list(await asyncio.gather(*futs))
+        self.waiting.discard(src)
+        for p, arrival in zip(want, arrivals, strict=True):
+            problem = self.mismatch(src, arrival, p, sized)
+            if problem is not None:
+                raise problem
+        if ack:
+            late = [(p.name, p.round) for p, a in zip(want, arrivals, strict=True) if not a.acked]
+            if late:
+                self.services.links.send_acks(src, late, tag, True)
+        return arrivals
+
+    def _expect(self, src: int, tag: int, p: PartSpec, ack: bool, progress: Progress | None,
+                into: np.ndarray | None, direct: bool) -> asyncio.Future[Arrival]:
+        accepts: Accepts = (self.op, p.dtype, p.shape)
+        dest = into if into is not None else (
+            np.frombuffer(p.out, np.uint8, p.nbytes) if direct else None)
+        return self.services.mailbox.expect(src, p.name, p.round, tag,
+                                            accepts if ack else None, progress,
+                                            None if dest is None else (dest, accepts))
+
+    async def recv(self, src: int, tag: int, ack: bool = False, sized: bool = True
+                   ) -> tuple[np.ndarray, float]:
+        """Receive this (one-tensor) op's tensor from ``src``: (storage array, dst weight)."""
+        (arrival,) = await self.recv_parts(src, tag, ack, self.parts[:1], sized)
+        return arrival.data.view(dtypes.STORAGE[self.dtype]), arrival.weight
+
+    @staticmethod
+    def release(arrival: Arrival) -> None:
+        """Done with a received tensor before the op ends: its buffer can be reused."""
+        arrival.release()
+
+    def mismatch(self, src: int, arrival: Arrival, p: PartSpec | None = None,
+                 exact_size: bool = True) -> DecentError | None:
+        """MISMATCH when ``src``'s tensor disagrees with part ``p``'s op kind, dtype or shape."""
+        p = p or self.parts[0]
+        problem = None
+        if arrival.op != self.op:
+            problem = (f"rank {self.rank} submitted {op_label(self.op)} but rank {src} "
+                       f"submitted {op_label(arrival.op)}")
+        elif arrival.dtype != p.dtype or arrival.shape != p.shape:
+            problem = (f"rank {self.rank} has {dtypes.describe(p.dtype, p.shape)} but rank {src} "
+                       f"sent {dtypes.describe(arrival.dtype, arrival.shape)}")
+        elif exact_size and arrival.data.nbytes != p.nbytes:
+            problem = (f"rank {src} sent {arrival.data.nbytes} bytes for "
+                       f"{dtypes.describe(p.dtype, p.shape)} ({p.nbytes} bytes)")
+        if problem is None:
+            return None
+        return DecentError(pb.MISMATCH, f"tensor '{p.display}' round {p.round}: {problem}")
+
+    # ------------------------------------------------------------------ told by the mailbox
+
+    def aborted(self, src: int, error: pb.Error) -> None:
+        """Peer ``src`` failed this op and told us."""
+        self.aborted_by = src
+        message = error.message
+        if f"rank {src}" not in message:
+            message = f"rank {src} failed {self.label}: {message}"
+        self.fail(DecentError(error.code or pb.ABORTED, message))
+
+    def stray(self, key: Key, arrival: Arrival) -> None:
+        """A part of this op arrived that nothing waits for: fail the op if it disagrees.
+
+        Without this, ranks that took different paths for the same op (another shape on the other
+        side of the ring threshold, another broadcast root) would each wait out the timeout.
+        """
+        if not self.running or self.failure is not None:
+            return
+        src, name, _, tag = key
+        err = self.mismatch(src, arrival, self.by_name.get(name), exact_size=False)
+        if err is None:
+            expected = self.spec.tags(self)
+            if expected is not None and tag not in expected:
+                err = DecentError(pb.MISMATCH, f"tensor '{self.display}' round {self.round}: "
+                                  f"rank {src} runs {op_label(self.op)} differently from rank "
+                                  f"{self.rank} ({self.spec.tag_hint})")
+        if err is not None:
+            self.participants.add(src)
+            self.fail(err)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def waiting_for(self) -> str:
+        """``rank(s) [2] to send, rank(s) [1] to take ours`` for stall and timeout messages."""
+        parts = []
+        if self.waiting:
+            parts.append(f"rank(s) {sorted(self.waiting)} to send their tensor")
+        if self.unacked:
+            parts.append(f"rank(s) {sorted(self.unacked)} to match the tensor sent to them")
+        return "; ".join(parts) or "nothing remote (local work)"
+
+    def release_views(self) -> None:
+        """Drop this op's views of the worker's arena (so the arena can be unmapped)."""
+        for p in self.parts:
+            p.x, p.out, p.raw = _EMPTY, _NO_BYTES, _NO_BYTES
+        self.by_name = {}
+        self.payload = []
+
+    def fail(self, error: DecentError) -> None:
+        """Fail this op from outside (an ABORT from a peer, a timeout, shutdown).
+
+        A task that has not started yet is not cancelled (a task cancelled before its first step
+        never runs its cleanup); it sees ``failure`` when it starts.
+        """
+        if self.failure is None:
+            self.failure = error
+        if self.running and self.task is not None and not self.task.done():
+            self.task.cancel()

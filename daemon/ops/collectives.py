@@ -1,0 +1,196 @@
+"""Collectives over every rank: allreduce, broadcast, barrier.
+
+Results are deterministic: the direct allreduce adds in ascending rank order, the ring adds each
+chunk along the ring, so every rank gets identical values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from decent_wire import dtypes
+from decent_wire.topology import hops
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.numerics import ACCUM, INTEGER, from_accum, to_accum
+from decentd.ops.api import DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
+
+
+async def _allreduce_direct(ctx: OpContext) -> int:
+    """Everyone sends its tensors to everyone; each rank sums all n in rank order, per tensor."""
+    others = [r for r in range(ctx.size) if r != ctx.rank]
+    got = await gather_all(*(ctx.recv_parts(r, 0) for r in others),
+                           *(ctx.send(r, 0) for r in others))
+    total = 0
+    for i, p in enumerate(ctx.parts):
+        storage = dtypes.STORAGE[p.dtype]
+        parts = {r: got[k][i].data.view(storage) for k, r in enumerate(others)}
+        parts[ctx.rank] = p.x
+        acc = to_accum(parts[0], p.dtype)
+        for r in range(1, ctx.size):
+            acc += to_accum(parts[r], p.dtype)
+        total += _finish_allreduce(ctx, p, acc)
+    return total
+
+
+def _finish_allreduce(ctx: OpContext, p: PartSpec, acc: np.ndarray) -> int:
+    """Write a sum (or average) in the accumulation dtype to part ``p``'s output."""
+    divide = ctx.size if ctx.args.reduce_op == pb.AVERAGE else 1
+    out = ctx.output(p, p.nbytes)
+    if acc.dtype == out.dtype and p.dtype not in INTEGER:
+        if divide == 1:
+            np.copyto(out, acc)
+        else:
+            np.multiply(acc, acc.dtype.type(1.0 / divide), out=out)
+    else:
+        out[...] = from_accum(acc, p.dtype, divide)
+    return p.nbytes
+
+
+async def _allreduce_ring(ctx: OpContext) -> int:
+    """Bandwidth-optimal ring: reduce-scatter then allgather, 2(n-1) steps of 1/n each.
+
+    Partial sums travel in the accumulation dtype (float32 for 16-bit floats, int64 for
+    integers), so they neither overflow nor lose precision on the way; each chunk is summed along
+    the ring once and then copied, so every rank ends with bit-identical values. The working
+    copy comes from the daemon's buffer pool, so a training step allocates nothing new.
+    """
+    p = ctx.parts[0]
+    n, r = ctx.size, ctx.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    accum = ACCUM[p.dtype]
+    pool = ctx.services.pool
+    block = pool.get(p.x.size * accum.itemsize)
+    try:
+        work = block.view(accum)
+        if p.dtype == pb.BFLOAT16:
+            np.left_shift(p.x, 16, out=work.view(np.uint32), dtype=np.uint32)
+        else:
+            np.copyto(work, p.x, casting="safe")
+        bounds = np.linspace(0, work.size, n + 1).astype(np.int64)
+
+        def chunk(i: int) -> np.ndarray:
+            i %= n
+            return work[bounds[i]:bounds[i + 1]]
+
+        async def step(tag: int, send: np.ndarray, into: np.ndarray, add: bool) -> None:
+            (arrival,), _ = await gather_all(ctx.recv_parts(left, tag, sized=False),
+                                             _send_chunk(ctx, right, tag, send))
+            got = arrival.data.view(work.dtype)
+            if got.size != into.size:
+                raise DecentError(pb.MISMATCH, f"tensor '{ctx.display}' round {ctx.round}: rank "
+                              f"{left} sent a ring chunk of {got.size} elements, rank {r} "
+                              f"expected {into.size}")
+            if add:
+                into += got
+            else:
+                into[...] = got
+            ctx.release(arrival)
+
+        for s in range(n - 1):
+            await step(1 + s, chunk(r - s), chunk(r - s - 1), True)
+        for s in range(n - 1):
+            await step(n + s, chunk(r + 1 - s), chunk(r - s), False)
+        return _finish_allreduce(ctx, p, work)
+    finally:
+        pool.put(block)
+
+
+async def _send_chunk(ctx: OpContext, dst: int, tag: int, chunk: np.ndarray) -> None:
+    """Send one ring chunk; the header carries the whole tensor's meta, so mismatches show."""
+    await ctx.send_bytes(dst, tag, np.ascontiguousarray(chunk).reshape(-1).view(np.uint8).data)
+
+
+async def allreduce(ctx: OpContext) -> OpResult:
+    """Sum or average over all ranks (ring for large tensors, direct exchange for small)."""
+    if ctx.size == 1:
+        total = sum(_finish_allreduce(ctx, p, to_accum(p.x, p.dtype)) for p in ctx.parts)
+    elif _uses_ring(ctx):
+        total = await _allreduce_ring(ctx)
+    else:
+        total = await _allreduce_direct(ctx)
+    return OpResult(total, ctx.shape)
+
+
+def _uses_ring(ctx: OpContext) -> bool:
+    """A lone tensor at or above the ring threshold (fused requests are small tensors)."""
+    if len(ctx.parts) != 1:
+        return False
+    p = ctx.parts[0]
+    return p.nbytes >= ctx.services.ring_threshold and p.x.size >= ctx.size
+
+
+def _root(ctx: OpContext) -> int:
+    root = int(ctx.args.root)
+    if not 0 <= root < ctx.size:
+        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: root {root} is not a rank "
+                                           f"(0..{ctx.size - 1})")
+    return root
+
+
+async def broadcast(ctx: OpContext) -> OpResult:
+    """Every rank gets ``root``'s tensors."""
+    root = _root(ctx)  # the tag is the root, so ranks that disagree on it notice
+    if ctx.rank == root:
+        others = [r for r in range(ctx.size) if r != root]
+        await gather_all(*(ctx.send(r, root, ack=True) for r in others))
+        values = [p.x for p in ctx.parts]
+    else:  # a lone tensor is received straight into the output
+        got = await ctx.recv_parts(root, root, ack=True, direct=len(ctx.parts) == 1)
+        values = [a.data.view(dtypes.STORAGE[p.dtype]) for a, p in zip(got, ctx.parts,
+                                                                        strict=True)]
+    total = 0
+    for p, v in zip(ctx.parts, values, strict=True):
+        out = ctx.output(p, p.nbytes)
+        if not np.may_share_memory(out, v):
+            out[...] = v
+        total += p.nbytes
+    return OpResult(total, ctx.shape)
+
+
+async def barrier(ctx: OpContext) -> OpResult:
+    """Dissemination barrier: ceil(log2 n) rounds, in round k send to r+2^k, hear from r-2^k."""
+    n, r = ctx.size, ctx.rank
+    empty = memoryview(b"")
+    for k, hop in enumerate(hops(n)):
+        await gather_all(
+            ctx.recv((r - hop) % n, k),
+            ctx.send_bytes((r + hop) % n, k, empty),
+        )
+    return OpResult(0, ())
+
+
+def _others(ctx: OpContext) -> set[int]:
+    return set(range(ctx.size)) - {ctx.rank}
+
+
+def _allreduce_peers(ctx: OpContext) -> set[int]:
+    if ctx.size > 1 and _uses_ring(ctx):
+        return {(ctx.rank + 1) % ctx.size, (ctx.rank - 1) % ctx.size}
+    return _others(ctx)
+
+
+def _allreduce_tags(ctx: OpContext) -> set[int]:
+    if ctx.size > 1 and _uses_ring(ctx):
+        return set(range(1, 2 * ctx.size - 1))
+    return {0}
+
+
+def _broadcast_peers(ctx: OpContext) -> set[int]:
+    root = _root(ctx)
+    return _others(ctx) if ctx.rank == root else {root}
+
+
+def _barrier_peers(ctx: OpContext) -> set[int]:
+    n, r = ctx.size, ctx.rank
+    return {(r + h) % n for h in hops(n)} | {(r - h) % n for h in hops(n)}
+
+
+COLLECTIVE_OPS: dict[int, OpSpec] = {
+    pb.ALLREDUCE: OpSpec(
+        allreduce, _allreduce_peers, _allreduce_tags, fusable=True,
+        tag_hint="ring vs. direct exchange: is transport.ring_threshold_bytes the same "
+                 "everywhere?"),
+    pb.BROADCAST: OpSpec(broadcast, _broadcast_peers, lambda ctx: {_root(ctx)}, fusable=True,
+                         tag_hint="different broadcast roots"),
+    pb.BARRIER: OpSpec(barrier, _barrier_peers, lambda ctx: set(range(len(hops(ctx.size))))),
+}

@@ -1,0 +1,357 @@
+"""Neighbor ops: averaging with this step's in-neighbors, compressed gossip, allgather.
+
+Neighbor sums add in ascending rank order, so every run gives the same bits. A neighbor op
+involves only the peers its weights name, and each pair checks the other's tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+import numpy as np
+
+from decent_wire import dtypes
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.bulk import Outgoing
+from decentd.numerics import weighted_sum
+from decentd.ops import compression
+from decentd.ops.api import Arrival, DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
+
+#: a tensor still arriving is folded in once at least this many more elements are usable (the
+#: receiver reports progress in large steps, halving toward the end of a payload)
+FOLD_MIN = 1 << 16
+
+
+def _weights(field: pb.RankWeights) -> dict[int, float]:
+    return {int(k): float(v) for k, v in field.weights.items()}
+
+
+def neighbor_plan(ctx: OpContext) -> tuple[float, dict[int, float], dict[int, float]]:
+    """(self weight, {src: weight} to receive from, {dst: dst weight} to send to).
+
+    No weights: the topology's at this step. ``src_weights`` (with ``self_weight``) reweights the
+    topology's in-neighbors (those left out get weight 0). ``dst_weights`` makes the call dynamic:
+    send to exactly those ranks, receive from exactly the ``src_weights`` keys.
+    """
+    args = ctx.args
+    assert isinstance(args, pb.NeighborAllreduce | pb.CompressedNeighborAllreduce)
+    has_self, has_src = args.HasField("self_weight"), args.HasField("src_weights")
+    step = ctx.topology_step()
+    if has_src and not has_self:
+        raise DecentError(pb.INVALID_ARGUMENT,
+                          f"{ctx.label}: src_weights given without self_weight; pass both")
+    if args.HasField("dst_weights"):
+        if not has_src:
+            raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: dst_weights given without "
+                              "src_weights; a dynamic call names both the ranks it sends to and "
+                              "those it receives from")
+        recv, send = _weights(args.src_weights), _weights(args.dst_weights)
+    elif has_src:
+        given = _weights(args.src_weights)
+        unknown = sorted(set(given) - set(step.src_weights))
+        if unknown:
+            raise DecentError(pb.INVALID_ARGUMENT,
+                              f"{ctx.label}: src_weights names rank(s) {unknown}, which are not "
+                              f"in-neighbors of rank {ctx.rank} at this step "
+                              f"({step.in_neighbors}); pass dst_weights for a dynamic call")
+        recv = {j: given.get(j, 0.0) for j in step.src_weights}
+        send = {d: 1.0 for d in step.dst_ranks}
+    else:
+        recv = dict(step.src_weights)
+        send = {d: 1.0 for d in step.dst_ranks}
+    ctx.check_ranks(list(recv), "src_weights")
+    ctx.check_ranks(list(send), "dst_weights")
+    self_weight = float(args.self_weight) if has_self else step.self_weight
+    return self_weight, recv, send
+
+
+def explicit_weights(ctx: OpContext) -> bool:
+    """Whether the call gave any weights (else the topology's apply)."""
+    args = ctx.args
+    return any(args.HasField(f) for f in ("self_weight", "src_weights", "dst_weights"))
+
+
+class FoldIn:
+    """Folds a lone in-neighbor's tensor into the result while it is still arriving.
+
+    The result overwrites the input (one arena slot), so element k is combined only once the
+    input's element k has gone out to every out-neighbor; on a link where sending and receiving
+    run at the same pace that keeps up with the arrival, and only the tail is left at the end.
+    The arriving tensor may be the slice of ``count`` elements from ``base`` of ours.
+    """
+
+    def __init__(self, ctx: OpContext, p: PartSpec, self_weight: float, src_weight: float,
+                 dsts: list[int], base: int = 0, count: int | None = None) -> None:
+        self.ctx, self.p = ctx, p
+        self.self_weight, self.src_weight = self_weight, src_weight
+        self.itemsize = dtypes.itemsize(p.dtype)
+        self.base = base
+        self.count = p.x.size if count is None else count
+        self.done = 0  # elements combined (of the arriving tensor)
+        self.sends: dict[int, list[tuple[Outgoing, int]]] = {d: [] for d in dsts}
+        self.finished: set[int] = set()  # destinations whose send returned
+        self.off = False
+
+    def sent(self) -> int:
+        """Input bytes known to be in the kernel for every destination."""
+        low = self.p.nbytes
+        for d, items in self.sends.items():
+            if d not in self.finished:
+                low = min(low, max((i.sent - h for i, h in items), default=0))
+        return low
+
+    def __call__(self, buf: np.ndarray, filled: int, weight: float, part: pb.Part) -> None:
+        """``buf[:filled]`` of the neighbor's tensor has arrived."""
+        p = self.p
+        if self.off or not (part.op == self.ctx.op and part.meta.dtype == p.dtype
+                            and tuple(part.meta.shape) == p.shape
+                            and part.nbytes == self.count * self.itemsize):
+            self.off = True  # anything odd: leave it to the checks after the arrival
+            return
+        upto = min(filled, self.sent()) // self.itemsize
+        if upto - self.done < FOLD_MIN:
+            return
+        try:
+            self.fold(buf, weight, upto)
+        except Exception:  # e.g. an output region too small: the op reports it at the end
+            self.off = True
+            self.done = 0
+
+    def fold(self, buf: np.ndarray, weight: float, upto: int) -> None:
+        """Combine elements ``[done, upto)`` of the arriving tensor."""
+        p = self.p
+        y = buf[:upto * self.itemsize].view(dtypes.STORAGE[p.dtype])
+        out = self.ctx.output(p, p.nbytes)
+        lo, b = self.done, self.base
+        weighted_sum(out[b + lo:b + upto], p.x[b + lo:b + upto], self.self_weight,
+                     [(y[lo:upto], self.src_weight * weight)], p.dtype)
+        self.done = upto
+
+
+#: the smallest tensor a pair of ranks on one host averages by halves: below it, one message each
+#: way is faster than two rounds (measured on loopback: halves lose at 1 and 4 MiB, win from
+#: 16 MiB). Both ranks decide per tensor, by its size alone, so the decision agrees however each
+#: side fused its requests.
+PAIR_MIN_BYTES = 8 << 20
+
+
+def pair_peer(ctx: OpContext, self_weight: float, recv: dict[int, float],
+              send: dict[int, float]) -> int | None:
+    """The peer of a symmetric pair step, whose large tensors both ranks average by halves.
+
+    That is: topology weights (so the peer derives the same answer from the same schedule),
+    this rank and the peer each other's only neighbor, all four weights equal
+    (``w * x_a + w * x_b`` is the same sum on both sides), and both on one host. Halves save
+    half the arithmetic, which pays where memory is the limit (loopback); across a network the
+    link is, and halves move the same bytes with a wait between the rounds (measured on the
+    1 Gbit/s netns benchmark: the pair step took 265-275 ms by halves, 230-246 ms whole).
+    """
+    if len(recv) != 1 or set(send) != set(recv) or explicit_weights(ctx):
+        return None
+    (j,) = recv
+    if not ctx.same_host(j):
+        return None
+    theirs = ctx.topology_step(j)
+    if tuple(theirs.src_weights) != (ctx.rank,) or theirs.dst_ranks != (ctx.rank,):
+        return None
+    weights = {self_weight, recv[j], theirs.self_weight, theirs.src_weights[ctx.rank]}
+    return j if len(weights) == 1 else None
+
+
+async def pair_exchange(ctx: OpContext, p: PartSpec, j: int, weight: float) -> None:
+    """Average tensor ``p`` with ``j`` by halves, like a 2-rank ring allreduce.
+
+    Each rank combines one half (folded in while the peer's copy of it arrives) and sends the
+    result to the other, which receives it straight into its output. The same bytes travel as
+    with whole tensors, and each rank does half the arithmetic. The lower rank combines the
+    first half.
+    """
+    size, isz = p.x.size, dtypes.itemsize(p.dtype)
+    mid = size // 2
+    mine, theirs = ((0, mid), (mid, size)) if ctx.rank < j else ((mid, size), (0, mid))
+    landing = np.frombuffer(p.out, np.uint8, p.nbytes)[theirs[0] * isz:theirs[1] * isz]
+    fold = FoldIn(ctx, p, weight, weight, [], base=mine[0], count=mine[1] - mine[0])
+
+    def send(tag: int, data: memoryview, lo: int, hi: int) -> Awaitable[None]:
+        return ctx.send_bytes(j, tag, data[lo * isz:hi * isz], p)
+
+    def check(arrival: Arrival, count: int) -> None:
+        if arrival.data.nbytes != count * isz:
+            raise DecentError(pb.MISMATCH, f"tensor '{p.display}' round {p.round}: rank {j} sent "
+                          f"half a tensor of {arrival.data.nbytes} bytes, rank {ctx.rank} "
+                          f"expected {count * isz}")
+
+    # the peer's half of the result may come as soon as it has ours: expected from the start
+    second = asyncio.ensure_future(ctx.recv_parts(j, 2, parts=[p], sized=False, into=landing))
+    try:
+        (first,), _ = await gather_all(
+            ctx.recv_parts(j, 1, parts=[p], sized=False, progress=fold),
+            send(1, p.raw, *theirs))
+        check(first, fold.count)
+        fold.fold(first.data, first.weight, fold.count)  # the rest of it
+        ctx.release(first)
+        (result,), _ = await gather_all(second, send(2, p.out, *mine))
+    except BaseException:
+        second.cancel()
+        await asyncio.gather(second, return_exceptions=True)
+        raise
+    check(result, theirs[1] - theirs[0])
+    if not np.may_share_memory(result.data, landing):  # it came before the op ran
+        landing[...] = result.data
+
+
+async def neighbor_allreduce(ctx: OpContext) -> OpResult:
+    """``out = self_w * x + sum_j src_w[j] * d_j * x_j`` over this step's in-neighbors.
+
+    The result is written over the input once it is sent (the client gives both one slot, and
+    in-place ops on shared tensors rely on it); a lone in-neighbor's tensor is folded in while
+    it arrives (FoldIn), the rest once everything is there. Two ranks that are each other's
+    only neighbor with equal weights average large tensors by halves (pair_exchange).
+    """
+    self_weight, recv, send = neighbor_plan(ctx)
+    pair = pair_peer(ctx, self_weight, recv, send)
+    halves = [p for p in ctx.parts if p.nbytes >= PAIR_MIN_BYTES] if pair is not None else []
+    whole = [p for p in ctx.parts if all(p is not h for h in halves)]
+    jobs = [pair_exchange(ctx, p, pair, self_weight) for p in halves if pair is not None]
+    if whole:
+        jobs.append(exchange_whole(ctx, whole, self_weight, recv, send))
+    await gather_all(*jobs)
+    return OpResult(sum(p.nbytes for p in ctx.parts), ctx.shape)
+
+
+async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: float,
+                         recv: dict[int, float], send: dict[int, float]) -> None:
+    """neighbor_allreduce of ``parts``: whole tensors to and from every neighbor (one message
+    per peer)."""
+    srcs = sorted(recv)
+    fold = None
+    # nothing of our own in the result and nothing to send: the neighbor's tensor is received
+    # straight into the output and only scaled there
+    direct = self_weight == 0.0 and not send and len(srcs) == 1
+    if len(srcs) == 1 and len(parts) == 1 and not direct:
+        fold = FoldIn(ctx, parts[0], self_weight, recv[srcs[0]], list(send))
+
+    async def send_to(d: int, w: float) -> None:
+        await ctx.send(d, 0, weight=w, ack=d not in recv,
+                       track=fold.sends[d] if fold is not None else None, parts=parts)
+        if fold is not None:
+            fold.finished.add(d)
+
+    # a peer we also receive from checks our tensor against its own and we check its: a
+    # disagreement fails both sides without acknowledgements; one-way edges need them
+    got = await gather_all(
+        *(ctx.recv_parts(j, 0, ack=j not in send, parts=parts, progress=fold, direct=direct)
+          for j in srcs),
+        *(send_to(d, w) for d, w in send.items()))
+    for i, p in enumerate(parts):
+        storage = dtypes.STORAGE[p.dtype]
+        out = ctx.output(p, p.nbytes)
+        if direct and got[0][i].message is not None and got[0][i].message.buf is None \
+                and np.may_share_memory(got[0][i].data, out):  # it landed in the output
+            scale = recv[srcs[0]] * got[0][i].weight
+            if scale != 1.0:
+                weighted_sum(out, out, scale, [], p.dtype)
+        elif fold is not None and fold.done and not fold.off:  # the head is combined already
+            fold.fold(got[0][i].data, got[0][i].weight, p.x.size)
+        else:
+            terms = [(got[k][i].data.view(storage), recv[j] * got[k][i].weight)
+                     for k, j in enumerate(srcs)]
+            weighted_sum(out, p.x, self_weight, terms, p.dtype)
+
+
+async def compressed_neighbor_allreduce(ctx: OpContext) -> OpResult:
+    """neighbor_allreduce of ``Q(x)``: each rank sends its compressed tensor (compression.py).
+
+    The result has two rows: ``self_w * Q(x) + sum_j src_w[j] * d_j * Q(x_j)`` (ascending rank
+    order) and ``Q(x)`` itself, decoded from the payload this rank sent, so the caller knows
+    exactly what its neighbors received (CHOCO-SGD keeps public copies with it).
+    """
+    p = ctx.parts[0]
+    spec = ctx.args.compression
+    try:
+        compression.validate(int(spec.kind), float(spec.ratio), p.dtype, p.x.size)
+    except compression.CompressionError as exc:
+        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: {exc}") from None
+    self_weight, recv, send = neighbor_plan(ctx)
+    mine = compression.describe(int(spec.kind), float(spec.ratio))
+    data = compression.encode(int(spec.kind), float(spec.ratio), p.x, p.dtype)
+    rows = ctx.output(p, 2 * p.nbytes).reshape(2, p.x.size)
+    mixed, own = rows[0], rows[1]
+    compression.decode(data, own, p.dtype)
+    srcs = sorted(recv)
+    got = await gather_all(
+        *(ctx.recv_parts(j, 0, ack=j not in send, sized=False) for j in srcs),
+        *(ctx.send(d, 0, weight=w, ack=d not in recv, data=memoryview(data))
+          for d, w in send.items()))
+    storage = dtypes.STORAGE[p.dtype]
+    terms = []
+    for j, (arrival,) in zip(srcs, got[:len(srcs)], strict=True):
+        theirs = np.empty(p.x.size, storage)
+        try:
+            kind, _, k, _ = compression.header(arrival.data)
+            if kind != spec.kind or (kind == pb.TOPK and
+                                     k != compression.topk_count(spec.ratio, p.x.size)):
+                ratio = k / p.x.size if kind == pb.TOPK and p.x.size else 0.0
+                raise compression.CompressionError(
+                    f"rank {j} compressed it with {compression.describe(kind, ratio)}, rank "
+                    f"{ctx.rank} with {mine}")
+            compression.decode(arrival.data, theirs, p.dtype)
+        except compression.CompressionError as exc:
+            raise DecentError(pb.MISMATCH, f"tensor '{p.display}' round {p.round}: {exc}") from None
+        terms.append((theirs, recv[j] * arrival.weight))
+    weighted_sum(mixed, own, self_weight, terms, p.dtype)
+    return OpResult(2 * p.nbytes, (2, *ctx.shape))
+
+
+def allgather_plan(ctx: OpContext) -> tuple[list[int], list[int]]:
+    """(ranks to receive from, ranks to send to) of a neighbor allgather."""
+    args = ctx.args
+    assert isinstance(args, pb.NeighborAllgather)
+    step = ctx.topology_step()
+    if args.HasField("src_ranks") != args.HasField("dst_ranks"):
+        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: a dynamic allgather names both "
+                                               "src_ranks and dst_ranks")
+    srcs = sorted(args.src_ranks.ranks) if args.HasField("src_ranks") else step.in_neighbors
+    dsts = sorted(args.dst_ranks.ranks) if args.HasField("dst_ranks") else step.out_neighbors
+    ctx.check_ranks(srcs, "src_ranks")
+    ctx.check_ranks(dsts, "dst_ranks")
+    return srcs, dsts
+
+
+async def neighbor_allgather(ctx: OpContext) -> OpResult:
+    """Stack the in-neighbors' tensors (ascending rank) on a new leading dimension."""
+    srcs, dsts = allgather_plan(ctx)
+    got = await gather_all(*(ctx.recv(j, 0, ack=True) for j in srcs),
+                           *(ctx.send(d, 0, ack=True) for d in dsts))
+    p = ctx.parts[0]
+    out = ctx.output(p, p.nbytes * len(srcs)).reshape(len(srcs), p.x.size)
+    for k, (arr, _) in enumerate(got[: len(srcs)]):
+        out[k] = arr
+    return OpResult(int(out.nbytes), (len(srcs), *ctx.shape), srcs)
+
+
+def _neighbor_peers(ctx: OpContext) -> set[int]:
+    _, recv, send = neighbor_plan(ctx)
+    return set(recv) | set(send)
+
+
+def _neighbor_tags(ctx: OpContext) -> set[int]:
+    if pair_peer(ctx, *neighbor_plan(ctx)) is None:
+        return {0}
+    return {1, 2} | ({0} if any(p.nbytes < PAIR_MIN_BYTES for p in ctx.parts) else set())
+
+
+def _allgather_peers(ctx: OpContext) -> set[int]:
+    srcs, dsts = allgather_plan(ctx)
+    return set(srcs) | set(dsts)
+
+
+NEIGHBOR_OPS: dict[int, OpSpec] = {
+    pb.NEIGHBOR_ALLREDUCE: OpSpec(
+        neighbor_allreduce, _neighbor_peers, _neighbor_tags, fusable=True,
+        tag_hint="pairwise halves vs. whole tensors: do both ranks have the same topology?"),
+    pb.NEIGHBOR_ALLGATHER: OpSpec(neighbor_allgather, _allgather_peers, lambda _ctx: {0}),
+    pb.COMPRESSED_NEIGHBOR_ALLREDUCE: OpSpec(compressed_neighbor_allreduce, _neighbor_peers,
+                                             lambda _ctx: {0}),
+}

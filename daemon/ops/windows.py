@@ -1,0 +1,304 @@
+"""The worker's window ops (BlueFog's one-sided vocabulary, AD-PSGD, WAGMA) over the daemon's
+:class:`~decentd.window_store.WindowStore`.
+
+Local ops (create, publish, update, add, free) change this daemon's windows only. Put,
+accumulate, get and exchange send one request per target and complete when every target's daemon
+answered; the targets' workers take no part. Window ops have no participants to abort: a target
+holds no op of ours (its daemon answered already, or the request never reached it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from decent_wire import dtypes
+from decent_wire.topology import butterfly_group
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.numerics import weighted_sum
+from decentd.ops.api import Arrival, DecentError, OpContext, OpResult, OpSpec, gather_all, part
+from decentd.window_store import REPLY, REQUEST, Window, WindowStore
+
+
+def _store(ctx: OpContext) -> WindowStore:
+    return ctx.services.windows
+
+
+def _local(ctx: OpContext) -> tuple[Window, np.ndarray]:
+    """The op's window (created here, holding the op's dtype and shape) and its own copy."""
+    p = ctx.parts[0]
+    w = _store(ctx).local(p.name, p.display)
+    if (p.dtype, p.shape) != (w.dtype, w.shape):
+        raise DecentError(pb.INVALID_ARGUMENT, f"window '{w.display}' holds {w.describe()} but "
+                          f"the tensor is {dtypes.describe(p.dtype, p.shape)}")
+    assert w.own is not None
+    return w, w.own
+
+
+def _echo(ctx: OpContext) -> OpResult:
+    """The op's result is its input (put, accumulate, publish, create)."""
+    p = ctx.parts[0]
+    out = ctx.output(p, p.nbytes)
+    if p.nbytes and not np.may_share_memory(out, p.x):
+        out[...] = p.x
+    return OpResult(p.nbytes, p.shape)
+
+
+def _static_step(ctx: OpContext, what: str) -> tuple[float, dict[int, float], list[int]]:
+    """The topology's self weight, in-weights and out-neighbors (windows use a static graph
+    unless the call names its ranks)."""
+    topo = ctx.topology
+    if topo.dynamic:
+        raise DecentError(pb.INVALID_ARGUMENT, f"window '{ctx.display}': topology {topo.kind!r} "
+                          f"changes from step to step; pass {what} explicitly")
+    s = topo.step(ctx.rank, 0)
+    return s.self_weight, dict(s.src_weights), list(s.dst_ranks)
+
+
+def _ranks(ctx: OpContext, field: pb.RankWeights, what: str) -> dict[int, float]:
+    weights = {int(k): float(v) for k, v in field.weights.items()}
+    ctx.check_ranks(list(weights), what)
+    return weights
+
+
+async def _exchange(ctx: OpContext, targets: dict[int, float], step: int,
+                    payload: memoryview) -> dict[int, Arrival]:
+    """Send this op's request to every target and wait for every answer."""
+    p = ctx.parts[0]
+    futs = {j: ctx.expect(j, REPLY) for j in targets}
+
+    async def ask(j: int, weight: float) -> None:
+        request = part(p.name, p.round, REQUEST, ctx.op, p.dtype, p.shape, len(payload), weight)
+        request.step = step
+        await ctx.send_part(j, request, payload)
+
+    ctx.waiting.update(targets)
+    await gather_all(*(ask(j, w) for j, w in targets.items()))
+    got: dict[int, Arrival] = {}
+    for j, fut in futs.items():
+        got[j] = await fut
+        ctx.waiting.discard(j)
+    return got
+
+
+async def win_create(ctx: OpContext) -> OpResult:
+    """``win_create``: local (buffers for the topology's in-neighbors when it is static)."""
+    p = ctx.parts[0]
+    assert isinstance(ctx.args, pb.WinCreate)
+    topo = ctx.topology
+    neighbors = [] if topo.dynamic else list(topo.step(ctx.rank, 0).src_weights)
+    _store(ctx).create(p.name, p.dtype, p.shape, p.x, ctx.args.zero_init, neighbors)
+    return _echo(ctx)
+
+
+async def win_publish(ctx: OpContext) -> OpResult:
+    """``win_publish``: the own copy becomes the tensor (what peers' gets are served)."""
+    assert isinstance(ctx.args, pb.WinPublish)
+    w, own = _local(ctx)
+    own[...] = ctx.parts[0].x
+    w.stamp(int(ctx.args.step))
+    return _echo(ctx)
+
+
+async def win_write(ctx: OpContext) -> OpResult:
+    """``win_put`` / ``win_accumulate``: publish, then write into each destination's buffer."""
+    args = ctx.args
+    assert isinstance(args, pb.WinWrite)
+    w, own = _local(ctx)
+    if args.HasField("dst_weights"):
+        dsts = _ranks(ctx, args.dst_weights, "dst_weights")
+    else:
+        dsts = {d: 1.0 for d in _static_step(ctx, "dst_weights")[2]}
+    own[...] = ctx.parts[0].x
+    w.stamp(int(args.step))
+    got = await _exchange(ctx, dsts, w.step, ctx.parts[0].raw)
+    for arrival in got.values():
+        arrival.release()
+    return _echo(ctx)
+
+
+async def win_get(ctx: OpContext) -> OpResult:
+    """``win_get``: buffer[j] = w_j * (j's own copy) for each source."""
+    p = ctx.parts[0]
+    args = ctx.args
+    assert isinstance(args, pb.WinGet)
+    w = _store(ctx).local(p.name, p.display)
+    if args.HasField("src_weights"):
+        srcs = _ranks(ctx, args.src_weights, "src_weights")
+    else:
+        srcs = {j: 1.0 for j in _static_step(ctx, "src_weights")[1]}
+    got = await _exchange(ctx, srcs, w.step, memoryview(b""))
+    for j, arrival in got.items():
+        if (arrival.dtype, arrival.shape) != (w.dtype, w.shape):
+            raise DecentError(pb.MISMATCH, f"window '{w.display}': rank {j} holds "
+                              f"{dtypes.describe(arrival.dtype, arrival.shape)} but rank "
+                              f"{ctx.rank} holds {w.describe()}")
+        weighted_sum(w.buffer(j), arrival.data.view(dtypes.STORAGE[w.dtype]), srcs[j], [],
+                     w.dtype)
+        w.wrote(j, arrival.step)
+        arrival.release()
+    return OpResult(0, (0,))
+
+
+def _update_weights(ctx: OpContext, w: Window) -> tuple[float, dict[int, float]]:
+    """``win_update``'s self weight and buffer weights: given, else the static topology's."""
+    args = ctx.args
+    assert isinstance(args, pb.WinUpdate)
+    given_self, given_src = args.HasField("self_weight"), args.HasField("src_weights")
+    if given_self and given_src:
+        self_weight, weights = float(args.self_weight), _ranks(ctx, args.src_weights,
+                                                               "neighbor_weights")
+    else:
+        self_default, in_default, _ = _static_step(ctx, "self_weight and neighbor_weights")
+        self_weight = float(args.self_weight) if given_self else self_default
+        weights = _ranks(ctx, args.src_weights, "neighbor_weights") if given_src else in_default
+    missing = sorted(j for j in weights if j not in w.buffers)
+    if missing:
+        raise DecentError(pb.INVALID_ARGUMENT, f"window '{w.display}' on rank {ctx.rank} has no "
+                          f"buffer from rank(s) {missing}: they never wrote to it and are not "
+                          "in-neighbors of the topology")
+    return self_weight, weights
+
+
+async def win_update(ctx: OpContext) -> OpResult:
+    """``win_update``: ``self_w * x + sum_j w_j * buffer[j]``; becomes the own copy; the buffers
+    read have version 0 again (and are zeroed with ``reset``)."""
+    p = ctx.parts[0]
+    args = ctx.args
+    assert isinstance(args, pb.WinUpdate)
+    w, own = _local(ctx)
+    self_weight, weights = _update_weights(ctx, w)
+    out = ctx.output(p, p.nbytes)
+    weighted_sum(out, p.x, self_weight, [(w.buffers[j], wj) for j, wj in weights.items()],
+                 p.dtype)
+    own[...] = out
+    w.stamp(int(args.step))
+    for j in weights:
+        w.max_staleness = max(w.max_staleness, w.step - min(w.step, w.steps.get(j, 0)))
+        w.versions[j] = 0
+        if args.reset:
+            w.buffers[j][...] = 0
+    return OpResult(p.nbytes, p.shape)
+
+
+async def win_exchange(ctx: OpContext) -> OpResult:
+    """``win_exchange``: atomically average with one peer's own copy (AD-PSGD); the average is
+    the result and this rank's own copy."""
+    p = ctx.parts[0]
+    args = ctx.args
+    assert isinstance(args, pb.WinExchange)
+    w, own = _local(ctx)
+    j = int(args.peer)
+    ctx.check_ranks([j], "peer")
+    a = (await _exchange(ctx, {j: 0.5}, w.step, p.raw))[j]
+    if (a.dtype, a.shape) != (w.dtype, w.shape):  # pragma: no cover - the peer checked it
+        raise DecentError(pb.MISMATCH, f"window '{w.display}': rank {j} answered "
+                          f"{dtypes.describe(a.dtype, a.shape)}")
+    out = ctx.output(p, p.nbytes)
+    out[...] = a.data.view(dtypes.STORAGE[w.dtype])
+    a.release()
+    own[...] = out
+    w.versions[j] = w.versions.get(j, 0) + 1
+    return OpResult(p.nbytes, p.shape)
+
+
+async def win_add(ctx: OpContext) -> OpResult:
+    """``win_add``: own copy += tensor, atomically with peers' exchanges; the result is the
+    new own copy."""
+    p = ctx.parts[0]
+    assert isinstance(ctx.args, pb.WinAdd)
+    w, own = _local(ctx)
+    weighted_sum(own, own, 1.0, [(p.x, 1.0)], p.dtype)
+    w.stamp(int(ctx.args.step))
+    ctx.output(p, p.nbytes)[...] = own
+    return OpResult(p.nbytes, p.shape)
+
+
+def _group(ctx: OpContext) -> tuple[int, int]:
+    """(group size, group round) of a group_allreduce, checked."""
+    args = ctx.args
+    assert isinstance(args, pb.GroupAllreduce)
+    s, n = int(args.group_size), ctx.size
+    if s < 1 or s & (s - 1) or n & (n - 1) or s > n:
+        raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{ctx.display}': group_allreduce needs "
+                          "a power-of-two group_size <= size and a power-of-two size; got "
+                          f"group_size {s}, size {n}")
+    if args.group_round < 1:
+        raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{ctx.display}': group_round must be "
+                                               ">= 1 (the client counts its calls from 1)")
+    return s, int(args.group_round)
+
+
+async def group_allreduce(ctx: OpContext) -> OpResult:
+    """WAGMA's wait-avoiding group average over this round's butterfly group.
+
+    The tensor becomes the window's own copy (published); if the group's sum for this round is
+    here already (another member triggered it) it is used at once, otherwise the leader is
+    triggered and the sum awaited. Members that had not arrived contributed their last own copy.
+    """
+    p = ctx.parts[0]
+    store = _store(ctx)
+    w, own = _local(ctx)
+    size, gr = _group(ctx)
+    own[...] = p.x
+    w.step = gr
+    members = butterfly_group(ctx.rank, ctx.size, size, gr)
+    out = ctx.output(p, p.nbytes)
+    if len(members) == 1:
+        out[...] = p.x
+        return OpResult(p.nbytes, p.shape)
+    key = (p.name, gr)
+    got = store.group_result(key)
+    if got is None:
+        fut = store.await_group(key)
+        leader = members[0]
+        try:
+            if leader == ctx.rank:
+                store.lead(p.name, gr, size, p.dtype, p.shape)
+            else:
+                trigger = part(p.name, gr, REQUEST, pb.GROUP_TRIGGER, p.dtype, p.shape, 0,
+                               float(size))
+                await ctx.send_part(leader, trigger, memoryview(b""))
+            ctx.waiting.add(leader)
+            got = await fut
+        finally:
+            store.stop_waiting(key)
+    total, staleness = got
+    w.max_staleness = max(w.max_staleness, staleness)
+    g = len(members)
+    assert isinstance(ctx.args, pb.GroupAllreduce)
+    if ctx.args.rule == pb.GROUP_WITH_SELF:
+        # the input first: the output may be the input's own slot (written as it goes)
+        weighted_sum(out, p.x, 1.0 / (g + 1), [(total, 1.0 / (g + 1))], p.dtype)
+    else:
+        weighted_sum(out, total, 1.0 / g, [], p.dtype)
+    return OpResult(p.nbytes, p.shape)
+
+
+async def win_free(ctx: OpContext) -> OpResult:
+    """``win_free``: local."""
+    p = ctx.parts[0]
+    _store(ctx).free(p.name, p.display)
+    return OpResult(0, (0,))
+
+
+def _no_peers(_ctx: OpContext) -> set[int]:
+    """Window ops abort nobody: an ABORT would hit a target's own op of the same key."""
+    return set()
+
+
+def _replies(_ctx: OpContext) -> set[int]:
+    return {REPLY}
+
+
+WINDOW_OPS: dict[int, OpSpec] = {
+    pb.WIN_CREATE: OpSpec(win_create, _no_peers),
+    pb.WIN_PUBLISH: OpSpec(win_publish, _no_peers),
+    pb.WIN_PUT: OpSpec(win_write, _no_peers, _replies),
+    pb.WIN_ACCUMULATE: OpSpec(win_write, _no_peers, _replies),
+    pb.WIN_GET: OpSpec(win_get, _no_peers, _replies),
+    pb.WIN_UPDATE: OpSpec(win_update, _no_peers),
+    pb.WIN_FREE: OpSpec(win_free, _no_peers),
+    pb.WIN_EXCHANGE: OpSpec(win_exchange, _no_peers, _replies),
+    pb.WIN_ADD: OpSpec(win_add, _no_peers),
+    pb.GROUP_ALLREDUCE: OpSpec(group_allreduce, _no_peers),
+}

@@ -1,0 +1,197 @@
+"""The receiving side of the links: the peers' bulk frames, taken apart.
+
+Each incoming connection is an :class:`~decentd.bulk.Inbound` that hands its frames here. This
+module checks them against the link's flow control, hands each part of a message to the
+:class:`~decentd.mailbox.Mailbox` (or a one-sided window request to the
+:class:`~decentd.window_store.WindowStore`), and gives consumed bytes back as credit. Received
+payloads live in pooled buffers, reused step after step; a lone part an op waits for lands
+straight in that op's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from decent_wire.errors import DecentError
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.bufpool import BufferPool
+from decentd.bulk import Inbound
+from decentd.links import Links
+from decentd.mailbox import Arrival, Mailbox, Message
+from decentd.window_store import WindowStore, is_one_sided
+
+log = logging.getLogger("decentd.receiver")
+
+_EMPTY = np.empty(0, np.uint8)
+
+
+@dataclass(eq=False)
+class _Landing:
+    """A lone part's payload being received straight into the waiting op's memory."""
+
+    conn: Inbound
+    part: pb.Part
+    dest: np.ndarray
+    pool: BufferPool
+    active: bool = True  #: still landing in the op's memory (not moved to a pooled buffer)
+
+    def cancel(self) -> None:
+        """The op ended: the rest of the payload goes to a pooled buffer, dropped on arrival."""
+        if self.active and self.conn.receiving_into(self.dest):
+            self.conn.redirect(self.dest, self.pool.get(self.dest.nbytes))
+            self.active = False
+
+
+class Receiver:
+    """Where every incoming bulk connection delivers its frames (a ``bulk.FrameSink``)."""
+
+    def __init__(self, links: Links, mailbox: Mailbox, windows: WindowStore,
+                 pool: BufferPool) -> None:
+        self._links = links
+        self._mailbox = mailbox
+        self._windows = windows
+        self._pool = pool
+        self._landing: dict[Inbound, _Landing] = {}
+
+    def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
+        """Where a frame's payload goes: a pooled buffer of exactly its size, or the memory of
+        the op that waits for its lone part."""
+        if conn.src < 0:
+            raise ValueError("data before HELLO")
+        size = int(header.payload_bytes)
+        if header.kind == pb.PAYLOAD:
+            parts = self._mailbox.payload_parts(conn.src, int(header.message_id))
+            if parts is None:  # its ops ended here: read and dropped
+                return self._pool.get(size)
+        elif header.kind == pb.DATA:
+            self._links.links[conn.src].flow.accept_eager(size, conn.src)
+            parts = list(header.parts)
+        else:
+            raise ValueError(f"a payload on a frame of kind {header.kind}")
+        if any(is_one_sided(p) for p in parts):
+            return self._pool.get(size)
+        self._mailbox.header(conn, conn.src, parts)
+        if len(parts) == 1:
+            dest = self._mailbox.landing_target(conn.src, parts[0], size)
+            if dest is not None:
+                landing = self._landing[conn] = _Landing(conn, parts[0], dest, self._pool)
+                self._mailbox.landing(conn.src, parts[0], landing)
+                return dest
+        return self._pool.get(size)
+
+    def on_progress(self, conn: Inbound, header: pb.BulkHeader, dest: np.ndarray,
+                    filled: int) -> None:
+        """Part of a payload arrived: a lone part's waiting op may fold it in already."""
+        parts = (self._mailbox.payload_parts(conn.src, int(header.message_id))
+                 if header.kind == pb.PAYLOAD else list(header.parts))
+        if parts is not None and len(parts) == 1:
+            self._mailbox.progress(conn.src, parts[0], dest, filled)
+
+    def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
+        """Dispatch one complete frame; ValueError closes the connection it came on."""
+        self._mailbox.arrived(conn)
+        kind = header.kind
+        if kind == pb.HELLO:
+            self._links.bind_inbound(conn, int(header.from_rank), header.cluster_id)
+            return
+        src = conn.src
+        link = self._links.links.get(src)
+        if link is None:
+            raise ValueError("data before HELLO")
+        link.last_heartbeat = time.monotonic()
+        link.flow.returned(int(header.credit))
+        landing = self._landing.pop(conn, None)
+        if landing is not None:
+            self._mailbox.landing(src, landing.part, None)
+        pooled = landing is None or not landing.active
+        size = int(header.payload_bytes)
+        if kind == pb.DATA:
+            self._split(src, header.parts, payload, size, size, pooled)
+        elif kind == pb.PAYLOAD:
+            parts = self._mailbox.payload_done(src, int(header.message_id))
+            if parts is None:  # its ops ended here meanwhile
+                if payload is not None and pooled:
+                    self._pool.put(payload)
+                return
+            self._split(src, parts, payload, size, 0, pooled)
+        else:
+            self._control(src, header)
+
+    def _control(self, src: int, header: pb.BulkHeader) -> None:
+        """A frame without payload: RTS, CTS, ACK or ABORT."""
+        kind = header.kind
+        if kind == pb.RTS:
+            mid = int(header.message_id)
+            if any(is_one_sided(p) for p in header.parts):  # the window service takes it now
+                self._mailbox.clear_at_once(src, mid, header)
+            else:
+                self._mailbox.announce(src, mid, header)
+        elif kind == pb.CTS:
+            self._links.cleared(src, int(header.message_id))
+        elif kind == pb.ACK:
+            self._mailbox.acked(src, header.parts)
+        elif kind == pb.ABORT:
+            if not header.parts:
+                raise ValueError("ABORT without the op it aborts")
+            for p in header.parts:
+                if p.op == pb.GROUP_RESULT:  # a group round failed at its leader: no op of ours
+                    self._windows.group_failed(p.name, int(p.round), header.error)
+                else:
+                    self._mailbox.aborted(src, [p], header.error)
+        else:
+            raise ValueError(f"a frame of unknown kind {kind}")
+
+    def _split(self, src: int, parts: Iterable[pb.Part], payload: np.ndarray | None,
+               total: int, credit: int, pooled: bool) -> None:
+        """Hand each part of a message to whoever takes it; the payload is released (and its
+        credit given back) with the last part."""
+        plist = list(parts)
+        declared = sum(int(p.nbytes) for p in plist)
+        if declared != total or not plist:
+            if payload is not None and pooled:
+                self._pool.put(payload)
+            raise ValueError(f"parts of {declared} bytes in a {total}-byte payload")
+        msg = Message(src, payload if pooled else None, len(plist), credit, self._released)
+        offset = 0
+        for p in plist:
+            n = int(p.nbytes)
+            data = payload[offset:offset + n] if payload is not None else _EMPTY
+            offset += n
+            shape = tuple(int(s) for s in p.meta.shape)
+            arrival = Arrival(src, int(p.op), int(p.meta.dtype), shape, float(p.weight), data,
+                              msg, step=int(p.step))
+            if is_one_sided(p):
+                self._windows.on_message(src, p.name, int(p.round), arrival)
+            else:
+                self._mailbox.deliver(src, p, arrival)
+
+    def _released(self, msg: Message) -> None:
+        if msg.buf is not None:
+            self._pool.put(msg.buf)
+            msg.buf = None
+        self._links.consumed(msg.src, msg.credit)
+
+    def on_lost(self, conn: Inbound, reason: str) -> None:
+        """An incoming connection ended: when it was the peer's current one, the peer is down."""
+        self._mailbox.arrived(conn)
+        landing = self._landing.pop(conn, None)
+        partial = conn.take_partial()
+        if landing is not None:
+            self._mailbox.landing(conn.src, landing.part, None)
+        if partial is not None and (landing is None or not landing.active):
+            self._pool.put(partial[1])
+        src = self._links.inbound_lost(conn)
+        if src is None:
+            return
+        err = DecentError(pb.PEER_UNAVAILABLE, f"rank {src} disconnected ({reason})")
+        self._mailbox.peer_lost(src, err)
+        self._links.links[src].flow.fail_rendezvous(err)
+        if reason == "stream closed":  # the peer closed its stream: an orderly stop
+            log.info("rank %d closed its connection", src)
+        else:
+            log.warning("rank %d disconnected: %s", src, reason)

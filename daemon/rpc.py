@@ -1,0 +1,174 @@
+"""The daemon's gRPC services: ``Worker`` for local workers (Unix socket), ``Peer`` for daemons."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from decent_wire.errors import DecentError
+from decent_wire.protocol import PROTOCOL_VERSION
+from decent_wire.topology import Topology
+from decent_wire.v1 import decent_pb2 as pb
+from decent_wire.v1 import decent_pb2_grpc as pb_grpc
+from decentd.engine import Engine
+from decentd.links import Links
+from decentd.names import qualify
+from decentd.ops.api import Services
+from decentd.sessions import Sessions
+
+log = logging.getLogger("decentd")
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def topology_info(topology: Topology, rank: int, step: int) -> pb.TopologyInfo:
+    """The wire form of ``rank``'s view of ``topology`` at ``step``."""
+    s = topology.step(rank, step)
+    return pb.TopologyInfo(
+        kind=topology.kind,
+        dynamic=topology.dynamic,
+        step=step % topology.period,
+        in_neighbors=s.in_neighbors,
+        out_neighbors=s.out_neighbors,
+        self_weight=s.self_weight,
+        src_weights=dict(s.src_weights),
+        spec_json=topology.spec_json(),
+    )
+
+
+@dataclass(frozen=True)
+class WorkerEndpoints:
+    """What a registered worker is told about this daemon besides its rank."""
+
+    cluster_id: str
+    data_socket: str  #: the worker data channel (submissions and completions)
+    memory_socket: str  #: memory registration
+    default_timeout: float
+    ring_threshold: int
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    """Local workers: register, status, topology, window queries."""
+
+    def __init__(self, services: Services, sessions: Sessions, engine: Engine,
+                 endpoints: WorkerEndpoints, ready: asyncio.Event) -> None:
+        self._services = services
+        self._sessions = sessions
+        self._engine = engine
+        self._endpoints = endpoints
+        self._ready = ready
+        self._rank = services.rank
+        self._topology = services.topology
+
+    async def Register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterReply:
+        """Create the worker's arena once the cluster is up."""
+        if request.protocol_version != PROTOCOL_VERSION:
+            return pb.RegisterReply(error=pb.Error(
+                code=pb.VERSION_MISMATCH,
+                message=f"worker speaks protocol {request.protocol_version}, daemon rank "
+                f"{self._rank} speaks {PROTOCOL_VERSION}"))
+        await self._ready.wait()
+        try:
+            session = self._sessions.register(request.pid, request.framework, request.job)
+        except DecentError as err:
+            log.error("worker (pid %d) refused: %s", request.pid, err.message)
+            return pb.RegisterReply(error=err.to_pb())
+        e = self._endpoints
+        return pb.RegisterReply(
+            worker_id=session.worker_id,
+            rank=self._rank,
+            size=self._services.size,
+            arena_name=session.arena.name,
+            arena_bytes=session.arena.nbytes,
+            cluster_id=e.cluster_id,
+            protocol_version=PROTOCOL_VERSION,
+            topology=topology_info(self._topology, self._rank, 0),
+            default_timeout_s=e.default_timeout,
+            data_socket=e.data_socket,
+            memory_socket=e.memory_socket,
+            ring_threshold_bytes=e.ring_threshold,
+        )
+
+    async def Status(
+        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatusReply:
+        """Counters and peer health."""
+        now = time.monotonic()
+        engine, pool = self._engine, self._services.pool
+        return pb.StatusReply(
+            rank=self._rank,
+            size=self._services.size,
+            cluster_id=self._endpoints.cluster_id,
+            workers=len(self._sessions),
+            ops_in_flight=len(engine.running),
+            ops_completed=engine.completed,
+            ops_failed=engine.failed,
+            topology_kind=self._topology.kind,
+            early_arrival_bytes=self._services.mailbox.early_bytes,
+            pid=os.getpid(),
+            rss_bytes=rss_bytes(),
+            pool_bytes=pool.in_use_bytes + pool.idle_bytes,
+            pool_peak_bytes=pool.peak_in_use,
+            registered_bytes=self._sessions.registered_bytes,
+            peers=[
+                pb.PeerStatus(
+                    rank=link.rank,
+                    address=link.address,
+                    connected=link.connected,
+                    last_heartbeat_age_s=now - link.last_heartbeat if link.last_heartbeat else -1,
+                    bytes_sent=link.bytes_sent,
+                    bytes_received=link.bytes_received,
+                    acks_early=link.acks_early,
+                    acks_late=link.acks_late,
+                )
+                for link in self._services.links.links.values()
+            ],
+        )
+
+    async def Topology(
+        self, request: pb.TopologyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TopologyInfo:
+        """This rank's neighbors at the step that round ``round`` of an op uses."""
+        return topology_info(self._topology, self._rank, int(request.round))
+
+    async def Window(
+        self, request: pb.WindowRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WindowInfo:
+        """What window ``name`` of the worker's job holds on this rank."""
+        session = self._sessions.get(request.worker_id)
+        if session is None:
+            return pb.WindowInfo(error=pb.Error(code=pb.UNKNOWN_WORKER,
+                                                message=f"unknown worker {request.worker_id!r}"))
+        return self._services.windows.info(qualify(session.job, request.name))
+
+
+class PeerService(pb_grpc.PeerServicer):
+    """Other daemons: the handshake (data and heartbeats go over the bulk path)."""
+
+    def __init__(self, links: Links) -> None:
+        self._links = links
+
+    async def Handshake(
+        self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HandshakeReply:
+        """Check cluster id, protocol version and that the caller reached the rank it meant."""
+        error = self._links.check_handshake(request)
+        if error is not None:
+            log.error("refused handshake: %s", error.message)
+            return pb.HandshakeReply(error=error, rank=self._links.rank)
+        return pb.HandshakeReply(rank=self._links.rank, data_port=self._links.data_port,
+                                 window_bytes=self._links.window)

@@ -1,0 +1,182 @@
+"""The daemon process: its parts built once from the config, then served until SIGTERM.
+
+Layers, each built whole and handed to the ones above it: the peer :class:`~decentd.links.Links`
+(connections, handshake, heartbeat, sending, flow control), the :class:`~decentd.mailbox.Mailbox`
+(matching what arrives to the ops that take it), the :class:`~decentd.window_store.WindowStore`,
+the :class:`~decentd.receiver.Receiver` (the peers' frames), the ops' :class:`Services`, the
+:class:`~decentd.engine.Engine` (requests), the worker :class:`~decentd.sessions.Sessions`, and
+the servers: gRPC for control, Unix sockets for the worker data channel and memory
+registration, TCP for the bulk path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import signal
+
+import grpc
+
+from decent_wire.topology import TopologyError
+from decent_wire.v1 import decent_pb2_grpc as pb_grpc
+from decentd.bufpool import BufferPool
+from decentd.config import NodeConfig
+from decentd.engine import Engine
+from decentd.errors import StartupError
+from decentd.flow import window_per_peer
+from decentd.links import GRPC_OPTIONS, Links
+from decentd.mailbox import Mailbox
+from decentd.ops import OPS
+from decentd.ops.api import Services
+from decentd.receiver import Receiver
+from decentd.rpc import PeerService, WorkerEndpoints, WorkerService
+from decentd.sessions import Sessions
+from decentd.window_store import WindowStore
+from decentd.workers import MemorySocket, WorkerChannel
+
+log = logging.getLogger("decentd")
+
+
+def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver]:
+    """The peer-facing layers of one daemon, wired bottom up."""
+    size = cfg.size
+    try:
+        topology = cfg.topology.build(size)
+    except TopologyError as exc:
+        raise StartupError(f"config error: topology: {exc}") from None
+    addresses = cfg.peers or ["local"]
+    pool = BufferPool(limit=cfg.memory.pool_bytes)
+    links = Links(rank, addresses, cfg.cluster_id,
+                  window_per_peer(cfg.memory.early_arrival_bytes, len(addresses) - 1),
+                  topology.digest())
+    mailbox = Mailbox(links)
+    windows = WindowStore(rank, size, links, mailbox, cfg.timeouts.op)
+    services = Services(rank, size, topology, links, mailbox, pool, windows,
+                        cfg.transport.ring_threshold_bytes)
+    return services, Receiver(links, mailbox, windows, pool)
+
+
+class Daemon:
+    """One decentd: its layers, its servers and its lifecycle."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.rank = cfg.resolved_rank()
+        if cfg.peers and not 0 <= self.rank < cfg.size:
+            raise StartupError(f"config error: rank: {self.rank} is outside peers "
+                               f"(there are {cfg.size})")
+        self.services, self.receiver = build_services(cfg, self.rank)
+        self.links = self.services.links
+        self.engine = Engine(self.services, OPS, cfg.timeouts.op, cfg.timeouts.stall_warning)
+        self.sessions = Sessions(self.engine, self.rank, cfg.memory.arena_bytes,
+                                 cfg.memory.max_regions)
+        self.ready = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.data_socket = f"{cfg.socket}.data"
+        self.channels: set[WorkerChannel] = set()
+        self.memory = MemorySocket(self.sessions, f"{cfg.socket}.mem")
+        self.endpoints = WorkerEndpoints(cfg.cluster_id, self.data_socket, self.memory.path,
+                                         cfg.timeouts.op, cfg.transport.ring_threshold_bytes)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT, then shut down cleanly."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        peer_server = grpc.aio.server(options=GRPC_OPTIONS)
+        pb_grpc.add_PeerServicer_to_server(PeerService(self.links), peer_server)
+        worker_server = grpc.aio.server(options=GRPC_OPTIONS)
+        pb_grpc.add_WorkerServicer_to_server(
+            WorkerService(self.services, self.sessions, self.engine, self.endpoints, self.ready),
+            worker_server)
+        data_server = await self._listen(peer_server, worker_server)
+        try:
+            await self._connect()
+            self._tasks = [
+                loop.create_task(self.engine.stall_inspector()),
+                loop.create_task(self.links.heartbeat_loop(self.cfg.timeouts.heartbeat)),
+            ]
+            await self.stopping.wait()
+            log.info("rank %d: shutting down", self.rank)
+        finally:
+            await self._shutdown(peer_server, worker_server, data_server)
+
+    async def _listen(self, peer_server: grpc.aio.Server,
+                      worker_server: grpc.aio.Server) -> asyncio.AbstractServer:
+        """Open every socket: the worker data channel, memory registration, the bulk path, and
+        both gRPC servers."""
+        cfg = self.cfg
+        for path in (cfg.socket, self.data_socket):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        data_server = await asyncio.get_running_loop().create_unix_server(
+            lambda: WorkerChannel(self.sessions, self.engine, self.channels), self.data_socket)
+        self.memory.start()
+        try:
+            if cfg.peers:
+                host = cfg.listen_address().rsplit(":", 1)[0]
+                await self.links.listen(host, cfg.transport.data_port, self.receiver)
+        except OSError as exc:
+            data_server.close()
+            self.memory.close()
+            raise StartupError(f"cannot listen for bulk data on port "
+                               f"{cfg.transport.data_port}: {exc}") from None
+        try:
+            if cfg.peers and peer_server.add_insecure_port(cfg.listen_address()) == 0:
+                raise StartupError(f"cannot listen for peers on {cfg.listen_address()}")
+            worker_server.add_insecure_port(f"unix://{cfg.socket}")
+        except RuntimeError as exc:
+            raise StartupError(f"cannot bind: {exc}") from None
+        await peer_server.start()
+        await worker_server.start()
+        log.info("rank %d/%d listening for peers on %s, workers on %s (topology %s)",
+                 self.rank, cfg.size, cfg.listen_address(), cfg.socket,
+                 self.services.topology.kind)
+        return data_server
+
+    async def _connect(self) -> None:
+        """Handshake with every peer (or stop trying at SIGTERM); then ready for workers."""
+        connect = asyncio.ensure_future(self.links.connect_all(self.cfg.timeouts.start))
+        stop = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait({connect, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not connect.done():
+            connect.cancel()
+            raise StartupError("stopped before all peers were reachable")
+        stop.cancel()
+        connect.result()
+        # everything allocated so far lives as long as the daemon: keep the cyclic GC from
+        # walking it again and again on the hot path (a few % of a busy daemon's CPU)
+        gc.collect()
+        gc.freeze()
+        self.ready.set()
+        log.info("rank %d: all %d peers connected; ready", self.rank, self.cfg.size - 1)
+
+    async def _shutdown(self, peer_server: grpc.aio.Server, worker_server: grpc.aio.Server,
+                        data_server: asyncio.AbstractServer) -> None:
+        self.stopping.set()
+        # grpc logs every stream it cuts at server stop; at shutdown that is expected, not news
+        logging.getLogger("grpc._cython.cygrpc").setLevel(logging.CRITICAL)
+        for task in self._tasks:
+            task.cancel()
+        try:  # a write to a peer that stopped reading must not hold the shutdown forever
+            await asyncio.wait_for(self.engine.shutdown("SIGTERM"),
+                                   self.cfg.timeouts.shutdown + 10)
+        except TimeoutError:
+            log.warning("some ops did not finish within the shutdown grace; stopping anyway")
+        data_server.close()
+        self.memory.close()
+        for channel in list(self.channels):
+            channel.close()  # after the completions written above
+        self.channels.clear()
+        await worker_server.stop(grace=self.cfg.timeouts.shutdown)
+        await self.links.close()
+        await peer_server.stop(grace=0.5)
+        self.sessions.drop_all()
+        for path in (self.cfg.socket, self.data_socket, self.memory.path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        log.info("rank %d: stopped", self.rank)

@@ -1,0 +1,19 @@
+"""The protocol's version and the names both sides give the wire's enums."""
+
+from __future__ import annotations
+
+from decent_wire.v1 import decent_pb2 as pb
+
+#: the version this build speaks (``ProtocolVersion.PROTOCOL_VERSION_CURRENT`` in the proto);
+#: workers and peers that speak another are refused at registration and handshake
+PROTOCOL_VERSION: int = pb.PROTOCOL_VERSION_CURRENT
+
+#: compressors of compressed gossip, by the name users pass
+COMPRESSORS: dict[str, int] = {"topk": pb.TOPK, "sign": pb.SIGN, "int8": pb.INT8}
+#: averaging rules of WAGMA's group allreduce, by the name users pass
+GROUP_RULES: dict[str, int] = {"mean": pb.GROUP_MEAN, "with-self": pb.GROUP_WITH_SELF}
+
+
+def op_label(op: int) -> str:
+    """``neighbor_allreduce`` style name of an ``OpType``."""
+    return str(pb.OpType.Name(op)).lower()
