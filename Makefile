@@ -1,7 +1,7 @@
 # The two commands of the README: `make run` (set up, then the main job) and `make test`.
 VENV := .venv/bin
 
-.PHONY: setup run test lint bench convergence stragglers clean
+.PHONY: setup run test lint bench convergence stragglers mutation imports clean
 
 setup:
 	@bash scripts/setup.sh
@@ -18,6 +18,14 @@ lint: setup
 	$(VENV)/ruff check wire daemon clients tests benchmarks examples scripts setup.py
 	@bash scripts/typing_links.sh
 	$(VENV)/mypy build/typing/decent_wire build/typing/decentd build/typing/decent benchmarks examples tests
+
+## proof that the unit tests can fail: each mutation in scripts/mutation_check.py must be caught
+mutation: setup
+	$(VENV)/python scripts/mutation_check.py
+
+## the import graph of wire/, daemon/ and clients/ (and its check: no cycles, layers call down)
+imports:
+	python3 scripts/import_graph.py
 
 ## the data-plane benchmarks, side by side with gloo (and hivemind, raw TCP) in the same run:
 ## 2 daemons on loopback, then 8 nodes in network namespaces at 1 Gbit/s (root only), then the

@@ -184,7 +184,7 @@ def _await_group(control: Any, stages: Any, deadline: float) -> None:
         time.sleep(0.0005)
 
 
-def _agree(ok: bool, rank: int, flags: Any, barrier: Any, timeout: float) -> bool:
+def agree(ok: bool, rank: int, flags: Any, barrier: Any, timeout: float) -> bool:
     """Tell the other peer whether this rank's part of an attempt worked; True if both did.
 
     Both peers always call it at the same points of an attempt, so they retry in lockstep.
@@ -229,7 +229,7 @@ def _attempt(averager: Any, mode: str, rank: int, cfg: Config, stages: Any, barr
         out.error = f"{type(e).__name__}: {e}"
     if mode == "allreduce":
         # both groups formed (or neither is used): then the all-reduce alone is timed
-        if not _agree(not out.error, rank, flags, barrier, cfg.barrier_timeout):
+        if not agree(not out.error, rank, flags, barrier, cfg.barrier_timeout):
             if control is not None and not control.done():
                 control.cancel()
             return out if out.error else None
@@ -246,7 +246,7 @@ def _attempt(averager: Any, mode: str, rank: int, cfg: Config, stages: Any, barr
         if out.max_abs_err > TOLERANCE:
             out.error = (f"tensors not averaged: max |x - 0.5| = {out.max_abs_err:.3g} "
                          f"on rank {rank}")
-    if not _agree(not out.error, rank, flags, barrier, cfg.barrier_timeout):
+    if not agree(not out.error, rank, flags, barrier, cfg.barrier_timeout):
         return out if out.error else None
     return out
 

@@ -112,6 +112,79 @@ def stop_processes(procs: Sequence[subprocess.Popen[bytes]], grace: float = 5.0)
             p.wait()
 
 
+def daemon_command(args: argparse.Namespace, rank: int, peers: str, sock: str) -> list[str]:
+    """The command line of daemon ``rank`` of the local cluster."""
+    cmd = [sys.executable, "-m", "decentd.cli", "--rank", str(rank), "--peers", peers,
+           "--socket", sock, "--topology", args.topology, "--log-level", args.daemon_log_level]
+    if args.config:
+        cmd += ["--config", args.config]
+    for item in args.set:
+        cmd += ["--set", item]
+    return cmd
+
+
+class LocalCluster:
+    """N daemons and N workers on this host, their output prefixed and copied to ours."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.workdir = tempfile.mkdtemp(prefix="decentrun-")
+        self.daemons: list[subprocess.Popen[bytes]] = []
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.pumps: list[_Prefixer] = []
+
+    def start(self, args: argparse.Namespace, command: list[str]) -> None:
+        """Start the daemons, then the workers (``stop()`` cleans up whatever started)."""
+        job = os.environ.get("DECENT_JOB") or f"decentrun-{secrets.token_hex(4)}"
+        peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(self.n))
+        for i in range(self.n):
+            sock = os.path.join(self.workdir, f"rank{i}.sock")
+            self.daemons.append(self._spawn(daemon_command(args, i, peers, sock), None,
+                                            f"[decentd {i}] "))
+        for i in range(self.n):
+            env = dict(os.environ, DECENT_DAEMON=f"unix://{self.workdir}/rank{i}.sock",
+                       DECENT_JOB=job, DECENT_RANK=str(i), DECENT_SIZE=str(self.n),
+                       PYTHONUNBUFFERED="1")
+            self.workers.append(self._spawn(command, env, f"[{i}] "))
+        for pump in self.pumps:
+            pump.start()
+
+    def _spawn(self, cmd: list[str], env: dict[str, str] | None,
+               tag: str) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        assert proc.stdout is not None
+        self.pumps.append(_Prefixer(proc.stdout, tag, sys.stdout.buffer))
+        return proc
+
+    def outcome(self) -> int | None:
+        """The exit code once the job is over (a worker failed, a daemon died, all workers
+        ended), else None."""
+        failed = [(i, w.returncode) for i, w in enumerate(self.workers)
+                  if w.poll() is not None and w.returncode != 0]
+        if failed:
+            rank, code = failed[0]
+            print(f"decentrun: worker {rank} exited with code {code}; stopping the rest",
+                  file=sys.stderr)
+            return code
+        dead = [i for i, d in enumerate(self.daemons) if d.poll() is not None]
+        if dead:
+            print(f"decentrun: daemon {dead[0]} exited with code "
+                  f"{self.daemons[dead[0]].returncode}; stopping the rest", file=sys.stderr)
+            return 1
+        if all(w.poll() is not None for w in self.workers):
+            return 0
+        return None
+
+    def stop(self) -> None:
+        """Stop workers, then daemons; remove the sockets' directory."""
+        stop_processes(self.workers)
+        stop_processes(self.daemons)
+        for pump in self.pumps:
+            pump.join(timeout=2)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``decentrun`` console script."""
     args = build_parser().parse_args(argv)
@@ -122,75 +195,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.np < 1:
         print("decentrun: -np must be >= 1", file=sys.stderr)
         return 2
-    n = args.np
-    workdir = tempfile.mkdtemp(prefix="decentrun-")
-    job = os.environ.get("DECENT_JOB") or f"decentrun-{secrets.token_hex(4)}"
-    peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(n))
-    out = sys.stdout.buffer
-    daemons: list[subprocess.Popen[bytes]] = []
-    workers: list[subprocess.Popen[bytes]] = []
-    pumps: list[_Prefixer] = []
-    interrupted = False
-
-    def on_signal(signum: int, _frame: object) -> None:
-        nonlocal interrupted
-        interrupted = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    code = 0
+    interrupted = threading.Event()
+    signal.signal(signal.SIGINT, lambda _signum, _frame: interrupted.set())
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: interrupted.set())
+    cluster = LocalCluster(args.np)
     try:
-        for i in range(n):
-            sock = os.path.join(workdir, f"rank{i}.sock")
-            cmd = [sys.executable, "-m", "decentd.cli", "--rank", str(i), "--peers", peers,
-                   "--socket", sock, "--topology", args.topology,
-                   "--log-level", args.daemon_log_level]
-            if args.config:
-                cmd += ["--config", args.config]
-            for item in args.set:
-                cmd += ["--set", item]
-            d = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-            daemons.append(d)
-            pumps.append(_Prefixer(d.stdout, f"[decentd {i}] ", out))  # type: ignore[arg-type]
-        for i in range(n):
-            env = dict(os.environ, DECENT_DAEMON=f"unix://{workdir}/rank{i}.sock", DECENT_JOB=job,
-                       DECENT_RANK=str(i), DECENT_SIZE=str(n), PYTHONUNBUFFERED="1")
-            w = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-            workers.append(w)
-            pumps.append(_Prefixer(w.stdout, f"[{i}] ", out))  # type: ignore[arg-type]
-        for pump in pumps:
-            pump.start()
-        while True:
-            if interrupted:
+        cluster.start(args, command)
+        while (code := cluster.outcome()) is None:
+            if interrupted.wait(0.05):
                 print("decentrun: interrupted; stopping workers and daemons", file=sys.stderr)
-                code = 130
-                break
-            failed = [(i, w.returncode) for i, w in enumerate(workers)
-                      if w.poll() is not None and w.returncode != 0]
-            if failed:
-                rank, code = failed[0]
-                print(f"decentrun: worker {rank} exited with code {code}; stopping the rest",
-                      file=sys.stderr)
-                break
-            dead = [i for i, d in enumerate(daemons) if d.poll() is not None]
-            if dead:
-                print(f"decentrun: daemon {dead[0]} exited with code {daemons[dead[0]].returncode}"
-                      "; stopping the rest", file=sys.stderr)
-                code = 1
-                break
-            if all(w.poll() is not None for w in workers):
-                break
-            time.sleep(0.05)
+                return 130
+        return code
     finally:
-        stop_processes(workers)
-        stop_processes(daemons)
-        for pump in pumps:
-            pump.join(timeout=2)
-        shutil.rmtree(workdir, ignore_errors=True)
-    return code
-
+        cluster.stop()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -84,6 +84,7 @@ class PeerLink:
     heartbeat_mark: int = -1  #: bytes sent to the peer at the last heartbeat tick
     acks_early: int = 0  #: parts acknowledged before their payload had all arrived
     acks_late: int = 0  #: parts acknowledged only after: the op here started after the arrival
+    aborts_received: int = 0  #: ABORT frames from the peer
 
     @property
     def bytes_sent(self) -> int:

@@ -138,6 +138,7 @@ class Receiver:
         elif kind == pb.ABORT:
             if not header.parts:
                 raise ValueError("ABORT without the op it aborts")
+            self._links.links[src].aborts_received += 1
             for p in header.parts:
                 if p.op == pb.GROUP_RESULT:  # a group round failed at its leader: no op of ours
                     self._windows.group_failed(p.name, int(p.round), header.error)

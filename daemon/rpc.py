@@ -134,6 +134,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                     bytes_received=link.bytes_received,
                     acks_early=link.acks_early,
                     acks_late=link.acks_late,
+                    aborts_received=link.aborts_received,
                 )
                 for link in self._services.links.links.values()
             ],

@@ -33,7 +33,7 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
-from decent_wire.topology import butterfly_group
+from decent_wire.graphs import butterfly_group
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.links import Links, part
 from decentd.mailbox import Arrival, Mailbox

@@ -23,6 +23,20 @@ from decentd.launcher import free_ports
 __all__ = ["Cluster", "free_ports"]
 
 
+def _delayed(fn: Callable[[Client[Any]], Any]) -> Callable[[Client[Any]], Any]:
+    """``fn``, started late on the rank ``$DECENT_TEST_DELAY`` names (``RANK:SECONDS``)."""
+    spec = os.environ.get("DECENT_TEST_DELAY", "")
+    if not spec:
+        return fn
+    rank, seconds = (float(v) for v in spec.split(":"))
+
+    def late(c: Client[Any]) -> Any:
+        if c.rank == int(rank):
+            time.sleep(seconds)
+        return fn(c)
+    return late
+
+
 class Cluster:
     """``n`` daemons as real processes plus one torch client per rank."""
 
@@ -75,10 +89,20 @@ class Cluster:
         self.clients = clients
         return self.clients
 
+    def disconnect(self) -> None:
+        """Close this cluster's clients (the daemons run on)."""
+        for c in self.clients:
+            c.close()
+        self.clients = []
+
     def run(self, fn: Callable[[Client[Any]], Any], timeout: float = 120) -> list[Any]:
-        """``fn(client)`` on every rank at once (threads); results in rank order."""
+        """``fn(client)`` on every rank at once (threads); results in rank order.
+
+        ``$DECENT_TEST_DELAY=RANK:SECONDS`` delays that rank's start: tests that involve
+        several ranks must pass with it (they wait on events, not on time).
+        """
         with ThreadPoolExecutor(self.n) as pool:
-            futures = [pool.submit(fn, c) for c in self.clients]
+            futures = [pool.submit(_delayed(fn), c) for c in self.clients]
             return [f.result(timeout=timeout) for f in futures]
 
     def run_catching(self, fn: Callable[[Client[Any]], Any], timeout: float = 120) -> list[Any]:

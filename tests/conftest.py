@@ -1,7 +1,9 @@
-"""Shared fixtures: clusters are started once per (size, topology) and reused across tests."""
+"""Shared fixtures: daemons are started once per (size, topology) and reused across tests; each
+test gets clients of its own, in a job of its own, so no test meets another's ops."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from collections.abc import Callable, Iterator
 
@@ -31,26 +33,52 @@ def _no_daemon_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
         print("\ndaemon logs kept in:", *sorted({c.dir for c in Cluster.started}))
 
 
-@pytest.fixture(scope="session")
-def cluster() -> Iterator[ClusterFactory]:
-    """``cluster(n, topology)``: a connected cluster, shared by every test that asks for it."""
-    cache: dict[tuple[int, str], Cluster] = {}
+class SharedDaemons:
+    """Running daemon clusters by (size, topology), the least recently used stopped first."""
 
+    def __init__(self) -> None:
+        self.cache: dict[tuple[int, str], Cluster] = {}
+
+    def get(self, n: int, topology: str) -> Cluster:
+        """The cluster of ``n`` daemons on ``topology``, started if it is not running."""
+        key = (n, topology)
+        if key not in self.cache:
+            while len(self.cache) >= KEEP:
+                self.stop(self.cache.pop(next(iter(self.cache))))
+            self.cache[key] = Cluster(n, topology, "--set", f"memory.arena_bytes={ARENA_BYTES}")
+        self.cache[key] = self.cache.pop(key)  # most recently used last
+        return self.cache[key]
+
+    @staticmethod
     def stop(c: Cluster) -> None:
+        """Stop one cluster; its daemons must exit cleanly."""
         codes = c.stop()
         assert codes == [0] * c.n, f"daemons exited with {codes}"
 
+
+@pytest.fixture(scope="session")
+def _shared_daemons() -> Iterator[SharedDaemons]:
+    daemons = SharedDaemons()
+    yield daemons
+    for c in daemons.cache.values():
+        daemons.stop(c)
+
+
+@pytest.fixture
+def cluster(_shared_daemons: SharedDaemons, request: pytest.FixtureRequest
+            ) -> Iterator[ClusterFactory]:
+    """``cluster(n, topology)``: shared daemons, with clients of this test's own job."""
+    job = "test-" + hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:12]
+    used: list[Cluster] = []
+
     def get(n: int, topology: str = "ring") -> Cluster:
-        key = (n, topology)
-        if key not in cache:
-            while len(cache) >= KEEP:  # bound memory: stop the least recently used cluster
-                stop(cache.pop(next(iter(cache))))
-            c = Cluster(n, topology, "--set", f"memory.arena_bytes={ARENA_BYTES}")
-            c.connect()
-            cache[key] = c
-        cache[key] = cache.pop(key)  # most recently used last
-        return cache[key]
+        c = _shared_daemons.get(n, topology)
+        if c not in used:
+            c.disconnect()  # a cluster left connected by an interrupted test
+            c.connect(job=job)
+            used.append(c)
+        return c
 
     yield get
-    for c in cache.values():
-        stop(c)
+    for c in used:
+        c.disconnect()

@@ -15,7 +15,7 @@ import decent.torch as dt
 from conftest import ClusterFactory
 from decent.core import DecentError
 from decent.core.algorithms import ADPSGD
-from decent_wire.topology import butterfly_group
+from decent_wire.graphs import butterfly_group
 
 N = 8
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 import numpy as np
@@ -87,18 +88,18 @@ def test_broadcast(cluster: ClusterFactory) -> None:
 
 def test_barrier_waits_for_everyone(cluster: ClusterFactory) -> None:
     c = cluster(4, "ring")
+    arrived = threading.Event()  # rank 2 is about to enter the barrier
 
-    def work(cl):  # type: ignore[no-untyped-def]
-        if cl.rank == 2:
-            time.sleep(0.5)
-        start = time.monotonic()
+    def work(cl: Client[torch.Tensor]) -> bool:
+        if cl.rank == 2:  # the last to come: the other daemons run their barrier already
+            for other in (0, 1, 3):
+                while not c.status(other).ops_in_flight:
+                    time.sleep(0.01)
+            arrived.set()
         cl.barrier(name="bar")
-        return time.monotonic(), start
+        return arrived.is_set()  # nobody left before rank 2 came
 
-    got = c.run(work)
-    released = [r for r, _ in got]
-    slow_arrival = got[2][1]
-    assert min(released) >= slow_arrival, "a rank left the barrier before rank 2 arrived"
+    assert c.run(work) == [True] * 4
 
 
 def test_single_rank_cluster(cluster: ClusterFactory) -> None:

@@ -23,7 +23,6 @@ from cluster import Cluster
 from decent.core import Client, DecentError
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.bulk import SCRATCH, Sender
-from decentd.links import is_loopback
 from decentd.numerics import BLOCK
 from decentd.ops.neighbor import PAIR_MIN_BYTES
 
@@ -434,15 +433,6 @@ def _pair_tensors(rank: int) -> list[torch.Tensor]:
            (PAIR_MIN_BYTES // 2, torch.bfloat16), (PAIR_MIN_BYTES // 8 + 5, torch.int64)]
     small = [(1000, d) for d in PAIR_DTYPES] + [(0, torch.float32), (1, torch.float64)]
     return [((torch.arange(n) % 7) * 4 * (rank + 1)).to(d) for n, d in big + small]
-
-
-@pytest.mark.parametrize(("address", "loopback"), [
-    ("127.0.0.1:5000", True), ("127.3.2.1:1", True), ("[::1]:7000", True), ("localhost:9", True),
-    ("10.77.0.2:5000", False), ("[fe80::1]:5", False), ("decent-0.decent:7000", False)])
-def test_pair_halves_only_between_daemons_on_one_host(address: str, loopback: bool) -> None:
-    # by halves on loopback (memory is the limit); whole tensors across a network (the
-    # 8-namespace benchmark checks those results exactly)
-    assert is_loopback(address) is loopback
 
 
 def test_sender_is_idle_only_when_nothing_is_queued_or_going_out() -> None:

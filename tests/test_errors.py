@@ -99,12 +99,11 @@ def test_send_without_matching_receive_times_out() -> None:
     try:
         c.connect()
         cl = c.clients[0]
-        start = time.monotonic()
         with pytest.raises(DecentError) as info:
             cl.neighbor_allreduce(torch.zeros(4), name="lonely", self_weight=1.0, src_weights={},
                                   dst_weights=[1], timeout=2)
-        assert time.monotonic() - start < 10
         assert info.value.code_name == "TIMEOUT"
+        assert "timed out after 2s on rank 0" in info.value.message  # its own timeout
         assert "'lonely'" in info.value.message
         assert "rank(s) [1] to match the tensor sent to them" in info.value.message
     finally:
@@ -133,16 +132,18 @@ def test_peer_killed_mid_op_gives_clear_error() -> None:
         c.connect()
         handles = [c.clients[i].neighbor_allreduce_async(torch.zeros(1000), name="doomed",
                                                          timeout=15) for i in (0, 1)]
-        time.sleep(0.3)
+        for i in (0, 1):  # both daemons run the op before rank 2 dies
+            while not c.status(i).ops_in_flight:
+                time.sleep(0.01)
         c.procs[2].send_signal(signal.SIGKILL)
-        start = time.monotonic()
         for h in handles:
+            # the op ends by itself (at the latest by its own 15 s timeout): the wait's 60 s
+            # would raise TimeoutError, not DecentError
             with pytest.raises(DecentError) as info:
-                h.wait(timeout=30)
+                h.wait(timeout=60)
             assert info.value.code_name in ("PEER_UNAVAILABLE", "TIMEOUT")
             assert "rank 2" in info.value.message or "[2]" in info.value.message
             assert "'doomed'" in info.value.message
-        assert time.monotonic() - start < 25  # by the op's own 15 s timeout, not the wait's
         # the surviving daemons still serve requests that do not need rank 2
         got = [c.clients[i].neighbor_allreduce(torch.ones(2), name="alive", self_weight=0.5,
                                                src_weights={}, dst_weights=[]) for i in (0, 1)]

@@ -215,23 +215,20 @@ def test_decentrun_fails_when_a_worker_fails(tmp_path: Path) -> None:
         c = dt.init()
         if c.rank == 1:
             sys.exit(3)
-        time.sleep(120)  # the launcher must tear this down
+        time.sleep(3600)  # the launcher must tear this down (else the run below times out)
     """))
-    start = time.monotonic()
     proc = subprocess.run([*RUN, "-np", "2", sys.executable, str(script)], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 3
     assert "worker 1 exited with code 3" in proc.stderr
-    assert time.monotonic() - start < 60
 
 
 def test_client_without_daemon_says_so_quickly(tmp_path: Path) -> None:
     import decent.torch as dt
 
-    start = time.monotonic()
-    with pytest.raises(DecentError, match=r"no decentd socket at .*nope\.sock"):
+    # it gives up after its 1 s connect timeout, not the default 120 s
+    with pytest.raises(DecentError, match=r"no decentd socket at .*nope\.sock after 1s"):
         dt.connect(f"unix://{tmp_path}/nope.sock", connect_timeout=1)
-    assert time.monotonic() - start < 10
 
 
 def test_rank_auto_from_env_and_hostname(monkeypatch: pytest.MonkeyPatch) -> None:

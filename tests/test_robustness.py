@@ -16,25 +16,37 @@ import numpy as np
 import pytest
 import torch
 
-import decent.torch as dt
 from cluster import Cluster
 from conftest import ClusterFactory
 from decent.core import Client, DecentError
 from decent_wire.v1 import decent_pb2 as pb
 
 
+def _aborts_from(cl: Client[torch.Tensor], peer: int) -> int:
+    """ABORT frames ``cl``'s daemon has received from ``peer``."""
+    (link,) = [p for p in cl.status().peers if p.rank == peer]
+    return int(link.aborts_received)
+
+
+def _await_abort(cl: Client[torch.Tensor], peer: int, before: int) -> None:
+    """Wait until ``cl``'s daemon has an ABORT from ``peer`` it did not have before."""
+    while _aborts_from(cl, peer) == before:
+        time.sleep(0.01)
+
+
 def test_abort_that_arrives_before_the_local_submit_fails_the_op_at_once(
         cluster: ClusterFactory) -> None:
     c = cluster(2, "ring")
     a, b = c.clients
+    before = _aborts_from(a, 1)
     with pytest.raises(DecentError, match="timed out"):
         b.neighbor_allreduce(torch.zeros(3), name="late", timeout=1)  # rank 0 not there yet
-    time.sleep(0.3)  # rank 1's ABORT reaches rank 0 before rank 0 submits
-    start = time.monotonic()
+    _await_abort(a, 1, before)  # rank 1's ABORT is at rank 0 before rank 0 submits
     with pytest.raises(DecentError) as info:
-        a.neighbor_allreduce(torch.zeros(3), name="late", timeout=30)
-    assert time.monotonic() - start < 10, "the pre-aborted op ran into its own timeout"
-    assert "rank 1" in info.value.message and "'late'" in info.value.message
+        a.neighbor_allreduce(torch.zeros(3), name="late", timeout=60)
+    # rank 1's failure, not this op's own 60 s timeout
+    assert "timed out after 1s on rank 1" in info.value.message, info.value.message
+    assert "'late'" in info.value.message
     assert a.status().ops_in_flight == 0
 
 
@@ -45,18 +57,19 @@ def test_op_aborted_before_it_starts_tells_its_other_peers(cluster: ClusterFacto
     r0, r1, r2 = c.clients
     h2 = r2.neighbor_allreduce_async(torch.zeros(2), name="chain", self_weight=0.5,
                                      src_weights={1: 0.5}, dst_weights=[], timeout=60)
+    before = _aborts_from(r1, 0)
     with pytest.raises(DecentError, match="timed out"):
         r0.neighbor_allreduce(torch.zeros(2), name="chain", self_weight=1.0, src_weights={},
                               dst_weights=[1], timeout=1)
-    time.sleep(0.3)
-    with pytest.raises(DecentError):
+    _await_abort(r1, 0, before)
+    with pytest.raises(DecentError) as failed:
         r1.neighbor_allreduce(torch.zeros(2), name="chain", self_weight=0.5,
                               src_weights={0: 0.5}, dst_weights=[2], timeout=60)
-    start = time.monotonic()
+    assert "timed out after 1s on rank 0" in failed.value.message  # rank 0's, not its own
     with pytest.raises(DecentError) as info:
         h2.wait(timeout=90)
-    assert time.monotonic() - start < 10, "rank 2 waited out its timeout"
-    assert "rank 1" in info.value.message or "rank 0" in info.value.message
+    # passed on from rank 0 through rank 1, not rank 2's own 60 s timeout
+    assert "timed out after 1s on rank 0" in info.value.message, info.value.message
 
 
 def test_failure_before_peers_are_known_still_tells_them(cluster: ClusterFactory) -> None:
@@ -65,10 +78,9 @@ def test_failure_before_peers_are_known_still_tells_them(cluster: ClusterFactory
     hb = b.neighbor_allreduce_async(torch.zeros(3), name="badarg", timeout=30)
     with pytest.raises(DecentError, match="self_weight"):
         a.neighbor_allreduce(torch.zeros(3), name="badarg", src_weights={1: 0.5})
-    start = time.monotonic()
     with pytest.raises(DecentError) as info:
         hb.wait(timeout=60)
-    assert time.monotonic() - start < 10
+    # rank 0's refusal reached rank 1: not its own timeout (that would be TIMEOUT)
     assert info.value.code_name == "INVALID_ARGUMENT" and "rank 0" in info.value.message
 
 
@@ -262,7 +274,6 @@ def test_numpy_codec_roundtrip(cluster: ClusterFactory) -> None:
     finally:
         for cl in clients:
             cl.close()
-    assert dt is not None
 
 
 def test_failed_ops_free_their_arena_space_for_blocked_submits() -> None:
@@ -273,12 +284,10 @@ def test_failed_ops_free_their_arena_space_for_blocked_submits() -> None:
         # rank 1 never joins: the first op fails after 2 s, and the second submit, which did not
         # fit next to it, must then get its space instead of blocking for ever
         first = a.neighbor_allreduce_async(torch.zeros(150_000), name="full1", timeout=2)
-        start = time.monotonic()
         second = a.neighbor_allreduce_async(torch.zeros(150_000), name="full2", timeout=2)
-        for h in (first, second):
-            with pytest.raises(DecentError, match="timed out"):
+        for h in (first, second):  # a second that never got its space would not time out
+            with pytest.raises(DecentError, match="timed out after 2s"):
                 h.wait(timeout=30)
-        assert time.monotonic() - start < 15
     finally:
         c.stop()
 
@@ -294,9 +303,7 @@ def test_ranks_taking_different_paths_fail_fast_with_mismatch(cluster: ClusterFa
                             timeout=30)
 
     for fn, words in ((roots, "broadcast roots"), (sizes, "float32[100]")):
-        start = time.monotonic()
-        errors = c.run_catching(fn)
-        assert time.monotonic() - start < 15, "waited out the timeout"
+        errors = c.run_catching(fn)  # MISMATCH at once, not each rank's 30 s TIMEOUT
         assert any(isinstance(e, DecentError) and e.code_name == "MISMATCH" and words in e.message
                    for e in errors), errors
         assert all(isinstance(e, DecentError) for e in errors), errors

@@ -25,12 +25,14 @@ N = 4  # ring
 tf.config.threading.set_inter_op_parallelism_threads(4 * N)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def tfc(cluster: ClusterFactory) -> Iterator[tuple[Cluster, list[dtf.TFClient]]]:
-    """The shared 4-rank ring, with one TensorFlow client per rank next to the torch ones."""
+    """The shared 4-rank ring, with one TensorFlow client per rank next to the torch ones (in
+    the test's job)."""
     c = cluster(N, "ring")
+    job = c.clients[0].job
     with ThreadPoolExecutor(N) as pool:
-        clients = list(pool.map(lambda s: dtf.connect(f"unix://{s}", 60), c.sockets))
+        clients = list(pool.map(lambda s: dtf.connect(f"unix://{s}", 60, job=job), c.sockets))
     yield c, clients
     for cl in clients:
         cl.close()
@@ -170,7 +172,7 @@ def test_mismatch_names_the_tensor_and_both_ranks(tfc: Any) -> None:
 
 def test_torch_and_tensorflow_workers_are_neighbors(cluster: ClusterFactory) -> None:
     c = cluster(2, "ring")
-    tf_client = dtf.connect(f"unix://{c.sockets[0]}", 60)
+    tf_client = dtf.connect(f"unix://{c.sockets[0]}", 60, job=c.clients[1].job)
     torch_client = c.clients[1]
     try:
         with ThreadPoolExecutor(2) as pool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from decent_wire import dtypes
-from decent_wire.topology import hops
+from decent_wire.graphs import hops
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.numerics import ACCUM, INTEGER, from_accum, to_accum
 from decentd.ops.api import DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all

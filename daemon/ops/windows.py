@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from decent_wire import dtypes
-from decent_wire.topology import butterfly_group
+from decent_wire.graphs import butterfly_group
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.numerics import weighted_sum
 from decentd.ops.api import Arrival, DecentError, OpContext, OpResult, OpSpec, gather_all, part

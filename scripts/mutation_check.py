@@ -1,0 +1,116 @@
+"""Proof that tests can fail: break the code on purpose, one change at a time, and see a test fail.
+
+    python scripts/mutation_check.py          # every mutation below; exit 1 if one survives
+
+Each mutation replaces one snippet of a module (it must occur exactly once) and runs the tests
+that claim to cover it; a mutation the tests do not notice *survives*. The file is restored
+after each run, whatever happens.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MAILBOX_TESTS = ["tests/test_mailbox.py"]
+FRAMING_TESTS = ["tests/test_framing.py"]
+STATE_TESTS = ["tests/test_state_format.py"]
+PLAN_TESTS = ["tests/test_ops_plan.py"]
+
+#: (file, snippet, replacement, tests, what the change breaks)
+MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
+    ("daemon/mailbox.py", "            self._held.setdefault((name, round_), []).append(arrival)\n"
+     "            fut.set_result(arrival)", "            fut.set_result(arrival)",
+     MAILBOX_TESTS, "an early arrival is not held for its op"),
+    ("daemon/mailbox.py", "            if slot.arriving is not None and accepts == "
+     "accepts_of(slot.arriving):", "            if False:", MAILBOX_TESTS,
+     "no acknowledgement when the op starts while its part arrives"),
+    ("daemon/mailbox.py", "            if slot.accepts is not None and slot.accepts == "
+     "accepts_of(p):", "            if slot.accepts is not None:", MAILBOX_TESTS,
+     "early acknowledgement of a part the op does not accept"),
+    ("daemon/mailbox.py", "            early = self._early_aborts.pop(key, None)",
+     "            early = None", MAILBOX_TESTS, "an abort before the op opens is forgotten"),
+    ("daemon/mailbox.py", "                messages.update(self._drop(self._slots.pop(slot_key)))",
+     "                self._slots.pop(slot_key)", MAILBOX_TESTS,
+     "closing an op leaves its waiters and early data"),
+    ("daemon/mailbox.py", "        if op_key in self._closed:\n            arrival.release()\n"
+     "            return\n", "", MAILBOX_TESTS, "arrivals for a closed op are kept"),
+    ("daemon/mailbox.py", "            wanted = wanted or slot.waiter is not None or "
+     "(p.name, int(p.round)) in self._open", "            wanted = wanted or slot.waiter "
+     "is not None", MAILBOX_TESTS, "an RTS for an open op with no waiter yet is not cleared"),
+    ("daemon/mailbox.py", "        if slot.message is not None and slot.message in "
+     "self._announced:\n            self._clear_to_send(slot.message)\n", "", MAILBOX_TESTS,
+     "an op that starts after an RTS never clears it"),
+    ("daemon/mailbox.py", "        if header is None or not self._all_closed(header.parts):",
+     "        if header is None:", MAILBOX_TESTS,
+     "a message is dropped while one of its ops still wants it"),
+    ("daemon/mailbox.py", "            self._discard[msg] = None\n", "", MAILBOX_TESTS,
+     "a cleared payload whose op ended becomes a protocol error"),
+    ("daemon/mailbox.py", "        if self._all_closed(header.parts):\n            return  #",
+     "        if False:\n            return  #", MAILBOX_TESTS,
+     "an RTS after its op ended is taken"),
+    ("daemon/mailbox.py", "            if key[0] != src:\n                continue\n", "",
+     MAILBOX_TESTS, "a lost peer fails the waiters of every peer"),
+    ("daemon/mailbox.py", "        if slot.landing is not None:\n            slot.landing.cancel()",
+     "        if False:\n            pass", MAILBOX_TESTS,
+     "a closed op's payload goes on landing in its memory"),
+    ("daemon/mailbox.py", "        if msg.refs == 0 and msg.on_release is not None:",
+     "        if msg.on_release is not None:", MAILBOX_TESTS,
+     "a message is released with its first part"),
+    ("daemon/mailbox.py", "            listener.stray(key, arrival)", "            pass",
+     MAILBOX_TESTS, "a stray part of an open op is not checked"),
+    ("daemon/flow.py", "        if self.unconsumed + nbytes > self.window:",
+     "        if self.unconsumed + nbytes > 2 * self.window:", MAILBOX_TESTS,
+     "a peer may send past its window"),
+    ("daemon/flow.py", "            header.credit += self.owed\n            self.owed = 0",
+     "            header.credit += self.owed", MAILBOX_TESTS, "owed credit is given back twice"),
+    ("daemon/flow.py", "        if self.flush_scheduled:\n            return False",
+     "        if False:\n            return False", MAILBOX_TESTS,
+     "a credit flush is scheduled per consumed payload"),
+    ("wire/framing.py", "    if length > limit:", "    if length > 2 * limit:", FRAMING_TESTS,
+     "a frame past the reader's limit is accepted"),
+    ("wire/framing.py", "        del buf[:start]", "        pass", FRAMING_TESTS,
+     "a frame is read twice"),
+    ("daemon/ops/neighbor.py", "    if not ctx.same_host(j):\n        return None\n", "",
+     PLAN_TESTS, "pairs across a network average by halves"),
+    ("daemon/ops/neighbor.py", "    if len(recv) != 1 or set(send) != set(recv) or "
+     "explicit_weights(ctx):", "    if len(recv) != 1 or set(send) != set(recv):", PLAN_TESTS,
+     "a call with its own weights is taken for a pair step"),
+    ("clients/torch/state.py", '        return {"u" if isinstance(state, tuple) else "l": items}',
+     '        return {"l": items}', STATE_TESTS, "tuples come back as lists"),
+    ("clients/torch/state.py", "    if math.prod(shape) > MAX_ELEMENTS:", "    if False:",
+     STATE_TESTS, "an announced tensor of any size is allocated"),
+]
+
+
+def run(path: str, old: str, new: str, tests: list[str]) -> bool:
+    """Apply one mutation, run its tests; True when they failed (the mutation was caught)."""
+    target = ROOT / path
+    original = target.read_text()
+    if original.count(old) != 1:
+        raise SystemExit(f"{path}: the snippet to mutate occurs {original.count(old)} times:\n"
+                         f"{old}")
+    target.write_text(original.replace(old, new))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               *tests], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    finally:
+        target.write_text(original)
+    return proc.returncode != 0
+
+
+def main() -> int:
+    """Run every mutation; exit 1 if one survives."""
+    survived = 0
+    for path, old, new, tests, what in MUTATIONS:
+        caught = run(path, old, new, tests)
+        survived += not caught
+        print(f"{'caught  ' if caught else 'SURVIVED'} {path}: {what}")
+    print(f"{len(MUTATIONS) - survived} of {len(MUTATIONS)} mutations caught")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The tree keeps its shape: layers that call down, no cycles, small modules, short functions."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LIBRARY = [REPO / "wire", REPO / "daemon", REPO / "clients"]
+#: the design card's limits ("about" 500 lines a module, 60 a function), generated code aside
+MODULE_LINES = 500
+FUNCTION_LINES = 60
+
+
+def library_files() -> list[Path]:
+    return [p for root in LIBRARY for p in sorted(root.rglob("*.py"))
+            if not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))]
+
+
+def test_no_cycles_no_private_imports_and_clients_never_meet_the_daemon() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "import_graph.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_modules_and_functions_stay_small() -> None:
+    too_long = []
+    for path in library_files():
+        source = path.read_text()
+        if len(source.splitlines()) > MODULE_LINES:
+            too_long.append(f"{path.relative_to(REPO)}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > FUNCTION_LINES:
+                    too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: "
+                                    f"{lines} lines")
+    assert too_long == []
+
+
+def test_the_import_check_sees_a_cycle(tmp_path: Path) -> None:
+    """The check itself can fail: a copy of the tree with a cycle added is refused."""
+    import shutil
+
+    for root in [*LIBRARY, REPO / "scripts"]:
+        shutil.copytree(root, tmp_path / root.name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*_pb2*.py"))
+    names = tmp_path / "daemon" / "names.py"
+    names.write_text(names.read_text() + "\nfrom decentd import engine  # noqa\n")
+    proc = subprocess.run([sys.executable, str(tmp_path / "scripts" / "import_graph.py"),
+                           "--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "cycle: " in proc.stdout, proc.stdout

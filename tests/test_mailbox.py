@@ -1,0 +1,365 @@
+"""The mailbox and per-link flow control in-process, without sockets: early arrivals, header-time
+acknowledgements, aborts before and after an op opens, closing, and the RTS/CTS races."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+import numpy as np
+import pytest
+
+from decent_wire import framing
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.flow import FlowError, LinkFlow, window_per_peer
+from decentd.links import part
+from decentd.mailbox import Arrival, Key, Mailbox, Message
+
+OP = pb.NEIGHBOR_ALLREDUCE
+F32 = pb.FLOAT32
+
+
+class Outbox:
+    """Records what the mailbox asks the links to send."""
+
+    def __init__(self) -> None:
+        self.acks: list[tuple[int, list[tuple[str, int]], int, bool]] = []
+        self.cts: list[tuple[int, int]] = []
+
+    def send_acks(self, dst: int, keys: list[tuple[str, int]], tag: int, arrived: bool) -> None:
+        self.acks.append((dst, keys, tag, arrived))
+
+    def send_cts(self, dst: int, message_id: int) -> None:
+        self.cts.append((dst, message_id))
+
+
+class Listener:
+    """An open op: records aborts and stray parts."""
+
+    def __init__(self) -> None:
+        self.aborts: list[tuple[int, str]] = []
+        self.strays: list[Key] = []
+
+    def aborted(self, src: int, error: pb.Error) -> None:
+        self.aborts.append((src, error.message))
+
+    def stray(self, key: Key, arrival: Arrival) -> None:
+        self.strays.append(key)
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(coro)
+
+
+def wire(name: str = "x", round_: int = 0, tag: int = 0, n: int = 4,
+         dtype: int = F32) -> pb.Part:
+    return part(name, round_, tag, OP, dtype, (n,), 4 * n)
+
+
+def arrival(p: pb.Part, src: int = 1, released: list[Message] | None = None) -> Arrival:
+    """An arrival of ``p`` whose message records when it is released."""
+    def on_release(msg: Message) -> None:
+        if released is not None:
+            released.append(msg)
+
+    msg = Message(src, None, 1, 0, on_release)
+    return Arrival(src, int(p.op), int(p.meta.dtype), tuple(p.meta.shape), 1.0,
+                   np.zeros(int(p.nbytes), np.uint8), msg)
+
+
+def test_an_early_arrival_waits_for_its_op_and_is_released_when_the_op_closes() -> None:
+    async def body() -> None:
+        box, released = Mailbox(Outbox()), list[Message]()
+        box.deliver(1, wire(), arrival(wire(), released=released))
+        assert box.early_bytes == 16
+        fut = box.expect(1, "x", 0, 0)
+        assert fut.done() and box.early_bytes == 0
+        assert released == []  # held by the op until it ends
+        box.close([("x", 0)])
+        assert len(released) == 1 and box.slot_count == 0
+    run(body())
+
+
+def test_a_waiting_op_gets_its_part_and_other_keys_do_not_match() -> None:
+    async def body() -> None:
+        box = Mailbox(Outbox())
+        fut = box.expect(1, "x", 0, 0)
+        for other in (wire(round_=1), wire(tag=1), wire(name="y")):
+            box.deliver(1, other, arrival(other))
+        box.deliver(2, wire(), arrival(wire(), src=2))  # another sender
+        assert not fut.done()
+        box.deliver(1, wire(), arrival(wire()))
+        assert fut.done() and fut.result().src == 1
+    run(body())
+
+
+def test_a_part_that_matches_is_acknowledged_at_its_header_and_only_once() -> None:
+    async def body() -> None:
+        out = Outbox()
+        box = Mailbox(out)
+        box.expect(1, "x", 0, 0, accepts=(OP, F32, (4,)))
+        box.header("conn", 1, [wire()])
+        assert out.acks == [(1, [("x", 0)], 0, False)]
+        box.arrived("conn")
+        a = arrival(wire())
+        box.deliver(1, wire(), a)
+        assert a.acked and len(out.acks) == 1  # the op need not acknowledge it again
+    run(body())
+
+
+def test_a_part_that_does_not_match_is_not_acknowledged_early() -> None:
+    async def body() -> None:
+        out = Outbox()
+        box = Mailbox(out)
+        fut = box.expect(1, "x", 0, 0, accepts=(OP, F32, (4,)))
+        other = wire(n=5)  # another shape: the op's checks fail it, no early ACK
+        box.header("conn", 1, [other])
+        a = arrival(other)
+        box.deliver(1, other, a)
+        assert out.acks == [] and fut.result() is a and not a.acked
+    run(body())
+
+
+def test_an_op_that_starts_while_its_part_arrives_acknowledges_at_once() -> None:
+    async def body() -> None:
+        out = Outbox()
+        box = Mailbox(out)
+        box.header("conn", 1, [wire()])  # the payload is on its way
+        box.expect(1, "x", 0, 0, accepts=(OP, F32, (4,)))
+        assert out.acks == [(1, [("x", 0)], 0, False)]
+        box.arrived("conn")
+        box2 = Mailbox(out2 := Outbox())
+        box2.header("conn", 1, [wire()])
+        box2.arrived("conn")  # all here before the op: acknowledged by the op, later
+        box2.expect(1, "x", 0, 0, accepts=(OP, F32, (4,)))
+        assert out2.acks == []
+    run(body())
+
+
+def test_an_abort_before_the_op_opens_is_kept_for_it_and_drops_its_data() -> None:
+    async def body() -> None:
+        box, released = Mailbox(Outbox()), list[Message]()
+        box.deliver(1, wire(), arrival(wire(), released=released))
+        box.aborted(1, [wire()], pb.Error(code=pb.MISMATCH, message="bad"))
+        assert len(released) == 1 and box.early_bytes == 0
+        listener = Listener()
+        assert [(src, e.message) for src, e in box.open([("x", 0)], listener)] == [(1, "bad")]
+        box.aborted(2, [wire()], pb.Error(code=pb.TIMEOUT, message="late"))
+        assert listener.aborts == [(2, "late")]  # open: told at once
+    run(body())
+
+
+def test_an_abort_for_a_closed_op_is_not_kept() -> None:
+    async def body() -> None:
+        box = Mailbox(Outbox())
+        box.open([("x", 0)], Listener())
+        box.close([("x", 0)])
+        box.aborted(1, [wire()], pb.Error(code=pb.TIMEOUT, message="late"))
+        assert box.open([("x", 0)], Listener()) == []
+    run(body())
+
+
+def test_closing_cancels_waiters_and_drops_later_arrivals() -> None:
+    async def body() -> None:
+        box, released = Mailbox(Outbox()), list[Message]()
+        fut = box.expect(1, "x", 0, 0)
+        ack = box.expect_ack(1, "x", 0, 0)
+        box.close([("x", 0)])
+        assert fut.cancelled() and ack.cancelled()
+        box.deliver(1, wire(), arrival(wire(), released=released))
+        assert len(released) == 1 and box.early_bytes == 0 and box.slot_count == 0
+    run(body())
+
+
+def test_a_part_for_an_open_op_that_nobody_waits_for_is_reported_as_stray() -> None:
+    async def body() -> None:
+        box, listener = Mailbox(Outbox()), Listener()
+        box.open([("x", 0)], listener)
+        box.deliver(1, wire(tag=7), arrival(wire(tag=7)))
+        assert listener.strays == [(1, "x", 0, 7)]
+    run(body())
+
+
+def test_acks_resolve_only_the_parts_they_name() -> None:
+    async def body() -> None:
+        box = Mailbox(Outbox())
+        mine, other = box.expect_ack(1, "x", 0, 0), box.expect_ack(1, "y", 0, 0)
+        box.acked(1, [pb.Part(name="x", round=0, tag=0)])
+        assert mine.done() and not other.done()
+    run(body())
+
+
+def test_a_lost_peer_fails_only_what_waits_on_it() -> None:
+    async def body() -> None:
+        box = Mailbox(Outbox())
+        theirs, ours = box.expect(1, "x", 0, 0), box.expect(2, "x", 0, 0)
+        ack = box.expect_ack(1, "y", 0, 0)
+        box.peer_lost(1, ConnectionError("gone"))
+        assert isinstance(theirs.exception(), ConnectionError)
+        assert isinstance(ack.exception(), ConnectionError)
+        assert not ours.done()
+    run(body())
+
+
+def test_a_large_message_is_cleared_to_send_when_its_op_waits() -> None:
+    async def body() -> None:
+        out = Outbox()
+        box = Mailbox(out)
+        header = pb.BulkHeader(kind=pb.RTS, message_id=5, parts=[wire()])
+        box.announce(1, 5, header)
+        assert out.cts == []  # nothing here takes it yet: it stays with the sender
+        with pytest.raises(ValueError, match="not cleared to send"):
+            box.payload_parts(1, 5)
+        box.expect(1, "x", 0, 0)
+        assert out.cts == [(1, 5)]
+        assert [p.name for p in box.payload_parts(1, 5) or []] == ["x"]
+        assert box.payload_done(1, 5) is not None and box.payload_done(1, 5) is None
+    run(body())
+
+
+def test_a_large_message_for_an_open_op_is_cleared_at_once() -> None:
+    async def body() -> None:
+        out = Outbox()
+        box = Mailbox(out)
+        box.open([("x", 0)], Listener())
+        box.announce(1, 5, pb.BulkHeader(kind=pb.RTS, message_id=5, parts=[wire()]))
+        assert out.cts == [(1, 5)]
+    run(body())
+
+
+def test_a_cleared_payload_whose_op_ended_is_read_and_dropped() -> None:
+    async def body() -> None:
+        out = Outbox()
+        box = Mailbox(out)
+        box.expect(1, "x", 0, 0)
+        box.announce(1, 5, pb.BulkHeader(kind=pb.RTS, message_id=5, parts=[wire()]))
+        box.close([("x", 0)])  # the op timed out before the payload came
+        assert box.payload_parts(1, 5) is None  # dropped, not a protocol error
+        assert box.payload_done(1, 5) is None
+
+
+    run(body())
+
+
+def test_an_announcement_after_its_op_ended_is_ignored() -> None:
+    async def body() -> None:
+        out = Outbox()
+        box = Mailbox(out)
+        box.open([("x", 0)], Listener())
+        box.close([("x", 0)])
+        box.announce(1, 5, pb.BulkHeader(kind=pb.RTS, message_id=5, parts=[wire()]))
+        box.expect(1, "x", 0, 0)  # even a new waiter for the key does not clear it
+        assert out.cts == []
+    run(body())
+
+
+def test_a_message_is_dropped_only_when_all_its_ops_ended() -> None:
+    async def body() -> None:
+        out = Outbox()
+        box = Mailbox(out)
+        header = pb.BulkHeader(kind=pb.RTS, message_id=5, parts=[wire("x"), wire("y")])
+        box.expect(1, "x", 0, 0)
+        box.expect(1, "y", 0, 0)
+        box.announce(1, 5, header)
+        box.close([("x", 0)])
+        assert [p.name for p in box.payload_parts(1, 5) or []] == ["x", "y"]  # y still wants it
+        box.close([("y", 0)])
+        assert box.payload_parts(1, 5) is None
+    run(body())
+
+
+def test_a_landing_payload_is_moved_away_when_its_op_closes() -> None:
+    async def body() -> None:
+        box = Mailbox(Outbox())
+        into = np.zeros(16, np.uint8)
+        box.expect(1, "x", 0, 0, into=(into, (OP, F32, (4,))))
+        assert box.landing_target(1, wire(n=5), 20) is None  # not what the op takes
+        assert box.landing_target(1, wire(), 16) is into
+
+        class Landing:
+            cancelled = False
+
+            def cancel(self) -> None:
+                self.cancelled = True
+
+        landing = Landing()
+        box.landing(1, wire(), landing)
+        box.close([("x", 0)])
+        assert landing.cancelled
+    run(body())
+
+
+def test_forgetting_history_lets_a_new_job_reuse_keys() -> None:
+    async def body() -> None:
+        box, released = Mailbox(Outbox()), list[Message]()
+        box.open([("x", 0)], Listener())
+        box.close([("x", 0)])
+        box.deliver(1, wire("y"), arrival(wire("y"), released=released))
+        box.forget_history()
+        assert released and box.early_bytes == 0 and not box.closed(("x", 0))
+        fut = box.expect(1, "x", 0, 0)
+        box.deliver(1, wire(), arrival(wire()))
+        assert fut.done()  # round 0 of "x" is a new op again
+    run(body())
+
+
+def test_a_message_is_released_with_its_last_part() -> None:
+    released: list[Message] = []
+    msg = Message(1, None, 2, 0, released.append)
+    parts = [Arrival(1, OP, F32, (1,), 1.0, np.zeros(4, np.uint8), msg) for _ in range(2)]
+    parts[0].release()
+    parts[0].release()  # idempotent
+    assert released == []
+    parts[1].release()
+    assert released == [msg]
+
+
+# ---------------------------------------------------------------------- flow control
+
+
+def test_eager_sends_spend_credit_and_a_skipped_frame_refunds_it() -> None:
+    flow = LinkFlow(window=100, credits=100)
+    assert flow.take(60) and not flow.take(50)  # 40 left: the next goes as RTS
+    flow.refund(60, 7)
+    assert flow.credits == 100 and flow.owed == 7
+    flow.returned(10)
+    assert flow.credits == 110
+
+
+def test_a_peer_past_its_window_breaks_the_contract() -> None:
+    flow = LinkFlow(window=100)
+    flow.accept_eager(60, peer=1)
+    with pytest.raises(FlowError, match="rank 1 sent 50 eager bytes with 60 of its 100-byte"):
+        flow.accept_eager(50, peer=1)
+    assert flow.consumed(60)  # a flush is scheduled
+    flow.accept_eager(100, peer=1)  # the window is free again
+
+
+def test_owed_credit_rides_on_the_next_frame_once() -> None:
+    flow = LinkFlow(window=100)
+    flow.accept_eager(30, peer=1)
+    assert flow.consumed(30) and not flow.consumed(0)  # one flush scheduled at a time
+    header = pb.BulkHeader(kind=pb.ACK)
+    assert framing.decode(pb.BulkHeader, flow.stamp(header)[framing.LENGTH:]).credit == 30
+    assert flow.owed == 0 and not flow.flush_due()  # nothing left for the flush to carry
+    assert framing.decode(pb.BulkHeader,
+                          flow.stamp(pb.BulkHeader(kind=pb.ACK))[framing.LENGTH:]).credit == 0
+
+
+def test_each_peer_gets_a_share_of_the_early_budget_but_at_least_a_mebibyte() -> None:
+    assert window_per_peer(8 << 20, 4) == 2 << 20
+    assert window_per_peer(1 << 20, 7) == 1 << 20
+    assert window_per_peer(1 << 30, 0) == 1 << 30
+
+
+def test_a_lost_link_fails_every_message_waiting_for_its_cts() -> None:
+    async def body() -> None:
+        from decentd.flow import Rendezvous
+
+        flow = LinkFlow(window=100)
+        done = asyncio.get_running_loop().create_future()
+        flow.rendezvous[1] = Rendezvous([], "x", done)
+        flow.fail_rendezvous(ConnectionError("gone"))
+        assert isinstance(done.exception(), ConnectionError) and not flow.rendezvous
+    run(body())

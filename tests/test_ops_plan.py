@@ -1,0 +1,67 @@
+"""How a neighbor op plans its exchange, decided in-process from the topology, the call's weights
+and where the daemons are (no sockets: the links are built, never connected)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from decent_wire.topology import build_topology
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.bufpool import BufferPool
+from decentd.links import Links, is_loopback
+from decentd.mailbox import Mailbox
+from decentd.ops.api import OpContext, PartSpec, Services
+from decentd.ops.neighbor import NEIGHBOR_OPS, PAIR_MIN_BYTES, neighbor_plan, pair_peer
+from decentd.window_store import WindowStore
+
+
+def context(kind: str, n: int, rank: int, round_: int = 0, host: str = "127.0.0.1",
+            args: pb.NeighborAllreduce | None = None, nbytes: int = 16) -> OpContext:
+    """A neighbor_allreduce of rank ``rank`` as its daemon would run it."""
+    topo = build_topology(kind, n)
+    links = Links(rank, [f"{host}:{7000 + r}" for r in range(n)], "c", 1 << 20, topo.digest())
+    mailbox = Mailbox(links)
+    services = Services(rank, n, topo, links, mailbox, BufferPool(0),
+                        WindowStore(rank, n, links, mailbox, 1.0), 1 << 18)
+    x = np.zeros(nbytes // 4, np.float32)
+    raw = x.view(np.uint8).data
+    part = PartSpec("t", "t", round_, pb.FLOAT32, x.shape, x, raw, raw)
+    return OpContext(services, pb.NEIGHBOR_ALLREDUCE, args or pb.NeighborAllreduce(), [part],
+                     NEIGHBOR_OPS[pb.NEIGHBOR_ALLREDUCE])
+
+
+def pair_of(ctx: OpContext) -> int | None:
+    return pair_peer(ctx, *neighbor_plan(ctx))
+
+
+@pytest.mark.parametrize(("address", "loopback"), [
+    ("127.0.0.1:5000", True), ("127.3.2.1:1", True), ("[::1]:7000", True), ("localhost:9", True),
+    ("10.77.0.2:5000", False), ("[fe80::1]:5", False), ("decent-0.decent:7000", False)])
+def test_loopback_addresses_are_recognized(address: str, loopback: bool) -> None:
+    assert is_loopback(address) is loopback
+
+
+def test_two_ranks_on_one_host_average_by_halves() -> None:
+    assert pair_of(context("ring", 2, 0)) == 1 and pair_of(context("ring", 2, 1)) == 0
+
+
+def test_two_ranks_across_a_network_exchange_whole_tensors() -> None:
+    # across a link the wire is the limit, and halves would add a wait between two rounds
+    assert pair_of(context("ring", 2, 0, host="10.0.0.1")) is None
+
+
+def test_a_pair_needs_each_other_as_the_only_neighbor_with_the_topology_weights() -> None:
+    assert pair_of(context("ring", 3, 0)) is None  # two neighbors
+    given = pb.NeighborAllreduce(self_weight=0.5, src_weights=pb.RankWeights(weights={1: 0.5}))
+    assert pair_of(context("ring", 2, 0, args=given)) is None  # explicit weights
+    # one-peer exponential on 4 ranks: round 0 is one-way (r -> r+1), round 1 pairs r, r+2
+    assert pair_of(context("one-peer-exponential", 4, 1, round_=0)) is None
+    assert pair_of(context("one-peer-exponential", 4, 1, round_=1)) == 3
+
+
+def test_the_tags_a_pair_step_takes_follow_the_tensor_size() -> None:
+    tags = NEIGHBOR_OPS[pb.NEIGHBOR_ALLREDUCE].tags
+    assert tags(context("ring", 2, 0, nbytes=16)) == {0, 1, 2}
+    assert tags(context("ring", 2, 0, nbytes=PAIR_MIN_BYTES)) == {1, 2}
+    assert tags(context("ring", 2, 0, host="10.0.0.1")) == {0}
