@@ -19,6 +19,21 @@ T = TypeVar("T")
 C = TypeVar("C", bound=Client[Any])
 
 
+#: the names a framework module exports from its :class:`DefaultClient` (``decent.torch``,
+#: ``decent.tf``), for their ``__all__``
+SHORTCUTS = (
+    "init", "shutdown", "rank", "size",
+    "neighbor_allreduce_async", "neighbor_allreduce", "neighbor_allreduce_async_",
+    "neighbor_allreduce_", "compressed_neighbor_allreduce_async", "compressed_neighbor_allreduce",
+    "neighbor_allgather_async", "neighbor_allgather", "allreduce_async", "allreduce",
+    "allreduce_async_", "allreduce_", "broadcast_async", "broadcast", "broadcast_async_",
+    "broadcast_", "barrier", "flush", "in_neighbors", "out_neighbors", "win_create",
+    "win_put_async", "win_put", "win_accumulate_async", "win_accumulate", "win_get_async",
+    "win_get", "win_update", "win_publish", "win_free", "win_info", "win_versions",
+    "win_exchange_async", "win_exchange", "win_add", "group_allreduce_async", "group_allreduce",
+)
+
+
 class DefaultClient(Generic[T, C]):
     """The default client (a ``C`` of tensors ``T``) of a framework module (``decent.torch``,
     ``decent.tf``)."""

@@ -19,6 +19,7 @@ out (``client.shared()`` and memory registration are torch-only).
 from __future__ import annotations
 
 from decent.core import Client, DecentError, Handle
+from decent.core.shortcuts import SHORTCUTS
 from decent.tf.client import TFClient, connect, default_client
 from decent.tf.optim import (
     BroadcastGlobalVariablesCallback,
@@ -70,54 +71,5 @@ win_add = _default.win_add
 group_allreduce_async = _default.group_allreduce_async
 group_allreduce = _default.group_allreduce
 
-__all__ = [
-    "BroadcastGlobalVariablesCallback",
-    "Client",
-    "DecentError",
-    "DecentralizedOptimizer",
-    "Handle",
-    "MetricAverageCallback",
-    "TFClient",
-    "allreduce",
-    "allreduce_",
-    "allreduce_async",
-    "allreduce_async_",
-    "barrier",
-    "broadcast",
-    "broadcast_",
-    "broadcast_async",
-    "broadcast_async_",
-    "compressed_neighbor_allreduce",
-    "compressed_neighbor_allreduce_async",
-    "connect",
-    "flush",
-    "group_allreduce",
-    "group_allreduce_async",
-    "in_neighbors",
-    "init",
-    "neighbor_allgather",
-    "neighbor_allgather_async",
-    "neighbor_allreduce",
-    "neighbor_allreduce_",
-    "neighbor_allreduce_async",
-    "neighbor_allreduce_async_",
-    "out_neighbors",
-    "rank",
-    "shutdown",
-    "size",
-    "win_accumulate",
-    "win_accumulate_async",
-    "win_add",
-    "win_create",
-    "win_exchange",
-    "win_exchange_async",
-    "win_free",
-    "win_get",
-    "win_get_async",
-    "win_info",
-    "win_publish",
-    "win_put",
-    "win_put_async",
-    "win_update",
-    "win_versions",
-]
+__all__ = ["BroadcastGlobalVariablesCallback", "Client", "DecentError", "DecentralizedOptimizer",
+           "Handle", "MetricAverageCallback", "TFClient", "connect", *SHORTCUTS]

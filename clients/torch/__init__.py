@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from decent.core import Client, DecentError, Handle
 from decent.core.algorithms import ALGORITHMS, AlgorithmError
+from decent.core.shortcuts import SHORTCUTS
 from decent.torch.client import TorchClient, connect, default_client
 from decent.torch.flat import flatten_parameters
 from decent.torch.optim import (
@@ -66,58 +67,6 @@ win_add = _default.win_add
 group_allreduce_async = _default.group_allreduce_async
 group_allreduce = _default.group_allreduce
 
-__all__ = [
-    "ALGORITHMS",
-    "AlgorithmError",
-    "Client",
-    "DecentError",
-    "DecentralizedOptimizer",
-    "Handle",
-    "TorchClient",
-    "allreduce",
-    "allreduce_",
-    "allreduce_async",
-    "allreduce_async_",
-    "barrier",
-    "broadcast",
-    "broadcast_",
-    "broadcast_async",
-    "broadcast_async_",
-    "broadcast_optimizer_state",
-    "broadcast_parameters",
-    "compressed_neighbor_allreduce",
-    "compressed_neighbor_allreduce_async",
-    "connect",
-    "consensus",
-    "flatten_parameters",
-    "flush",
-    "group_allreduce",
-    "group_allreduce_async",
-    "in_neighbors",
-    "init",
-    "neighbor_allgather",
-    "neighbor_allgather_async",
-    "neighbor_allreduce",
-    "neighbor_allreduce_",
-    "neighbor_allreduce_async",
-    "neighbor_allreduce_async_",
-    "out_neighbors",
-    "rank",
-    "shutdown",
-    "size",
-    "win_accumulate",
-    "win_accumulate_async",
-    "win_add",
-    "win_create",
-    "win_exchange",
-    "win_exchange_async",
-    "win_free",
-    "win_get",
-    "win_get_async",
-    "win_info",
-    "win_publish",
-    "win_put",
-    "win_put_async",
-    "win_update",
-    "win_versions",
-]
+__all__ = ["ALGORITHMS", "AlgorithmError", "Client", "DecentError", "DecentralizedOptimizer",
+           "Handle", "TorchClient", "broadcast_optimizer_state", "broadcast_parameters",
+           "connect", "consensus", "flatten_parameters", *SHORTCUTS]
