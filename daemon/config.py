@@ -83,6 +83,11 @@ class MemoryConfig(_Strict):
         description="idle receive buffers kept for the next step's messages (same sizes recur "
         "every step); buffers past this are freed",
     )
+    window_early_bytes: int = Field(
+        256 << 20, ge=0,
+        description="window writes kept for windows this rank has not created yet (ranks may "
+        "create windows in any order); past this, such writes fail with RESOURCE_EXHAUSTED",
+    )
     max_regions: int = Field(
         4096, ge=0,
         description="shared-memory tensors a worker may register (each mapping holds a file "

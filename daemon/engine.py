@@ -9,6 +9,7 @@ hanging. A stall inspector logs the ranks an op is still waiting for.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -19,6 +20,7 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
+from decent_wire.topology import Topology, from_spec
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.arena import Arena
 from decentd.mailbox import OpKey
@@ -47,6 +49,8 @@ class WorkerSession:
     attached: bool = False
     #: writes one completion to the worker's data channel (set when the worker attaches)
     deliver: Callable[[pb.Completion], None] | None = None
+    #: the worker's topology (``set_topology``); None: the daemon's
+    topology: Topology | None = None
 
     def complete(self, completion: pb.Completion) -> None:
         """Send a completion to the worker (dropped if it is gone)."""
@@ -75,6 +79,10 @@ class Engine:
         """Validate and start one request; DecentError when it is refused outright."""
         if self.closing:
             raise DecentError(pb.SHUTTING_DOWN, f"daemon rank {self.rank} is shutting down")
+        if req.WhichOneof("op") == "set_topology":
+            session.topology = self._topology(req.set_topology.spec_json)
+            session.complete(pb.Completion(request_id=req.request_id))
+            return
         ctx = self._context(session, req)
         keys = ctx.keys
         for key, p in zip(keys, ctx.parts, strict=True):
@@ -113,7 +121,18 @@ class Engine:
         if len({p.round for p in parts}) != 1:
             raise DecentError(pb.INVALID_ARGUMENT, f"fused request '{first}' mixes rounds "
                               f"{sorted({p.round for p in parts})}; fuse one step's tensors")
-        return OpContext(self.services, op, getattr(req, which or ""), parts, spec)
+        return OpContext(self.services, op, getattr(req, which or ""), parts, spec,
+                         session.topology)
+
+    def _topology(self, spec_json: str) -> Topology | None:
+        """The topology a worker sets (an empty spec: back to the daemon's)."""
+        if not spec_json:
+            return None
+        try:
+            return from_spec(json.loads(spec_json), self.services.size)
+        except (ValueError, TypeError) as exc:  # TopologyError, JSONDecodeError
+            raise DecentError(pb.INVALID_ARGUMENT, f"set_topology on rank {self.rank}: "
+                                                   f"{exc}") from None
 
     @staticmethod
     def _part(session: WorkerSession, t: pb.TensorRef) -> PartSpec:

@@ -424,6 +424,13 @@ class Links:
             return
         link.sender.send([link.flow.stamp(header)])
 
+    def send_nowait(self, dst: int, parts: list[pb.Part]) -> None:
+        """Send parts without payload now, not waiting for the kernel (best effort)."""
+        link = self.links.get(dst)
+        if link is not None:
+            self.control(dst, pb.BulkHeader(kind=pb.DATA, message_id=link.flow.next_id(),
+                                            payload_bytes=0, parts=parts))
+
     def send_acks(self, dst: int, keys: list[OpKey], tag: int, arrived: bool) -> None:
         """Tell ``dst`` that its parts ``(name, round)`` with ``tag`` were matched here;
         ``arrived``: only after their payload had all arrived (counted apart)."""

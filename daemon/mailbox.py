@@ -106,6 +106,8 @@ class Arrival:
     released: bool = False
     acked: bool = False  #: the sender was told at header time that this part matched
     step: int = 0  #: window ops: the writer's step
+    p: float = 0.0  #: window writes: the writer's associated p times its weight
+    topology: str = ""  #: neighbor ops: the name of the topology the sender's op used
 
     def release(self) -> None:
         """Done with the bytes (idempotent): the message is released with its last part."""

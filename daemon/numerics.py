@@ -21,6 +21,9 @@ COMPUTE: dict[int, np.dtype] = {
     pb.FLOAT64: np.dtype(np.float64),
     pb.INT32: np.dtype(np.float64),
     pb.INT64: np.dtype(np.float64),
+    pb.UINT8: np.dtype(np.float64),
+    pb.INT8: np.dtype(np.float64),
+    pb.INT16: np.dtype(np.float64),
 }
 
 #: Dtype allreduce sums are accumulated in: wider floats, exact 64-bit integers.
@@ -31,9 +34,12 @@ ACCUM: dict[int, np.dtype] = {
     pb.FLOAT64: np.dtype(np.float64),
     pb.INT32: np.dtype(np.int64),
     pb.INT64: np.dtype(np.int64),
+    pb.UINT8: np.dtype(np.int64),
+    pb.INT8: np.dtype(np.int64),
+    pb.INT16: np.dtype(np.int64),
 }
 
-INTEGER = frozenset({pb.INT32, pb.INT64})
+INTEGER = frozenset({pb.INT32, pb.INT64, pb.UINT8, pb.INT8, pb.INT16})
 
 
 
@@ -90,7 +96,9 @@ def from_accum(values: np.ndarray, dtype: int, divide_by: int = 1) -> np.ndarray
             values = q + (2 * r >= divide_by)
         return values.astype(STORAGE[dtype])
     if divide_by != 1:
-        values = values * values.dtype.type(1.0 / divide_by)
+        scaled = np.empty_like(values)
+        divide(values, divide_by, scaled)
+        values = scaled
     return from_compute(values, dtype)
 
 
@@ -102,53 +110,75 @@ def _power_of_two(w: float) -> bool:
     return w > 0.0 and math.frexp(w)[0] == 0.5
 
 
+def uniform_divisor(weights: list[float]) -> int | None:
+    """``k`` when every weight is exactly ``1/k`` (uniform averaging over ``k`` members): the
+    sum is then divided once by ``k``, as BlueFog, NCCL and Horovod average, instead of scaling
+    every term by ``1/k`` rounded. None otherwise (or for a single term)."""
+    if len(weights) < 2 or any(w != weights[0] for w in weights) or weights[0] <= 0.0:
+        return None
+    k = round(1.0 / weights[0])
+    return k if k >= 1 and 1.0 / k == weights[0] else None
+
+
+def _sum_widened(out: np.ndarray, live: list[tuple[np.ndarray, float]], dtype: int,
+                 size: int) -> None:
+    """:func:`weighted_sum` for 16-bit floats and integers: accumulated in the compute dtype."""
+    divisor = uniform_divisor([w for _, w in live])
+    acc = np.empty(min(BLOCK, size), COMPUTE[dtype])
+    for start in range(0, size, BLOCK):
+        end = min(start + BLOCK, size)
+        a = acc[:end - start]
+        a[...] = 0
+        for v, w in live:
+            a += to_compute(v[start:end], dtype) if divisor else to_compute(v[start:end], dtype) * w
+        if divisor:
+            a /= divisor
+        out[start:end] = from_compute(a, dtype)
+
+
 def weighted_sum(out: np.ndarray, x: np.ndarray, self_weight: float,
                  terms: list[tuple[np.ndarray, float]], dtype: int) -> None:
     """``out = self_weight * x + sum(w * y for y, w in terms)`` in the compute dtype.
 
     Works block by block into ``out`` (storage dtype): no tensor-sized temporary, and the terms
     are added in the given order, so every run gives the same bits. A weight of 0 drops its term
-    (its NaN/Inf too) for every dtype.
+    (its NaN/Inf too) for every dtype. When every weight is ``1/k`` the terms are summed and the
+    sum divided by ``k`` once (exact for a power of two, and correctly rounded otherwise).
     """
-    compute = COMPUTE[dtype]
     live = [(v, w) for v, w in ((x, self_weight), *terms) if w != 0.0]
-    if STORAGE[dtype] != compute:
-        acc = np.empty(min(BLOCK, x.size), compute)
-        for start in range(0, x.size, BLOCK):
-            end = min(start + BLOCK, x.size)
-            a = acc[:end - start]
-            a[...] = 0
-            for v, w in live:
-                a += to_compute(v[start:end], dtype) * w
-            out[start:end] = from_compute(a, dtype)
+    if STORAGE[dtype] != COMPUTE[dtype]:
+        _sum_widened(out, live, dtype, x.size)
         return
     if not live:
         out[...] = 0
         return
-    # one power-of-two weight for all terms (uniform averaging over 2, 4, 8 ... members): the
-    # sum is scaled once, in two passes instead of four. Scaling by a power of two is exact, so
-    # the bits are those of scaling each term except at the dtype's edges, as with the averages
-    # of NCCL and Horovod (sum, then scale): a sum past the largest finite value is inf, and a
-    # result in the subnormal range is rounded once instead of per term
-    common = live[0][1]
-    factor = len(live) > 1 and all(w == common for _, w in live) and _power_of_two(common)
+    divisor = uniform_divisor([w for _, w in live])
     # the first term is the output itself (in place): nothing to copy
     first_is_out = out.size == live[0][0].size and out.ctypes.data == live[0][0].ctypes.data
-    tmp = np.empty(min(BLOCK, x.size), compute)
+    tmp = np.empty(min(BLOCK, x.size), COMPUTE[dtype])
     for start in range(0, x.size, BLOCK):
         end = min(start + BLOCK, x.size)
         o = out[start:end]
         for i, (v, w) in enumerate(live):
             src = v[start:end]
             if i == 0:
-                if factor or w == 1.0:
+                if divisor or w == 1.0:
                     if not first_is_out:
                         np.copyto(o, src)
                 else:
                     np.multiply(src, w, out=o)
-            elif factor or w == 1.0:
+            elif divisor or w == 1.0:
                 np.add(o, src, out=o)
             else:
                 np.add(o, np.multiply(src, w, out=tmp[:end - start]), out=o)
-        if factor and common != 1.0:
-            np.multiply(o, common, out=o)
+        if divisor and divisor != 1:
+            divide(o, divisor, o)
+
+
+def divide(values: np.ndarray, divisor: int, out: np.ndarray) -> None:
+    """``out = values / divisor``, correctly rounded (a multiplication when ``1/divisor`` is
+    exact: the same bits, faster)."""
+    if _power_of_two(1.0 / divisor):
+        np.multiply(values, values.dtype.type(1.0 / divisor), out=out)
+    else:
+        np.divide(values, values.dtype.type(divisor), out=out)

@@ -3,7 +3,7 @@
 Each incoming connection is an :class:`~decentd.bulk.Inbound` that hands its frames here. This
 module checks them against the link's flow control, hands each part of a message to the
 :class:`~decentd.mailbox.Mailbox` (or a one-sided window request to the
-:class:`~decentd.window_store.WindowStore`), and gives consumed bytes back as credit. Received
+:mod:`~decentd.windows` services), and gives consumed bytes back as credit. Received
 payloads live in pooled buffers, reused step after step; a lone part an op waits for lands
 straight in that op's memory.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +23,8 @@ from decentd.bufpool import BufferPool
 from decentd.bulk import Inbound
 from decentd.links import Links
 from decentd.mailbox import Arrival, Mailbox, Message
-from decentd.window_store import WindowStore, is_one_sided
+from decentd.windows import Handler
+from decentd.windows.store import is_one_sided
 
 log = logging.getLogger("decentd.receiver")
 
@@ -50,12 +51,15 @@ class _Landing:
 class Receiver:
     """Where every incoming bulk connection delivers its frames (a ``bulk.FrameSink``)."""
 
-    def __init__(self, links: Links, mailbox: Mailbox, windows: WindowStore,
-                 pool: BufferPool) -> None:
+    def __init__(self, links: Links, mailbox: Mailbox, pool: BufferPool,
+                 one_sided: Mapping[int, Handler],
+                 group_failed: Callable[[str, int, pb.Error], None]) -> None:
         self._links = links
         self._mailbox = mailbox
-        self._windows = windows
         self._pool = pool
+        #: who serves each one-sided window request, by op
+        self._one_sided = one_sided
+        self._group_failed = group_failed
         self._landing: dict[Inbound, _Landing] = {}
 
     def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
@@ -141,7 +145,7 @@ class Receiver:
             self._links.links[src].aborts_received += 1
             for p in header.parts:
                 if p.op == pb.GROUP_RESULT:  # a group round failed at its leader: no op of ours
-                    self._windows.group_failed(p.name, int(p.round), header.error)
+                    self._group_failed(p.name, int(p.round), header.error)
                 else:
                     self._mailbox.aborted(src, [p], header.error)
         else:
@@ -165,9 +169,9 @@ class Receiver:
             offset += n
             shape = tuple(int(s) for s in p.meta.shape)
             arrival = Arrival(src, int(p.op), int(p.meta.dtype), shape, float(p.weight), data,
-                              msg, step=int(p.step))
+                              msg, step=int(p.step), p=float(p.p), topology=p.topology)
             if is_one_sided(p):
-                self._windows.on_message(src, p.name, int(p.round), arrival)
+                self._one_sided[int(p.op)](src, p.name, int(p.round), arrival)
             else:
                 self._mailbox.deliver(src, p, arrival)
 

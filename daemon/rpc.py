@@ -124,6 +124,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             pool_bytes=pool.in_use_bytes + pool.idle_bytes,
             pool_peak_bytes=pool.peak_in_use,
             registered_bytes=self._sessions.registered_bytes,
+            parked_window_requests=self._services.windows.parked,
+            window_lock_waiters=self._services.locks.waiting,
             peers=[
                 pb.PeerStatus(
                     rank=link.rank,
@@ -143,8 +145,12 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Topology(
         self, request: pb.TopologyRequest, context: grpc.aio.ServicerContext
     ) -> pb.TopologyInfo:
-        """This rank's neighbors at the step that round ``round`` of an op uses."""
-        return topology_info(self._topology, self._rank, int(request.round))
+        """This rank's neighbors at the step that round ``round`` of an op uses (on the topology
+        the worker set, if it did)."""
+        session = self._sessions.get(request.worker_id) if request.worker_id else None
+        topology = session.topology if session is not None and session.topology else \
+            self._topology
+        return topology_info(topology, self._rank, int(request.round))
 
     async def Window(
         self, request: pb.WindowRequest, context: grpc.aio.ServicerContext

@@ -2,7 +2,7 @@
 
 Layers, each built whole and handed to the ones above it: the peer :class:`~decentd.links.Links`
 (connections, handshake, heartbeat, sending, flow control), the :class:`~decentd.mailbox.Mailbox`
-(matching what arrives to the ops that take it), the :class:`~decentd.window_store.WindowStore`,
+(matching what arrives to the ops that take it), the window services (:mod:`decentd.windows`),
 the :class:`~decentd.receiver.Receiver` (the peers' frames), the ops' :class:`Services`, the
 :class:`~decentd.engine.Engine` (requests), the worker :class:`~decentd.sessions.Sessions`, and
 the servers: gRPC for control, Unix sockets for the worker data channel and memory
@@ -34,7 +34,10 @@ from decentd.ops.api import Services
 from decentd.receiver import Receiver
 from decentd.rpc import PeerService, WorkerEndpoints, WorkerService
 from decentd.sessions import Sessions
-from decentd.window_store import WindowStore
+from decentd.windows import one_sided_handlers
+from decentd.windows.groups import GroupSums
+from decentd.windows.locks import LockService, WindowLocks
+from decentd.windows.store import WindowStore
 from decentd.workers import MemorySocket, WorkerChannel
 
 log = logging.getLogger("decentd")
@@ -53,10 +56,13 @@ def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver]:
                   window_per_peer(cfg.memory.early_arrival_bytes, len(addresses) - 1),
                   topology.digest())
     mailbox = Mailbox(links)
-    windows = WindowStore(rank, size, links, mailbox, cfg.timeouts.op)
-    services = Services(rank, size, topology, links, mailbox, pool, windows,
+    windows = WindowStore(rank, size, links, cfg.timeouts.op, cfg.memory.window_early_bytes)
+    groups = GroupSums(windows, links, mailbox)
+    locks = WindowLocks()
+    services = Services(rank, size, topology, links, mailbox, pool, windows, groups, locks,
                         cfg.transport.ring_threshold_bytes)
-    return services, Receiver(links, mailbox, windows, pool)
+    handlers = one_sided_handlers(windows, groups, LockService(locks, links))
+    return services, Receiver(links, mailbox, pool, handlers, groups.failed)
 
 
 class Daemon:

@@ -13,7 +13,9 @@ from decentd.links import Links, is_loopback
 from decentd.mailbox import Mailbox
 from decentd.ops.api import OpContext, PartSpec, Services
 from decentd.ops.neighbor import NEIGHBOR_OPS, PAIR_MIN_BYTES, neighbor_plan, pair_peer
-from decentd.window_store import WindowStore
+from decentd.windows.groups import GroupSums
+from decentd.windows.locks import WindowLocks
+from decentd.windows.store import WindowStore
 
 
 def context(kind: str, n: int, rank: int, round_: int = 0, host: str = "127.0.0.1",
@@ -22,8 +24,9 @@ def context(kind: str, n: int, rank: int, round_: int = 0, host: str = "127.0.0.
     topo = build_topology(kind, n)
     links = Links(rank, [f"{host}:{7000 + r}" for r in range(n)], "c", 1 << 20, topo.digest())
     mailbox = Mailbox(links)
-    services = Services(rank, n, topo, links, mailbox, BufferPool(0),
-                        WindowStore(rank, n, links, mailbox, 1.0), 1 << 18)
+    windows = WindowStore(rank, n, links, 1.0, 1 << 20)
+    services = Services(rank, n, topo, links, mailbox, BufferPool(0), windows,
+                        GroupSums(windows, links, mailbox), WindowLocks(), 1 << 18)
     x = np.zeros(nbytes // 4, np.float32)
     raw = x.view(np.uint8).data
     part = PartSpec("t", "t", round_, pb.FLOAT32, x.shape, x, raw, raw)

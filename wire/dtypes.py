@@ -19,6 +19,9 @@ STORAGE: dict[int, np.dtype] = {
     pb.FLOAT64: np.dtype(np.float64),
     pb.INT32: np.dtype(np.int32),
     pb.INT64: np.dtype(np.int64),
+    pb.UINT8: np.dtype(np.uint8),
+    pb.INT8: np.dtype(np.int8),
+    pb.INT16: np.dtype(np.int16),
 }
 
 

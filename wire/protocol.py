@@ -9,7 +9,7 @@ from decent_wire.v1 import decent_pb2 as pb
 PROTOCOL_VERSION: int = pb.PROTOCOL_VERSION_CURRENT
 
 #: compressors of compressed gossip, by the name users pass
-COMPRESSORS: dict[str, int] = {"topk": pb.TOPK, "sign": pb.SIGN, "int8": pb.INT8}
+COMPRESSORS: dict[str, int] = {"topk": pb.TOPK, "sign": pb.SIGN, "int8": pb.QINT8}
 #: averaging rules of WAGMA's group allreduce, by the name users pass
 GROUP_RULES: dict[str, int] = {"mean": pb.GROUP_MEAN, "with-self": pb.GROUP_WITH_SELF}
 

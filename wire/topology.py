@@ -93,6 +93,7 @@ class Topology:
         #: what rebuilds this topology (:func:`from_spec`); set by the builders
         self.spec: dict[str, Any] = {"kind": kind, "scheme": scheme, "options": {},
                                      "weights": self._weights or None}
+        self._digest: tuple[str, str] | None = None
         self._graphs = lru_cache(maxsize=64)(self._build_graph)
         self._matrix = lru_cache(maxsize=64)(self._build_matrix)
         self._steps = lru_cache(maxsize=4096)(self._build_step)
@@ -112,7 +113,10 @@ class Topology:
 
     def digest(self) -> str:
         """A fingerprint of the spec and size: daemons that differ in it disagree on W."""
-        return hashlib.sha256(f"{self.size}:{self.spec_json()}".encode()).hexdigest()
+        key = f"{self.size}:{self.spec_json()}"
+        if self._digest is None or self._digest[0] != key:
+            self._digest = (key, hashlib.sha256(key.encode()).hexdigest())
+        return self._digest[1]
 
     def graph(self, step: int = 0) -> nx.DiGraph:
         """The directed communication graph at ``step`` (edge j -> i: j sends to i; a copy)."""

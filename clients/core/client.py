@@ -14,15 +14,19 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
+import numpy as np
+
 from decent.core.arena import ClientArena
 from decent.core.args import WeightsArg, op_args, rank_weights
 from decent.core.codec import TensorCodec
+from decent.core.compression import Compressor
 from decent.core.connection import Connection, default_address
 from decent.core.fusion import settings_from_env
 from decent.core.handles import Handle
 from decent.core.regions import RegionTable
 from decent.core.registrar import Registrar
 from decent.core.submitter import OpCall, Submitter
+from decent.core.topology_ops import TopologyOps
 from decent.core.windows import WindowOps, WindowTable
 from decent_wire import dtypes
 from decent_wire.protocol import COMPRESSORS
@@ -30,7 +34,48 @@ from decent_wire.v1 import decent_pb2 as pb
 
 T = TypeVar("T")
 
-class Client(WindowOps[T], Generic[T]):
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return default
+
+
+def _rank_list(ranks: list[int] | None) -> pb.RankList | None:
+    return None if ranks is None else pb.RankList(ranks=ranks)
+
+
+#: the wire dtype of each numpy dtype the wire has
+DTYPE_OF = {v: k for k, v in dtypes.STORAGE.items() if k != pb.BFLOAT16}
+
+
+class _Transform:
+    """What Horovod's allreduce does around the reduction: scale, compress; then undo."""
+
+    def __init__(self, compression: Compressor | None, pre: float, post: float) -> None:
+        self.compression = compression
+        self.pre, self.post = float(pre), float(post)
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anything to do."""
+        return self.compression is not None or self.pre != 1.0 or self.post != 1.0
+
+    def before(self, tensor: Any) -> tuple[Any, Any]:
+        """What travels, and what undoes the compression."""
+        if self.pre != 1.0:
+            tensor = tensor * self.pre
+        return self.compression.compress(tensor) if self.compression else (tensor, None)
+
+    def after(self, result: Any, context: Any) -> Any:
+        """The reduced tensor, decompressed and scaled."""
+        if self.compression is not None:
+            result = self.compression.decompress(result, context)
+        return result * self.post if self.post != 1.0 else result
+
+
+class Client(WindowOps[T], TopologyOps[T], Generic[T]):
     """A worker's connection to its daemon. Thread-safe; one per process is typical."""
 
     def __init__(
@@ -67,6 +112,10 @@ class Client(WindowOps[T], Generic[T]):
         self.topology = reg.topology
         self.default_timeout = reg.default_timeout
         self.ring_threshold = reg.ring_threshold
+        #: this worker among the workers of its node (for device choice): from $DECENT_LOCAL_RANK
+        #: and $DECENT_LOCAL_SIZE (or torchrun's $LOCAL_RANK, $LOCAL_WORLD_SIZE), else 0 and 1
+        self.local_rank = _env_int("DECENT_LOCAL_RANK", "LOCAL_RANK", default=0)
+        self.local_size = _env_int("DECENT_LOCAL_SIZE", "LOCAL_WORLD_SIZE", default=1)
         if register is None:
             register = os.environ.get("DECENT_REGISTER", "1") not in ("0", "false", "no")
         self._registrar = Registrar(codec, self.connection, reg.worker_id,
@@ -174,17 +223,43 @@ class Client(WindowOps[T], Generic[T]):
     def neighbor_allgather_async(
         self, tensor: T, name: str | None = None, src_ranks: Iterable[int] | None = None,
         dst_ranks: Iterable[int] | None = None, timeout: float | None = None,
+        concat: bool = False,
     ) -> Handle[T]:
-        """Start gathering the in-neighbors' tensors, stacked on a new leading dim (rank order)."""
-        srcs = None if src_ranks is None else pb.RankList(ranks=sorted({int(r) for r in src_ranks}))
-        dsts = None if dst_ranks is None else pb.RankList(ranks=sorted({int(r) for r in dst_ranks}))
+        """Start gathering the in-neighbors' tensors, stacked on a new leading dim (rank order).
+
+        ``concat=True`` concatenates them on the first dimension instead (BlueFog's layout), in
+        the order of ``src_ranks`` (default: the in-neighbors, ascending); their first
+        dimensions may differ, and are exchanged first (a small blocking exchange).
+        """
+        srcs = None if src_ranks is None else list(dict.fromkeys(int(r) for r in src_ranks))
+        dsts = None if dst_ranks is None else sorted({int(r) for r in dst_ranks})
+        if concat:
+            return self._concat_neighbors(tensor, name, srcs, dsts, timeout)
         if srcs is not None:
-            factor = len(srcs.ranks)
+            factor = len(srcs)
         else:  # the output holds one tensor per in-neighbor at the step this call will use
             factor = len(self.topology_at(name or "neighbor_allgather.unnamed").in_neighbors)
-        args = op_args(name, pb.NeighborAllgather, src_ranks=srcs, dst_ranks=dsts)
+        args = op_args(name, pb.NeighborAllgather, src_ranks=_rank_list(srcs),
+                       dst_ranks=_rank_list(dsts))
         return self._call(OpCall("neighbor_allgather", args), tensor, name, timeout,
                           out_factor=factor)
+
+    def _concat_neighbors(self, tensor: T, name: str | None, srcs: list[int] | None,
+                          dsts: list[int] | None, timeout: float | None) -> Handle[T]:
+        name = name or "neighbor_allgather.unnamed"
+        dtype, shape = self._submitter.describe(tensor, name)
+        if not shape:
+            raise ValueError(f"tensor '{name}': concatenating needs at least one dimension")
+        first = self.tensor([shape[0]])
+        got = self.neighbor_allgather_async(first, name=f"{name}.sizes", src_ranks=srcs,
+                                            dst_ranks=dsts, timeout=timeout)
+        rows = dict(zip(got.src_ranks, self.values(got.wait()).reshape(-1), strict=True))
+        order = srcs if srcs is not None else sorted(rows)
+        sizes = [int(rows[j]) for j in order]
+        args = op_args(name, pb.NeighborAllgather, src_ranks=_rank_list(srcs),
+                       dst_ranks=_rank_list(dsts), concat=True, sizes=sizes)
+        return self._call(OpCall("neighbor_allgather", args), tensor, name, timeout,
+                          out_bytes=sum(sizes) * dtypes.nbytes(dtype, shape[1:]))
 
     def neighbor_allgather(self, tensor: T, **kwargs: Any) -> T:
         """Blocking :meth:`neighbor_allgather_async`."""
@@ -192,20 +267,84 @@ class Client(WindowOps[T], Generic[T]):
 
     # ------------------------------------------------------------------ collectives
 
+    def allgather_async(self, tensor: T, name: str | None = None,
+                        timeout: float | None = None) -> Handle[T]:
+        """Start gathering every rank's tensor, concatenated on the first dimension in rank
+        order (Horovod's ``allgather``); first dimensions may differ, and are exchanged first
+        (a small blocking exchange)."""
+        name = name or "allgather.unnamed"
+        dtype, shape = self._submitter.describe(tensor, name)
+        if not shape:
+            raise ValueError(f"tensor '{name}': allgather needs at least one dimension")
+        first = self.tensor([shape[0]])
+        sizes_op = OpCall("allgather", pb.Allgather(sizes=[1] * self.size))
+        rows = self.values(self._call(sizes_op, first, f"{name}.sizes", timeout).wait())
+        sizes = [int(r) for r in rows]
+        return self._call(OpCall("allgather", pb.Allgather(sizes=sizes)), tensor, name, timeout,
+                          out_bytes=sum(sizes) * dtypes.nbytes(dtype, shape[1:]))
+
+    def allgather(self, tensor: T, **kwargs: Any) -> T:
+        """Blocking :meth:`allgather_async`."""
+        return self.allgather_async(tensor, **kwargs).wait()
+
+    def tensor(self, values: Any, like: T | None = None) -> T:
+        """A tensor of this client's framework holding ``values`` (a numpy array or a list of
+        numbers; on ``like``'s device)."""
+        array = np.ascontiguousarray(values)
+        dtype = DTYPE_OF.get(array.dtype)
+        if dtype is None:
+            raise TypeError(f"no wire dtype for numpy {array.dtype}")
+        return self.codec.read(array.view(np.uint8).reshape(-1).data, dtype, array.shape, like)
+
+    def values(self, tensor: T) -> np.ndarray:
+        """The values of a tensor of this client's framework, as a numpy array (a copy)."""
+        dtype, shape = self.codec.describe(tensor)
+        raw = bytearray(dtypes.nbytes(dtype, shape))
+        if raw:
+            self.codec.write(tensor, memoryview(raw))
+        return np.frombuffer(raw, dtypes.STORAGE[dtype]).reshape(shape)
+
+    def assign(self, target: T, value: T) -> T:
+        """Copy ``value`` into ``target`` (same dtype and shape); returns ``target``."""
+        dtype, shape = self.codec.describe(value)
+        raw = bytearray(dtypes.nbytes(dtype, shape))
+        if raw:
+            self.codec.write(value, memoryview(raw))
+        return self.codec.read_into(memoryview(raw), target)
+
     def allreduce_async(self, tensor: T, op: str = "average", name: str | None = None,
-                        timeout: float | None = None, *, fuse: bool = True) -> Handle[T]:
+                        timeout: float | None = None, *, fuse: bool = True,
+                        average: bool | None = None, compression: Compressor | None = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0
+                        ) -> Handle[T]:
         """Start an average (or ``op="sum"``) over all ranks.
 
         Tensors below the daemon's ring threshold are fused (up to that many bytes per bucket:
-        a fused allreduce is a direct exchange); larger ones run alone as a ring.
+        a fused allreduce is a direct exchange); larger ones run alone as a ring. Horovod's
+        arguments work too: ``average`` (True: average, False: sum), ``compression`` (applied
+        before the reduction and undone after), ``prescale_factor`` and ``postscale_factor``
+        (multiplied in before and after).
         """
-        return self._allreduce(tensor, None, op, name, timeout, fuse)
+        return self._allreduce(tensor, None, self._reduce_op(op, average), name, timeout, fuse,
+                               _Transform(compression, prescale_factor, postscale_factor))
 
-    def _allreduce(self, tensor: T, into: T | None, op: str, name: str | None,
-                   timeout: float | None, fuse: bool) -> Handle[T]:
+    @staticmethod
+    def _reduce_op(op: str, average: bool | None) -> str:
+        if average is not None:
+            return "average" if average else "sum"
         if op not in ("average", "sum"):
             raise ValueError(f"allreduce op must be 'average' or 'sum', not {op!r}")
+        return op
+
+    def _allreduce(self, tensor: T, into: T | None, op: str, name: str | None,
+                   timeout: float | None, fuse: bool, transform: _Transform | None = None
+                   ) -> Handle[T]:
         args = pb.Allreduce(reduce_op=pb.AVERAGE if op == "average" else pb.SUM)
+        if transform is not None and transform.active:
+            sent, context = transform.before(tensor)
+            handle = self._call(OpCall("allreduce", args), sent, name, timeout, fuse=False)
+            done = handle.then(lambda r: transform.after(r, context))
+            return done if into is None else done.then(lambda r: self.assign(into, r))
         small = fuse and self._nbytes(tensor) < self.ring_threshold
         return self._call(OpCall("allreduce", args), tensor, name, timeout, into=into,
                           fuse=small, fuse_limit=self.ring_threshold)
@@ -215,18 +354,25 @@ class Client(WindowOps[T], Generic[T]):
         return self.allreduce_async(tensor, fuse=False, **kwargs).wait()
 
     def allreduce_async_(self, tensor: T, op: str = "average", name: str | None = None,
-                         timeout: float | None = None, *, fuse: bool = True) -> Handle[T]:
+                         timeout: float | None = None, *, fuse: bool = True,
+                         average: bool | None = None, compression: Compressor | None = None,
+                         prescale_factor: float = 1.0, postscale_factor: float = 1.0
+                         ) -> Handle[T]:
         """In-place :meth:`allreduce_async` (the result is written into ``tensor``)."""
-        return self._allreduce(tensor, tensor, op, name, timeout, fuse)
+        return self._allreduce(tensor, tensor, self._reduce_op(op, average), name, timeout,
+                               fuse, _Transform(compression, prescale_factor, postscale_factor))
 
     def allreduce_(self, tensor: T, **kwargs: Any) -> T:
         """Blocking in-place :meth:`allreduce_async`."""
         return self.allreduce_async_(tensor, fuse=False, **kwargs).wait()
 
     def broadcast_async(self, tensor: T, root: int = 0, name: str | None = None,
-                        timeout: float | None = None, *, fuse: bool = True) -> Handle[T]:
-        """Start copying ``root``'s tensor to every rank (fused with other broadcasts)."""
-        return self._broadcast(tensor, None, root, name, timeout, fuse)
+                        timeout: float | None = None, *, fuse: bool = True,
+                        root_rank: int | None = None) -> Handle[T]:
+        """Start copying ``root``'s tensor to every rank (fused with other broadcasts);
+        ``root_rank`` is Horovod's name for ``root``."""
+        return self._broadcast(tensor, None, root if root_rank is None else root_rank, name,
+                               timeout, fuse)
 
     def _broadcast(self, tensor: T, into: T | None, root: int, name: str | None,
                    timeout: float | None, fuse: bool) -> Handle[T]:
@@ -239,9 +385,11 @@ class Client(WindowOps[T], Generic[T]):
         return self.broadcast_async(tensor, fuse=False, **kwargs).wait()
 
     def broadcast_async_(self, tensor: T, root: int = 0, name: str | None = None,
-                         timeout: float | None = None, *, fuse: bool = True) -> Handle[T]:
+                         timeout: float | None = None, *, fuse: bool = True,
+                         root_rank: int | None = None) -> Handle[T]:
         """In-place :meth:`broadcast_async` (root's tensor is written into ``tensor``)."""
-        return self._broadcast(tensor, tensor, root, name, timeout, fuse)
+        return self._broadcast(tensor, tensor, root if root_rank is None else root_rank, name,
+                               timeout, fuse)
 
     def broadcast_(self, tensor: T, **kwargs: Any) -> T:
         """Blocking in-place :meth:`broadcast_async`."""
@@ -284,6 +432,12 @@ class Client(WindowOps[T], Generic[T]):
         """Neighbors and weights at the step the next call of op ``name`` will use."""
         return self.connection.topology(name or "",
                                         self._submitter.round_of(name) if name else 0)
+
+    def _in_neighbors(self) -> list[int]:
+        return self.in_neighbors()
+
+    def _out_neighbors(self) -> list[int]:
+        return self.out_neighbors()
 
     def in_neighbors(self, name: str | None = None) -> list[int]:
         """Ranks this worker receives from (at the next step of ``name``)."""

@@ -21,7 +21,7 @@ class TensorCodec(Protocol[T]):
     def write(self, tensor: T, dst: memoryview) -> None:
         """Copy ``tensor``'s bytes into ``dst`` (exactly its size), finished on return."""
 
-    def read(self, src: memoryview, dtype: int, shape: tuple[int, ...], like: T) -> T:
+    def read(self, src: memoryview, dtype: int, shape: tuple[int, ...], like: T | None) -> T:
         """A new tensor of ``dtype``/``shape`` from ``src``, on ``like``'s device."""
 
     def read_into(self, src: memoryview, into: T) -> T:

@@ -201,7 +201,8 @@ class Connection:
 
     def topology(self, name: str, round_: int) -> pb.TopologyInfo:
         """Neighbors and weights at the step round ``round_`` of op ``name`` uses."""
-        info: pb.TopologyInfo = self._stub.Topology(pb.TopologyRequest(name=name, round=round_))
+        info: pb.TopologyInfo = self._stub.Topology(pb.TopologyRequest(
+            name=name, round=round_, worker_id=self.registration.worker_id))
         return info
 
     def window(self, name: str) -> pb.WindowInfo:

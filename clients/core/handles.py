@@ -91,10 +91,24 @@ class Requests(Protocol):
 class Handle(Generic[T]):
     """The future result of one asynchronous op."""
 
-    def __init__(self, requests: Requests, pending: Pending) -> None:
+    def __init__(self, requests: Requests, pending: Pending,
+                 post: Callable[[Any], T] | None = None, source: Handle[Any] | None = None
+                 ) -> None:
         self._requests = requests
         self.pending = pending
-        weakref.finalize(self, _abandon, requests.abandon, pending)
+        self._post = post
+        #: the handle this one derives from (kept alive: its result is this one's input)
+        self._source = source
+        if source is None:
+            weakref.finalize(self, _abandon, requests.abandon, pending)
+
+    def then(self, fn: Callable[[T], Any]) -> Handle[Any]:
+        """A handle whose ``wait()`` gives ``fn`` of this one's result (decompression, a
+        scale)."""
+        return Handle(self._requests, self.pending, lambda r: fn(self._apply(r)), self)
+
+    def _apply(self, result: Any) -> T:
+        return result if self._post is None else self._post(result)
 
     @property
     def name(self) -> str:
@@ -119,7 +133,7 @@ class Handle(Generic[T]):
         self._requests.collect(p)
         if p.error is not None:
             raise p.error
-        result: T = p.result
+        result: T = self._apply(p.result)
         return result
 
     def join(self, timeout: float | None = None) -> None:

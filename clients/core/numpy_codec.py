@@ -14,6 +14,9 @@ _TO_WIRE: dict[np.dtype, int] = {
     np.dtype(np.float64): pb.FLOAT64,
     np.dtype(np.int32): pb.INT32,
     np.dtype(np.int64): pb.INT64,
+    np.dtype(np.uint8): pb.UINT8,
+    np.dtype(np.int8): pb.INT8,
+    np.dtype(np.int16): pb.INT16,
 }
 _FROM_WIRE: dict[int, np.dtype] = {v: k for k, v in _TO_WIRE.items()}
 
@@ -36,7 +39,7 @@ class NumpyCodec:
         np.frombuffer(dst, tensor.dtype).reshape(tensor.shape)[...] = tensor
 
     def read(self, src: memoryview, dtype: int, shape: tuple[int, ...],
-             like: np.ndarray) -> np.ndarray:
+             like: np.ndarray | None) -> np.ndarray:
         """A new array from ``src``."""
         return np.frombuffer(src, _FROM_WIRE[dtype]).reshape(shape).copy()
 

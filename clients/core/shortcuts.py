@@ -7,11 +7,15 @@ ops are written once here, for every adapter.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
+
+import networkx as nx
 
 from decent.core.client import Client
 from decent.core.handles import Handle
+from decent.core.topology_ops import infer_peers
 from decent.core.windows import WindowState
 from decent_wire.v1 import decent_pb2 as pb
 
@@ -22,7 +26,10 @@ C = TypeVar("C", bound=Client[Any])
 #: the names a framework module exports from its :class:`DefaultClient` (``decent.torch``,
 #: ``decent.tf``), for their ``__all__``
 SHORTCUTS = (
-    "init", "shutdown", "rank", "size",
+    "init", "shutdown", "rank", "size", "local_rank", "local_size", "allgather_async",
+    "allgather", "set_topology", "load_topology", "is_topo_weighted", "in_neighbor_ranks",
+    "out_neighbor_ranks", "InferDestinationFromSourceRanks", "InferSourceFromDestinationRanks",
+    "window_names", "win_associated_p", "win_mutex",
     "neighbor_allreduce_async", "neighbor_allreduce", "neighbor_allreduce_async_",
     "neighbor_allreduce_", "compressed_neighbor_allreduce_async", "compressed_neighbor_allreduce",
     "neighbor_allgather_async", "neighbor_allgather", "allreduce_async", "allreduce",
@@ -70,6 +77,46 @@ class DefaultClient(Generic[T, C]):
         """Number of workers."""
         return self.get().size
 
+    def local_rank(self) -> int:
+        """This worker's rank among the workers of its node."""
+        return self.get().local_rank
+
+    def local_size(self) -> int:
+        """Number of workers on this node."""
+        return self.get().local_size
+
+    # ------------------------------------------------------------------ topology
+
+    def set_topology(self, topology: Any = None, is_weighted: bool = False) -> bool:
+        """See :meth:`decent.core.Client.set_topology`."""
+        return self.get().set_topology(topology, is_weighted)
+
+    def load_topology(self) -> nx.DiGraph:
+        """See :meth:`decent.core.Client.load_topology`."""
+        return self.get().load_topology()
+
+    def is_topo_weighted(self) -> bool:
+        """See :meth:`decent.core.Client.is_topo_weighted`."""
+        return self.get().is_topo_weighted()
+
+    def in_neighbor_ranks(self) -> list[int]:
+        """See :meth:`decent.core.Client.in_neighbor_ranks`."""
+        return self.get().in_neighbor_ranks()
+
+    def out_neighbor_ranks(self) -> list[int]:
+        """See :meth:`decent.core.Client.out_neighbor_ranks`."""
+        return self.get().out_neighbor_ranks()
+
+    def InferDestinationFromSourceRanks(
+            self, src_ranks: Sequence[int], construct_adjacency_matrix: bool = False) -> Any:
+        """BlueFog's helper: the ranks that list this rank as a source (collective)."""
+        return infer_peers(self.get(), src_ranks, "src", construct_adjacency_matrix)
+
+    def InferSourceFromDestinationRanks(
+            self, dst_ranks: Sequence[int], construct_adjacency_matrix: bool = False) -> Any:
+        """BlueFog's helper: the ranks that list this rank as a destination (collective)."""
+        return infer_peers(self.get(), dst_ranks, "dst", construct_adjacency_matrix)
+
     # ------------------------------------------------------------------ ops
 
     def neighbor_allreduce_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
@@ -105,6 +152,14 @@ class DefaultClient(Generic[T, C]):
     def neighbor_allgather(self, tensor: T, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.neighbor_allgather`."""
         return self.get().neighbor_allgather(tensor, **kwargs)
+
+    def allgather_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.allgather_async`."""
+        return self.get().allgather_async(tensor, *args, **kwargs)
+
+    def allgather(self, tensor: T, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.allgather`."""
+        return self.get().allgather(tensor, **kwargs)
 
     def allreduce_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
         """See :meth:`decent.core.Client.allreduce_async`."""
@@ -230,3 +285,16 @@ class DefaultClient(Generic[T, C]):
     def win_versions(self, name: str) -> dict[int, int]:
         """See :meth:`decent.core.Client.win_versions`."""
         return self.get().win_versions(name)
+
+    def window_names(self) -> list[str]:
+        """See :meth:`decent.core.Client.window_names`."""
+        return self.get().window_names()
+
+    def win_associated_p(self, name: str) -> float:
+        """See :meth:`decent.core.Client.win_associated_p`."""
+        return self.get().win_associated_p(name)
+
+    def win_mutex(self, name: str, for_self: bool = False,
+                  ranks: Iterable[int] | None = None) -> AbstractContextManager[None]:
+        """See :meth:`decent.core.Client.win_mutex`."""
+        return self.get().win_mutex(name, for_self, ranks)

@@ -85,12 +85,12 @@ class Submitter(Generic[T]):
 
     def submit(self, call: OpCall, tensor: T | None, name: str | None, timeout: float | None,
                into: T | None = None, out_factor: int = 1, fuse: bool = False,
-               fuse_limit: int | None = None) -> Handle[T]:
+               fuse_limit: int | None = None, out_bytes: int | None = None) -> Handle[T]:
         """Place ``tensor``, spend the next round of ``name`` and send (or bucket) the request.
 
         ``into``: an in-place op's target; ``out_factor``: the result is that many times the
-        input; ``fuse``: the request may wait in a bucket of compatible ones (at most
-        ``fuse_limit`` bytes).
+        input (``out_bytes``: that many bytes); ``fuse``: the request may wait in a bucket of
+        compatible ones (at most ``fuse_limit`` bytes).
         """
         self.check_open()
         if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
@@ -98,7 +98,8 @@ class Submitter(Generic[T]):
         name = name or f"{call.field}.unnamed"
         dtype, shape = self.describe(tensor, name)
         nbytes = dtypes.nbytes(dtype, shape)
-        place = self._place(tensor, name, nbytes, into, out_factor)
+        out = nbytes * out_factor if out_bytes is None else out_bytes
+        place = self._place(tensor, name, nbytes, into, out if out != nbytes else None)
         # from here on nothing can fail before the request is sent: the round is spent only now,
         # so a refused argument above does not put this name's rounds out of step with the peers
         round_ = self.next_round(name)
@@ -144,12 +145,13 @@ class Submitter(Generic[T]):
             return self._rounds.get(name, 0)
 
     def _place(self, tensor: T | None, name: str, nbytes: int, into: T | None,
-               out_factor: int) -> Placement:
-        """Where the input and the result go, and the input copied there."""
+               out_bytes: int | None) -> Placement:
+        """Where the input and the result (``out_bytes`` of it when it is not the input's
+        size) go, and the input copied there."""
         # a shared() tensor is already in the arena: no copy in, and in place no copy out
         at = None if tensor is None or not nbytes else self.codec.address(tensor)
         resident = None if at is None else self.arena.offset_of(at, nbytes)
-        in_place = tensor is not None and into is tensor and out_factor == 1
+        in_place = tensor is not None and into is tensor and out_bytes is None
         if resident is None and in_place and at is not None:
             resident = self.registrar.offset(tensor, at, nbytes)
         slots: list[tuple[int, int]] = []
@@ -158,9 +160,9 @@ class Submitter(Generic[T]):
                 slots.append((self.alloc(nbytes, f"tensor '{name}'"), nbytes))
             # the daemon writes a result over its input once the input is sent, so one slot
             # serves both; a resident tensor gets its own result slot unless the op is in place
-            if out_factor != 1 or (resident is not None and not in_place):
-                out_bytes = nbytes * out_factor
-                slots.append((self.alloc(out_bytes, f"tensor '{name}' output"), out_bytes))
+            if out_bytes is not None or (resident is not None and not in_place):
+                size = nbytes if out_bytes is None else out_bytes
+                slots.append((self.alloc(size, f"tensor '{name}' output"), size))
             if tensor is not None and nbytes and resident is None:
                 self.codec.write(tensor, self.arena.view(slots[0][0], nbytes))
         except BaseException:

@@ -3,8 +3,9 @@ group allreduce: a part of :class:`decent.core.Client`'s op surface."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -27,6 +28,7 @@ class WindowState:
     steps: dict[int, int]  #: per writer: the writer's step of what its buffer holds
     served: int  #: peers' gets answered from the own copy
     max_staleness: int  #: most steps a buffer win_update read lagged the own copy
+    p: float = 1.0  #: the associated p of the own copy
 
 
 @dataclass
@@ -80,37 +82,70 @@ class WindowOps(Generic[T]):
         return True
 
     def win_put_async(self, tensor: T, name: str, dst_weights: WeightsArg = None,
-                      step: int = 0, timeout: float | None = None) -> Handle[T]:
+                      step: int = 0, timeout: float | None = None,
+                      self_weight: float | None = None, require_mutex: bool = False
+                      ) -> Handle[T]:
         """Write ``d_j * tensor`` into window ``name``'s buffer for this rank on each
         destination ``j`` (default: the static topology's out-neighbors, weight 1), replacing
         what was there, and make ``tensor`` the own copy. The destinations' workers do nothing:
         their daemons apply the write. ``wait()`` returns once every destination applied it and
         gives ``tensor``'s value back. ``step``: the worker's step of ``tensor`` (0: one more
-        than the own copy's)."""
-        return self._win_write("win_put", tensor, name, dst_weights, step, timeout)
+        than the own copy's).
+
+        The associated p (:meth:`win_associated_p`) travels with the write, times ``d_j``.
+        ``self_weight`` (BlueFog's): afterwards the own copy, p and ``tensor`` itself are
+        scaled by it. ``require_mutex``: the destinations' mutexes for this rank are held
+        during the write (:meth:`win_mutex`; the call then returns once it is done).
+        """
+        return self._win_write("win_put", tensor, name, dst_weights, step, timeout, self_weight,
+                               require_mutex)
 
     def _win_write(self, field_name: str, tensor: T, name: str, dst_weights: WeightsArg,
-                   step: int, timeout: float | None) -> Handle[T]:
+                   step: int, timeout: float | None, self_weight: float | None,
+                   require_mutex: bool) -> Handle[T]:
         self._window_table.tensor(name)
-        args = op_args(name, pb.WinWrite, dst_weights=rank_weights(dst_weights), step=step)
-        return self._call(OpCall(field_name, args), tensor, name, timeout)
+        args = op_args(name, pb.WinWrite, dst_weights=rank_weights(dst_weights), step=step,
+                       self_weight=self_weight)
+        into = tensor if self_weight is not None else None
+        if not require_mutex:
+            return self._call(OpCall(field_name, args), tensor, name, timeout, into=into)
+        ranks = self._write_targets(name, dst_weights)
+        with self.win_mutex(name, ranks=ranks):
+            handle = self._call(OpCall(field_name, args), tensor, name, timeout, into=into)
+            handle.join()
+        return handle
+
+    def _write_targets(self, name: str, weights: WeightsArg) -> list[int]:
+        """The ranks a window op reaches: those named, else the topology's out-neighbors."""
+        given = rank_weights(weights)
+        return sorted(given) if given is not None else self._out_neighbors()
+
+    def _out_neighbors(self) -> list[int]:
+        raise NotImplementedError
+
+    def _in_neighbors(self) -> list[int]:
+        raise NotImplementedError
 
     def win_put(self, tensor: T, name: str, **kwargs: Any) -> T:
         """Blocking :meth:`win_put_async`."""
         return self.win_put_async(tensor, name, **kwargs).wait()
 
     def win_accumulate_async(self, tensor: T, name: str, dst_weights: WeightsArg = None,
-                             step: int = 0, timeout: float | None = None) -> Handle[T]:
-        """Like :meth:`win_put_async`, but each destination *adds* ``d_j * tensor`` to its
-        buffer for this rank (concurrent writers from several ranks all land)."""
-        return self._win_write("win_accumulate", tensor, name, dst_weights, step, timeout)
+                             step: int = 0, timeout: float | None = None,
+                             self_weight: float | None = None, require_mutex: bool = False
+                             ) -> Handle[T]:
+        """Like :meth:`win_put_async`, but each destination *adds* ``d_j * tensor`` (and
+        ``d_j * p``) to its buffer for this rank (concurrent writers from several ranks all
+        land)."""
+        return self._win_write("win_accumulate", tensor, name, dst_weights, step, timeout,
+                               self_weight, require_mutex)
 
     def win_accumulate(self, tensor: T, name: str, **kwargs: Any) -> T:
         """Blocking :meth:`win_accumulate_async`."""
         return self.win_accumulate_async(tensor, name, **kwargs).wait()
 
     def win_get_async(self, name: str, src_weights: WeightsArg = None,
-                      timeout: float | None = None) -> Handle[T]:
+                      timeout: float | None = None, require_mutex: bool = False) -> Handle[T]:
         """Fetch ``w_j * (j's own copy)`` into this rank's buffer for each source ``j`` (default:
         the static topology's in-neighbors, weight 1). The sources' daemons answer from their
         last own copy as it is when the request arrives, without waiting for their workers:
@@ -119,7 +154,14 @@ class WindowOps(Generic[T]):
         :meth:`win_update` combines them."""
         self._window_table.tensor(name)
         args = op_args(name, pb.WinGet, src_weights=rank_weights(src_weights))
-        return self._call(OpCall("win_get", args), None, name, timeout)
+        if not require_mutex:
+            return self._call(OpCall("win_get", args), None, name, timeout)
+        given = rank_weights(src_weights)
+        ranks = sorted(given) if given is not None else self._in_neighbors()
+        with self.win_mutex(name, ranks=ranks):
+            handle = self._call(OpCall("win_get", args), None, name, timeout)
+            handle.join()
+        return handle
 
     def win_get(self, name: str, **kwargs: Any) -> None:
         """Blocking :meth:`win_get_async`."""
@@ -127,16 +169,32 @@ class WindowOps(Generic[T]):
 
     def win_update(self, name: str, self_weight: float | None = None,
                    neighbor_weights: Mapping[int, float] | None = None, reset: bool = False,
-                   step: int = 0, timeout: float | None = None) -> T:
+                   step: int = 0, timeout: float | None = None, clone: bool = False,
+                   require_mutex: bool = False, value: T | None = None) -> T:
         """``self_weight * t + sum_j neighbor_weights[j] * buffer[j]``, where ``t`` is the
         tensor given to :meth:`win_create` (its current value): written into ``t``, returned,
         and made the own copy. Defaults: the static topology's weights. The buffers read get
-        version 0 again, and with ``reset`` they are zeroed (for accumulate-style use)."""
-        tensor = self._window_table.tensor(name)
+        version 0 again, and with ``reset`` they are zeroed (for accumulate-style use). The
+        associated p becomes the same combination of the buffers' p's.
+
+        ``clone`` (BlueFog's): the result is a new tensor, and ``t`` and the own copy stay as
+        they were. ``require_mutex``: this rank's own mutex slots of the neighbors are held
+        during the update (:meth:`win_mutex` with ``for_self=True``). ``value``: combine this
+        tensor instead of ``t`` (same dtype and shape).
+        """
+        tensor = self._window_table.tensor(name) if value is None else value
         args = op_args(name, pb.WinUpdate, self_weight=self_weight,
-                       src_weights=rank_weights(neighbor_weights), reset=reset, step=step)
-        return self._call(OpCall("win_update", args), tensor, name, timeout,
-                          into=tensor).wait()
+                       src_weights=rank_weights(neighbor_weights), reset=reset, step=step,
+                       clone=clone)
+        into = None if clone else tensor
+        if not require_mutex:
+            return self._call(OpCall("win_update", args), tensor, name, timeout,
+                              into=into).wait()
+        given = rank_weights(neighbor_weights)
+        ranks = sorted(given) if given is not None else self._in_neighbors()
+        with self.win_mutex(name, for_self=True, ranks=ranks):
+            return self._call(OpCall("win_update", args), tensor, name, timeout,
+                              into=into).wait()
 
     def win_publish(self, tensor: T, name: str, step: int = 0) -> None:
         """Make ``tensor`` window ``name``'s own copy (what peers' gets are served from) at
@@ -144,12 +202,44 @@ class WindowOps(Generic[T]):
         self._window_table.tensor(name)
         self._call(OpCall("win_publish", pb.WinPublish(step=step)), tensor, name, None).wait()
 
-    def win_free(self, name: str) -> None:
-        """Free window ``name`` here; later writes to it from peers fail with NOT_FOUND."""
-        self._window_table.tensor(name)
-        self._call(OpCall("win_free", pb.WinFree()), None, name, None).join()
-        del self._window_table.tensors[name]
-        self._window_table.group_rounds.pop(name, None)
+    def win_free(self, name: str | None = None) -> None:
+        """Free window ``name`` here (None: every window of this client); later writes to it
+        from peers fail with NOT_FOUND."""
+        for each in [name] if name is not None else self.window_names():
+            self._window_table.tensor(each)
+            self._call(OpCall("win_free", pb.WinFree()), None, each, None).join()
+            del self._window_table.tensors[each]
+            self._window_table.group_rounds.pop(each, None)
+
+    def window_names(self) -> list[str]:
+        """The windows this client created and has not freed, in creation order (BlueFog's
+        ``get_current_created_window_names``)."""
+        return list(self._window_table.tensors)
+
+    def win_associated_p(self, name: str) -> float:
+        """Window ``name``'s associated p (push-sum weight) as this rank's daemon holds it: 1
+        at creation; writes carry it times their weight, ``self_weight`` scales it, and
+        :meth:`win_update` combines it like the tensor."""
+        return self.win_info(name).p
+
+    @contextlib.contextmanager
+    def win_mutex(self, name: str, for_self: bool = False,
+                  ranks: Iterable[int] | None = None) -> Iterator[None]:
+        """Hold window ``name``'s mutex for the block (BlueFog's ``win_mutex``).
+
+        The slot of this rank at each of ``ranks`` (default: the out-neighbors) guards this
+        rank's writes into their buffer for it; with ``for_self``, this rank's own slots of
+        ``ranks`` guard their buffers here against its own reads. Slots are taken in rank
+        order (no two ranks deadlock) and released at the end of the block; the locks are
+        advisory: only code that takes them waits.
+        """
+        chosen = sorted({int(r) for r in ranks}) if ranks is not None else self._out_neighbors()
+        lock = pb.WinLock(ranks=chosen, for_self=for_self)
+        self._call(OpCall("win_lock", lock), None, name, None).join()
+        try:
+            yield
+        finally:
+            self._call(OpCall("win_unlock", lock), None, name, None).join()
 
     def win_exchange_async(self, tensor: T, name: str, peer: int, step: int = 0,
                            timeout: float | None = None) -> Handle[T]:
@@ -200,7 +290,7 @@ class WindowOps(Generic[T]):
             raise DecentError(info.error.code, info.error.message)
         return WindowState(step=int(info.step), versions=dict(info.versions),
                            steps=dict(info.steps), served=int(info.served),
-                           max_staleness=int(info.max_staleness))
+                           max_staleness=int(info.max_staleness), p=float(info.p))
 
     def win_versions(self, name: str) -> dict[int, int]:
         """Per writer rank: writes into its buffer since :meth:`win_update` last read it."""

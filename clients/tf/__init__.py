@@ -20,12 +20,19 @@ from __future__ import annotations
 
 from decent.core import Client, DecentError, Handle
 from decent.core.shortcuts import SHORTCUTS
+from decent.tf import callbacks
 from decent.tf.client import TFClient, connect, default_client
+from decent.tf.compression import Compression
 from decent.tf.optim import (
     BroadcastGlobalVariablesCallback,
     DecentralizedOptimizer,
+    DistributedOptimizer,
     MetricAverageCallback,
 )
+
+#: Horovod's reduction ops (decent's allreduce takes the same names)
+Average = "average"
+Sum = "sum"
 
 # the module-level shortcuts: the default client's methods (decent.core.shortcuts)
 _default = default_client
@@ -33,6 +40,20 @@ init = _default.init
 shutdown = _default.shutdown
 rank = _default.rank
 size = _default.size
+local_rank = _default.local_rank
+local_size = _default.local_size
+allgather_async = _default.allgather_async
+allgather = _default.allgather
+set_topology = _default.set_topology
+load_topology = _default.load_topology
+is_topo_weighted = _default.is_topo_weighted
+in_neighbor_ranks = _default.in_neighbor_ranks
+out_neighbor_ranks = _default.out_neighbor_ranks
+InferDestinationFromSourceRanks = _default.InferDestinationFromSourceRanks
+InferSourceFromDestinationRanks = _default.InferSourceFromDestinationRanks
+window_names = _default.window_names
+win_associated_p = _default.win_associated_p
+win_mutex = _default.win_mutex
 neighbor_allreduce_async = _default.neighbor_allreduce_async
 neighbor_allreduce = _default.neighbor_allreduce
 neighbor_allreduce_async_ = _default.neighbor_allreduce_async_
@@ -71,5 +92,6 @@ win_add = _default.win_add
 group_allreduce_async = _default.group_allreduce_async
 group_allreduce = _default.group_allreduce
 
-__all__ = ["BroadcastGlobalVariablesCallback", "Client", "DecentError", "DecentralizedOptimizer",
-           "Handle", "MetricAverageCallback", "TFClient", "connect", *SHORTCUTS]
+__all__ = ["Average", "BroadcastGlobalVariablesCallback", "Client", "Compression", "DecentError",
+           "DecentralizedOptimizer", "DistributedOptimizer", "Handle", "MetricAverageCallback",
+           "Sum", "TFClient", "callbacks", "connect", *SHORTCUTS]

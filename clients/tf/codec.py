@@ -25,6 +25,9 @@ _TO_WIRE = {
     tf.float64: pb.FLOAT64,
     tf.int32: pb.INT32,
     tf.int64: pb.INT64,
+    tf.uint8: pb.UINT8,
+    tf.int8: pb.INT8,
+    tf.int16: pb.INT16,
 }
 _FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
 

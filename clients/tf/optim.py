@@ -18,7 +18,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from decent.core.algorithms import Algorithm, State, make_algorithm
+from decent.core.algorithms import Algorithm, GradientAllreduce, State, make_algorithm
 from decent.core.client import Client
 from decent.tf.client import default_client
 
@@ -119,3 +119,73 @@ class MetricAverageCallback(keras.callbacks.Callback):
         self._epochs += 1
         for key, value in zip(keys, mean, strict=True):
             logs[key] = float(value)
+
+
+class DistributedOptimizer(keras.optimizers.Optimizer):
+    """Horovod's Keras ``DistributedOptimizer``: the wrapped optimizer steps on gradients
+    averaged over every rank (:class:`decent.core.algorithms.GradientAllreduce`).
+
+    ``op``: ``"average"`` or ``"sum"``; ``compression``: ``Compression.none`` or
+    ``Compression.fp16``; ``backward_passes_per_step``: gradients are summed locally over that
+    many calls before they are reduced and applied (``average_aggregated_gradients``: divided by
+    that count). Inside a compiled train step the reduction runs as one ``tf.py_function``.
+    """
+
+    def __init__(self, optimizer: keras.optimizers.Optimizer, name: str | None = None,
+                 compression: Any = None, op: str = "average",
+                 backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                 gradient_predivide_factor: float = 1.0, client: TFClientType | None = None,
+                 **_ignored: Any) -> None:
+        super().__init__(learning_rate=float(keras.ops.convert_to_numpy(
+            optimizer.learning_rate)), name=name or f"distributed_{optimizer.name}")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got "
+                             f"{backward_passes_per_step}")
+        self.inner = optimizer
+        self.client = client if client is not None else _default_client()
+        plain = compression is None or getattr(compression, "is_none", False)
+        self.algorithm = GradientAllreduce(
+            self.client, prefix=f"decent.keras.hvd.{id(self):x}", op=op,
+            gradient_predivide_factor=gradient_predivide_factor,
+            compression=None if plain else compression)
+        self._passes = backward_passes_per_step
+        self._average_aggregated = average_aggregated_gradients
+        self._summed: list[Any] | None = None
+        self._count = 0
+
+    def build(self, variables: list[Any]) -> None:
+        """Build the wrapped optimizer for ``variables`` too."""
+        super().build(variables)
+        self.inner.build(variables)
+
+    def _reduce(self, *grads: tf.Tensor) -> list[tf.Tensor]:
+        """The gradients reduced over the ranks (eagerly)."""
+        names = [str(i) for i in range(len(grads))]
+        handles = self.algorithm.average_async(list(grads), names)
+        return [tf.convert_to_tensor(h.wait()) for h in handles]
+
+    def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
+        """Sum the gradients over ``backward_passes_per_step`` calls, then reduce them over the
+        ranks and apply them with the wrapped optimizer."""
+        variables = list(trainable_variables if trainable_variables is not None
+                         else self._trainable_variables)
+        if not self.built:
+            self.build(variables)
+        grads = [tf.convert_to_tensor(g) for g in grads]
+        if self._passes > 1:
+            self._summed = grads if self._summed is None else \
+                [a + g for a, g in zip(self._summed, grads, strict=True)]
+            self._count += 1
+            if self._count < self._passes:
+                return
+            grads = self._summed if not self._average_aggregated else \
+                [g / float(self._passes) for g in self._summed]
+            self._summed, self._count = None, 0
+        if tf.executing_eagerly():
+            reduced = self._reduce(*grads)
+        else:
+            reduced = tf.py_function(self._reduce, grads, Tout=[g.dtype for g in grads])
+            for r, g in zip(reduced, grads, strict=True):
+                r.set_shape(g.shape)
+        self.inner.apply(reduced, variables)
+        self.iterations.assign_add(1)

@@ -6,7 +6,9 @@
     t_avg = h.wait()                           # same shape, dtype and device as t
 
 Module-level shortcuts (``dt.init()``, ``dt.neighbor_allreduce_async(t)``, ...) use one default
-client per process.
+client per process. A script written for Horovod's torch API runs with ``import decent.torch as
+hvd`` (``DistributedOptimizer``, ``Compression``, ``allreduce(average=..., op=hvd.Sum)``,
+``synchronize``, ``broadcast_parameters(..., root_rank=0)``, ...).
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ from decent.core.algorithms import ALGORITHMS, AlgorithmError
 from decent.core.shortcuts import SHORTCUTS
 from decent.torch.client import TorchClient, connect, default_client
 from decent.torch.flat import flatten_parameters
+from decent.torch.horovod import (
+    Adasum,
+    Average,
+    Compression,
+    DistributedOptimizer,
+    Sum,
+    poll,
+    synchronize,
+)
 from decent.torch.optim import (
     DecentralizedOptimizer,
     broadcast_optimizer_state,
@@ -29,6 +40,20 @@ init = _default.init
 shutdown = _default.shutdown
 rank = _default.rank
 size = _default.size
+local_rank = _default.local_rank
+local_size = _default.local_size
+allgather_async = _default.allgather_async
+allgather = _default.allgather
+set_topology = _default.set_topology
+load_topology = _default.load_topology
+is_topo_weighted = _default.is_topo_weighted
+in_neighbor_ranks = _default.in_neighbor_ranks
+out_neighbor_ranks = _default.out_neighbor_ranks
+InferDestinationFromSourceRanks = _default.InferDestinationFromSourceRanks
+InferSourceFromDestinationRanks = _default.InferSourceFromDestinationRanks
+window_names = _default.window_names
+win_associated_p = _default.win_associated_p
+win_mutex = _default.win_mutex
 neighbor_allreduce_async = _default.neighbor_allreduce_async
 neighbor_allreduce = _default.neighbor_allreduce
 neighbor_allreduce_async_ = _default.neighbor_allreduce_async_
@@ -67,6 +92,7 @@ win_add = _default.win_add
 group_allreduce_async = _default.group_allreduce_async
 group_allreduce = _default.group_allreduce
 
-__all__ = ["ALGORITHMS", "AlgorithmError", "Client", "DecentError", "DecentralizedOptimizer",
-           "Handle", "TorchClient", "broadcast_optimizer_state", "broadcast_parameters",
-           "connect", "consensus", "flatten_parameters", *SHORTCUTS]
+__all__ = ["ALGORITHMS", "Adasum", "AlgorithmError", "Average", "Client", "Compression",
+           "DecentError", "DecentralizedOptimizer", "DistributedOptimizer", "Handle", "Sum",
+           "TorchClient", "broadcast_optimizer_state", "broadcast_parameters", "connect",
+           "consensus", "flatten_parameters", "poll", "synchronize", *SHORTCUTS]

@@ -28,6 +28,9 @@ _TO_WIRE = {
     torch.float64: pb.FLOAT64,
     torch.int32: pb.INT32,
     torch.int64: pb.INT64,
+    torch.uint8: pb.UINT8,
+    torch.int8: pb.INT8,
+    torch.int16: pb.INT16,
 }
 _FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
 

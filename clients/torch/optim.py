@@ -47,9 +47,10 @@ class DecentralizedOptimizer:
 
     ``options``: ``topology`` (a kind name, a ``decent_wire.topology.Topology`` or a networkx graph;
     default: the daemon's), ``communication_interval`` (average every k-th step), and the
-    algorithm's own (``period`` for pga, ``beta`` for decentlam). The algorithm's state lives in
-    the wrapped optimizer's ``state`` and its counters in :meth:`state_dict`, so checkpoints
-    restore both.
+    algorithm's own (``period`` for pga, ``beta`` for decentlam). The algorithm's per-parameter
+    state lives beside the wrapped optimizer's (never inside it: Adam and co. create theirs on
+    their first step only when it is empty), and :meth:`state_dict` carries both, with the
+    algorithm's counters, so checkpoints restore everything.
 
     ``flatten`` (default True): for the algorithms whose update is ``x' = M (x - d)`` (dsgd,
     dmsgd, allreduce, pga), CPU parameters move into one shared-memory buffer per dtype
@@ -72,6 +73,8 @@ class DecentralizedOptimizer:
                  flatten: bool = True, **options: Any) -> None:
         self.optimizer = optimizer
         self.client = client if client is not None else _default_client()
+        #: the algorithm's per-parameter state (trackers, public copies, ...)
+        self.algorithm_state: dict[torch.nn.Parameter, State] = {}
         options.setdefault("prefix", f"decent.opt{next(_prefixes)}")
         self.algorithm: Algorithm[torch.Tensor] = make_algorithm(algorithm, self.client,
                                                                  **options)
@@ -95,7 +98,7 @@ class DecentralizedOptimizer:
 
     @property
     def state(self) -> Any:
-        """The wrapped optimizer's state (the algorithm's per-parameter state included)."""
+        """The wrapped optimizer's state (the algorithm's is :attr:`algorithm_state`)."""
         return self.optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -106,7 +109,7 @@ class DecentralizedOptimizer:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def _states(self, params: list[torch.nn.Parameter]) -> list[State]:
-        return [self.optimizer.state[p].setdefault("decent", {}) for p in params]
+        return [self.algorithm_state.setdefault(p, {}) for p in params]
 
     def _before_forward(self, *_args: Any) -> None:
         if not self._started and torch.is_grad_enabled():
@@ -158,6 +161,8 @@ class DecentralizedOptimizer:
             self._started = False
             return loss
         params = self._params()
+        if self.algorithm.reduces_gradients:
+            average_gradients(self.algorithm, params)
         xs = [p.detach().clone() for p in params]
         self.optimizer.step()
         ds = [x - p.detach() for x, p in zip(xs, params, strict=True)]
@@ -169,10 +174,14 @@ class DecentralizedOptimizer:
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict plus the algorithm's counters."""
+        """The wrapped optimizer's state dict plus, under ``"decent"``, the algorithm's name,
+        counters and per-parameter state (keyed by the parameter's index, as torch keys its
+        own state)."""
         out = self.optimizer.state_dict()
-        out["decent"] = {"algorithm": self.algorithm.name, "iteration": self.algorithm.iteration,
-                         "exchanges": self.algorithm.exchanges}
+        index = {id(p): i for i, p in enumerate(self._params())}
+        out["decent"] = {"algorithm": self.algorithm.name, **self.algorithm.counters(),
+                         "state": {index[id(p)]: dict(s) for p, s in self.algorithm_state.items()
+                                   if id(p) in index}}
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -185,8 +194,10 @@ class DecentralizedOptimizer:
                                  f"{self.algorithm.name!r}")
         self.optimizer.load_state_dict(state)
         if counters is not None:
-            self.algorithm.iteration = int(counters["iteration"])
-            self.algorithm.exchanges = int(counters["exchanges"])
+            self.algorithm.restore(counters)
+            params = self._params()
+            self.algorithm_state = {params[int(i)]: dict(s)
+                                    for i, s in counters.get("state", {}).items()}
 
     def close(self) -> None:
         """Remove the forward hook."""
@@ -198,11 +209,28 @@ class DecentralizedOptimizer:
         return getattr(self.optimizer, name)
 
 
+def average_gradients(algorithm: Algorithm[torch.Tensor], params: Sequence[torch.Tensor],
+                      names: Sequence[str] | None = None) -> None:
+    """Replace every parameter's gradient by its reduction over the ranks (a missing gradient
+    counts as zeros, so that every rank reduces the same tensors)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    keys = names if names is not None else [str(i) for i in range(len(grads))]
+    handles = algorithm.average_async(grads, keys)
+    for p, h in zip(params, handles, strict=True):
+        reduced = h.wait()
+        if p.grad is None:
+            p.grad = reduced
+        elif reduced is not p.grad:
+            p.grad.copy_(reduced)
+
+
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                         root: int = 0, client: TorchClient | None = None) -> None:
-    """Overwrite every tensor (``model.state_dict()`` or ``named_parameters()``) with ``root``'s,
-    in place."""
+                         root: int = 0, client: TorchClient | None = None,
+                         root_rank: int | None = None) -> None:
+    """Overwrite every tensor (``model.state_dict()`` or ``named_parameters()``) with ``root``'s
+    (``root_rank``: Horovod's name), in place."""
     client = client if client is not None else _default_client()
+    root = root if root_rank is None else root_rank
     items = sorted(params.items() if isinstance(params, Mapping) else params)
     handles = [client.broadcast_async_(t.data if isinstance(t, torch.nn.Parameter) else t,
                                        root=root, name=f"decent.bcast.{name}")
@@ -211,15 +239,18 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
         h.wait()
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer | DecentralizedOptimizer,
-                              root: int = 0, client: TorchClient | None = None) -> None:
+def broadcast_optimizer_state(optimizer: Any, root: int = 0,
+                              client: TorchClient | None = None,
+                              root_rank: int | None = None) -> None:
     """Give every rank ``root``'s optimizer state (momentum buffers, steps, the algorithm's
     state and counters), whatever state the others had.
 
     The state travels as tensors and plain values (:mod:`decent.torch.state`), never as a pickle:
-    a peer can send wrong numbers, not code.
+    a peer can send wrong numbers, not code. ``optimizer``: a torch optimizer or a wrapper
+    (``DecentralizedOptimizer``, ``DistributedOptimizer``); ``root_rank``: Horovod's name.
     """
     client = client if client is not None else _default_client()
+    root = root if root_rank is None else root_rank
     tensors: list[torch.Tensor] = []
     meta = b""
     if client.rank == root:
@@ -253,17 +284,17 @@ MAX_STATE_META = 256 << 20
 
 
 def _broadcast_bytes(client: TorchClient, data: bytes, root: int) -> bytes:
-    """``root``'s ``data`` on every rank (as int64 words: the wire has no uint8)."""
+    """``root``'s ``data`` on every rank."""
     size = int(client.broadcast(torch.tensor([len(data)], dtype=torch.int64), root=root,
                                 name="decent.optstate.size")[0])
     if not 0 <= size <= MAX_STATE_META:
         raise AlgorithmError(f"rank {root} announced an optimizer state description of "
                              f"{size} bytes (at most {MAX_STATE_META})")
-    blob = torch.zeros(-(-size // 8), dtype=torch.int64)
-    if client.rank == root:
-        blob.view(torch.uint8)[:size] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    blob = torch.zeros(size, dtype=torch.uint8)
+    if client.rank == root and size:
+        blob[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     got = client.broadcast(blob, root=root, name="decent.optstate")
-    return bytes(got.view(torch.uint8)[:size].numpy().tobytes())
+    return bytes(got.numpy().tobytes())
 
 
 def consensus(params: Iterable[torch.Tensor], client: TorchClient | None = None) -> float:

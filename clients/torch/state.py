@@ -18,10 +18,9 @@ import torch
 
 #: tensors on the wire as they are
 WIRE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
-                         torch.int32, torch.int64})
-#: small integer dtypes travel as int32 and are cast back (exactly)
-WIDENED = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch.int32,
-           torch.int16: torch.int32}
+                         torch.int32, torch.int64, torch.uint8, torch.int8, torch.int16})
+#: booleans travel as uint8 and are cast back (exactly)
+WIDENED = {torch.bool: torch.uint8}
 #: complex tensors travel as their real view
 COMPLEX = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 #: the most elements the receiver allocates for one announced tensor

@@ -28,7 +28,9 @@ from decentd.bulk import Outgoing
 from decentd.links import Links, part
 from decentd.mailbox import Accepts, Arrival, Key, Mailbox, Progress
 from decentd.tasks import gather_all
-from decentd.window_store import WindowStore
+from decentd.windows.groups import GroupSums
+from decentd.windows.locks import WindowLocks
+from decentd.windows.store import WindowStore
 
 __all__ = ["Arrival", "DecentError", "OpContext", "OpResult", "OpSpec", "PartSpec", "Services",
            "gather_all", "part"]
@@ -48,6 +50,8 @@ class Services:
     mailbox: Mailbox
     pool: BufferPool  #: reusable buffers (a ring allreduce's working copy)
     windows: WindowStore
+    groups: GroupSums  #: WAGMA's group sums
+    locks: WindowLocks  #: window mutexes
     ring_threshold: int  #: allreduce of a lone tensor this large runs as a ring
 
 
@@ -111,8 +115,13 @@ class OpContext:
     """One running op: its request, its tensors and peers, and send/receive with checks."""
 
     def __init__(self, services: Services, op: int, args: Any, parts: list[PartSpec],
-                 spec: OpSpec) -> None:
+                 spec: OpSpec, topology: Topology | None = None) -> None:
         self.services = services
+        #: the topology of the worker's job when the op was submitted (``set_topology``)
+        self.topology = topology if topology is not None else services.topology
+        #: the op's neighbors come from the topology: its name travels with what it sends, and
+        #: a peer on another topology fails the op with MISMATCH
+        self.on_topology = False
         self.rank = services.rank
         self.size = services.size
         self.op = op
@@ -151,14 +160,14 @@ class OpContext:
         fused = f" (+{len(self.parts) - 1} fused)" if len(self.parts) > 1 else ""
         return f"{op_label(self.op)} '{self.display}'{fused} round {self.round}"
 
-    @property
-    def topology(self) -> Topology:
-        """The daemon's topology."""
-        return self.services.topology
-
     def topology_step(self, rank: int | None = None) -> Step:
         """This rank's (or ``rank``'s) neighbors and weights at this op's step (= its round)."""
-        return self.services.topology.step(self.rank if rank is None else rank, self.round)
+        return self.topology.step(self.rank if rank is None else rank, self.round)
+
+    @property
+    def topology_name(self) -> str:
+        """``ring#1a2b3c4d``: the topology's kind and digest, for messages and mismatches."""
+        return f"{self.topology.kind}#{self.topology.digest()[:8]}"
 
     def same_host(self, peer: int) -> bool:
         """Whether ``peer``'s daemon is on this host (both addressed on loopback)."""
@@ -183,8 +192,12 @@ class OpContext:
     def wire_parts(self, tag: int, weight: float, parts: list[PartSpec] | None = None
                    ) -> list[pb.Part]:
         """This op's tensors (or ``parts`` of them) as the parts of one message."""
-        return [part(p.name, p.round, tag, self.op, p.dtype, p.shape, p.nbytes, weight)
+        wire = [part(p.name, p.round, tag, self.op, p.dtype, p.shape, p.nbytes, weight)
                 for p in (self.parts if parts is None else parts)]
+        if self.on_topology:
+            for w in wire:
+                w.topology = self.topology_name
+        return wire
 
     async def send(self, dst: int, tag: int, weight: float = 1.0, ack: bool = False,
                    track: list[tuple[Outgoing, int]] | None = None,
@@ -278,6 +291,22 @@ class OpContext:
         (arrival,) = await self.recv_parts(src, tag, ack, self.parts[:1], sized)
         return arrival.data.view(dtypes.STORAGE[self.dtype]), arrival.weight
 
+    async def recv_rows(self, src: int, tag: int, rows: int, ack: bool = False) -> Arrival:
+        """Receive ``src``'s tensor of ``rows`` first-dimension rows (gathers: the first
+        dimension may differ from ours, the rest of the shape and the dtype may not)."""
+        p = self.parts[0]
+        (arrival,) = await self.recv_parts(src, tag, parts=[p], sized=False)
+        want = (rows, *p.shape[1:])
+        if arrival.op != self.op or arrival.dtype != p.dtype or arrival.shape != want \
+                or arrival.data.nbytes != dtypes.nbytes(p.dtype, want):
+            raise DecentError(pb.MISMATCH, f"tensor '{p.display}' round {p.round}: rank {src} "
+                              f"sent {op_label(arrival.op)} "
+                              f"{dtypes.describe(arrival.dtype, arrival.shape)}, rank "
+                              f"{self.rank} expected {dtypes.describe(p.dtype, want)}")
+        if ack:
+            self.services.links.send_acks(src, [(p.name, p.round)], tag, True)
+        return arrival
+
     @staticmethod
     def release(arrival: Arrival) -> None:
         """Done with a received tensor before the op ends: its buffer can be reused."""
@@ -288,7 +317,11 @@ class OpContext:
         """MISMATCH when ``src``'s tensor disagrees with part ``p``'s op kind, dtype or shape."""
         p = p or self.parts[0]
         problem = None
-        if arrival.op != self.op:
+        if self.on_topology and arrival.topology and arrival.topology != self.topology_name:
+            problem = (f"rank {self.rank} runs it on topology {self.topology_name} but rank "
+                       f"{src} on {arrival.topology} (set_topology at another point of their "
+                       "sequences of ops?)")
+        elif arrival.op != self.op:
             problem = (f"rank {self.rank} submitted {op_label(self.op)} but rank {src} "
                        f"submitted {op_label(arrival.op)}")
         elif arrival.dtype != p.dtype or arrival.shape != p.shape:

@@ -1,4 +1,4 @@
-"""Collectives over every rank: allreduce, broadcast, barrier.
+"""Collectives over every rank: allreduce, allgather, broadcast, barrier.
 
 Results are deterministic: the direct allreduce adds in ascending rank order, the ring adds each
 chunk along the ring, so every rank gets identical values.
@@ -11,7 +11,7 @@ import numpy as np
 from decent_wire import dtypes
 from decent_wire.graphs import hops
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.numerics import ACCUM, INTEGER, from_accum, to_accum
+from decentd.numerics import ACCUM, INTEGER, divide, from_accum, to_accum
 from decentd.ops.api import DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
 
 
@@ -34,15 +34,15 @@ async def _allreduce_direct(ctx: OpContext) -> int:
 
 def _finish_allreduce(ctx: OpContext, p: PartSpec, acc: np.ndarray) -> int:
     """Write a sum (or average) in the accumulation dtype to part ``p``'s output."""
-    divide = ctx.size if ctx.args.reduce_op == pb.AVERAGE else 1
+    divisor = ctx.size if ctx.args.reduce_op == pb.AVERAGE else 1
     out = ctx.output(p, p.nbytes)
     if acc.dtype == out.dtype and p.dtype not in INTEGER:
-        if divide == 1:
+        if divisor == 1:
             np.copyto(out, acc)
         else:
-            np.multiply(acc, acc.dtype.type(1.0 / divide), out=out)
+            divide(acc, divisor, out)
     else:
-        out[...] = from_accum(acc, p.dtype, divide)
+        out[...] = from_accum(acc, p.dtype, divisor)
     return p.nbytes
 
 
@@ -159,6 +159,29 @@ async def barrier(ctx: OpContext) -> OpResult:
     return OpResult(0, ())
 
 
+async def allgather(ctx: OpContext) -> OpResult:
+    """Every rank's tensor concatenated on the first dimension, in rank order (the first
+    dimensions may differ: ``sizes`` has every rank's, exchanged by the clients first)."""
+    p = ctx.parts[0]
+    sizes = [int(s) for s in ctx.args.sizes]
+    if not p.shape or len(sizes) != ctx.size or sizes[ctx.rank] != p.shape[0]:
+        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: allgather needs a tensor of at "
+                          f"least one dimension and one size per rank with this rank's first "
+                          f"({p.shape[0] if p.shape else None}); got sizes {sizes}")
+    others = [r for r in range(ctx.size) if r != ctx.rank]
+    got = await gather_all(*(ctx.recv_rows(r, 0, sizes[r]) for r in others),
+                           *(ctx.send(r, 0) for r in others))
+    pieces = {r: a.data for r, a in zip(others, got, strict=False)}
+    pieces[ctx.rank] = p.x.view(np.uint8)
+    total = sum(int(v.nbytes) for v in pieces.values())
+    out = ctx.output(p, total).view(np.uint8) if total else np.empty(0, np.uint8)
+    at = 0
+    for r in range(ctx.size):
+        out[at:at + pieces[r].nbytes] = pieces[r]
+        at += pieces[r].nbytes
+    return OpResult(total, (sum(sizes), *p.shape[1:]))
+
+
 def _others(ctx: OpContext) -> set[int]:
     return set(range(ctx.size)) - {ctx.rank}
 
@@ -193,4 +216,5 @@ COLLECTIVE_OPS: dict[int, OpSpec] = {
     pb.BROADCAST: OpSpec(broadcast, _broadcast_peers, lambda ctx: {_root(ctx)}, fusable=True,
                          tag_hint="different broadcast roots"),
     pb.BARRIER: OpSpec(barrier, _barrier_peers, lambda ctx: set(range(len(hops(ctx.size))))),
+    pb.ALLGATHER: OpSpec(allgather, _others, lambda _ctx: {0}),
 }

@@ -121,7 +121,7 @@ def decode(payload: memoryview | bytes, out: np.ndarray, dtype: int) -> None:
         plus = np.unpackbits(body, count=n, bitorder="little").astype(bool)
         s = compute.type(scale)
         out[...] = numerics.from_compute(np.where(plus, s, -s).astype(compute), dtype)
-    elif kind == pb.INT8:
+    elif kind == pb.QINT8:
         if body.size != n:
             raise CompressionError(f"int8 payload of {body.size} bytes for {n} elements")
         out[...] = numerics.from_compute(body.view(np.int8).astype(compute) * compute.type(scale),

@@ -37,6 +37,7 @@ def neighbor_plan(ctx: OpContext) -> tuple[float, dict[int, float], dict[int, fl
     args = ctx.args
     assert isinstance(args, pb.NeighborAllreduce | pb.CompressedNeighborAllreduce)
     has_self, has_src = args.HasField("self_weight"), args.HasField("src_weights")
+    ctx.on_topology = not args.HasField("dst_weights")
     step = ctx.topology_step()
     if has_src and not has_self:
         raise DecentError(pb.INVALID_ARGUMENT,
@@ -308,11 +309,14 @@ def allgather_plan(ctx: OpContext) -> tuple[list[int], list[int]]:
     """(ranks to receive from, ranks to send to) of a neighbor allgather."""
     args = ctx.args
     assert isinstance(args, pb.NeighborAllgather)
+    ctx.on_topology = not args.HasField("src_ranks")
     step = ctx.topology_step()
     if args.HasField("src_ranks") != args.HasField("dst_ranks"):
         raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: a dynamic allgather names both "
                                                "src_ranks and dst_ranks")
-    srcs = sorted(args.src_ranks.ranks) if args.HasField("src_ranks") else step.in_neighbors
+    given = list(dict.fromkeys(args.src_ranks.ranks))  # concatenated in the order given
+    srcs = (given if args.concat else sorted(given)) if args.HasField("src_ranks") \
+        else step.in_neighbors
     dsts = sorted(args.dst_ranks.ranks) if args.HasField("dst_ranks") else step.out_neighbors
     ctx.check_ranks(srcs, "src_ranks")
     ctx.check_ranks(dsts, "dst_ranks")
@@ -320,8 +324,12 @@ def allgather_plan(ctx: OpContext) -> tuple[list[int], list[int]]:
 
 
 async def neighbor_allgather(ctx: OpContext) -> OpResult:
-    """Stack the in-neighbors' tensors (ascending rank) on a new leading dimension."""
+    """Stack the in-neighbors' tensors (ascending rank) on a new leading dimension, or
+    concatenate them on the first (``concat``: in the order of ``src_ranks``, each with its
+    announced number of rows)."""
     srcs, dsts = allgather_plan(ctx)
+    if ctx.args.concat:
+        return await _concat_neighbors(ctx, srcs, dsts)
     got = await gather_all(*(ctx.recv(j, 0, ack=True) for j in srcs),
                            *(ctx.send(d, 0, ack=True) for d in dsts))
     p = ctx.parts[0]
@@ -329,6 +337,25 @@ async def neighbor_allgather(ctx: OpContext) -> OpResult:
     for k, (arr, _) in enumerate(got[: len(srcs)]):
         out[k] = arr
     return OpResult(int(out.nbytes), (len(srcs), *ctx.shape), srcs)
+
+
+async def _concat_neighbors(ctx: OpContext, srcs: list[int], dsts: list[int]) -> OpResult:
+    p = ctx.parts[0]
+    sizes = [int(s) for s in ctx.args.sizes]
+    if not p.shape or len(sizes) != len(srcs):
+        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: concatenating needs a tensor of "
+                          f"at least one dimension and a size per source ({len(sizes)} sizes "
+                          f"for {len(srcs)} sources)")
+    got = await gather_all(*(ctx.recv_rows(j, 0, rows, ack=True)
+                             for j, rows in zip(srcs, sizes, strict=True)),
+                           *(ctx.send(d, 0, ack=True) for d in dsts))
+    total = sum(int(a.data.nbytes) for a in got[:len(srcs)])
+    out = np.frombuffer(ctx.output(p, total).data, np.uint8) if total else np.empty(0, np.uint8)
+    at = 0
+    for arrival in got[:len(srcs)]:
+        out[at:at + arrival.data.nbytes] = arrival.data
+        at += arrival.data.nbytes
+    return OpResult(total, (sum(sizes), *p.shape[1:]), srcs)
 
 
 def _neighbor_peers(ctx: OpContext) -> set[int]:

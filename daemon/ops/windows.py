@@ -1,5 +1,5 @@
-"""The worker's window ops (BlueFog's one-sided vocabulary, AD-PSGD, WAGMA) over the daemon's
-:class:`~decentd.window_store.WindowStore`.
+"""The worker's window ops (BlueFog's one-sided vocabulary, AD-PSGD, WAGMA, window mutexes) over
+the daemon's window services (:mod:`decentd.windows`).
 
 Local ops (create, publish, update, add, free) change this daemon's windows only. Put,
 accumulate, get and exchange send one request per target and complete when every target's daemon
@@ -16,7 +16,7 @@ from decent_wire.graphs import butterfly_group
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.numerics import weighted_sum
 from decentd.ops.api import Arrival, DecentError, OpContext, OpResult, OpSpec, gather_all, part
-from decentd.window_store import REPLY, REQUEST, Window, WindowStore
+from decentd.windows.store import REPLY, REQUEST, Window, WindowStore
 
 
 def _store(ctx: OpContext) -> WindowStore:
@@ -61,14 +61,16 @@ def _ranks(ctx: OpContext, field: pb.RankWeights, what: str) -> dict[int, float]
 
 
 async def _exchange(ctx: OpContext, targets: dict[int, float], step: int,
-                    payload: memoryview) -> dict[int, Arrival]:
-    """Send this op's request to every target and wait for every answer."""
+                    payload: memoryview, p_own: float = 0.0) -> dict[int, Arrival]:
+    """Send this op's request to every target and wait for every answer (a write carries the
+    associated ``p_own`` times its weight)."""
     p = ctx.parts[0]
     futs = {j: ctx.expect(j, REPLY) for j in targets}
 
     async def ask(j: int, weight: float) -> None:
         request = part(p.name, p.round, REQUEST, ctx.op, p.dtype, p.shape, len(payload), weight)
         request.step = step
+        request.p = p_own * weight
         await ctx.send_part(j, request, payload)
 
     ctx.waiting.update(targets)
@@ -100,7 +102,10 @@ async def win_publish(ctx: OpContext) -> OpResult:
 
 
 async def win_write(ctx: OpContext) -> OpResult:
-    """``win_put`` / ``win_accumulate``: publish, then write into each destination's buffer."""
+    """``win_put`` / ``win_accumulate``: publish, then write into each destination's buffer
+    (with its associated p); with ``self_weight``, the own copy and p are scaled after (the
+    result is the scaled tensor)."""
+    p = ctx.parts[0]
     args = ctx.args
     assert isinstance(args, pb.WinWrite)
     w, own = _local(ctx)
@@ -108,12 +113,17 @@ async def win_write(ctx: OpContext) -> OpResult:
         dsts = _ranks(ctx, args.dst_weights, "dst_weights")
     else:
         dsts = {d: 1.0 for d in _static_step(ctx, "dst_weights")[2]}
-    own[...] = ctx.parts[0].x
+    own[...] = p.x
     w.stamp(int(args.step))
-    got = await _exchange(ctx, dsts, w.step, ctx.parts[0].raw)
+    got = await _exchange(ctx, dsts, w.step, p.raw, w.p)
     for arrival in got.values():
         arrival.release()
-    return _echo(ctx)
+    if not args.HasField("self_weight"):
+        return _echo(ctx)
+    weighted_sum(own, own, float(args.self_weight), [], w.dtype)
+    w.p *= float(args.self_weight)
+    ctx.output(p, p.nbytes)[...] = own
+    return OpResult(p.nbytes, p.shape)
 
 
 async def win_get(ctx: OpContext) -> OpResult:
@@ -160,8 +170,9 @@ def _update_weights(ctx: OpContext, w: Window) -> tuple[float, dict[int, float]]
 
 
 async def win_update(ctx: OpContext) -> OpResult:
-    """``win_update``: ``self_w * x + sum_j w_j * buffer[j]``; becomes the own copy; the buffers
-    read have version 0 again (and are zeroed with ``reset``)."""
+    """``win_update``: ``self_w * x + sum_j w_j * buffer[j]`` (and the same of the associated
+    p's); becomes the own copy unless ``clone``; the buffers read have version 0 again (and are
+    zeroed with ``reset``)."""
     p = ctx.parts[0]
     args = ctx.args
     assert isinstance(args, pb.WinUpdate)
@@ -170,13 +181,16 @@ async def win_update(ctx: OpContext) -> OpResult:
     out = ctx.output(p, p.nbytes)
     weighted_sum(out, p.x, self_weight, [(w.buffers[j], wj) for j, wj in weights.items()],
                  p.dtype)
-    own[...] = out
-    w.stamp(int(args.step))
+    w.p = self_weight * w.p + sum(wj * w.ps.get(j, 0.0) for j, wj in weights.items())
+    if not args.clone:
+        own[...] = out
+        w.stamp(int(args.step))
     for j in weights:
         w.max_staleness = max(w.max_staleness, w.step - min(w.step, w.steps.get(j, 0)))
         w.versions[j] = 0
         if args.reset:
             w.buffers[j][...] = 0
+            w.ps[j] = 0.0
     return OpResult(p.nbytes, p.shape)
 
 
@@ -236,7 +250,7 @@ async def group_allreduce(ctx: OpContext) -> OpResult:
     triggered and the sum awaited. Members that had not arrived contributed their last own copy.
     """
     p = ctx.parts[0]
-    store = _store(ctx)
+    groups = ctx.services.groups
     w, own = _local(ctx)
     size, gr = _group(ctx)
     own[...] = p.x
@@ -247,13 +261,13 @@ async def group_allreduce(ctx: OpContext) -> OpResult:
         out[...] = p.x
         return OpResult(p.nbytes, p.shape)
     key = (p.name, gr)
-    got = store.group_result(key)
+    got = groups.result(key)
     if got is None:
-        fut = store.await_group(key)
+        fut = groups.wait(key)
         leader = members[0]
         try:
             if leader == ctx.rank:
-                store.lead(p.name, gr, size, p.dtype, p.shape)
+                groups.lead(p.name, gr, size, p.dtype, p.shape)
             else:
                 trigger = part(p.name, gr, REQUEST, pb.GROUP_TRIGGER, p.dtype, p.shape, 0,
                                float(size))
@@ -261,7 +275,7 @@ async def group_allreduce(ctx: OpContext) -> OpResult:
             ctx.waiting.add(leader)
             got = await fut
         finally:
-            store.stop_waiting(key)
+            groups.stop_waiting(key)
     total, staleness = got
     w.max_staleness = max(w.max_staleness, staleness)
     g = len(members)
@@ -275,9 +289,69 @@ async def group_allreduce(ctx: OpContext) -> OpResult:
 
 
 async def win_free(ctx: OpContext) -> OpResult:
-    """``win_free``: local."""
+    """``win_free``: local (its group rounds may start from 1 again)."""
     p = ctx.parts[0]
     _store(ctx).free(p.name, p.display)
+    ctx.services.groups.forget(p.name)
+    return OpResult(0, (0,))
+
+
+def _lock_slots(ctx: OpContext) -> tuple[list[int], bool]:
+    args = ctx.args
+    assert isinstance(args, pb.WinLock)
+    ranks = sorted({int(r) for r in args.ranks})  # in rank order: no two lockers deadlock
+    ctx.check_ranks(ranks, "ranks")
+    return ranks, bool(args.for_self)
+
+
+async def _remote_lock(ctx: OpContext, op: int, r: int) -> None:
+    """Ask rank ``r``'s daemon for (or to release) this rank's slot of the window."""
+    p = ctx.parts[0]
+    fut = ctx.expect(r, REPLY)
+    request = part(p.name, p.round, REQUEST, op, pb.FLOAT32, (0,), 0)
+    request.step = ctx.rank
+    ctx.waiting.add(r)
+    await ctx.send_part(r, request, memoryview(b""))
+    (await fut).release()
+    ctx.waiting.discard(r)
+
+
+async def win_lock(ctx: OpContext) -> OpResult:
+    """``win_mutex`` enter: this rank's slot of the window at each of ``ranks`` (``for_self``:
+    this rank's own slots of ``ranks``), one at a time in rank order; on failure what was taken
+    is given back."""
+    p = ctx.parts[0]
+    ranks, for_self = _lock_slots(ctx)
+    locks, holder = ctx.services.locks, (ctx.rank, p.name)
+    taken: list[int] = []
+    try:
+        for r in ranks:
+            taken.append(r)
+            if for_self:
+                await locks.acquire_local(p.name, r, holder)
+            else:
+                await _remote_lock(ctx, pb.WIN_LOCK, r)
+    except BaseException:
+        for r in taken:
+            if for_self:
+                locks.release(p.name, r, holder)
+            else:  # still in line or granted meanwhile: give it back
+                unlock = part(p.name, p.round, REQUEST, pb.WIN_UNLOCK, pb.FLOAT32, (0,), 0)
+                unlock.step = ctx.rank
+                ctx.services.links.send_nowait(r, [unlock])
+        raise
+    return OpResult(0, (0,))
+
+
+async def win_unlock(ctx: OpContext) -> OpResult:
+    """``win_mutex`` exit: the slots :func:`win_lock` took are released."""
+    p = ctx.parts[0]
+    ranks, for_self = _lock_slots(ctx)
+    for r in ranks:
+        if for_self:
+            ctx.services.locks.release(p.name, r, (ctx.rank, p.name))
+        else:
+            await _remote_lock(ctx, pb.WIN_UNLOCK, r)
     return OpResult(0, (0,))
 
 
@@ -301,4 +375,6 @@ WINDOW_OPS: dict[int, OpSpec] = {
     pb.WIN_EXCHANGE: OpSpec(win_exchange, _no_peers, _replies),
     pb.WIN_ADD: OpSpec(win_add, _no_peers),
     pb.GROUP_ALLREDUCE: OpSpec(group_allreduce, _no_peers),
+    pb.WIN_LOCK: OpSpec(win_lock, _no_peers, _replies),
+    pb.WIN_UNLOCK: OpSpec(win_unlock, _no_peers, _replies),
 }

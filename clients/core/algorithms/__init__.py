@@ -30,23 +30,41 @@ from decent.core.algorithms.gossip import (
     GradientTracking,
     PeriodicGlobalAveraging,
 )
+from decent.core.algorithms.gradients import GradientAllreduce
+from decent.core.algorithms.push import PushSum, WinPut
 from decent.core.client import Client
 
 T = TypeVar("T", bound=Arithmetic)
 
-__all__ = ["ADPSGD", "ALGORITHMS", "ALIASES", "WAGMA", "AdaptThenCombine", "Algorithm",
-           "AlgorithmError", "State", "consensus_distance", "make_algorithm"]
+__all__ = [
+    "ADPSGD",
+    "ALGORITHMS",
+    "ALIASES",
+    "WAGMA",
+    "AdaptThenCombine",
+    "Algorithm",
+    "AlgorithmError",
+    "GradientAllreduce",
+    "PushSum",
+    "State",
+    "WinPut",
+    "consensus_distance",
+    "make_algorithm",
+]
 
 ALGORITHMS: dict[str, type[Algorithm[Any]]] = {
     cls.name: cls for cls in (DSGD, DSGDCombineThenAdapt, AllreduceBaseline,
                               PeriodicGlobalAveraging, GradientTracking, Extra, ExactDiffusion,
-                              D2, DecentLaM, Choco, ADPSGD, WAGMA)
+                              D2, DecentLaM, Choco, ADPSGD, WAGMA, GradientAllreduce, WinPut,
+                              PushSum)
 }
 #: other names users know them by
 ALIASES = {"dmsgd": "dsgd", "d-sgd": "dsgd", "dgd": "dsgd-cta", "d-psgd": "dsgd-cta",
            "pmsgd": "allreduce", "diging": "gradient-tracking", "gt": "gradient-tracking",
            "exact_diffusion": "exact-diffusion", "periodic-global-averaging": "pga",
-           "choco-sgd": "choco", "ad-psgd": "adpsgd", "wagma-sgd": "wagma"}
+           "choco-sgd": "choco", "ad-psgd": "adpsgd", "wagma-sgd": "wagma",
+           "horovod": "gradient-allreduce", "winput": "win-put", "sgp": "push-sum",
+           "pushsum": "push-sum"}
 
 
 def make_algorithm(name: str, client: Client[T], **options: Any) -> Algorithm[T]:

@@ -66,6 +66,8 @@ class Algorithm(Generic[T]):
     #: the update is ``x' = M (x - d)``: :meth:`finish_in_place` may combine the parameters
     #: where the wrapped optimizer left them, with nothing copied
     in_place: ClassVar[bool] = False
+    #: the gradients are reduced (:meth:`average_async`) before the wrapped optimizer's step
+    reduces_gradients: ClassVar[bool] = False
 
     def __init__(self, client: Client[T], prefix: str = "decent",
                  topology: str | Topology | nx.Graph | None = None,
@@ -183,6 +185,20 @@ class Algorithm(Generic[T]):
         """Algorithms that declare :attr:`in_place`: ``x' = M halves`` written into
         ``halves``, which hold ``x - d`` (the parameters after the optimizer's step)."""
         raise NotImplementedError(f"algorithm {self.name!r} does not finish in place")
+
+    def average_async(self, grads: Sequence[T], names: Sequence[str]) -> list[Handle[T]]:
+        """Algorithms that declare :attr:`reduces_gradients`: start reducing each gradient;
+        ``wait()`` gives the reduced gradient."""
+        raise NotImplementedError(f"algorithm {self.name!r} does not reduce gradients")
+
+    def counters(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the algorithm besides per-parameter state."""
+        return {"iteration": self.iteration, "exchanges": self.exchanges}
+
+    def restore(self, counters: Mapping[str, Any]) -> None:
+        """Restore :meth:`counters`."""
+        self.iteration = int(counters["iteration"])
+        self.exchanges = int(counters["exchanges"])
 
     def advance(self) -> None:
         """Count one iteration (and one exchange round when it communicated)."""

@@ -1,0 +1,178 @@
+"""WAGMA's group sums: a group round is summed once, by its leader's daemon, from every member's
+last published copy, and sent to every member's daemon, where the member's op finds it whether it
+came before or after."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+from typing import Any
+
+import numpy as np
+
+from decent_wire import dtypes
+from decent_wire.errors import DecentError
+from decent_wire.graphs import butterfly_group
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.links import Links, part
+from decentd.mailbox import Arrival, Mailbox
+from decentd.names import display_name
+from decentd.numerics import weighted_sum
+from decentd.tasks import TaskSet, gather_all
+from decentd.windows.store import REPLY, REQUEST, WindowStore
+
+log = logging.getLogger("decentd.windows")
+
+#: group rounds remembered (results not yet collected, rounds a leader ran)
+GROUP_MEMORY = 4096
+#: rounds of the leader's own reads of its members' copies: far above any worker's round
+FETCH_BASE = 1 << 62
+
+#: a group round: (window wire name, the member's k-th call)
+GroupKey = tuple[str, int]
+#: a group sum and the most steps a member's copy in it lagged the round
+GroupSum = tuple[np.ndarray, int]
+
+
+def _bounded(table: collections.OrderedDict[GroupKey, Any], limit: int) -> None:
+    while len(table) > limit:
+        table.popitem(last=False)
+
+
+class GroupSums:
+    """The group rounds this daemon leads or waits for."""
+
+    def __init__(self, store: WindowStore, links: Links, mailbox: Mailbox) -> None:
+        self._store = store
+        self._links = links
+        self._mailbox = mailbox
+        self._tasks = TaskSet()
+        #: group sums that came before their member asked
+        self._results: collections.OrderedDict[GroupKey, GroupSum] = collections.OrderedDict()
+        self._waiters: dict[GroupKey, asyncio.Future[GroupSum]] = {}
+        self._led: collections.OrderedDict[GroupKey, None] = collections.OrderedDict()
+        #: group rounds whose leader failed, for members that have not asked yet
+        self._failures: collections.OrderedDict[GroupKey, DecentError] = (
+            collections.OrderedDict())
+        self._fetches = itertools.count(1)
+
+    def on_trigger(self, src: int, name: str, round_: int, arrival: Arrival) -> None:
+        """A member of a group this rank leads arrived (its group size rides as the weight)."""
+        arrival.release()
+        self.lead(name, round_, int(arrival.weight), arrival.dtype, arrival.shape)
+
+    def on_result(self, src: int, name: str, round_: int, arrival: Arrival) -> None:
+        """The leader's sum of a group round this rank is a member of."""
+        total = arrival.data.view(dtypes.STORAGE[arrival.dtype]).copy()
+        arrival.release()
+        self._arrived((name, round_), (total, arrival.step))
+
+    def lead(self, name: str, round_: int, group_size: int, dtype: int,
+             shape: tuple[int, ...]) -> None:
+        """A member of this rank's group at ``round_`` arrived: sum the group once."""
+        key = (name, round_)
+        if key in self._led:
+            return
+        self._led[key] = None
+        _bounded(self._led, GROUP_MEMORY)
+        self._tasks.spawn(self._sum_group(name, round_, group_size, dtype, shape))
+
+    async def _sum_group(self, name: str, round_: int, group_size: int, dtype: int,
+                         shape: tuple[int, ...]) -> None:
+        rank = self._store.rank
+        members = butterfly_group(rank, self._store.size, group_size, round_)
+        others = [m for m in members if m != rank]
+        fetch = FETCH_BASE + next(self._fetches)
+        try:
+            total, staleness = await self._gather(name, round_, fetch, members, dtype, shape)
+            result = part(name, round_, REQUEST, pb.GROUP_RESULT, dtype, shape, total.nbytes)
+            result.step = staleness
+            self._arrived((name, round_), (total, staleness))
+            await gather_all(*(self._links.send_parts(m, [result], [total.view(np.uint8).data])
+                               for m in others))
+        except (DecentError, TimeoutError, ConnectionError) as exc:
+            err = exc if isinstance(exc, DecentError) else DecentError(
+                pb.TIMEOUT if isinstance(exc, TimeoutError) else pb.PEER_UNAVAILABLE,
+                f"group of window '{display_name(name)}' round {round_} (leader rank "
+                f"{rank}, members {members}): {exc!r}")
+            log.warning("%s", err)
+            for m in others:
+                self._links.send_abort(m, [(name, round_)], err.to_pb(), pb.GROUP_RESULT)
+            self.failed(name, round_, err.to_pb())
+        finally:
+            self._mailbox.close([(name, fetch)])
+
+    async def _gather(self, name: str, round_: int, fetch: int, members: list[int],
+                      dtype: int, shape: tuple[int, ...]) -> GroupSum:
+        """Every member's copy as its daemon holds it, summed in rank order."""
+        rank, timeout = self._store.rank, self._store.timeout
+        w = self._store.windows.get(name)
+        if w is None or w.own is None:
+            raise DecentError(pb.NOT_FOUND, f"window '{display_name(name)}' does not exist on "
+                                            f"rank {rank}, the leader of group {members}")
+        if (w.dtype, w.shape) != (dtype, shape):
+            raise DecentError(pb.MISMATCH, f"window '{w.display}': a member of group {members} "
+                              f"has {dtypes.describe(dtype, shape)}, its leader rank "
+                              f"{rank} {w.describe()}")
+        others = [m for m in members if m != rank]
+        copies = {rank: (w.own.copy(), w.step)}
+        futs = {m: self._mailbox.expect(m, name, fetch, REPLY) for m in others}
+        ask = part(name, fetch, REQUEST, pb.WIN_GET, dtype, shape, 0)
+        await asyncio.wait_for(gather_all(
+            *(self._links.send_parts(m, [ask], [memoryview(b"")]) for m in others)), timeout)
+        for m, fut in futs.items():
+            a = await asyncio.wait_for(fut, timeout)
+            if (a.dtype, a.shape) != (dtype, shape):
+                raise DecentError(pb.MISMATCH, f"window '{w.display}': rank {m} holds "
+                                  f"{dtypes.describe(a.dtype, a.shape)}, its group leader "
+                                  f"rank {rank} {w.describe()}")
+            copies[m] = (a.data.view(dtypes.STORAGE[dtype]).copy(), a.step)
+            a.release()
+        ordered = [copies[m][0] for m in members]
+        total = np.empty_like(ordered[0])
+        weighted_sum(total, ordered[0], 1.0, [(c, 1.0) for c in ordered[1:]], dtype)
+        return total, max(round_ - min(round_, step) for _, step in copies.values())
+
+    def failed(self, name: str, round_: int, error: pb.Error) -> None:
+        """The leader could not sum group round ``round_``: its members' ops fail with why."""
+        err = DecentError(error.code or pb.ABORTED, error.message)
+        waiter = self._waiters.pop((name, round_), None)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(err)
+            return
+        self._failures[(name, round_)] = err
+        _bounded(self._failures, GROUP_MEMORY)
+
+    def _arrived(self, key: GroupKey, result: GroupSum) -> None:
+        """The group sum of a round: to the member's waiting op, or kept until it asks."""
+        fut = self._waiters.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(result)
+            return
+        self._results[key] = result
+        _bounded(self._results, GROUP_MEMORY)
+
+    def result(self, key: GroupKey) -> GroupSum | None:
+        """The group sum of a round if it is here already (its failure raises)."""
+        failed = self._failures.pop(key, None)
+        if failed is not None:
+            raise failed
+        return self._results.pop(key, None)
+
+    def wait(self, key: GroupKey) -> asyncio.Future[GroupSum]:
+        """A future for the group sum of a round that is not here yet."""
+        fut: asyncio.Future[GroupSum] = asyncio.get_running_loop().create_future()
+        self._waiters[key] = fut
+        return fut
+
+    def stop_waiting(self, key: GroupKey) -> None:
+        """The member's op ended: a sum that comes later is kept for nobody."""
+        self._waiters.pop(key, None)
+
+    def forget(self, name: str) -> None:
+        """Window ``name`` was freed: its group rounds may start from 1 again."""
+        for table in (self._led, self._results, self._failures):
+            for key in [k for k in table if k[0] == name]:
+                del table[key]
