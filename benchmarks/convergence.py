@@ -15,7 +15,8 @@ process each) and trains, one run after the other in the same processes:
   the same learning rate and minibatches for all; DecentLaM applies its own beta = 0.9 to a
   momentum-free SGD). Algorithms that need a symmetric mixing matrix run on the hypercube (D2 on
   the hypercube with self weight 1/2, since it needs lambda_min(W) > -1/3); the others on the
-  daemons' exponential graph;
+  daemons' exponential graph (``gradient-allreduce``: Horovod's rule, SGD on the averaged
+  gradient; ``win-put``: BlueFog's window pushes without a barrier; ``push-sum``);
 * and a large-batch case for DmSGD and DecentLaM, where DmSGD's momentum-amplified bias shows:
   softmax regression with weight decay 0.01 (strongly convex, as in the theory), non-iid, each
   worker's whole shard per step, lr 0.5, both on the hypercube, ten seeds.
@@ -67,6 +68,9 @@ ALGORITHMS: list[tuple[str, str, dict[str, Any]]] = [
     ("choco-topk", "choco", {"compressor": "topk", "ratio": 0.1, "consensus_step": 0.2}),
     ("choco-sign", "choco", {"compressor": "sign", "consensus_step": 0.2}),
     ("choco-int8", "choco", {"compressor": "int8", "consensus_step": 0.8}),
+    ("gradient-allreduce", "gradient-allreduce", {}),
+    ("win-put", "win-put", {}),
+    ("push-sum", "push-sum", {}),
 ]
 SYMMETRIC = {"decentlam", "extra", "exact-diffusion", "d2", "choco"}
 DATASETS = ("digits", "breast_cancer")
@@ -357,8 +361,9 @@ def tables(outcomes: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     for ds in dict.fromkeys(o["spec"]["dataset"] for o in outcomes):
         rows = [o for o in outcomes if o["spec"]["dataset"] == ds]
         first = rows[0]["spec"]
-        lines += [f"### {ds}: 8 workers, {first['epochs']} epochs, batch {first['batch']}/worker, "
-                  f"lr {first['lr']}, SGD momentum 0.9", "",
+        workers = len(rows[0]["worker_acc"])
+        lines += [f"### {ds}: {workers} workers, {first['epochs']} epochs, batch "
+                  f"{first['batch']}/worker, lr {first['lr']}, SGD momentum 0.9", "",
                   "| algorithm | graph | iid: averaged model | iid: workers' mean | non-iid: "
                   "averaged model | non-iid: workers' mean | wall time (iid) | MB sent per "
                   "worker (iid) |",

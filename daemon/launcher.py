@@ -1,9 +1,10 @@
 """``decentrun -np N [--topology KIND] [--] COMMAND ...``: a local cluster in one command.
 
 Starts N daemons on loopback (free ports, one Unix socket each), then N copies of COMMAND with
-``DECENT_DAEMON``, ``DECENT_RANK`` and ``DECENT_SIZE`` set, prefixes their output with the rank,
-and tears everything down when a worker fails, a daemon dies, or on Ctrl-C. The exit code is the
-first failing worker's (0 when all succeed).
+``DECENT_DAEMON``, ``DECENT_RANK`` and ``DECENT_SIZE`` set (and, all of them being on this host,
+``DECENT_LOCAL_RANK`` = rank and ``DECENT_LOCAL_SIZE`` = N, as Horovod's local rank), prefixes
+their output with the rank, and tears everything down when a worker fails, a daemon dies, or on
+Ctrl-C. The exit code is the first failing worker's (0 when all succeed).
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ class LocalCluster:
         for i in range(self.n):
             env = dict(os.environ, DECENT_DAEMON=f"unix://{self.workdir}/rank{i}.sock",
                        DECENT_JOB=job, DECENT_RANK=str(i), DECENT_SIZE=str(self.n),
+                       DECENT_LOCAL_RANK=str(i), DECENT_LOCAL_SIZE=str(self.n),
                        PYTHONUNBUFFERED="1")
             self.workers.append(self._spawn(command, env, f"[{i}] "))
         for pump in self.pumps:

@@ -126,6 +126,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             registered_bytes=self._sessions.registered_bytes,
             parked_window_requests=self._services.windows.parked,
             window_lock_waiters=self._services.locks.waiting,
+            early_window_bytes=self._services.windows.early_bytes,
             peers=[
                 pb.PeerStatus(
                     rank=link.rank,

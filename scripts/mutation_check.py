@@ -18,6 +18,14 @@ MAILBOX_TESTS = ["tests/test_mailbox.py"]
 FRAMING_TESTS = ["tests/test_framing.py"]
 STATE_TESTS = ["tests/test_state_format.py"]
 PLAN_TESTS = ["tests/test_ops_plan.py"]
+ADAM_TESTS = ["tests/test_optimizers.py::test_the_wrapped_optimizers_state_is_its_own"]
+BLUEFOG = "tests/test_bluefog.py::test_"
+UNIFORM_TESTS = [BLUEFOG + "uniform_averages_sum_first_and_divide_once"]
+EARLY_TESTS = [BLUEFOG + "a_write_before_win_create_is_applied_at_creation",
+               BLUEFOG + "a_read_before_win_create_waits_for_the_window"]
+GATHER_TESTS = [BLUEFOG + "allgather_concatenates_variable_first_dimensions"]
+PUSH_TESTS = ["tests/test_push_algorithms.py"]
+KERAS_TESTS = ["tests/test_tf.py::test_keras_distributed_optimizer_sums_passes_in_a_compiled_fit"]
 
 #: (file, snippet, replacement, tests, what the change breaks)
 MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
@@ -82,6 +90,23 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      '        return {"l": items}', STATE_TESTS, "tuples come back as lists"),
     ("clients/torch/state.py", "    if math.prod(shape) > MAX_ELEMENTS:", "    if False:",
      STATE_TESTS, "an announced tensor of any size is allocated"),
+    ("clients/torch/optim.py", "        return [self.algorithm_state.setdefault(p, {}) for p in "
+     "params]", "        return [self.optimizer.state[p] for p in params]", ADAM_TESTS,
+     "the algorithm's state is kept inside Adam's (issue 22: KeyError 'exp_avg')"),
+    ("daemon/numerics.py", "    k = round(1.0 / weights[0])\n", "    return None\n",
+     UNIFORM_TESTS, "uniform averages scale every term instead of dividing the sum once"),
+    ("daemon/windows/store.py", "            elif j in w.without_base and not zero_init:",
+     "            elif False:", EARLY_TESTS,
+     "an accumulate before win_create loses the initial copy"),
+    ("daemon/windows/store.py", "        if arrival.op in READS and self._park(src, name, round_, "
+     "arrival):", "        if False:", EARLY_TESTS, "a get before win_create fails at once"),
+    ("daemon/ops/api.py", "        rows = (self.spec.rows(self) or {}).get(src)",
+     "        rows = None", GATHER_TESTS, "a gather's stray part is checked against our shape"),
+    ("clients/core/algorithms/push.py", "        self.weight = float(c.values(hw.wait())[0])",
+     "        hw.wait()", PUSH_TESTS, "push-sum forgets its weight"),
+    ("clients/tf/optim.py",
+     "        rate.assign(keras.ops.cast(wrapper.learning_rate, rate.dtype))", "        pass",
+     KERAS_TESTS, "the Keras wrappers ignore model.optimizer.learning_rate"),
 ]
 
 

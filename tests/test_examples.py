@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -44,3 +45,33 @@ def test_keras_example_trains_dsgd_beside_allreduce() -> None:
     assert set(rows) == {"dsgd", "allreduce"}, proc.stdout[-3000:]
     assert all(float(v) > 80.0 for v in rows.values()), rows  # 3 epochs: far above chance
     assert "Epoch 3/3" in proc.stdout  # Keras' own progress, on rank 0
+
+
+def _decent_lines(script: str) -> list[str]:
+    """The lines of ``examples/<script>``'s code (its docstring aside) that mention decent."""
+    source = (REPO / "examples" / script).read_text()
+    tree = ast.parse(source)
+    doc = tree.body[0]
+    assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+    code = source.splitlines()[doc.end_lineno or 0:]
+    return [line for line in code if "decent" in line]
+
+
+def test_a_horovod_torch_script_runs_with_only_its_import_changed() -> None:
+    assert _decent_lines("horovod_torch.py") == [
+        "import decent.torch as hvd  # was: import horovod.torch as hvd"]
+    for flags in ([], ["--fp16-allreduce"]):
+        proc = _example("horovod_torch.py", "--epochs", "3", *flags)
+        accuracy = [float(v) for v in re.findall(r"accuracy ([\d.]+)%", proc.stdout)]
+        assert len(accuracy) == 3 and accuracy[-1] > 80.0, proc.stdout[-3000:]
+        assert "2 workers (local size 2), replicas identical: True" in proc.stdout
+
+
+def test_a_horovod_keras_script_runs_with_only_its_import_changed() -> None:
+    assert _decent_lines("horovod_keras.py") == [
+        "import decent.tf as hvd  # was: import horovod.tensorflow.keras as hvd"]
+    proc = _example("horovod_keras.py", "--epochs", "3")
+    (accuracy,) = re.findall(r"test accuracy ([\d.]+)%; 2 replicas identical: True",
+                             proc.stdout)
+    assert float(accuracy) > 80.0, proc.stdout[-3000:]
+    assert proc.stdout.count("finished gradual learning rate warmup to 0.02") == 1

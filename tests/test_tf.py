@@ -262,3 +262,65 @@ def test_model_fit_with_callbacks_keeps_the_replicas_identical(tfc: Any) -> None
             np.testing.assert_array_equal(w, w0)  # broadcast start + global average each step
         assert g["loss"] == got[0]["loss"]  # averaged over the ranks
     assert got[0]["loss"][1] < got[0]["loss"][0]
+
+
+def test_set_topology_and_small_integers_on_the_tf_client(tfc: Any) -> None:
+    _, clients = tfc
+
+    def work(cl: dtf.TFClient) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray]:
+        assert cl.set_topology("full")
+        full = cl.neighbor_allreduce(tf.fill([3], float(cl.rank)), name="tf.topo")
+        neighbors = cl.in_neighbor_ranks()
+        assert cl.set_topology(None)
+        small = cl.neighbor_allreduce(tf.fill([2], tf.constant(-3 * cl.rank, tf.int8)),
+                                      name="tf.int8")
+        gathered = cl.allgather(tf.fill([cl.rank, 2], cl.rank), name="tf.gather")
+        return full.numpy(), neighbors, small.numpy(), gathered.numpy()
+
+    for r, (full, neighbors, small, gathered) in enumerate(run_tf(clients, work)):
+        np.testing.assert_array_equal(full, np.full(3, 1.5, np.float32))
+        assert neighbors == [j for j in range(N) if j != r]
+        assert small.dtype == np.int8
+        np.testing.assert_array_equal(small, np.full(2, -(r + (r - 1) % N + (r + 1) % N), np.int8))
+        np.testing.assert_array_equal(gathered, np.repeat(np.arange(N), np.arange(N))[:, None]
+                                      * np.ones((1, 2), np.int32))
+
+
+def test_the_tf_module_has_the_bluefog_and_horovod_names() -> None:
+    for name in ("set_topology", "load_topology", "in_neighbor_ranks", "out_neighbor_ranks",
+                 "allgather", "win_mutex", "win_associated_p", "window_names",
+                 "DistributedOptimizer", "Compression", "callbacks", "local_rank"):
+        assert hasattr(dtf, name), name
+
+
+def test_keras_distributed_optimizer_sums_passes_in_a_compiled_fit(tfc: Any) -> None:
+    # 4 epochs of one full batch, backward_passes_per_step=2 (averaged): two real updates,
+    # each on the ranks' average gradient; the second at the learning rate a callback set
+    _, clients = tfc
+    rows = np.arange(12, dtype=np.float32).reshape(4, 3) / 10.0
+
+    def data(r: int) -> tuple[np.ndarray, np.ndarray]:
+        return rows + r / 10.0, (rows.sum(axis=1, keepdims=True) + r).astype(np.float32)
+
+    class HalveAtEpoch2(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            if epoch == 2:
+                self.model.optimizer.learning_rate = 0.05
+
+    def work(cl: dtf.TFClient) -> np.ndarray:
+        x, y = data(cl.rank)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
+            1, use_bias=False, kernel_initializer="ones")])
+        model.compile(loss="mse", optimizer=dtf.DistributedOptimizer(
+            keras.optimizers.SGD(0.1), backward_passes_per_step=2,
+            average_aggregated_gradients=True, client=cl))
+        model.fit(x, y, epochs=4, batch_size=4, verbose=0, shuffle=False,
+                  callbacks=[HalveAtEpoch2()])
+        return model.get_weights()[0]
+
+    w = np.ones((3, 1))
+    for lr in (0.1, 0.05):
+        g = np.mean([2 / 4 * x.T @ (x @ w - y) for x, y in map(data, range(N))], axis=0)
+        w = w - lr * g
+    for got in run_tf(clients, work):
+        np.testing.assert_allclose(got, w, rtol=1e-5)

@@ -22,7 +22,8 @@ RUN = [sys.executable, "-m", "decentd.launcher"]
 def test_convergence_benchmark_short_run(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "convergence.py"), "--workers", "2",
-         "--datasets", "breast_cancer", "--algorithms", "allreduce,dsgd,choco-topk,decentlam",
+         "--datasets", "breast_cancer", "--algorithms",
+         "allreduce,dsgd,choco-topk,decentlam,gradient-allreduce,win-put,push-sum",
          "--epochs", "2", "--large-seeds", "2", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
@@ -32,10 +33,12 @@ def test_convergence_benchmark_short_run(tmp_path: Path) -> None:
     missed = not all(c["pass"] for c in checks.values())
     assert proc.returncode == (3 if missed else 0), proc.stdout[-3000:] + proc.stderr[-3000:]
     for row in ("| allreduce | exponential |", "| dsgd | exponential |",
-                "| choco-topk | hypercube |", "| decentlam | hypercube |", "| dmsgd |"):
+                "| choco-topk | hypercube |", "| decentlam | hypercube |", "| dmsgd |",
+                "| gradient-allreduce | exponential |", "| win-put | exponential |",
+                "| push-sum | exponential |"):
         assert row in report, report
     outcomes = json.loads((tmp_path / "convergence.json").read_text())["outcomes"]
-    assert len(outcomes) == 4 * 2 + 2 * 2  # 4 algorithms x iid/non-iid, large batch x 2 seeds
+    assert len(outcomes) == 7 * 2 + 2 * 2  # 7 algorithms x iid/non-iid, large batch x 2 seeds
     sent = {o["spec"]["label"]: sum(o["bytes_sent"]) for o in outcomes
             if o["spec"]["split"] == "iid"}
     assert 0 < sent["choco-topk"] < sent["decentlam"] / 3  # same graph, compressed

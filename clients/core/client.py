@@ -10,6 +10,7 @@ blocks on an event, it never polls. Framework adapters supply a
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any, Generic, TypeVar
@@ -132,6 +133,7 @@ class Client(WindowOps[T], TopologyOps[T], Generic[T]):
             self.arena.close()
             raise
         self._window_table: WindowTable[T] = WindowTable()
+        self._prefixes: dict[str, itertools.count[int]] = {}
 
     @property
     def regions(self) -> RegionTable:
@@ -278,7 +280,8 @@ class Client(WindowOps[T], TopologyOps[T], Generic[T]):
             raise ValueError(f"tensor '{name}': allgather needs at least one dimension")
         first = self.tensor([shape[0]])
         sizes_op = OpCall("allgather", pb.Allgather(sizes=[1] * self.size))
-        rows = self.values(self._call(sizes_op, first, f"{name}.sizes", timeout).wait())
+        rows = self.values(self._call(sizes_op, first, f"{name}.sizes", timeout,
+                                      out_factor=self.size).wait())
         sizes = [int(r) for r in rows]
         return self._call(OpCall("allgather", pb.Allgather(sizes=sizes)), tensor, name, timeout,
                           out_bytes=sum(sizes) * dtypes.nbytes(dtype, shape[1:]))
@@ -286,6 +289,11 @@ class Client(WindowOps[T], TopologyOps[T], Generic[T]):
     def allgather(self, tensor: T, **kwargs: Any) -> T:
         """Blocking :meth:`allgather_async`."""
         return self.allgather_async(tensor, **kwargs).wait()
+
+    def name_prefix(self, kind: str) -> str:
+        """``decent.<kind><n>`` for the n-th object of ``kind`` (an optimizer wrapper) this
+        client made: the same on every rank that makes its objects in the same order."""
+        return f"decent.{kind}{next(self._prefixes.setdefault(kind, itertools.count()))}"
 
     def tensor(self, values: Any, like: T | None = None) -> T:
         """A tensor of this client's framework holding ``values`` (a numpy array or a list of
@@ -380,9 +388,9 @@ class Client(WindowOps[T], TopologyOps[T], Generic[T]):
         return self._call(OpCall("broadcast", args), tensor, name, timeout, into=into,
                           fuse=fuse)
 
-    def broadcast(self, tensor: T, **kwargs: Any) -> T:
+    def broadcast(self, tensor: T, *args: Any, **kwargs: Any) -> T:
         """Blocking :meth:`broadcast_async`."""
-        return self.broadcast_async(tensor, fuse=False, **kwargs).wait()
+        return self.broadcast_async(tensor, *args, fuse=False, **kwargs).wait()
 
     def broadcast_async_(self, tensor: T, root: int = 0, name: str | None = None,
                          timeout: float | None = None, *, fuse: bool = True,
@@ -391,9 +399,9 @@ class Client(WindowOps[T], TopologyOps[T], Generic[T]):
         return self._broadcast(tensor, tensor, root if root_rank is None else root_rank, name,
                                timeout, fuse)
 
-    def broadcast_(self, tensor: T, **kwargs: Any) -> T:
+    def broadcast_(self, tensor: T, *args: Any, **kwargs: Any) -> T:
         """Blocking in-place :meth:`broadcast_async`."""
-        return self.broadcast_async_(tensor, fuse=False, **kwargs).wait()
+        return self.broadcast_async_(tensor, *args, fuse=False, **kwargs).wait()
 
     def barrier(self, name: str | None = None, timeout: float | None = None) -> None:
         """Return once every rank has reached a barrier of the same name and round."""

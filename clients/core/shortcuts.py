@@ -181,17 +181,17 @@ class DefaultClient(Generic[T, C]):
         """See :meth:`decent.core.Client.broadcast_async`."""
         return self.get().broadcast_async(tensor, *args, **kwargs)
 
-    def broadcast(self, tensor: T, **kwargs: Any) -> T:
+    def broadcast(self, tensor: T, *args: Any, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.broadcast`."""
-        return self.get().broadcast(tensor, **kwargs)
+        return self.get().broadcast(tensor, *args, **kwargs)
 
     def broadcast_async_(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
         """See :meth:`decent.core.Client.broadcast_async_`."""
         return self.get().broadcast_async_(tensor, *args, **kwargs)
 
-    def broadcast_(self, tensor: T, **kwargs: Any) -> T:
+    def broadcast_(self, tensor: T, *args: Any, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.broadcast_`."""
-        return self.get().broadcast_(tensor, **kwargs)
+        return self.get().broadcast_(tensor, *args, **kwargs)
 
     def barrier(self, name: str | None = None, timeout: float | None = None) -> None:
         """See :meth:`decent.core.Client.barrier`."""

@@ -23,10 +23,10 @@ from decent.core.shortcuts import SHORTCUTS
 from decent.tf import callbacks
 from decent.tf.client import TFClient, connect, default_client
 from decent.tf.compression import Compression
+from decent.tf.horovod import DistributedOptimizer, LearningRateWarmupCallback
 from decent.tf.optim import (
     BroadcastGlobalVariablesCallback,
     DecentralizedOptimizer,
-    DistributedOptimizer,
     MetricAverageCallback,
 )
 
@@ -93,5 +93,6 @@ group_allreduce_async = _default.group_allreduce_async
 group_allreduce = _default.group_allreduce
 
 __all__ = ["Average", "BroadcastGlobalVariablesCallback", "Client", "Compression", "DecentError",
-           "DecentralizedOptimizer", "DistributedOptimizer", "Handle", "MetricAverageCallback",
+           "DecentralizedOptimizer", "DistributedOptimizer", "Handle",
+           "LearningRateWarmupCallback", "MetricAverageCallback",
            "Sum", "TFClient", "callbacks", "connect", *SHORTCUTS]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from decent.tf.horovod import LearningRateWarmupCallback
 from decent.tf.optim import BroadcastGlobalVariablesCallback, MetricAverageCallback
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback"]
+__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateWarmupCallback",
+           "MetricAverageCallback"]

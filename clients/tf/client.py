@@ -60,9 +60,9 @@ class TFClient(Client[Any]):
         """Blocking allreduce (also inside tf.function)."""
         return self._staged(super().allreduce, tensor, _same, **kwargs)
 
-    def broadcast(self, tensor: Any, **kwargs: Any) -> Any:
+    def broadcast(self, tensor: Any, root: int = 0, **kwargs: Any) -> Any:
         """Blocking broadcast (also inside tf.function)."""
-        return self._staged(super().broadcast, tensor, _same, **kwargs)
+        return self._staged(super().broadcast, tensor, _same, root=root, **kwargs)
 
     def neighbor_allgather(self, tensor: Any, **kwargs: Any) -> Any:
         """Blocking neighbor_allgather (also inside tf.function)."""
@@ -84,9 +84,9 @@ class TFClient(Client[Any]):
         """Blocking in-place allreduce on a tf.Variable (also inside tf.function)."""
         return self._in_place(super().allreduce_, self.allreduce, tensor, **kwargs)
 
-    def broadcast_(self, tensor: Any, **kwargs: Any) -> Any:
+    def broadcast_(self, tensor: Any, root: int = 0, **kwargs: Any) -> Any:
         """Blocking in-place broadcast on a tf.Variable (also inside tf.function)."""
-        return self._in_place(super().broadcast_, self.broadcast, tensor, **kwargs)
+        return self._in_place(super().broadcast_, self.broadcast, tensor, root=root, **kwargs)
 
     def barrier(self, name: str | None = None, timeout: float | None = None) -> None:
         """Wait for every rank (also inside tf.function)."""

@@ -18,15 +18,30 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from decent.core.algorithms import Algorithm, GradientAllreduce, State, make_algorithm
+from decent.core.algorithms import Algorithm, State, make_algorithm
 from decent.core.client import Client
 from decent.tf.client import default_client
 
 TFClientType = Client[Any]
 
 
+
 def _default_client() -> TFClientType:
     return default_client.init()
+
+
+def follow_learning_rate(wrapper: keras.optimizers.Optimizer,
+                         inner: keras.optimizers.Optimizer) -> None:
+    """Give ``inner`` the wrapper's learning rate (callbacks and schedulers set the one of
+    ``model.optimizer``, the wrapper); an inner schedule keeps its own."""
+    rate = inner.learning_rate
+    if isinstance(rate, keras.Variable):
+        rate.assign(keras.ops.cast(wrapper.learning_rate, rate.dtype))
+
+
+def initial_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
+    """``optimizer``'s learning rate now, as a float (the start value of a wrapper's)."""
+    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
 
 
 class DecentralizedOptimizer(keras.optimizers.Optimizer):
@@ -35,11 +50,11 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
 
     def __init__(self, optimizer: keras.optimizers.Optimizer, algorithm: str = "dsgd",
                  client: TFClientType | None = None, **options: Any) -> None:
-        super().__init__(learning_rate=float(keras.ops.convert_to_numpy(
-            optimizer.learning_rate)), name=f"decentralized_{optimizer.name}")
+        super().__init__(learning_rate=initial_learning_rate(optimizer),
+                         name=f"decentralized_{optimizer.name}")
         self.inner = optimizer
         self.client = client if client is not None else _default_client()
-        options.setdefault("prefix", f"decent.keras.{id(self):x}")
+        options.setdefault("prefix", self.client.name_prefix("keras.opt"))
         self.algorithm: Algorithm[Any] = make_algorithm(algorithm, self.client, **options)
         self.algorithm.check_optimizer([optimizer.get_config()])
         self._states: list[State] = []
@@ -49,6 +64,10 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         """Build the wrapped optimizer for ``variables`` too."""
         super().build(variables)
         self.inner.build(variables)
+
+    def close(self) -> None:
+        """Free the algorithm's windows (every rank, when training is over)."""
+        self.algorithm.close()
 
     def _combine(self, *tensors: tf.Tensor) -> list[tf.Tensor]:
         """The algorithm's combine, eagerly: ``tensors`` are x_k then d_k per variable."""
@@ -70,6 +89,7 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             self.build(variables)
         xs = [tf.identity(v) for v in variables]
+        follow_learning_rate(self, self.inner)
         self.inner.apply(grads, variables)
         ds = [x - tf.identity(v) for x, v in zip(xs, variables, strict=True)]
         if tf.executing_eagerly():
@@ -119,73 +139,3 @@ class MetricAverageCallback(keras.callbacks.Callback):
         self._epochs += 1
         for key, value in zip(keys, mean, strict=True):
             logs[key] = float(value)
-
-
-class DistributedOptimizer(keras.optimizers.Optimizer):
-    """Horovod's Keras ``DistributedOptimizer``: the wrapped optimizer steps on gradients
-    averaged over every rank (:class:`decent.core.algorithms.GradientAllreduce`).
-
-    ``op``: ``"average"`` or ``"sum"``; ``compression``: ``Compression.none`` or
-    ``Compression.fp16``; ``backward_passes_per_step``: gradients are summed locally over that
-    many calls before they are reduced and applied (``average_aggregated_gradients``: divided by
-    that count). Inside a compiled train step the reduction runs as one ``tf.py_function``.
-    """
-
-    def __init__(self, optimizer: keras.optimizers.Optimizer, name: str | None = None,
-                 compression: Any = None, op: str = "average",
-                 backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-                 gradient_predivide_factor: float = 1.0, client: TFClientType | None = None,
-                 **_ignored: Any) -> None:
-        super().__init__(learning_rate=float(keras.ops.convert_to_numpy(
-            optimizer.learning_rate)), name=name or f"distributed_{optimizer.name}")
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got "
-                             f"{backward_passes_per_step}")
-        self.inner = optimizer
-        self.client = client if client is not None else _default_client()
-        plain = compression is None or getattr(compression, "is_none", False)
-        self.algorithm = GradientAllreduce(
-            self.client, prefix=f"decent.keras.hvd.{id(self):x}", op=op,
-            gradient_predivide_factor=gradient_predivide_factor,
-            compression=None if plain else compression)
-        self._passes = backward_passes_per_step
-        self._average_aggregated = average_aggregated_gradients
-        self._summed: list[Any] | None = None
-        self._count = 0
-
-    def build(self, variables: list[Any]) -> None:
-        """Build the wrapped optimizer for ``variables`` too."""
-        super().build(variables)
-        self.inner.build(variables)
-
-    def _reduce(self, *grads: tf.Tensor) -> list[tf.Tensor]:
-        """The gradients reduced over the ranks (eagerly)."""
-        names = [str(i) for i in range(len(grads))]
-        handles = self.algorithm.average_async(list(grads), names)
-        return [tf.convert_to_tensor(h.wait()) for h in handles]
-
-    def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
-        """Sum the gradients over ``backward_passes_per_step`` calls, then reduce them over the
-        ranks and apply them with the wrapped optimizer."""
-        variables = list(trainable_variables if trainable_variables is not None
-                         else self._trainable_variables)
-        if not self.built:
-            self.build(variables)
-        grads = [tf.convert_to_tensor(g) for g in grads]
-        if self._passes > 1:
-            self._summed = grads if self._summed is None else \
-                [a + g for a, g in zip(self._summed, grads, strict=True)]
-            self._count += 1
-            if self._count < self._passes:
-                return
-            grads = self._summed if not self._average_aggregated else \
-                [g / float(self._passes) for g in self._summed]
-            self._summed, self._count = None, 0
-        if tf.executing_eagerly():
-            reduced = self._reduce(*grads)
-        else:
-            reduced = tf.py_function(self._reduce, grads, Tout=[g.dtype for g in grads])
-            for r, g in zip(reduced, grads, strict=True):
-                r.set_shape(g.shape)
-        self.inner.apply(reduced, variables)
-        self.iterations.assign_add(1)

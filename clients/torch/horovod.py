@@ -10,7 +10,6 @@ The reduction is :class:`decent.core.algorithms.GradientAllreduce`, the same as
 from __future__ import annotations
 
 import contextlib
-import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -27,7 +26,6 @@ Average = "average"
 Sum = "sum"
 Adasum = "adasum"
 
-_prefixes = itertools.count()
 
 
 class NoneCompressor:
@@ -85,29 +83,25 @@ def _names(optimizer: torch.optim.Optimizer,
     return by_id
 
 
-class DistributedOptimizer:
-    """Horovod's ``hvd.DistributedOptimizer``: the wrapped optimizer steps on gradients
-    averaged over every rank.
-
-    ``backward_passes_per_step``: gradients accumulate locally over that many backward passes
-    before they are reduced. ``op``: ``Average`` or ``Sum``. ``gradient_predivide_factor``:
-    gradients are divided by it before the sum and multiplied after. ``compression``:
-    ``Compression.none`` or ``Compression.fp16``. Horovod's grouping and sparse options are
-    accepted and have no effect (decent fuses small reductions by itself).
+class GradientAveraging(torch.optim.Optimizer):
+    """Mixed into the wrapped optimizer's class by :func:`DistributedOptimizer`: hooks that
+    reduce each gradient as soon as backward has accumulated it, and a ``step()`` that waits
+    for them first. The object shares the wrapped optimizer's parameter groups, state and hooks.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
-                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-                 compression: Any = Compression.none, backward_passes_per_step: int = 1,
-                 op: str = Average, gradient_predivide_factor: float = 1.0,
-                 client: TorchClient | None = None, **_ignored: Any) -> None:
+                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+                 compression: Any, backward_passes_per_step: int, op: str,
+                 gradient_predivide_factor: float, client: TorchClient | None) -> None:
+        # not the optimizer class's __init__: this object takes over the wrapped one's groups,
+        # state and hooks as they are (lr schedulers and checkpoints see one optimizer)
+        self.__dict__.update(vars(optimizer))
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got "
                              f"{backward_passes_per_step}")
-        self.optimizer = optimizer
         self.client = client if client is not None else default_client.init()
         self.algorithm = GradientAllreduce(
-            self.client, prefix=f"decent.hvd{next(_prefixes)}", op=op,
+            self.client, prefix=self.client.name_prefix("hvd"), op=op,
             gradient_predivide_factor=gradient_predivide_factor,
             compression=None if compression is Compression.none else compression)
         self._names = _names(optimizer, named_parameters)
@@ -120,7 +114,7 @@ class DistributedOptimizer:
                        for p in self._params() if p.requires_grad]
 
     def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        return [p for g in self.param_groups for p in g["params"]]
 
     def _ready(self, p: torch.Tensor) -> None:
         """Backward accumulated ``p``'s gradient: reduce it once enough passes are in."""
@@ -129,9 +123,9 @@ class DistributedOptimizer:
             self._left[p] = left
             return
         if p in self._handles:
-            raise RuntimeError("a gradient was computed twice before step(): call step() (or "
-                               "zero_grad()) between backward passes, or raise "
-                               "backward_passes_per_step")
+            raise RuntimeError("a gradient was computed more than backward_passes_per_step "
+                               "times before step(): call step() (or synchronize()) between, "
+                               "or raise backward_passes_per_step")
         self._left[p] = 0
         assert p.grad is not None
         (self._handles[p],) = self.algorithm.average_async([p.grad], [self._names[id(p)]])
@@ -161,7 +155,7 @@ class DistributedOptimizer:
             self._skip = False
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Synchronize (unless skipped), then the wrapped optimizer's step."""
+        """Synchronize (unless skipped), then the wrapped optimizer class's step."""
         if self._skip:
             if not self._synchronized:
                 warnings.warn("step() inside skip_synchronize() without synchronize(): the "
@@ -169,32 +163,14 @@ class DistributedOptimizer:
         else:
             self.synchronize()
         self._synchronized = False
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        return super().step(closure) if closure is not None else super().step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``; an error while reductions are in flight."""
+        """The optimizer's ``zero_grad``; an error while reductions are in flight."""
         if self._handles:
             raise RuntimeError("zero_grad() while gradients are being reduced: call step() or "
                                "synchronize() first")
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's parameter groups."""
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        """The wrapped optimizer's state."""
-        return self.optimizer.state
-
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict."""
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the wrapped optimizer's state dict."""
-        self.optimizer.load_state_dict(state)
+        super().zero_grad(set_to_none=set_to_none)
 
     def close(self) -> None:
         """Remove the gradient hooks."""
@@ -202,8 +178,29 @@ class DistributedOptimizer:
             hook.remove()
         self._hooks = []
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
+
+def DistributedOptimizer(
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        compression: Any = Compression.none, backward_passes_per_step: int = 1,
+        op: str = Average, gradient_predivide_factor: float = 1.0,
+        client: TorchClient | None = None, **_ignored: Any) -> GradientAveraging:
+    """Horovod's ``hvd.DistributedOptimizer``: ``optimizer``, stepping on gradients averaged
+    over every rank.
+
+    As in Horovod the result is an instance of ``optimizer``'s own class (``isinstance``, lr
+    schedulers, ``state_dict`` work as before) with :class:`GradientAveraging` mixed in.
+    ``backward_passes_per_step``: gradients accumulate locally over that many backward passes
+    before they are reduced. ``op``: ``Average`` or ``Sum``. ``gradient_predivide_factor``:
+    gradients are divided by it before the sum and multiplied after. ``compression``:
+    ``Compression.none`` or ``Compression.fp16``. Horovod's grouping and sparse options are
+    accepted and have no effect (decent fuses small reductions by itself).
+    """
+    cls = type(type(optimizer).__name__, (GradientAveraging, type(optimizer)), {})
+    distributed: GradientAveraging = cls(optimizer, named_parameters, compression,
+                                         backward_passes_per_step, op,
+                                         gradient_predivide_factor, client)
+    return distributed
 
 
 def synchronize(handle: Handle[Any]) -> Any:

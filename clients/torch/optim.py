@@ -12,7 +12,6 @@ current parameters start in a forward pre-hook and overlap forward and backward.
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -29,8 +28,6 @@ from decent.core.algorithms import (
 from decent.torch import state as state_format
 from decent.torch.client import TorchClient, default_client
 from decent.torch.flat import flatten_parameters
-
-_prefixes = itertools.count()
 
 
 def _default_client() -> TorchClient:
@@ -75,7 +72,7 @@ class DecentralizedOptimizer:
         self.client = client if client is not None else _default_client()
         #: the algorithm's per-parameter state (trackers, public copies, ...)
         self.algorithm_state: dict[torch.nn.Parameter, State] = {}
-        options.setdefault("prefix", f"decent.opt{next(_prefixes)}")
+        options.setdefault("prefix", self.client.name_prefix("opt"))
         self.algorithm: Algorithm[torch.Tensor] = make_algorithm(algorithm, self.client,
                                                                  **options)
         self.algorithm.check_optimizer(optimizer.param_groups)
@@ -200,10 +197,12 @@ class DecentralizedOptimizer:
                                     for i, s in counters.get("state", {}).items()}
 
     def close(self) -> None:
-        """Remove the forward hook."""
+        """Remove the forward hook and free the algorithm's windows (every rank, when training
+        is over)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self.algorithm.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)

@@ -109,6 +109,8 @@ class OpSpec:
     fusable: bool = False
     #: what a tag disagreement means, for the MISMATCH message
     tag_hint: str = "different message tags"
+    #: gathers: the first-dimension rows each peer sends (None: the same shape as ours)
+    rows: Callable[[OpContext], dict[int, int] | None] = lambda _ctx: None
 
 
 class OpContext:
@@ -244,7 +246,8 @@ class OpContext:
     async def recv_parts(self, src: int, tag: int, ack: bool = False,
                          parts: list[PartSpec] | None = None, sized: bool = True,
                          progress: Progress | None = None, direct: bool = False,
-                         into: np.ndarray | None = None) -> list[Arrival]:
+                         into: np.ndarray | None = None,
+                         shape: tuple[int, ...] | None = None) -> list[Arrival]:
         """Receive this op's tensors (or ``parts`` of them) from ``src``, however the sender
         grouped them into messages.
 
@@ -253,6 +256,7 @@ class OpContext:
         that travels alone is received straight into its output region; ``into`` (uint8, for
         one part): straight into that buffer when the payload has its size. Either may still
         arrive elsewhere (it came before the op ran): compare ``Arrival.data`` with it.
+        ``shape``: the one part's expected shape when it is not ours (gathers).
         """
         link = self.services.links.links.get(src)
         if link is None:
@@ -267,7 +271,7 @@ class OpContext:
         arrivals = list(await asyncio.gather(*futs))
         self.waiting.discard(src)
         for p, arrival in zip(want, arrivals, strict=True):
-            problem = self.mismatch(src, arrival, p, sized)
+            problem = self.mismatch(src, arrival, p, sized, shape)
             if problem is not None:
                 raise problem
         if ack:
@@ -295,14 +299,7 @@ class OpContext:
         """Receive ``src``'s tensor of ``rows`` first-dimension rows (gathers: the first
         dimension may differ from ours, the rest of the shape and the dtype may not)."""
         p = self.parts[0]
-        (arrival,) = await self.recv_parts(src, tag, parts=[p], sized=False)
-        want = (rows, *p.shape[1:])
-        if arrival.op != self.op or arrival.dtype != p.dtype or arrival.shape != want \
-                or arrival.data.nbytes != dtypes.nbytes(p.dtype, want):
-            raise DecentError(pb.MISMATCH, f"tensor '{p.display}' round {p.round}: rank {src} "
-                              f"sent {op_label(arrival.op)} "
-                              f"{dtypes.describe(arrival.dtype, arrival.shape)}, rank "
-                              f"{self.rank} expected {dtypes.describe(p.dtype, want)}")
+        (arrival,) = await self.recv_parts(src, tag, parts=[p], shape=(rows, *p.shape[1:]))
         if ack:
             self.services.links.send_acks(src, [(p.name, p.round)], tag, True)
         return arrival
@@ -313,9 +310,13 @@ class OpContext:
         arrival.release()
 
     def mismatch(self, src: int, arrival: Arrival, p: PartSpec | None = None,
-                 exact_size: bool = True) -> DecentError | None:
-        """MISMATCH when ``src``'s tensor disagrees with part ``p``'s op kind, dtype or shape."""
+                 exact_size: bool = True, shape: tuple[int, ...] | None = None
+                 ) -> DecentError | None:
+        """MISMATCH when ``src``'s tensor disagrees with part ``p``'s op kind, dtype or shape
+        (``shape``: this one instead of ``p``'s)."""
         p = p or self.parts[0]
+        want = p.shape if shape is None else shape
+        nbytes = dtypes.nbytes(p.dtype, want)
         problem = None
         if self.on_topology and arrival.topology and arrival.topology != self.topology_name:
             problem = (f"rank {self.rank} runs it on topology {self.topology_name} but rank "
@@ -324,12 +325,12 @@ class OpContext:
         elif arrival.op != self.op:
             problem = (f"rank {self.rank} submitted {op_label(self.op)} but rank {src} "
                        f"submitted {op_label(arrival.op)}")
-        elif arrival.dtype != p.dtype or arrival.shape != p.shape:
-            problem = (f"rank {self.rank} has {dtypes.describe(p.dtype, p.shape)} but rank {src} "
-                       f"sent {dtypes.describe(arrival.dtype, arrival.shape)}")
-        elif exact_size and arrival.data.nbytes != p.nbytes:
+        elif arrival.dtype != p.dtype or arrival.shape != want:
+            problem = (f"rank {self.rank} expected {dtypes.describe(p.dtype, want)} but rank "
+                       f"{src} sent {dtypes.describe(arrival.dtype, arrival.shape)}")
+        elif exact_size and arrival.data.nbytes != nbytes:
             problem = (f"rank {src} sent {arrival.data.nbytes} bytes for "
-                       f"{dtypes.describe(p.dtype, p.shape)} ({p.nbytes} bytes)")
+                       f"{dtypes.describe(p.dtype, want)} ({nbytes} bytes)")
         if problem is None:
             return None
         return DecentError(pb.MISMATCH, f"tensor '{p.display}' round {p.round}: {problem}")
@@ -353,7 +354,10 @@ class OpContext:
         if not self.running or self.failure is not None:
             return
         src, name, _, tag = key
-        err = self.mismatch(src, arrival, self.by_name.get(name), exact_size=False)
+        p = self.by_name.get(name) or self.parts[0]
+        rows = (self.spec.rows(self) or {}).get(src)
+        shape = None if rows is None else (rows, *p.shape[1:])
+        err = self.mismatch(src, arrival, p, exact_size=False, shape=shape)
         if err is None:
             expected = self.spec.tags(self)
             if expected is not None and tag not in expected:

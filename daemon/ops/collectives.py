@@ -182,6 +182,10 @@ async def allgather(ctx: OpContext) -> OpResult:
     return OpResult(total, (sum(sizes), *p.shape[1:]))
 
 
+def _allgather_rows(ctx: OpContext) -> dict[int, int]:
+    return dict(enumerate(int(s) for s in ctx.args.sizes))
+
+
 def _others(ctx: OpContext) -> set[int]:
     return set(range(ctx.size)) - {ctx.rank}
 
@@ -216,5 +220,5 @@ COLLECTIVE_OPS: dict[int, OpSpec] = {
     pb.BROADCAST: OpSpec(broadcast, _broadcast_peers, lambda ctx: {_root(ctx)}, fusable=True,
                          tag_hint="different broadcast roots"),
     pb.BARRIER: OpSpec(barrier, _barrier_peers, lambda ctx: set(range(len(hops(ctx.size))))),
-    pb.ALLGATHER: OpSpec(allgather, _others, lambda _ctx: {0}),
+    pb.ALLGATHER: OpSpec(allgather, _others, lambda _ctx: {0}, rows=_allgather_rows),
 }

@@ -369,6 +369,13 @@ def _neighbor_tags(ctx: OpContext) -> set[int]:
     return {1, 2} | ({0} if any(p.nbytes < PAIR_MIN_BYTES for p in ctx.parts) else set())
 
 
+def _concat_rows(ctx: OpContext) -> dict[int, int] | None:
+    if not ctx.args.concat:
+        return None
+    srcs, _ = allgather_plan(ctx)
+    return dict(zip(srcs, (int(s) for s in ctx.args.sizes), strict=False))
+
+
 def _allgather_peers(ctx: OpContext) -> set[int]:
     srcs, dsts = allgather_plan(ctx)
     return set(srcs) | set(dsts)
@@ -378,7 +385,8 @@ NEIGHBOR_OPS: dict[int, OpSpec] = {
     pb.NEIGHBOR_ALLREDUCE: OpSpec(
         neighbor_allreduce, _neighbor_peers, _neighbor_tags, fusable=True,
         tag_hint="pairwise halves vs. whole tensors: do both ranks have the same topology?"),
-    pb.NEIGHBOR_ALLGATHER: OpSpec(neighbor_allgather, _allgather_peers, lambda _ctx: {0}),
+    pb.NEIGHBOR_ALLGATHER: OpSpec(neighbor_allgather, _allgather_peers, lambda _ctx: {0},
+                                  rows=_concat_rows),
     pb.COMPRESSED_NEIGHBOR_ALLREDUCE: OpSpec(compressed_neighbor_allreduce, _neighbor_peers,
                                              lambda _ctx: {0}),
 }

@@ -51,25 +51,23 @@ class ADPSGD(Algorithm[T]):
         if self.active and not self.peers and client.size > 1:
             raise AlgorithmError(f"adpsgd: active rank {client.rank} has no passive neighbor")
         self._rng = random.Random(int(self.options["seed"]) * 1_000_003 + client.rank)
-        self._windows: list[str] = []
 
     def prepare(self, xs: Sequence[T]) -> None:
         """A window per parameter on every rank, then one barrier: nobody averages with a
         rank whose windows do not exist yet."""
-        if not self._windows:
-            self._windows = self.create_windows(xs)
+        self.create_windows(xs)
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         self.prepare(xs)
         if not self.active:
             return [self.client.win_add(d * -1.0, name)
-                    for d, name in zip(ds, self._windows, strict=True)]
+                    for d, name in zip(ds, self.windows, strict=True)]
         half = [x - d for x, d in zip(xs, ds, strict=True)]
         if not self.communicates or not self.peers:
             return half
         peer = self._rng.choice(self.peers)
         handles = [self.client.win_exchange_async(h, name, peer)
-                   for h, name in zip(half, self._windows, strict=True)]
+                   for h, name in zip(half, self.windows, strict=True)]
         return [h.wait() for h in handles]
 
 
@@ -106,7 +104,6 @@ class WAGMA(Algorithm[T]):
                                  f"{self.options['rule']!r}")
         self.group_size = group
         self.tau = int(self.options["tau"])
-        self._windows: list[str] = []
         self._group_calls = 0
 
     @property
@@ -116,8 +113,7 @@ class WAGMA(Algorithm[T]):
 
     def prepare(self, xs: Sequence[T]) -> None:
         """A window per parameter on every rank (the published models), then one barrier."""
-        if not self._windows:
-            self._windows = self.create_windows(xs)
+        self.create_windows(xs)
 
     def start(self, xs: Sequence[T], states: Sequence[State]) -> None:
         self.prepare(xs)
@@ -127,7 +123,7 @@ class WAGMA(Algorithm[T]):
         self._pending["g"] = [
             self.client.group_allreduce_async(x, name, self.group_size,
                                               rule=str(self.options["rule"]))
-            for x, name in zip(xs, self._windows, strict=True)]
+            for x, name in zip(xs, self.windows, strict=True)]
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         if self.global_step:
@@ -138,7 +134,7 @@ class WAGMA(Algorithm[T]):
             mixed = self.mixed("g")
         new = [m - d for m, d in zip(mixed, ds, strict=True)]
         # what the next group round would take from this rank: served if it is late
-        for x, name in zip(new, self._windows, strict=True):
+        for x, name in zip(new, self.windows, strict=True):
             self.client.win_publish(x, name, step=self._group_calls + 1)
         return new
 

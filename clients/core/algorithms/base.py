@@ -93,6 +93,8 @@ class Algorithm(Generic[T]):
         self.iteration = 0  # local updates so far
         self.exchanges = 0  # neighbor averaging rounds so far (the schedule's step)
         self._pending: dict[str, list[Handle[T]]] = {}
+        #: the windows this algorithm created in the daemons (:meth:`close` frees them)
+        self.windows: list[str] = []
 
     def _topology(self, topology: str | Topology | nx.Graph | None) -> Topology:
         size = self.client.size
@@ -165,14 +167,26 @@ class Algorithm(Generic[T]):
         """Once, when the adapter is built (every rank does it, before training): set up what
         the algorithm keeps in the daemons (windows). Nothing by default."""
 
-    def create_windows(self, xs: Sequence[T]) -> list[str]:
-        """One window per parameter (``<prefix>.<name>.<i>``, holding it), then a barrier: once
-        it returns, every rank's windows exist. The window names."""
-        names = [f"{self.prefix}.{self.name}.{i}" for i in range(len(xs))]
-        for x, name in zip(xs, names, strict=True):
-            self.client.win_create(x, name, zero_init=True)
-        self.client.barrier(name=f"{self.prefix}.{self.name}.ready")
-        return names
+    def create_windows(self, xs: Sequence[T], zero_init: bool = True) -> list[str]:
+        """Once: one window per parameter (``<prefix>.<name>.<i>``, holding it; the neighbor
+        slots zeroed, or with ``zero_init=False`` a copy of it), then a barrier: once it
+        returns, every rank's windows exist. The window names (:attr:`windows`)."""
+        if not self.windows:
+            names = [f"{self.prefix}.{self.name}.{i}" for i in range(len(xs))]
+            for x, name in zip(xs, names, strict=True):
+                self.client.win_create(x, name, zero_init=zero_init)
+            self.client.barrier(name=f"{self.prefix}.{self.name}.ready")
+            self.windows = names
+        return self.windows
+
+    def close(self) -> None:
+        """Free the windows this algorithm created (collective: every rank, when training is
+        over; a barrier first, so that no rank frees a window a neighbor still writes)."""
+        if self.windows:
+            self.client.barrier(name=f"{self.prefix}.{self.name}.close")
+        for name in self.windows:
+            self.client.win_free(name)
+        self.windows = []
 
     def start(self, xs: Sequence[T], states: Sequence[State]) -> None:
         """Before the forward pass of an iteration: start what needs only ``x_k``."""

@@ -22,7 +22,8 @@ class WinPut(Algorithm[T]):
     for dynamic graphs; default weight 1 to every out-neighbor); after the local update it
     combines its own ``x_k`` with whatever its in-neighbors put last (``win_update``, the static
     topology's weights). No barrier, unless ``barrier=True`` (then every put of this iteration
-    lands before any rank combines: the synchronous recursion, exactly).
+    lands before any rank combines, and every rank combines before any rank puts again: the
+    synchronous recursion, exactly).
     """
 
     name = "win-put"
@@ -36,16 +37,11 @@ class WinPut(Algorithm[T]):
             raise AlgorithmError(f"win-put combines over a static graph; topology "
                                  f"{self.topology.kind!r} changes from step to step (give "
                                  "dynamic dst_weights instead)")
-        self._windows: list[str] = []
 
     def prepare(self, xs: Sequence[T]) -> None:
-        """A window per parameter on every rank (buffers start as a copy), then a barrier."""
-        if not self._windows:
-            names = [f"{self.prefix}.{self.name}.{i}" for i in range(len(xs))]
-            for x, name in zip(xs, names, strict=True):
-                self.client.win_create(x * 1.0, name)
-            self.client.barrier(name=f"{self.prefix}.{self.name}.ready")
-            self._windows = names
+        """A window per parameter on every rank (neighbor slots start as a copy)."""
+        if not self.windows:
+            self.create_windows([x * 1.0 for x in xs], zero_init=False)
 
     def _destinations(self) -> Mapping[int, float] | None:
         weights = self.options["dst_weights"]
@@ -60,7 +56,7 @@ class WinPut(Algorithm[T]):
             return
         dst = self._destinations()
         self._pending["put"] = [self.client.win_put_async(x, name, dst_weights=dst)
-                                for x, name in zip(xs, self._windows, strict=True)]
+                                for x, name in zip(xs, self.windows, strict=True)]
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         if not self.communicates:
@@ -71,7 +67,9 @@ class WinPut(Algorithm[T]):
         if self.options["barrier"]:
             self.client.barrier(name=f"{self.prefix}.{self.name}.step")
         mixed = [self.client.win_update(name, value=x, clone=True)
-                 for x, name in zip(xs, self._windows, strict=True)]
+                 for x, name in zip(xs, self.windows, strict=True)]
+        if self.options["barrier"]:  # no rank's next put lands before every rank has combined
+            self.client.barrier(name=f"{self.prefix}.{self.name}.combined")
         return [m - d for m, d in zip(mixed, ds, strict=True)]
 
 

@@ -1,0 +1,192 @@
+"""What Horovod's torch users' code expects: gradient averaging (``gradient-allreduce`` and
+``DistributedOptimizer`` with Horovod's arguments) exact against numpy, reductions started by
+backward, and the optimizer state from the root. Real daemons."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import decent.torch as dt
+from conftest import ClusterFactory
+from decent.core import Client
+from least_squares import LR, X0, N, grads, train
+
+T = Client[torch.Tensor]
+STEPS = 40
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_gradient_allreduce_steps_on_the_average_gradient(cluster: ClusterFactory,
+                                                          momentum: float) -> None:
+    # x_i' = x_i - lr m_i, m_i' = momentum m_i + mean_j g_j(x_j): every rank steps on the same
+    # average, from its own start
+    got = train(cluster(N, "ring"), "gradient-allreduce", STEPS,
+                make_opt=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=momentum))
+    x, m = X0.copy(), np.zeros_like(X0)
+    for _ in range(STEPS):
+        m = momentum * m + grads(x).mean(axis=0)
+        x = x - LR * m
+    np.testing.assert_allclose(got, x, rtol=1e-12, atol=1e-12)
+
+
+class Recorder:
+    """Horovod's compressor interface, doing nothing but noting when it is called."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        self.events.append(f"reduce {tuple(tensor.shape)}")
+        return tensor, None
+
+    def decompress(self, tensor: torch.Tensor, _context: Any) -> torch.Tensor:
+        return tensor
+
+
+def _model(r: int) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    return (torch.nn.Parameter(torch.full((3,), 10.0 + r)),
+            torch.nn.Parameter(torch.full((2,), -float(r))))
+
+
+def _loss(r: int, w: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
+    # gradients (r + k) on w and 2 (r + k) on b: exact in float32
+    return ((r + k) * (w.sum() + 2 * b.sum()))
+
+
+def test_distributed_optimizer_reduces_during_backward_after_the_last_pass(
+        cluster: ClusterFactory) -> None:
+    c = cluster(N, "ring")
+
+    def run(cl: T) -> tuple[list[str], torch.Tensor, torch.Tensor, bool]:
+        r, events = cl.rank, list[str]()
+        w, b = _model(r)
+        opt = dt.DistributedOptimizer(torch.optim.SGD([w, b], lr=0.5),
+                                      named_parameters=[("w", w), ("b", b)],
+                                      compression=Recorder(events), backward_passes_per_step=2,
+                                      client=cl)
+        _loss(r, w, b, 1).backward()
+        events.append("backward 1")
+        _loss(r, w, b, 2).backward()
+        events.append("backward 2")
+        opt.step()
+        return events, w.detach().clone(), b.detach().clone(), isinstance(opt, torch.optim.SGD)
+
+    mean = float(np.mean([(r + 1) + (r + 2) for r in range(N)]))  # the two passes summed, averaged
+    for r, (events, w, b, is_sgd) in enumerate(c.run(run)):
+        assert events == ["backward 1", "reduce (2,)", "reduce (3,)", "backward 2"], events
+        assert torch.equal(w, torch.full((3,), 10.0 + r - 0.5 * mean))
+        assert torch.equal(b, torch.full((2,), -float(r) - 0.5 * 2 * mean))
+        assert is_sgd  # Horovod's wrapper is an instance of the wrapped optimizer's class
+
+
+def test_fp16_compression_rounds_to_half_precision_on_the_way(cluster: ClusterFactory) -> None:
+    c = cluster(N, "ring")
+    values = [0.1 * (r + 1) + 1e-3 for r in range(N)]  # not representable in float16
+
+    def run(cl: T) -> torch.Tensor:
+        x = torch.nn.Parameter(torch.zeros(4))
+        opt = dt.DistributedOptimizer(torch.optim.SGD([x], lr=1.0), client=cl,
+                                      named_parameters=[("x", x)], compression=dt.Compression.fp16)
+        (values[cl.rank] * x.sum()).backward()
+        opt.step()
+        return x.detach().clone()
+
+    halves = np.array(values, dtype=np.float16).astype(np.float32)
+    want = -(halves.sum(dtype=np.float32) / np.float32(N)).astype(np.float16).astype(np.float32)
+    for got in c.run(run):
+        assert got.dtype == torch.float32 and torch.equal(got, torch.full((4,), float(want)))
+        assert float(want) != -float(np.mean(np.array(values, dtype=np.float32)))
+
+
+def test_sum_with_a_predivide_factor_and_skip_synchronize(cluster: ClusterFactory) -> None:
+    c = cluster(N, "ring")
+
+    def run(cl: T) -> torch.Tensor:
+        x = torch.nn.Parameter(torch.zeros(2))
+        opt = dt.DistributedOptimizer(torch.optim.SGD([x], lr=1.0), client=cl, op=dt.Sum,
+                                      gradient_predivide_factor=2.0)
+        (float(cl.rank + 1) * torch.tensor([3.0, 4.0]) @ x).backward()
+        opt.synchronize()  # the summed gradients are in .grad: clip them before the step
+        torch.nn.utils.clip_grad_norm_([x], max_norm=1.0)
+        with opt.skip_synchronize():
+            opt.step()
+        return x.detach().clone()
+
+    for got in c.run(run):  # sum: 10 * (3, 4), norm 50, clipped to norm 1
+        torch.testing.assert_close(got, -torch.tensor([0.6, 0.8]), rtol=1e-6, atol=0)
+
+
+def test_lr_schedulers_and_checkpoints_see_one_optimizer(cluster: ClusterFactory) -> None:
+    c = cluster(N, "ring")
+
+    def run(cl: T) -> tuple[float, torch.Tensor, dict[str, Any]]:
+        x = torch.nn.Parameter(torch.zeros(1))
+        opt = dt.DistributedOptimizer(torch.optim.SGD([x], lr=1.0, momentum=0.5), client=cl)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for _ in range(2):
+            opt.zero_grad()
+            (float(cl.rank) * x.sum()).backward()
+            opt.step()
+            scheduler.step()
+        with pytest.raises(RuntimeError, match=r"zero_grad.*being reduced"):
+            (x.sum()).backward()
+            opt.zero_grad()
+        opt.synchronize()
+        return opt.param_groups[0]["lr"], x.detach().clone(), opt.state_dict()
+
+    g = float(np.mean(range(N)))  # momentum buffer g, then 0.5 g + g; lr 1 then 0.5
+    for lr, x, state in c.run(run):
+        assert lr == 0.25
+        f32 = torch.float32
+        torch.testing.assert_close(x, torch.tensor([-(g + 0.5 * 1.5 * g)], dtype=f32),
+                                   rtol=1e-6, atol=0)
+        torch.testing.assert_close(state["state"][0]["momentum_buffer"],
+                                   torch.tensor([1.5 * g], dtype=f32), rtol=1e-6, atol=0)
+
+
+def test_broadcast_optimizer_state_gives_every_rank_the_roots_adam(
+        cluster: ClusterFactory) -> None:
+    c = cluster(N, "ring")
+
+    def run(cl: T) -> dict[str, Any]:
+        r = cl.rank
+        x = torch.nn.Parameter(torch.full((3,), float(r)))
+        adam = torch.optim.Adam([x], lr=0.1 * (r + 1), betas=(0.8, 0.9))
+        if r != 1:  # rank 1 (the root) steps once, rank 0 twice, others not at all
+            for _ in range(2 - min(r, 2)):
+                (x * x).sum().backward()
+                adam.step()
+        else:
+            (3 * x).sum().backward()
+            adam.step()
+        opt = dt.DistributedOptimizer(adam, named_parameters=[("x", x)], client=cl)
+        dt.broadcast_parameters([("x", x)], root_rank=1, client=cl)
+        dt.broadcast_optimizer_state(opt, root_rank=1, client=cl)
+        return {"x": x.detach().clone(), "state": opt.state_dict()}
+
+    got = c.run(run)
+    root = got[1]
+    for o in got:
+        assert torch.equal(o["x"], root["x"])
+        assert o["state"]["param_groups"] == root["state"]["param_groups"]
+        mine, theirs = o["state"]["state"][0], root["state"]["state"][0]
+        assert set(mine) == {"step", "exp_avg", "exp_avg_sq"} == set(theirs)
+        for key in mine:
+            assert torch.equal(mine[key], theirs[key]), key
+    assert root["state"]["param_groups"][0]["lr"] == pytest.approx(0.2)
+
+
+def test_a_gradient_twice_before_step_is_refused(cluster: ClusterFactory) -> None:
+    cl = cluster(1, "ring").clients[0]
+    x = torch.nn.Parameter(torch.zeros(2))
+    opt = dt.DistributedOptimizer(torch.optim.SGD([x], lr=1.0), client=cl)
+    x.sum().backward()
+    with pytest.raises(RuntimeError, match="more than backward_passes_per_step"):
+        x.sum().backward()
+    opt.synchronize()
+    with pytest.raises(dt.AlgorithmError, match="Adasum is not supported"):
+        dt.DistributedOptimizer(torch.optim.SGD([x], lr=1.0), client=cl, op=dt.Adasum)
