@@ -334,7 +334,9 @@ def drive(args: argparse.Namespace) -> list[dict[str, Any]]:
     runs = plan(args.datasets, args.algorithms, args.epochs, args.seed, args.large_seeds)
     total = sum(r.epochs for r in runs)
     out_file = Path(args.out) / ".convergence-worker.json"
-    cmd = [sys.executable, "-m", "decentd.launcher", "-np", str(args.workers), "--topology",
+    # one daemon per worker: each worker's bytes on the wire are its daemon's counters
+    cmd = [sys.executable, "-m", "decentd.launcher", "-np", str(args.workers), "--nodes",
+           str(args.workers), "--topology",
            "exponential", "--", sys.executable, str(Path(__file__).resolve()), "--worker",
            "--worker-out", str(out_file), "--datasets", ",".join(args.datasets),
            "--algorithms", ",".join(args.algorithms), "--epochs", str(args.epochs),

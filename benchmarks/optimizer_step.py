@@ -1,6 +1,6 @@
 """One ``DecentralizedOptimizer`` step with the parameters flattened into shared memory or not.
 
-    .venv/bin/decentrun -np 2 -- .venv/bin/python benchmarks/optimizer_step.py \\
+    .venv/bin/decentrun -np 2 --nodes 2 -- .venv/bin/python benchmarks/optimizer_step.py \\
         [--mbytes 25] [--params 16] [--steps 30] [--json benchmarks/results/optimizer_step.json]
 
 Every rank wraps ``torch.optim.SGD`` (lr 0.1) around a model of ``--params`` float32 parameters

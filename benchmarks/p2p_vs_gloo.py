@@ -1,10 +1,10 @@
 """decent against torch.distributed gloo, raw TCP and hivemind, in one run between 2 daemons.
 
-Run under the local launcher (it starts one daemon per rank and sets ``DECENT_DAEMON``,
-``DECENT_RANK``, ``DECENT_SIZE``)::
+Run under the local launcher with one node per rank (it starts one daemon per rank and sets
+``DECENT_DAEMON``, ``DECENT_RANK``, ``DECENT_SIZE``)::
 
-    decentrun -np 2 -- python benchmarks/p2p_vs_gloo.py [--sizes 4K,64K,1M,16M,64M] [--quick]
-        [--no-hivemind] [--out benchmarks/results]
+    decentrun -np 2 --nodes 2 -- python benchmarks/p2p_vs_gloo.py [--sizes 4K,64K,1M,16M,64M]
+        [--quick] [--no-hivemind] [--out benchmarks/results]
 
 Both workers connect to their daemon, join a gloo process group on loopback and open one raw TCP
 connection to each other. Inputs are ``(arange(n) % 1024) + rank + 1`` (float32), so every
@@ -243,7 +243,8 @@ def launch_command(size: int) -> str:
         for i, arg in enumerate(argv):
             if os.path.basename(arg) == "decentrun":
                 return shlex.join(["decentrun", *argv[i + 1:]])
-    return shlex.join(["decentrun", "-np", str(size), "--", "python", *sys.argv])
+    return shlex.join(["decentrun", "-np", str(size), "--nodes", str(size), "--", "python",
+                       *sys.argv])
 
 
 def proc_memory(pid: int) -> dict[str, int]:
@@ -399,7 +400,7 @@ class Bench:
         if env_rank is not None and int(env_rank) != self.rank:
             raise RuntimeError(f"$DECENT_RANK={env_rank} but the daemon says rank {self.rank}")
         if self.size != 2:
-            raise SystemExit(f"this benchmark needs exactly 2 ranks (decentrun -np 2), "
+            raise SystemExit(f"this benchmark needs exactly 2 ranks (decentrun -np 2 --nodes 2), "
                              f"got {self.size}")
         info = self.client.topology_at()
         if sorted(info.in_neighbors) != [1 - self.rank] or \

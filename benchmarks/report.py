@@ -5,7 +5,8 @@ Run it after the benchmarks::
     python benchmarks/report.py [--results benchmarks/results]
 
 It reads ``p2p_vs_gloo.json`` (written by ``benchmarks/p2p_vs_gloo.py``) and ``netns_dsgd.json``
-(written by ``benchmarks/netns_dsgd.py``; either may be missing or say ``skipped``), writes
+(written by ``benchmarks/netns_dsgd.py``) and ``netns_hier.json`` (``benchmarks/netns_hier.py``;
+any of them may be missing or say ``skipped``), writes
 ``REPORT.md`` with every table and the acceptance table of all criteria, writes
 ``README_TABLE.md`` (a compact table to paste into the README) and prints that table.
 
@@ -72,6 +73,10 @@ HM_TITLES = {
     "hm_allreduce": "hivemind DecentralizedAverager all-reduce only",
     "hm_step": "hivemind DecentralizedAverager step() (matchmaking incl.)",
 }
+#: netns_hier.py's targets (its JSON carries its own; these name them when it is missing)
+HIER_ROWS = (("4h", "gloo_over_hier", 1.6, "gloo ring allreduce / hierarchical D-SGD step"),
+             ("4f", "flat_over_hier", 1.7,
+              "flat one-peer D-SGD over workers / hierarchical D-SGD step"))
 MIB64 = 64 << 20
 KIB4 = 4 << 10
 LOAD_WARNING = 1.5
@@ -208,6 +213,15 @@ def _vs(res: dict[str, Any], ratio: float, timing: str = "") -> str:
     text = (f"{ratio_text(ratio)} ({ms(res['gloo' + timing]['median_s'])} vs "
             f"{ms(res['decent' + timing]['median_s'])} ms")
     return text + (")" if timing else f", steal {res.get('steal_frac', 0):.0%})")
+
+
+def _hier_vs(res: dict[str, Any], key: str) -> str:
+    """``1.70x (371 vs 218 ms; 43.9 vs 25.1 MB/link/step, steal 0%)`` for a netns_hier ratio."""
+    slow, fast = (res["systems"][k] for k in key.split("_over_"))
+    return (f"{ratio_text(res['targets'][key]['value'])} ({ms(slow['median_s'])} vs "
+            f"{ms(fast['median_s'])} ms; {slow['bytes']['link_tx_mb_mean']:.1f} vs "
+            f"{fast['bytes']['link_tx_mb_mean']:.1f} MB/link/step, steal "
+            f"{res.get('steal_frac', 0):.0%})")
 
 
 def wrong_is_fail(row: dict[str, Any], res: dict[str, Any]) -> None:
@@ -349,6 +363,19 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                 v = float(other["speedup"])
                 add(row, what, v, 1.6, True, _vs(other, v) + provenance(other, netns))
                 wrong_is_fail(rows[-1], other)
+        hier = None if results is None else load(results / "netns_hier.json")
+        for cid, key, target, what in HIER_ROWS:
+            if hier is None or "targets" not in hier:
+                why = "netns_hier.json missing" if hier is None else \
+                    hier.get("skipped") or hier.get("error") or "no result"
+                add(cid, f"4 netns x 2 workers at 1gbit, 25 MB: {what}", None, target, True,
+                    f"not measured ({why})")
+                continue
+            t = hier["targets"][key]
+            add(cid, f"{hier['nodes']} netns x {hier['per_node']} workers at {hier['rate']}, "
+                f"{hier['mbytes']} MB: {what}", float(t["value"]), float(t["target"]), True,
+                _hier_vs(hier, key) + provenance(hier, netns))
+            wrong_is_fail(rows[-1], hier)
     # (5) daemon RSS
     daemons = p2p.get("daemons") or []
     peaks = [d.get("peak", {}).get("VmRSS") for d in daemons]
@@ -835,6 +862,51 @@ def netns_lines(netns: dict[str, Any] | None) -> list[str]:
     ]
 
 
+HIER_LABELS = {"gloo": "gloo ring allreduce", "flat": "decent flat one-peer D-SGD (workers)",
+               "hier": "decent hierarchical D-SGD (one copy per machine)"}
+
+
+def netns_hier_lines(hier: dict[str, Any] | None, results: Path) -> list[str]:
+    """Summary of the hierarchical netns benchmark (``netns_hier.json``)."""
+    if hier is None:
+        return ["`netns_hier.json` is missing: `benchmarks/netns_hier.py` has not been run."]
+    if "targets" not in hier:
+        return [f"Not measured: {hier.get('skipped') or hier.get('error') or 'no result'}."]
+    th = hier.get("theory", {})
+    rows = []
+    for name, label in HIER_LABELS.items():
+        s, b = hier["systems"][name], hier["systems"][name]["bytes"]
+        rows.append([label, ms(s["median_s"]), ms(th.get("step_s", {}).get(name)),
+                     f"{b['link_tx_mb_mean']:.1f} (max {b['link_tx_mb_max_call']:.1f})",
+                     "-" if name == "gloo" else f"{b['daemon_sent_mb_mean']:.1f}",
+                     f"{s.get('cpu_cores_busy', 0):.2f}", "yes" if s.get("correct") else "NO"])
+    verdict = "; ".join(
+        f"{key.replace('_over_', '/')} **{t['value']:.2f}x** (target {t['target']}x, link bound "
+        f"{th.get('speedups', {}).get(key) or float('nan'):.2f}x: "
+        f"{'met' if t['met'] else 'MISSED'})" for key, t in hier["targets"].items())
+    png = ["", "![hierarchical D-SGD](netns_hier.png)"] \
+        if (results / "netns_hier.png").exists() else []
+    return [
+        f"{hier['nodes']} network namespaces x {hier['per_node']} workers ({hier['workers']} "
+        f"workers), every link limited to {hier['rate']} both ways, {hier['mbytes']} MB float32 "
+        f"model, median of {hier['repeats']} repeats (slowest rank each), the three systems' "
+        "calls interleaved. MB per link: the node's veth tx counter (upload, all traffic) and "
+        "the daemon's bytes sent to its peers, per node and step, mean over nodes and calls. "
+        f"Raw TCP {hier.get('link', {}).get('single_gbit_s', float('nan')):.3f} Gbit/s; load "
+        f"average at start {_load(hier.get('loadavg_start'))}, 64 MiB memmove "
+        f"{_memmove(hier)}; CPU stolen {hier.get('steal_frac', 0):.0%}, other processes' "
+        f"cores during hier's calls {hier['systems']['hier'].get('other_cores_busy', 0):.2f}; "
+        f"date {hier.get('date')}; decent "
+        f"{hier.get('decent_source', {}).get('repo_commit', '?')}.",
+        "",
+        *table(["system", "median ms", "link-only bound ms", "MB/link/step (veth tx)",
+                "daemon MB/step", "CPU cores busy", "exact"], rows),
+        "",
+        f"Speedups: {verdict}.",
+        *png,
+    ]
+
+
 def readme_table(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                  results: Path | None = None) -> str:
     """Compact markdown for the README: per-size ratios, ResNet-18, acceptance verdicts (the
@@ -887,8 +959,9 @@ def render_report(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                       pngs if p2p else [], results)
     lines = ["# Benchmark report", "",
              "Merged from `p2p_vs_gloo.json` (`decentrun -np 2 -- python "
-             "benchmarks/p2p_vs_gloo.py`) and `netns_dsgd.json` (`python "
-             "benchmarks/netns_dsgd.py`, as root) by `python benchmarks/report.py`.", "",
+             "benchmarks/p2p_vs_gloo.py`), `netns_dsgd.json` (`python "
+             "benchmarks/netns_dsgd.py`, as root) and `netns_hier.json` (`python "
+             "benchmarks/netns_hier.py`, as root) by `python benchmarks/report.py`.", "",
              "## Acceptance", "", *acceptance_lines(rows), ""]
     if p2p is None or "sizes" not in p2p:
         lines += ["## Loopback (2 daemons)", "",
@@ -904,6 +977,8 @@ def render_report(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                   "## hivemind", "", *hivemind_lines(p2p), "",
                   "## Daemons", "", *daemon_lines(p2p), "", *failure_lines(p2p), ""]
     lines += ["## D-SGD across network namespaces", "", *netns_lines(netns), ""]
+    lines += ["## Hierarchical D-SGD across network namespaces (workers per node)", "",
+              *netns_hier_lines(load(results / "netns_hier.json"), results), ""]
     if p2p is not None and "sizes" in p2p:
         lines += ["Full per-series details: `p2p_vs_gloo.md`.", ""]
     return "\n".join(lines)

@@ -69,6 +69,7 @@ class Outgoing:
     abandoned: bool = False  # its op was cancelled: skip it if not started
     started: bool = False
     sent: int = 0  # bytes of the whole frame in the kernel so far (header included)
+    write: int = -1  # the sender's write (sendmsg call) that took its last byte
 
 
 def _take(buffers: list[Buffer], limit: int) -> list[Buffer]:
@@ -105,6 +106,10 @@ class Sender:
         self.loop = loop
         self.peer = peer
         self.bytes_sent = 0
+        #: frames sent, and the writes (sendmsg calls) that carried them: everything queued for
+        #: this peer goes out together, several frames per write
+        self.frames = 0
+        self.writes = 0
         self.error: BaseException | None = None
         self._cv = threading.Condition()
         self._queue: collections.deque[Outgoing] = collections.deque()
@@ -139,7 +144,9 @@ class Sender:
                         on_done(exc)
                     return None
                 self.bytes_sent += sent
+                self.writes += sent > 0
                 if sent == total:
+                    self.frames += 1
                     if on_done is not None:
                         on_done(None)
                     return None
@@ -174,27 +181,54 @@ class Sender:
                     self._cv.wait()
                 if not self._queue:
                     return
-                item = self._queue.popleft()
-                if item.abandoned and not item.started:
-                    self._done(item, asyncio.CancelledError())
-                    continue
-                item.started = True
+                batch = self._take_queued()
                 self._busy = True
             err: BaseException | None = None
             try:
-                buffers = item.buffers
-                while buffers:  # in slices, so that progress is visible (Outgoing.sent)
-                    sent = self.sock.sendmsg(_take(buffers, SLICE))
-                    self.bytes_sent += sent
-                    item.sent += sent
-                    buffers = _advance(buffers, sent)
+                self._write(batch)
             except OSError as exc:
                 err = exc
             with self._cv:
                 self._busy = False
                 if err is not None:
                     self._broken(err)
-            self._done(item, err)
+            for item in batch:
+                if item.buffers:  # not all of it went out
+                    self._done(item, err)
+
+    def _take_queued(self) -> list[Outgoing]:
+        """Every frame queued now (lock held), in order; abandoned ones are dropped."""
+        batch = []
+        while self._queue:
+            item = self._queue.popleft()
+            if item.abandoned and not item.started:
+                self._done(item, asyncio.CancelledError())
+                continue
+            item.started = True
+            batch.append(item)
+        return batch
+
+    def _write(self, batch: list[Outgoing]) -> None:
+        """Write the frames of ``batch`` back to back, gathered into as few calls as the
+        kernel allows (in slices, so that each frame's progress is visible)."""
+        pending = list(batch)
+        while pending:
+            buffers = [b for item in pending for b in item.buffers]
+            sent = self.sock.sendmsg(_take(buffers, SLICE))
+            self.bytes_sent += sent
+            self.writes += 1
+            while pending and sent:
+                item = pending[0]
+                left = sum(len(b) for b in item.buffers)
+                step = min(sent, left)
+                item.sent += step
+                item.buffers = _advance(item.buffers, step)
+                sent -= step
+                if step == left:
+                    item.write = self.writes
+                    self.frames += 1
+                    self._done(item, None)
+                    pending.pop(0)
 
     def _done(self, item: Outgoing, err: BaseException | None) -> None:
         item.buffers = []

@@ -23,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", help="comma-separated host:port of every rank, in rank order")
     p.add_argument("--listen", help="host:port to listen on for peers")
     p.add_argument("--socket", help="Unix socket path for local workers")
-    p.add_argument("--topology", help="topology kind (ring, exponential, hypercube, ...)")
+    p.add_argument("--topology", help="topology kind over the workers (ring, exponential, ...)")
+    p.add_argument("--machine-topology", help="topology kind over the daemons (hierarchical ops)")
+    p.add_argument("--workers-per-node", type=int, help="workers this daemon serves")
     p.add_argument("--cluster-id", help="cluster id peers must share")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -43,6 +45,10 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
             out[key] = getattr(args, key)
     if args.topology is not None:
         out["topology.kind"] = args.topology
+    if args.machine_topology is not None:
+        out["machine_topology.kind"] = args.machine_topology
+    if args.workers_per_node is not None:
+        out["workers_per_node"] = args.workers_per_node
     out.update(parse_set(args.set))
     return out
 

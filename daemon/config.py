@@ -121,7 +121,13 @@ class NodeConfig(_Strict):
     listen: str | None = None
     #: Unix socket for local workers
     socket: str = Field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "decentd.sock"))
+    #: workers each daemon serves (the same on every node): worker ranks are
+    #: ``rank * workers_per_node + local_rank``, and ``topology`` is over all workers
+    workers_per_node: int = Field(1, ge=1, le=1024)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    #: the daemons' graph for hierarchical averaging (same schema as ``topology``); default:
+    #: ``topology``'s kind and scheme over the daemons
+    machine_topology: TopologyConfig | None = None
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
@@ -147,8 +153,21 @@ class NodeConfig(_Strict):
 
     @property
     def size(self) -> int:
-        """Number of nodes in the cluster."""
+        """Number of nodes (daemons) in the cluster."""
         return max(1, len(self.peers))
+
+    @property
+    def worker_count(self) -> int:
+        """Number of workers in the cluster."""
+        return self.size * self.workers_per_node
+
+    def machine_topology_config(self) -> TopologyConfig:
+        """The daemons' graph: ``machine_topology``, else ``topology``'s kind and scheme (a
+        ``custom`` one, whose edges are between workers: ``exponential``)."""
+        if self.machine_topology is not None:
+            return self.machine_topology
+        kind = "exponential" if self.topology.kind == "custom" else self.topology.kind
+        return TopologyConfig(kind=kind, scheme=self.topology.scheme)
 
     def resolved_rank(self) -> int:
         """The numeric rank, deriving it from the environment when ``rank: auto``."""

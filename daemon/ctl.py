@@ -52,6 +52,12 @@ def status(address: str, console: Console) -> int:
         table.add_row(str(p.rank), p.address, "yes" if p.connected else "[red]no[/red]",
                       f"{p.last_heartbeat_age_s:.1f}", str(p.bytes_sent), str(p.bytes_received))
     console.print(table)
+    workers = Table("worker rank", "local rank", "pid", "framework", "job", "in flight",
+                    title=f"local workers ({s.workers_per_node} per node)")
+    for w in s.local_workers:
+        workers.add_row(str(w.rank), str(w.local_rank), str(w.pid), w.framework, w.job,
+                        str(w.ops_in_flight))
+    console.print(workers)
     return 0
 
 

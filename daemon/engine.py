@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -23,9 +24,10 @@ from decent_wire.errors import DecentError
 from decent_wire.topology import Topology, from_spec
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.arena import Arena
+from decentd.hierarchy import Hierarchy, Request
 from decentd.mailbox import OpKey
-from decentd.names import JOB_SEPARATOR, qualify
-from decentd.ops.api import OpContext, OpSpec, PartSpec, Services
+from decentd.names import JOB_SEPARATOR, OWNER_SEPARATOR, at_worker, qualify
+from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Services
 
 log = logging.getLogger("decentd.engine")
 
@@ -36,16 +38,24 @@ OP_OF_FIELD: dict[str, int] = {
 }
 
 
+#: told how a started op ended: its result, or the error it failed with
+Done = Callable[[OpResult | None, DecentError | None], None]
+
+
 @dataclass
 class WorkerSession:
-    """One registered local worker: its arena and the channel its completions go out on."""
+    """One registered local worker: its rank, its arena and the channel its completions go
+    out on."""
 
     worker_id: str
     pid: int
     framework: str
     arena: Arena
     job: str = ""
+    rank: int = 0  #: among all workers: machine * workers_per_node + local_rank
+    local_rank: int = 0
     in_flight: set[OpKey] = field(default_factory=set)
+    gone: bool = False  #: it left: nothing may be written into its arena any more
     attached: bool = False
     #: writes one completion to the worker's data channel (set when the worker attaches)
     deliver: Callable[[pb.Completion], None] | None = None
@@ -64,7 +74,7 @@ class Engine:
     def __init__(self, services: Services, ops: Mapping[int, OpSpec], default_timeout: float,
                  stall_warning: float) -> None:
         self.services = services
-        self.rank = services.rank
+        self.machine = services.machine
         self.ops = ops
         self.default_timeout = default_timeout
         self.stall_warning = stall_warning
@@ -72,43 +82,80 @@ class Engine:
         self.completed = 0
         self.failed = 0
         self.closing = False
+        #: allreduce, broadcast, barrier and hierarchical averaging: a node's workers combined
+        self.hierarchy = Hierarchy(services, ops, self.start)
 
     # ------------------------------------------------------------------ submission
 
     def submit(self, session: WorkerSession, req: pb.SubmitRequest) -> None:
         """Validate and start one request; DecentError when it is refused outright."""
         if self.closing:
-            raise DecentError(pb.SHUTTING_DOWN, f"daemon rank {self.rank} is shutting down")
+            raise DecentError(pb.SHUTTING_DOWN, f"daemon rank {self.machine} is shutting down")
         if req.WhichOneof("op") == "set_topology":
             session.topology = self._topology(req.set_topology.spec_json)
             session.complete(pb.Completion(request_id=req.request_id))
             return
-        ctx = self._context(session, req)
+        op, spec, args = self._op(req)
+        timeout = req.timeout_s or self.default_timeout
+        parts = [self._part(session, t) for t in req.tensors]
+        if len({p.round for p in parts}) != 1:
+            raise DecentError(pb.INVALID_ARGUMENT, f"fused request '{parts[0].display}' mixes "
+                              f"rounds {sorted({p.round for p in parts})}; fuse one step's "
+                              "tensors")
+        if op in self.hierarchy.ops:
+            self.hierarchy.submit(Request(session, req.request_id, op, args, parts, timeout))
+            return
+        for p in parts:
+            p.name = at_worker(p.name, session.rank)
+        level = Level(session.rank, self.services.workers,
+                      session.topology or self.services.topology)
+        ctx = OpContext(self.services, op, args, parts, spec, level)
+        self.start(ctx, timeout, lambda result, err: self._complete(session, ctx,
+                                                                    req.request_id, result, err))
+        session.in_flight.update(ctx.keys)
+
+    def start(self, ctx: OpContext, timeout: float, done: Done) -> None:
+        """Open the op's keys and run it as a task; ``done`` is told how it ended.
+        DecentError when one of its keys is in flight already."""
         keys = ctx.keys
         for key, p in zip(keys, ctx.parts, strict=True):
             if key in self.running:
                 raise DecentError(pb.INVALID_ARGUMENT, f"'{p.display}' round {p.round} is "
-                                                       f"already in flight on rank {self.rank}")
+                                                       f"already in flight on rank {ctx.rank}")
         if len(set(keys)) != len(keys):
             raise DecentError(pb.INVALID_ARGUMENT, f"fused request '{ctx.display}' names a "
                                                    "tensor twice")
         for key in keys:
             self.running[key] = ctx
-            session.in_flight.add(key)
         for src, error in self.services.mailbox.open(keys, ctx):
             ctx.aborted(src, error)
-        timeout = req.timeout_s or self.default_timeout
-        ctx.task = asyncio.get_running_loop().create_task(
-            self._run(ctx, session, timeout, req.request_id))
+        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, timeout, done))
 
-    def _context(self, session: WorkerSession, req: pb.SubmitRequest) -> OpContext:
-        """The request's op, arguments and tensors, checked."""
+    def _complete(self, session: WorkerSession, ctx: OpContext, request_id: int,
+                  result: OpResult | None, err: DecentError | None) -> None:
+        """A worker-level op ended: its completion to its worker."""
+        session.in_flight.difference_update(ctx.keys)
+        completion = pb.Completion(request_id=request_id)
+        if err is not None:
+            completion.error.CopyFrom(err.to_pb())
+        elif result is not None:
+            completion.out_nbytes = result.out_nbytes
+            completion.out_meta.dtype = ctx.dtype
+            completion.out_meta.shape.extend(result.shape)
+            completion.src_ranks.extend(result.src_ranks)
+        session.complete(completion)
+
+    def _op(self, req: pb.SubmitRequest) -> tuple[int, OpSpec, Any]:
+        """The request's op, its spec and its typed arguments, checked."""
         which = req.WhichOneof("op")
         op = OP_OF_FIELD.get(which or "")
         spec = self.ops.get(op) if op is not None else None
         if op is None or spec is None:
-            raise DecentError(pb.INVALID_ARGUMENT, f"request {req.request_id} names no op this "
-                                                   f"daemon runs ({which})")
+            if op is not None and op in self.hierarchy.ops:
+                spec = self.hierarchy.ops[op]
+            else:
+                raise DecentError(pb.INVALID_ARGUMENT, f"request {req.request_id} names no op "
+                                                       f"this daemon runs ({which})")
         first = req.tensors[0].name if req.tensors else "?"
         if not math.isfinite(req.timeout_s) or req.timeout_s < 0:
             raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{first}': timeout must be a "
@@ -117,22 +164,16 @@ class Engine:
             raise DecentError(pb.INVALID_ARGUMENT, f"request {req.request_id} carries no tensor")
         if len(req.tensors) > 1 and not spec.fusable:
             raise DecentError(pb.INVALID_ARGUMENT, f"{which} requests cannot be fused")
-        parts = [self._part(session, t) for t in req.tensors]
-        if len({p.round for p in parts}) != 1:
-            raise DecentError(pb.INVALID_ARGUMENT, f"fused request '{first}' mixes rounds "
-                              f"{sorted({p.round for p in parts})}; fuse one step's tensors")
-        return OpContext(self.services, op, getattr(req, which or ""), parts, spec,
-                         session.topology)
+        return op, spec, getattr(req, which or "")
 
     def _topology(self, spec_json: str) -> Topology | None:
         """The topology a worker sets (an empty spec: back to the daemon's)."""
         if not spec_json:
             return None
         try:
-            return from_spec(json.loads(spec_json), self.services.size)
+            return from_spec(json.loads(spec_json), self.services.workers)
         except (ValueError, TypeError) as exc:  # TopologyError, JSONDecodeError
-            raise DecentError(pb.INVALID_ARGUMENT, f"set_topology on rank {self.rank}: "
-                                                   f"{exc}") from None
+            raise DecentError(pb.INVALID_ARGUMENT, f"set_topology: {exc}") from None
 
     @staticmethod
     def _part(session: WorkerSession, t: pb.TensorRef) -> PartSpec:
@@ -140,8 +181,8 @@ class Engine:
         name = t.name
         if not name:
             raise DecentError(pb.INVALID_ARGUMENT, "request has an empty name")
-        if JOB_SEPARATOR in name:
-            raise DecentError(pb.INVALID_ARGUMENT, f"op name {name!r} contains \\x1f")
+        if JOB_SEPARATOR in name or OWNER_SEPARATOR in name:
+            raise DecentError(pb.INVALID_ARGUMENT, f"op name {name!r} contains \\x1f or \\x1e")
         meta = t.meta
         if meta.dtype not in dtypes.STORAGE:
             raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{name}': unsupported dtype "
@@ -163,15 +204,15 @@ class Engine:
 
     # ------------------------------------------------------------------ running
 
-    async def _run(self, ctx: OpContext, session: WorkerSession, timeout: float,
-                   request_id: int) -> None:
+    async def _run(self, ctx: OpContext, timeout: float, done: Done) -> None:
         ctx.running = True
-        completion = pb.Completion(request_id=request_id)
+        result: OpResult | None = None
+        error: DecentError | None = None
         try:
             try:
                 ctx.participants = ctx.spec.peers(ctx)
             except DecentError:  # its own arguments are bad: every rank may be waiting for it
-                ctx.participants = set(range(ctx.size)) - {self.rank}
+                ctx.participants = set(range(ctx.size)) - {ctx.rank}
                 raise
             if ctx.failure is not None:  # aborted by a peer, or shut down, before it started
                 raise asyncio.CancelledError
@@ -182,37 +223,35 @@ class Engine:
             finally:
                 timer.cancel()
         except asyncio.CancelledError:
-            err = ctx.failure or DecentError(pb.SHUTTING_DOWN, f"{ctx.label} was cancelled")
-            self._fail(ctx, err, completion)
+            error = ctx.failure or DecentError(pb.SHUTTING_DOWN, f"{ctx.label} was cancelled")
         except DecentError as err:
             if not err.message.startswith(ctx.label) and ctx.display not in err.message:
                 err = DecentError(err.code, f"{ctx.label}: {err.message}")
-            self._fail(ctx, err, completion)
+            error = err
         except Exception as exc:  # a bug: fail this request, keep the daemon
             log.exception("internal error in %s", ctx.label)
-            self._fail(ctx, DecentError(pb.INTERNAL, f"{ctx.label}: internal error: {exc!r}"),
-                       completion)
+            error = DecentError(pb.INTERNAL, f"{ctx.label}: internal error: {exc!r}")
         else:
             self.completed += 1
-            completion.out_nbytes = result.out_nbytes
-            completion.out_meta.dtype = ctx.dtype
-            completion.out_meta.shape.extend(result.shape)
-            completion.src_ranks.extend(result.src_ranks)
         finally:
             for key in ctx.keys:
                 self.running.pop(key, None)
-                session.in_flight.discard(key)
             self.services.mailbox.close(ctx.keys)
             ctx.release_views()
-        session.complete(completion)
+        if error is not None:
+            self._fail(ctx, error)
+            result = None
+        try:
+            done(result, error)
+        except Exception:  # a bug in whoever waits: log it, keep the daemon
+            log.exception("completing %s failed", ctx.label)
 
     def _time_out(self, ctx: OpContext, timeout: float) -> None:
         ctx.fail(DecentError(pb.TIMEOUT, f"{ctx.label} timed out after {timeout:g}s on rank "
-                                         f"{self.rank}; still waiting for {ctx.waiting_for()}"))
+                                         f"{ctx.rank}; still waiting for {ctx.waiting_for()}"))
 
-    def _fail(self, ctx: OpContext, err: DecentError, completion: pb.Completion) -> None:
+    def _fail(self, ctx: OpContext, err: DecentError) -> None:
         self.failed += 1
-        completion.error.CopyFrom(err.to_pb())
         if err.code != pb.SHUTTING_DOWN or ctx.failure is None:
             log.warning("%s failed: %s", ctx.label, err)
         for peer in ctx.participants - {ctx.aborted_by}:
@@ -230,11 +269,13 @@ class Engine:
                 if age >= self.stall_warning and now - ctx.warned_at >= self.stall_warning:
                     ctx.warned_at = now
                     log.warning("stall: %s on rank %d has waited %.1fs; still waiting for %s",
-                                ctx.label, self.rank, age, ctx.waiting_for())
+                                ctx.label, ctx.rank, age, ctx.waiting_for())
 
     def fail_session(self, session: WorkerSession) -> list[asyncio.Task[None]]:
-        """The worker went away: fail its in-flight ops; their tasks, to wait for."""
-        tasks = []
+        """The worker went away: fail its in-flight ops (and the node's collectives that wait
+        for it); their tasks, to wait for."""
+        session.gone = True
+        tasks = self.hierarchy.fail_session(session)
         for key in list(session.in_flight):
             ctx = self.running.get(key)
             if ctx is not None:
@@ -243,6 +284,10 @@ class Engine:
                     tasks.append(ctx.task)
         return tasks
 
+    def joined(self, session: WorkerSession) -> None:
+        """A worker registered (its local rank takes part in the node's collectives again)."""
+        self.hierarchy.joined(session)
+
     def forget_history(self) -> None:
         """The last local worker left: a new job may reuse (name, round) keys from round 0."""
         self.services.mailbox.forget_history()
@@ -250,9 +295,10 @@ class Engine:
     async def shutdown(self, reason: str) -> None:
         """Fail every in-flight op with SHUTTING_DOWN and wait for their completions."""
         self.closing = True
+        self.hierarchy.shutdown(reason)
         tasks = []
         for ctx in set(self.running.values()):
-            ctx.fail(DecentError(pb.SHUTTING_DOWN, f"{ctx.label}: daemon rank {self.rank} is "
+            ctx.fail(DecentError(pb.SHUTTING_DOWN, f"{ctx.label}: daemon rank {self.machine} is "
                                                    f"shutting down ({reason})"))
             if ctx.task is not None:
                 tasks.append(ctx.task)

@@ -1,10 +1,13 @@
-"""``decentrun -np N [--topology KIND] [--] COMMAND ...``: a local cluster in one command.
+"""``decentrun -np N [--nodes K] [--topology KIND] [--machine-topology KIND] [--] COMMAND``:
+a local cluster in one command.
 
-Starts N daemons on loopback (free ports, one Unix socket each), then N copies of COMMAND with
-``DECENT_DAEMON``, ``DECENT_RANK`` and ``DECENT_SIZE`` set (and, all of them being on this host,
-``DECENT_LOCAL_RANK`` = rank and ``DECENT_LOCAL_SIZE`` = N, as Horovod's local rank), prefixes
-their output with the rank, and tears everything down when a worker fails, a daemon dies, or on
-Ctrl-C. The exit code is the first failing worker's (0 when all succeed).
+Starts K daemons ("nodes", default 1: this host is one node) on loopback, each serving N/K
+workers (free ports, one Unix socket each), then N copies of COMMAND. Worker ``r`` runs on node
+``r // (N/K)`` with ``DECENT_DAEMON``, ``DECENT_RANK``, ``DECENT_SIZE``, ``DECENT_LOCAL_RANK``,
+``DECENT_LOCAL_SIZE`` and ``DECENT_JOB`` set, plus torchrun's ``LOCAL_RANK``, ``RANK`` and
+``WORLD_SIZE`` (a script picks its GPU by its local rank). Output lines are prefixed ``[rank]``;
+everything is torn down when a worker fails, a daemon dies, or on Ctrl-C. The exit code is the
+first failing worker's (0 when all succeed).
 """
 
 from __future__ import annotations
@@ -87,8 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="decentrun", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-np", "--np", dest="np", type=int, required=True, help="number of workers")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="daemons, each serving np/nodes workers (default 1)")
     p.add_argument("--topology", default="ring", choices=topology.kinds(),
-                   help="topology kind (default ring)")
+                   help="topology kind over the workers (default ring)")
+    p.add_argument("--machine-topology", choices=topology.kinds(),
+                   help="topology kind over the nodes (hierarchical ops; default: --topology's)")
     p.add_argument("--config", help="node.yaml applied to every daemon")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every daemon")
@@ -116,7 +123,10 @@ def stop_processes(procs: Sequence[subprocess.Popen[bytes]], grace: float = 5.0)
 def daemon_command(args: argparse.Namespace, rank: int, peers: str, sock: str) -> list[str]:
     """The command line of daemon ``rank`` of the local cluster."""
     cmd = [sys.executable, "-m", "decentd.cli", "--rank", str(rank), "--peers", peers,
-           "--socket", sock, "--topology", args.topology, "--log-level", args.daemon_log_level]
+           "--socket", sock, "--topology", args.topology, "--log-level", args.daemon_log_level,
+           "--workers-per-node", str(args.np // args.nodes)]
+    if args.machine_topology:
+        cmd += ["--machine-topology", args.machine_topology]
     if args.config:
         cmd += ["--config", args.config]
     for item in args.set:
@@ -124,11 +134,21 @@ def daemon_command(args: argparse.Namespace, rank: int, peers: str, sock: str) -
     return cmd
 
 
-class LocalCluster:
-    """N daemons and N workers on this host, their output prefixed and copied to ours."""
+def worker_env(rank: int, size: int, per_node: int, daemon: str, job: str) -> dict[str, str]:
+    """What worker ``rank`` of the local cluster finds in its environment."""
+    local = str(rank % per_node)
+    return dict(os.environ, DECENT_DAEMON=daemon, DECENT_JOB=job, DECENT_RANK=str(rank),
+                DECENT_SIZE=str(size), DECENT_LOCAL_RANK=local,
+                DECENT_LOCAL_SIZE=str(per_node), LOCAL_RANK=local, RANK=str(rank),
+                WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(per_node), PYTHONUNBUFFERED="1")
 
-    def __init__(self, n: int) -> None:
+
+class LocalCluster:
+    """K daemons and N workers on this host, their output prefixed and copied to ours."""
+
+    def __init__(self, n: int, nodes: int = 1) -> None:
         self.n = n
+        self.nodes = nodes
         self.workdir = tempfile.mkdtemp(prefix="decentrun-")
         self.daemons: list[subprocess.Popen[bytes]] = []
         self.workers: list[subprocess.Popen[bytes]] = []
@@ -137,17 +157,16 @@ class LocalCluster:
     def start(self, args: argparse.Namespace, command: list[str]) -> None:
         """Start the daemons, then the workers (``stop()`` cleans up whatever started)."""
         job = os.environ.get("DECENT_JOB") or f"decentrun-{secrets.token_hex(4)}"
-        peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(self.n))
-        for i in range(self.n):
-            sock = os.path.join(self.workdir, f"rank{i}.sock")
-            self.daemons.append(self._spawn(daemon_command(args, i, peers, sock), None,
-                                            f"[decentd {i}] "))
-        for i in range(self.n):
-            env = dict(os.environ, DECENT_DAEMON=f"unix://{self.workdir}/rank{i}.sock",
-                       DECENT_JOB=job, DECENT_RANK=str(i), DECENT_SIZE=str(self.n),
-                       DECENT_LOCAL_RANK=str(i), DECENT_LOCAL_SIZE=str(self.n),
-                       PYTHONUNBUFFERED="1")
-            self.workers.append(self._spawn(command, env, f"[{i}] "))
+        peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(self.nodes))
+        for m in range(self.nodes):
+            sock = os.path.join(self.workdir, f"node{m}.sock")
+            self.daemons.append(self._spawn(daemon_command(args, m, peers, sock), None,
+                                            f"[decentd {m}] "))
+        per_node = self.n // self.nodes
+        for r in range(self.n):
+            daemon = f"unix://{self.workdir}/node{r // per_node}.sock"
+            self.workers.append(self._spawn(command, worker_env(r, self.n, per_node, daemon, job),
+                                            f"[{r}] "))
         for pump in self.pumps:
             pump.start()
 
@@ -194,13 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         print("decentrun: no command given", file=sys.stderr)
         return 2
-    if args.np < 1:
-        print("decentrun: -np must be >= 1", file=sys.stderr)
+    if args.np < 1 or args.nodes < 1:
+        print("decentrun: -np and --nodes must be >= 1", file=sys.stderr)
+        return 2
+    if args.np % args.nodes:
+        print(f"decentrun: -np {args.np} is not divisible by --nodes {args.nodes}: every node "
+              "serves the same number of workers", file=sys.stderr)
         return 2
     interrupted = threading.Event()
     signal.signal(signal.SIGINT, lambda _signum, _frame: interrupted.set())
     signal.signal(signal.SIGTERM, lambda _signum, _frame: interrupted.set())
-    cluster = LocalCluster(args.np)
+    cluster = LocalCluster(args.np, args.nodes)
     try:
         cluster.start(args, command)
         while (code := cluster.outcome()) is None:

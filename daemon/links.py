@@ -11,22 +11,18 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import socket
-import time
 from dataclasses import dataclass
 
 import grpc
 
-from decent_wire import framing
 from decent_wire.errors import DecentError
 from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.v1 import decent_pb2 as pb
-from decent_wire.v1 import decent_pb2_grpc as pb_grpc
-from decentd.bulk import Buffer, FrameSink, Inbound, Outgoing, Sender, tune
-from decentd.errors import StartupError
+from decentd.bulk import Buffer, FrameSink, Inbound, Outgoing, Sender
 from decentd.flow import LinkFlow, Rendezvous
+from decentd.loopback import LoopbackSender
 from decentd.mailbox import OpKey
-from decentd.names import display_name
+from decentd.names import display_name, owner, readdress
 
 log = logging.getLogger("decentd.links")
 
@@ -76,7 +72,7 @@ class PeerLink:
     address: str
     flow: LinkFlow
     channel: grpc.aio.Channel | None = None
-    sender: Sender | None = None
+    sender: Sender | LoopbackSender | None = None
     inbound: Inbound | None = None
     connected: bool = False  #: our connection to the peer is up
     inbound_lost: bool = False  #: the peer's connection to us was up and ended
@@ -90,6 +86,16 @@ class PeerLink:
     def bytes_sent(self) -> int:
         """Bytes written to the peer's bulk connection."""
         return self.sender.bytes_sent if self.sender is not None else 0
+
+    @property
+    def frames_sent(self) -> int:
+        """Frames written to the peer's bulk connection."""
+        return self.sender.frames if isinstance(self.sender, Sender) else 0
+
+    @property
+    def writes(self) -> int:
+        """Writes (sendmsg calls) that carried them."""
+        return self.sender.writes if isinstance(self.sender, Sender) else 0
 
     @property
     def bytes_received(self) -> int:
@@ -111,21 +117,79 @@ def _settle(fut: asyncio.Future[None], err: BaseException | None, rank: int, nam
 
 
 class Links:
-    """The links of one daemon to every peer."""
+    """The links of one daemon to every peer daemon, and to itself (its own workers).
+
+    Ops address peers by the ranks of their level: worker ranks for a worker's keys, daemon
+    ranks for node-level keys (:mod:`decentd.names`). A part goes to the daemon of its
+    receiver under the receiver's key, with the sender in ``Part.src``.
+    """
 
     def __init__(self, rank: int, addresses: list[str], cluster_id: str, window: int,
-                 topology_digest: str) -> None:
+                 topology_digest: str, per_node: int = 1, machine_digest: str = "") -> None:
         self.rank = rank
         self.cluster_id = cluster_id
         #: eager bytes each peer may have unconsumed here (its receive window)
         self.window = window
         #: Topology.digest() of this daemon's topology: peers must have the same
         self.topology_digest = topology_digest
+        #: workers per daemon: worker r is on daemon r // per_node
+        self.per_node = per_node
+        #: Topology.digest() of the daemons' machine topology: peers must have the same
+        self.machine_digest = machine_digest
         self.links = {r: PeerLink(r, a, LinkFlow(window)) for r, a in enumerate(addresses)
                       if r != rank}
+        #: this daemon as its own peer: parts between its workers (see :meth:`start_loopback`)
+        self.own = PeerLink(rank, addresses[rank] if addresses else "local", LinkFlow(window))
         self._loopback = [is_loopback(a) for a in addresses]
         self.data_port = 0
         self._server: asyncio.Server | None = None
+
+    # ------------------------------------------------------------------ addressing
+
+    def machine_of(self, peer: int, name: str) -> int:
+        """The daemon of ``peer``, a worker rank for a worker's key ``name``, a daemon rank for
+        a node-level key."""
+        return peer if owner(name) is None else peer // self.per_node
+
+    def link(self, machine: int) -> PeerLink | None:
+        """The link to daemon ``machine`` (this one's own for itself)."""
+        return self.own if machine == self.rank else self.links.get(machine)
+
+    def link_of(self, peer: int, name: str) -> PeerLink | None:
+        """The link that reaches ``peer`` for key ``name``."""
+        return self.link(self.machine_of(peer, name))
+
+    def addressed(self, peer: int, parts: list[pb.Part]) -> list[pb.Part]:
+        """Copies of our ``parts`` addressed to ``peer``: under its key, from us."""
+        out = []
+        for p in parts:
+            q = pb.Part()
+            q.CopyFrom(p)
+            who = owner(p.name)
+            if who is None:
+                q.src = self.rank
+            else:
+                q.src = who
+                q.name = readdress(p.name, peer)
+            out.append(q)
+        return out
+
+    def check_sender(self, machine: int, part: pb.Part) -> None:
+        """ValueError unless ``part``, which came from daemon ``machine``, names a sender there
+        and a receiver here."""
+        who = owner(part.name)
+        if who is None:
+            if part.src != machine:
+                raise ValueError(f"a node-level part from rank {machine} claims rank {part.src}")
+            return
+        if part.src // self.per_node != machine or who // self.per_node != self.rank:
+            raise ValueError(f"a part from worker {part.src} to worker {who} came from daemon "
+                             f"{machine} to daemon {self.rank}")
+
+    def start_loopback(self, sink: FrameSink) -> None:
+        """Connect this daemon to itself: frames between its workers go to ``sink`` in-process."""
+        self.own.sender = LoopbackSender(sink, self.rank, self.cluster_id)
+        self.own.connected = True
 
     # ------------------------------------------------------------------ connection setup
 
@@ -138,86 +202,6 @@ class Links:
                                                 reuse_address=True)
         self.data_port = int(self._server.sockets[0].getsockname()[1])
         return self.data_port
-
-    async def connect_all(self, timeout: float) -> None:
-        """Handshake with every peer, retrying with backoff; StartupError names missing ranks."""
-        deadline = time.monotonic() + timeout
-        results = await asyncio.gather(
-            *(self._connect(link, deadline) for link in self.links.values()),
-            return_exceptions=True,
-        )
-        fatal = [r for r in results if isinstance(r, StartupError)]
-        if fatal:
-            raise fatal[0]
-        for r in results:
-            if isinstance(r, BaseException):
-                raise StartupError(f"connecting to peers failed: {r!r}") from r
-        missing = sorted(link.rank for link in self.links.values() if not link.connected)
-        if missing:
-            where = ", ".join(f"{r} ({self.links[r].address})" for r in missing)
-            raise StartupError(
-                f"peers not reachable after {timeout:.0f}s start timeout: rank(s) {where}"
-            )
-
-    async def _connect(self, link: PeerLink, deadline: float) -> None:
-        link.channel = grpc.aio.insecure_channel(link.address, options=GRPC_OPTIONS)
-        reply = await self._handshake(link, pb_grpc.PeerStub(link.channel), deadline)
-        if reply is None:
-            return
-        try:
-            sock = await self._open(host_of(link.address), int(reply.data_port))
-        except OSError as exc:
-            raise StartupError(f"rank {link.rank} at {link.address}: cannot open the bulk "
-                               f"connection to port {reply.data_port}: {exc}") from None
-        link.flow.credits = int(reply.window_bytes)
-        link.sender = Sender(sock, asyncio.get_running_loop(), link.rank)
-        link.sender.send([framing.encode(pb.BulkHeader(kind=pb.HELLO, cluster_id=self.cluster_id,
-                                                       from_rank=self.rank))])
-        link.connected = True
-        link.last_heartbeat = time.monotonic()
-        log.debug("connected to rank %d at %s (bulk port %d)", link.rank, link.address,
-                  reply.data_port)
-
-    async def _handshake(self, link: PeerLink, stub: pb_grpc.PeerStub,
-                         deadline: float) -> pb.HandshakeReply | None:
-        """The peer's handshake reply, retried until ``deadline`` (None: not reachable)."""
-        delay = 0.05
-        request = pb.HandshakeRequest(cluster_id=self.cluster_id,
-                                      protocol_version=PROTOCOL_VERSION, from_rank=self.rank,
-                                      to_rank=link.rank, topology_digest=self.topology_digest)
-        while True:
-            try:
-                reply: pb.HandshakeReply = await stub.Handshake(
-                    request, timeout=max(0.1, min(2.0, deadline - time.monotonic())))
-            except grpc.aio.AioRpcError as exc:
-                if time.monotonic() + delay >= deadline:
-                    log.error("rank %d at %s: %s", link.rank, link.address, exc.code().name)
-                    return None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.25)
-                continue
-            if reply.error.code != pb.OK:
-                raise StartupError(
-                    f"handshake with rank {link.rank} at {link.address} refused: "
-                    f"{pb.ErrorCode.Name(reply.error.code)}: {reply.error.message}"
-                )
-            return reply
-
-    @staticmethod
-    async def _open(host: str, port: int) -> socket.socket:
-        loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, kind, proto, _, addr = infos[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setblocking(False)
-        try:
-            await loop.sock_connect(sock, addr)
-        except BaseException:
-            sock.close()
-            raise
-        tune(sock)
-        sock.setblocking(True)  # the sender thread writes with blocking calls
-        return sock
 
     def check_handshake(self, request: pb.HandshakeRequest) -> pb.Error | None:
         """Validate a peer's handshake; an Error to send back when it must be refused."""
@@ -234,12 +218,20 @@ class Links:
             return pb.Error(code=pb.RANK_MISMATCH, message=(
                 f"rank {theirs} expected rank {request.to_rank} here, but this daemon is rank "
                 f"{self.rank}"))
+        if request.workers_per_node != self.per_node:
+            return pb.Error(code=pb.CLUSTER_MISMATCH, message=(
+                f"rank {theirs} serves {request.workers_per_node} workers per node, rank "
+                f"{self.rank} {self.per_node}: give every daemon the same workers_per_node"))
         if request.topology_digest != self.topology_digest:
             return pb.Error(code=pb.CLUSTER_MISMATCH, message=(
                 f"rank {theirs} runs another topology than rank {self.rank} (digest "
                 f"{request.topology_digest[:12] or 'none'} vs "
                 f"{self.topology_digest[:12] or 'none'}): give every daemon the same topology "
                 "settings (kind, scheme, options, weights)"))
+        if request.machine_topology_digest != self.machine_digest:
+            return pb.Error(code=pb.CLUSTER_MISMATCH, message=(
+                f"rank {theirs} runs another machine topology than rank {self.rank}: give "
+                "every daemon the same machine_topology settings"))
         if theirs not in self.links:
             return pb.Error(code=pb.RANK_MISMATCH,
                             message=f"rank {theirs} is not a peer of rank {self.rank}")
@@ -249,7 +241,7 @@ class Links:
         """A bulk connection said HELLO as rank ``src``; ValueError closes it if it cannot be."""
         if conn.src >= 0:
             raise ValueError("a second HELLO")
-        link = self.links.get(src)
+        link = self.link(src)
         if cluster_id != self.cluster_id or link is None:
             raise ValueError(f"HELLO from rank {src} of cluster {cluster_id!r}")
         if link.inbound is not None:  # reconnecting is not supported: keep the first one
@@ -288,6 +280,9 @@ class Links:
         loop = asyncio.get_running_loop()
         senders = [link.sender for link in self.links.values() if link.sender is not None]
         await asyncio.gather(*(loop.run_in_executor(None, s.close) for s in senders))
+        if self.own.sender is not None:
+            self.own.sender.close()
+        self.own.connected = False
         for link in self.links.values():
             link.connected = False
             if link.inbound is not None and link.inbound.transport is not None:
@@ -297,15 +292,15 @@ class Links:
         if self._server is not None:
             self._server.close()
 
-    def same_host(self, peer: int) -> bool:
-        """Both this daemon and ``peer`` are addressed on loopback in the cluster's peer list
-        (which every daemon shares, so ``peer`` gives the same answer about this rank)."""
-        return self._loopback[self.rank] and self._loopback[peer]
+    def same_host(self, machine: int) -> bool:
+        """Daemon ``machine`` is this one, or both are addressed on loopback in the cluster's
+        peer list (which every daemon shares, so ``machine`` gives the same answer about us)."""
+        return machine == self.rank or (self._loopback[self.rank] and self._loopback[machine])
 
     # ------------------------------------------------------------------ sending
 
     def _link(self, dst: int, name: str) -> PeerLink:
-        link = self.links.get(dst)
+        link = self.link_of(dst, name)
         if link is None or link.sender is None or not link.connected:
             raise DecentError(
                 pb.PEER_UNAVAILABLE,
@@ -374,6 +369,7 @@ class Links:
         """
         name = parts[0].name
         link = self._link(dst, name)
+        parts = self.addressed(dst, parts)
         payload = [b for b in payload if len(b)]
         size = sum(len(b) for b in payload)
         mid = link.flow.next_id()
@@ -397,8 +393,10 @@ class Links:
             raise
 
     def cleared(self, dst: int, mid: int) -> None:
-        """``dst`` cleared our message ``mid`` to send: its payload goes out now."""
-        link = self.links[dst]
+        """Daemon ``dst`` cleared our message ``mid`` to send: its payload goes out now."""
+        link = self.link(dst)
+        if link is None:
+            return
         rdv = link.flow.rendezvous.pop(mid, None)
         if rdv is None or rdv.done.done() or link.sender is None:
             return  # its op gave up meanwhile
@@ -418,48 +416,57 @@ class Links:
             dst, [part(name, round_, tag, op, dtype, shape, len(payload), weight)], [payload])
 
     def control(self, dst: int, header: pb.BulkHeader) -> None:
-        """Send a payload-free frame (best effort: a dead peer is ignored)."""
-        link = self.links.get(dst)
+        """Send a payload-free frame to daemon ``dst`` (best effort: a dead peer is ignored)."""
+        link = self.link(dst)
         if link is None or link.sender is None or not link.connected:
             return
         link.sender.send([link.flow.stamp(header)])
 
-    def send_nowait(self, dst: int, parts: list[pb.Part]) -> None:
-        """Send parts without payload now, not waiting for the kernel (best effort)."""
-        link = self.links.get(dst)
+    def _to_peer(self, dst: int, parts: list[pb.Part], header: pb.BulkHeader) -> None:
+        """A payload-free frame of ``parts`` (ours) to peer ``dst`` (best effort)."""
+        if not parts:
+            return
+        link = self.link_of(dst, parts[0].name)
         if link is not None:
-            self.control(dst, pb.BulkHeader(kind=pb.DATA, message_id=link.flow.next_id(),
-                                            payload_bytes=0, parts=parts))
+            header.parts.extend(self.addressed(dst, parts))
+            self.control(link.rank, header)
+
+    def send_nowait(self, dst: int, parts: list[pb.Part]) -> None:
+        """Send parts without payload to peer ``dst`` now, not waiting for the kernel."""
+        link = self.link_of(dst, parts[0].name) if parts else None
+        if link is not None:
+            self._to_peer(dst, parts, pb.BulkHeader(kind=pb.DATA, payload_bytes=0,
+                                                    message_id=link.flow.next_id()))
 
     def send_acks(self, dst: int, keys: list[OpKey], tag: int, arrived: bool) -> None:
-        """Tell ``dst`` that its parts ``(name, round)`` with ``tag`` were matched here;
-        ``arrived``: only after their payload had all arrived (counted apart)."""
-        link = self.links.get(dst)
+        """Tell peer ``dst`` that its parts with ``tag`` were matched here by our ops of
+        ``keys``; ``arrived``: only after their payload had all arrived (counted apart)."""
+        link = self.link_of(dst, keys[0][0]) if keys else None
         if link is not None:
             if arrived:
                 link.acks_late += len(keys)
             else:
                 link.acks_early += len(keys)
-        self.control(dst, pb.BulkHeader(kind=pb.ACK, parts=[
-            pb.Part(name=name, round=round_, tag=tag) for name, round_ in keys]))
+        self._to_peer(dst, [pb.Part(name=name, round=round_, tag=tag) for name, round_ in keys],
+                      pb.BulkHeader(kind=pb.ACK))
 
     def send_cts(self, dst: int, message_id: int) -> None:
-        """Clear ``dst`` to send the payload of its message ``message_id``."""
+        """Clear daemon ``dst`` to send the payload of its message ``message_id``."""
         self.control(dst, pb.BulkHeader(kind=pb.CTS, message_id=message_id))
 
     def send_abort(self, dst: int, keys: list[OpKey], error: pb.Error,
                    op: int = pb.OP_UNSPECIFIED) -> None:
-        """Tell ``dst`` that the op of the tensors ``(name, round)`` failed here (``op``
+        """Tell peer ``dst`` that our op of the tensors ``keys`` failed here (``op``
         GROUP_RESULT: that a group round failed at its leader)."""
-        self.control(dst, pb.BulkHeader(kind=pb.ABORT, error=error, parts=[
-            pb.Part(name=name, round=round_, op=op) for name, round_ in keys]))
+        self._to_peer(dst, [pb.Part(name=name, round=round_, op=op) for name, round_ in keys],
+                      pb.BulkHeader(kind=pb.ABORT, error=error))
 
     # ------------------------------------------------------------------ credit given back
 
     def consumed(self, src: int, credit: int) -> None:
-        """We consumed ``credit`` eager bytes from ``src``: given back on the next frame to it,
-        or by itself a moment later."""
-        link = self.links.get(src)
+        """We consumed ``credit`` eager bytes from daemon ``src``: given back on the next frame
+        to it, or by itself a moment later."""
+        link = self.link(src)
         if link is not None and credit and link.flow.consumed(credit):
             asyncio.get_running_loop().call_later(CREDIT_DELAY, self._flush_credit, link)
 

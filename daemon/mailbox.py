@@ -25,11 +25,12 @@ import numpy as np
 
 from decent_wire.v1 import decent_pb2 as pb
 
-#: (peer, name, round, tag): one part of one op, from (or to) one peer
+#: (peer, name, round, tag): one part of one op, from (or to) one peer (a worker rank, or a
+#: daemon rank for node-level keys: see :mod:`decentd.names`)
 Key = tuple[int, str, int, int]
 #: (name, round): one op
 OpKey = tuple[str, int]
-#: (sender, message id): one message on one link
+#: (sending daemon, message id): one message on one link
 MessageId = tuple[int, int]
 #: what an op takes: (op type, dtype, shape)
 Accepts = tuple[int, int, tuple[int, ...]]
@@ -49,9 +50,9 @@ def accepts_of(part: pb.Part) -> Accepts:
     return int(part.op), int(part.meta.dtype), tuple(int(s) for s in part.meta.shape)
 
 
-def key_of(src: int, part: pb.Part) -> Key:
-    """The slot key of ``part`` from ``src``."""
-    return src, part.name, int(part.round), int(part.tag)
+def key_of(part: pb.Part) -> Key:
+    """The slot key of a part that arrived (its sender is ``part.src``)."""
+    return int(part.src), part.name, int(part.round), int(part.tag)
 
 
 class Outbox(Protocol):
@@ -61,7 +62,7 @@ class Outbox(Protocol):
         """Tell ``dst`` its parts were matched (``arrived``: only after all of them arrived)."""
 
     def send_cts(self, dst: int, message_id: int) -> None:
-        """Clear ``dst`` to send the payload of its message ``message_id``."""
+        """Clear daemon ``dst`` to send the payload of its message ``message_id``."""
 
 
 class OpListener(Protocol):
@@ -281,24 +282,24 @@ class Mailbox:
 
     # ------------------------------------------------------------------ what peers send
 
-    def header(self, conn: object, src: int, parts: Iterable[pb.Part]) -> None:
+    def header(self, conn: object, parts: Iterable[pb.Part]) -> None:
         """A frame's header arrived on ``conn`` (its payload follows): acknowledge the parts a
         waiting op accepts, and note the rest as arriving."""
-        matched: dict[int, list[OpKey]] = {}
+        matched: dict[tuple[int, int], list[OpKey]] = {}
         keys = []
         for p in parts:
-            key = key_of(src, p)
+            key = key_of(p)
             if (key[1], key[2]) in self._closed:
                 continue
             slot = self._slot(key)
             if slot.accepts is not None and slot.accepts == accepts_of(p):
                 slot.accepts = None
                 slot.acked = True
-                matched.setdefault(key[3], []).append((key[1], key[2]))
+                matched.setdefault((key[0], key[3]), []).append((key[1], key[2]))
             slot.arriving = p
             keys.append(key)
         self._arriving_on[conn] = keys
-        for tag, op_keys in matched.items():
+        for (src, tag), op_keys in matched.items():
             self._outbox.send_acks(src, op_keys, tag, False)
 
     def arrived(self, conn: object) -> None:
@@ -308,9 +309,9 @@ class Mailbox:
             if slot is not None:
                 slot.arriving = None
 
-    def landing_target(self, src: int, part: pb.Part, nbytes: int) -> np.ndarray | None:
+    def landing_target(self, part: pb.Part, nbytes: int) -> np.ndarray | None:
         """Where a lone part of ``nbytes`` may land in a waiting op's memory, or None."""
-        slot = self._slots.get(key_of(src, part))
+        slot = self._slots.get(key_of(part))
         if slot is None or slot.into is None or slot.waiter is None or slot.waiter.done():
             return None
         buf, accepts = slot.into
@@ -319,21 +320,21 @@ class Mailbox:
         slot.into = None
         return buf
 
-    def landing(self, src: int, part: pb.Part, landing: Landing | None) -> None:
+    def landing(self, part: pb.Part, landing: Landing | None) -> None:
         """A lone part's payload started (``landing``) or finished (None) landing in place."""
-        slot = self._slots.get(key_of(src, part))
+        slot = self._slots.get(key_of(part))
         if slot is not None:
             slot.landing = landing
 
-    def progress(self, src: int, part: pb.Part, dest: np.ndarray, filled: int) -> None:
+    def progress(self, part: pb.Part, dest: np.ndarray, filled: int) -> None:
         """``dest[:filled]`` of a lone part's payload has arrived."""
-        slot = self._slots.get(key_of(src, part))
+        slot = self._slots.get(key_of(part))
         if slot is not None and slot.progress is not None:
             slot.progress(dest, filled, float(part.weight), part)
 
-    def deliver(self, src: int, part: pb.Part, arrival: Arrival) -> None:
+    def deliver(self, part: pb.Part, arrival: Arrival) -> None:
         """A whole part arrived: to the op waiting for it, else kept for it."""
-        key = key_of(src, part)
+        key = key_of(part)
         op_key = (key[1], key[2])
         if op_key in self._closed:
             arrival.release()
@@ -355,18 +356,19 @@ class Mailbox:
         if listener is not None:
             listener.stray(key, arrival)
 
-    def acked(self, src: int, parts: Iterable[pb.Part]) -> None:
-        """``src`` acknowledged our parts."""
+    def acked(self, parts: Iterable[pb.Part]) -> None:
+        """Their senders acknowledged our parts."""
         for p in parts:
-            slot = self._slots.get(key_of(src, p))
+            slot = self._slots.get(key_of(p))
             if slot is not None and slot.ack_waiter is not None:
                 if not slot.ack_waiter.done():
                     slot.ack_waiter.set_result(None)
                 slot.ack_waiter = None
 
-    def aborted(self, src: int, parts: Iterable[pb.Part], error: pb.Error) -> None:
-        """``src`` failed the ops of ``parts`` and said why: their data is moot."""
+    def aborted(self, parts: Iterable[pb.Part], error: pb.Error) -> None:
+        """Their senders failed the ops of ``parts`` and said why: their data is moot."""
         for p in parts:
+            src = int(p.src)
             key = (p.name, int(p.round))
             for slot_key in self._by_op.get(key, ()):
                 slot = self._slots[slot_key]
@@ -384,13 +386,14 @@ class Mailbox:
             while len(self._early_aborts) > EARLY_ABORT_MEMORY:
                 self._early_aborts.popitem(last=False)
 
-    def peer_lost(self, src: int, error: Exception) -> None:
-        """``src``'s connection is gone: whatever waits on it fails with ``error``."""
+    def peer_lost(self, link: int, reaches: Callable[[Key], bool], error: Exception) -> None:
+        """Daemon ``link``'s connection is gone: whatever waits on a peer there (``reaches``
+        tells a slot's) fails with ``error``."""
         for table in (self._announced, self._cleared):
-            for msg in [m for m in table if m[0] == src]:
+            for msg in [m for m in table if m[0] == link]:
                 del table[msg]
         for key, slot in self._slots.items():
-            if key[0] != src:
+            if not reaches(key):
                 continue
             for fut in (slot.waiter, slot.ack_waiter):
                 if fut is not None and not fut.done():
@@ -399,25 +402,25 @@ class Mailbox:
 
     # ------------------------------------------------------------------ large messages (RTS)
 
-    def announce(self, src: int, message_id: int, header: pb.BulkHeader) -> None:
-        """``src`` announced a message too large to send eagerly; it is cleared to send at once
-        if an op that takes one of its parts runs here, else when one starts."""
+    def announce(self, link: int, message_id: int, header: pb.BulkHeader) -> None:
+        """Daemon ``link`` announced a message too large to send eagerly; it is cleared to send
+        at once if an op that takes one of its parts runs here, else when one starts."""
         if self._all_closed(header.parts):
             return  # late: its ops ended here (the sender's fail by timeout or ABORT)
-        msg = (src, message_id)
+        msg = (link, message_id)
         self._announced[msg] = header
         wanted = False
         for p in header.parts:
-            slot = self._slot(key_of(src, p))
+            slot = self._slot(key_of(p))
             slot.message = msg
             wanted = wanted or slot.waiter is not None or (p.name, int(p.round)) in self._open
         if wanted:
             self._clear_to_send(msg)
 
-    def clear_at_once(self, src: int, message_id: int, header: pb.BulkHeader) -> None:
+    def clear_at_once(self, link: int, message_id: int, header: pb.BulkHeader) -> None:
         """Clear a message nothing local waits for (a one-sided window request) now."""
-        self._cleared[(src, message_id)] = header
-        self._outbox.send_cts(src, message_id)
+        self._cleared[(link, message_id)] = header
+        self._outbox.send_cts(link, message_id)
 
     def _clear_to_send(self, msg: MessageId) -> None:
         header = self._announced.pop(msg, None)
@@ -425,12 +428,12 @@ class Mailbox:
             self._cleared[msg] = header
             self._outbox.send_cts(*msg)
 
-    def payload_parts(self, src: int, message_id: int) -> list[pb.Part] | None:
+    def payload_parts(self, link: int, message_id: int) -> list[pb.Part] | None:
         """The parts of a payload that follows a CTS; None when it is to be dropped.
 
         ValueError for a payload that was never cleared to send.
         """
-        msg = (src, message_id)
+        msg = (link, message_id)
         header = self._cleared.get(msg)
         if header is not None:
             return list(header.parts)
@@ -438,11 +441,11 @@ class Mailbox:
             return None
         raise ValueError(f"a payload for message {message_id}, which was not cleared to send")
 
-    def payload_done(self, src: int, message_id: int) -> list[pb.Part] | None:
+    def payload_done(self, link: int, message_id: int) -> list[pb.Part] | None:
         """A payload after CTS is complete: its parts (None: drop it)."""
-        header = self._cleared.pop((src, message_id), None)
+        header = self._cleared.pop((link, message_id), None)
         if header is None:
-            self._discard.pop((src, message_id), None)
+            self._discard.pop((link, message_id), None)
             return None
         return list(header.parts)
 

@@ -21,6 +21,7 @@ from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.bufpool import BufferPool
 from decentd.bulk import Inbound
+from decentd.flow import LinkFlow
 from decentd.links import Links
 from decentd.mailbox import Arrival, Mailbox, Message
 from decentd.windows import Handler
@@ -73,20 +74,33 @@ class Receiver:
             if parts is None:  # its ops ended here: read and dropped
                 return self._pool.get(size)
         elif header.kind == pb.DATA:
-            self._links.links[conn.src].flow.accept_eager(size, conn.src)
-            parts = list(header.parts)
+            self._flow(conn.src).accept_eager(size, conn.src)
+            parts = self._checked(conn.src, header.parts)
         else:
             raise ValueError(f"a payload on a frame of kind {header.kind}")
         if any(is_one_sided(p) for p in parts):
             return self._pool.get(size)
-        self._mailbox.header(conn, conn.src, parts)
+        self._mailbox.header(conn, parts)
         if len(parts) == 1:
-            dest = self._mailbox.landing_target(conn.src, parts[0], size)
+            dest = self._mailbox.landing_target(parts[0], size)
             if dest is not None:
                 landing = self._landing[conn] = _Landing(conn, parts[0], dest, self._pool)
-                self._mailbox.landing(conn.src, parts[0], landing)
+                self._mailbox.landing(parts[0], landing)
                 return dest
         return self._pool.get(size)
+
+    def _flow(self, src: int) -> LinkFlow:
+        link = self._links.link(src)
+        if link is None:
+            raise ValueError("data before HELLO")
+        return link.flow
+
+    def _checked(self, src: int, parts: Iterable[pb.Part]) -> list[pb.Part]:
+        """``parts`` from daemon ``src``, each naming a sender there and a receiver here."""
+        plist = list(parts)
+        for p in plist:
+            self._links.check_sender(src, p)
+        return plist
 
     def on_progress(self, conn: Inbound, header: pb.BulkHeader, dest: np.ndarray,
                     filled: int) -> None:
@@ -94,7 +108,7 @@ class Receiver:
         parts = (self._mailbox.payload_parts(conn.src, int(header.message_id))
                  if header.kind == pb.PAYLOAD else list(header.parts))
         if parts is not None and len(parts) == 1:
-            self._mailbox.progress(conn.src, parts[0], dest, filled)
+            self._mailbox.progress(parts[0], dest, filled)
 
     def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
         """Dispatch one complete frame; ValueError closes the connection it came on."""
@@ -104,18 +118,18 @@ class Receiver:
             self._links.bind_inbound(conn, int(header.from_rank), header.cluster_id)
             return
         src = conn.src
-        link = self._links.links.get(src)
+        link = self._links.link(src)
         if link is None:
             raise ValueError("data before HELLO")
         link.last_heartbeat = time.monotonic()
         link.flow.returned(int(header.credit))
         landing = self._landing.pop(conn, None)
         if landing is not None:
-            self._mailbox.landing(src, landing.part, None)
+            self._mailbox.landing(landing.part, None)
         pooled = landing is None or not landing.active
         size = int(header.payload_bytes)
         if kind == pb.DATA:
-            self._split(src, header.parts, payload, size, size, pooled)
+            self._split(src, self._checked(src, header.parts), payload, size, size, pooled)
         elif kind == pb.PAYLOAD:
             parts = self._mailbox.payload_done(src, int(header.message_id))
             if parts is None:  # its ops ended here meanwhile
@@ -131,6 +145,7 @@ class Receiver:
         kind = header.kind
         if kind == pb.RTS:
             mid = int(header.message_id)
+            self._checked(src, header.parts)
             if any(is_one_sided(p) for p in header.parts):  # the window service takes it now
                 self._mailbox.clear_at_once(src, mid, header)
             else:
@@ -138,16 +153,18 @@ class Receiver:
         elif kind == pb.CTS:
             self._links.cleared(src, int(header.message_id))
         elif kind == pb.ACK:
-            self._mailbox.acked(src, header.parts)
+            self._mailbox.acked(self._checked(src, header.parts))
         elif kind == pb.ABORT:
             if not header.parts:
                 raise ValueError("ABORT without the op it aborts")
-            self._links.links[src].aborts_received += 1
-            for p in header.parts:
+            link = self._links.link(src)
+            if link is not None:
+                link.aborts_received += 1
+            for p in self._checked(src, header.parts):
                 if p.op == pb.GROUP_RESULT:  # a group round failed at its leader: no op of ours
                     self._group_failed(p.name, int(p.round), header.error)
                 else:
-                    self._mailbox.aborted(src, [p], header.error)
+                    self._mailbox.aborted([p], header.error)
         else:
             raise ValueError(f"a frame of unknown kind {kind}")
 
@@ -168,12 +185,12 @@ class Receiver:
             data = payload[offset:offset + n] if payload is not None else _EMPTY
             offset += n
             shape = tuple(int(s) for s in p.meta.shape)
-            arrival = Arrival(src, int(p.op), int(p.meta.dtype), shape, float(p.weight), data,
-                              msg, step=int(p.step), p=float(p.p), topology=p.topology)
+            arrival = Arrival(int(p.src), int(p.op), int(p.meta.dtype), shape, float(p.weight),
+                              data, msg, step=int(p.step), p=float(p.p), topology=p.topology)
             if is_one_sided(p):
-                self._one_sided[int(p.op)](src, p.name, int(p.round), arrival)
+                self._one_sided[int(p.op)](int(p.src), p.name, int(p.round), arrival)
             else:
-                self._mailbox.deliver(src, p, arrival)
+                self._mailbox.deliver(p, arrival)
 
     def _released(self, msg: Message) -> None:
         if msg.buf is not None:
@@ -187,15 +204,16 @@ class Receiver:
         landing = self._landing.pop(conn, None)
         partial = conn.take_partial()
         if landing is not None:
-            self._mailbox.landing(conn.src, landing.part, None)
+            self._mailbox.landing(landing.part, None)
         if partial is not None and (landing is None or not landing.active):
             self._pool.put(partial[1])
         src = self._links.inbound_lost(conn)
         if src is None:
             return
         err = DecentError(pb.PEER_UNAVAILABLE, f"rank {src} disconnected ({reason})")
-        self._mailbox.peer_lost(src, err)
-        self._links.links[src].flow.fail_rendezvous(err)
+        self._mailbox.peer_lost(src, lambda key: self._links.machine_of(key[0], key[1]) == src,
+                                err)
+        self._flow(src).fail_rendezvous(err)
         if reason == "stream closed":  # the peer closed its stream: an orderly stop
             log.info("rank %d closed its connection", src)
         else:

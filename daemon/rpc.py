@@ -17,7 +17,7 @@ from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.engine import Engine
 from decentd.links import Links
-from decentd.names import qualify
+from decentd.names import at_worker, qualify
 from decentd.ops.api import Services
 from decentd.sessions import Sessions
 
@@ -69,7 +69,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._engine = engine
         self._endpoints = endpoints
         self._ready = ready
-        self._rank = services.rank
+        self._machine = services.machine
         self._topology = services.topology
 
     async def Register(
@@ -80,23 +80,29 @@ class WorkerService(pb_grpc.WorkerServicer):
             return pb.RegisterReply(error=pb.Error(
                 code=pb.VERSION_MISMATCH,
                 message=f"worker speaks protocol {request.protocol_version}, daemon rank "
-                f"{self._rank} speaks {PROTOCOL_VERSION}"))
+                f"{self._machine} speaks {PROTOCOL_VERSION}"))
         await self._ready.wait()
+        local = request.local_rank if request.HasField("local_rank") else None
         try:
-            session = self._sessions.register(request.pid, request.framework, request.job)
+            session = self._sessions.register(request.pid, request.framework, request.job, local)
         except DecentError as err:
             log.error("worker (pid %d) refused: %s", request.pid, err.message)
             return pb.RegisterReply(error=err.to_pb())
-        e = self._endpoints
+        e, s = self._endpoints, self._services
         return pb.RegisterReply(
             worker_id=session.worker_id,
-            rank=self._rank,
-            size=self._services.size,
+            rank=session.rank,
+            size=s.workers,
+            local_rank=session.local_rank,
+            local_size=s.per_node,
+            machine_rank=s.machine,
+            machine_size=s.machines,
+            machine_topology=topology_info(s.machine_topology, s.machine, 0),
             arena_name=session.arena.name,
             arena_bytes=session.arena.nbytes,
             cluster_id=e.cluster_id,
             protocol_version=PROTOCOL_VERSION,
-            topology=topology_info(self._topology, self._rank, 0),
+            topology=topology_info(self._topology, session.rank, 0),
             default_timeout_s=e.default_timeout,
             data_socket=e.data_socket,
             memory_socket=e.memory_socket,
@@ -110,8 +116,14 @@ class WorkerService(pb_grpc.WorkerServicer):
         now = time.monotonic()
         engine, pool = self._engine, self._services.pool
         return pb.StatusReply(
-            rank=self._rank,
-            size=self._services.size,
+            rank=self._machine,
+            size=self._services.machines,
+            workers_per_node=self._services.per_node,
+            local_workers=[
+                pb.LocalWorker(rank=w.rank, local_rank=w.local_rank, pid=w.pid,
+                               framework=w.framework, job=w.job,
+                               ops_in_flight=len(w.in_flight))
+                for w in sorted(self._sessions.by_id.values(), key=lambda w: (w.job, w.rank))],
             cluster_id=self._endpoints.cluster_id,
             workers=len(self._sessions),
             ops_in_flight=len(engine.running),
@@ -138,6 +150,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                     acks_early=link.acks_early,
                     acks_late=link.acks_late,
                     aborts_received=link.aborts_received,
+                    frames_sent=link.frames_sent,
+                    writes=link.writes,
                 )
                 for link in self._services.links.links.values()
             ],
@@ -151,7 +165,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         session = self._sessions.get(request.worker_id) if request.worker_id else None
         topology = session.topology if session is not None and session.topology else \
             self._topology
-        return topology_info(topology, self._rank, int(request.round))
+        rank = session.rank if session is not None else self._machine * self._services.per_node
+        return topology_info(topology, rank, int(request.round))
 
     async def Window(
         self, request: pb.WindowRequest, context: grpc.aio.ServicerContext
@@ -161,7 +176,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         if session is None:
             return pb.WindowInfo(error=pb.Error(code=pb.UNKNOWN_WORKER,
                                                 message=f"unknown worker {request.worker_id!r}"))
-        return self._services.windows.info(qualify(session.job, request.name))
+        return self._services.windows.info(at_worker(qualify(session.job, request.name),
+                                                     session.rank))
 
 
 class PeerService(pb_grpc.PeerServicer):

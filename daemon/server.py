@@ -24,6 +24,7 @@ from decent_wire.topology import TopologyError
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.bufpool import BufferPool
 from decentd.config import NodeConfig
+from decentd.connect import connect_all
 from decentd.engine import Engine
 from decentd.errors import StartupError
 from decentd.flow import window_per_peer
@@ -45,22 +46,26 @@ log = logging.getLogger("decentd")
 
 def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver]:
     """The peer-facing layers of one daemon, wired bottom up."""
-    size = cfg.size
     try:
-        topology = cfg.topology.build(size)
+        topology = cfg.topology.build(cfg.worker_count)
     except TopologyError as exc:
         raise StartupError(f"config error: topology: {exc}") from None
+    try:
+        machine_topology = cfg.machine_topology_config().build(cfg.size)
+    except TopologyError as exc:
+        raise StartupError(f"config error: machine_topology: {exc}") from None
     addresses = cfg.peers or ["local"]
     pool = BufferPool(limit=cfg.memory.pool_bytes)
     links = Links(rank, addresses, cfg.cluster_id,
                   window_per_peer(cfg.memory.early_arrival_bytes, len(addresses) - 1),
-                  topology.digest())
+                  topology.digest(), cfg.workers_per_node, machine_topology.digest())
     mailbox = Mailbox(links)
-    windows = WindowStore(rank, size, links, cfg.timeouts.op, cfg.memory.window_early_bytes)
+    windows = WindowStore(cfg.worker_count, links, cfg.timeouts.op,
+                          cfg.memory.window_early_bytes)
     groups = GroupSums(windows, links, mailbox)
     locks = WindowLocks()
-    services = Services(rank, size, topology, links, mailbox, pool, windows, groups, locks,
-                        cfg.transport.ring_threshold_bytes)
+    services = Services(rank, cfg.size, cfg.workers_per_node, topology, machine_topology, links,
+                        mailbox, pool, windows, groups, locks, cfg.transport.ring_threshold_bytes)
     handlers = one_sided_handlers(windows, groups, LockService(locks, links))
     return services, Receiver(links, mailbox, pool, handlers, groups.failed)
 
@@ -77,8 +82,8 @@ class Daemon:
         self.services, self.receiver = build_services(cfg, self.rank)
         self.links = self.services.links
         self.engine = Engine(self.services, OPS, cfg.timeouts.op, cfg.timeouts.stall_warning)
-        self.sessions = Sessions(self.engine, self.rank, cfg.memory.arena_bytes,
-                                 cfg.memory.max_regions)
+        self.sessions = Sessions(self.engine, self.rank, cfg.workers_per_node,
+                                 cfg.memory.arena_bytes, cfg.memory.max_regions)
         self.ready = asyncio.Event()
         self.stopping = asyncio.Event()
         self.data_socket = f"{cfg.socket}.data"
@@ -122,6 +127,7 @@ class Daemon:
         data_server = await asyncio.get_running_loop().create_unix_server(
             lambda: WorkerChannel(self.sessions, self.engine, self.channels), self.data_socket)
         self.memory.start()
+        self.links.start_loopback(self.receiver)
         try:
             if cfg.peers:
                 host = cfg.listen_address().rsplit(":", 1)[0]
@@ -139,14 +145,15 @@ class Daemon:
             raise StartupError(f"cannot bind: {exc}") from None
         await peer_server.start()
         await worker_server.start()
-        log.info("rank %d/%d listening for peers on %s, workers on %s (topology %s)",
-                 self.rank, cfg.size, cfg.listen_address(), cfg.socket,
-                 self.services.topology.kind)
+        log.info("rank %d/%d listening for peers on %s, %d worker(s) on %s (topology %s, "
+                 "machine topology %s)", self.rank, cfg.size, cfg.listen_address(),
+                 cfg.workers_per_node, cfg.socket, self.services.topology.kind,
+                 self.services.machine_topology.kind)
         return data_server
 
     async def _connect(self) -> None:
         """Handshake with every peer (or stop trying at SIGTERM); then ready for workers."""
-        connect = asyncio.ensure_future(self.links.connect_all(self.cfg.timeouts.start))
+        connect = asyncio.ensure_future(connect_all(self.links, self.cfg.timeouts.start))
         stop = asyncio.ensure_future(self.stopping.wait())
         await asyncio.wait({connect, stop}, return_when=asyncio.FIRST_COMPLETED)
         if not connect.done():

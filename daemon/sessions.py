@@ -7,6 +7,8 @@ import logging
 import os
 import secrets
 
+from decent_wire.errors import DecentError
+from decent_wire.v1 import decent_pb2 as pb
 from decentd.arena import Arena
 from decentd.engine import Engine, WorkerSession
 from decentd.tasks import TaskSet
@@ -22,9 +24,11 @@ ATTACH_TIMEOUT = 30.0
 class Sessions:
     """Every worker of this daemon, by worker id."""
 
-    def __init__(self, engine: Engine, rank: int, arena_bytes: int, max_regions: int) -> None:
+    def __init__(self, engine: Engine, machine: int, per_node: int, arena_bytes: int,
+                 max_regions: int) -> None:
         self._engine = engine
-        self._rank = rank
+        self._machine = machine
+        self._per_node = per_node
         self._arena_bytes = arena_bytes
         self._max_regions = max_regions
         self._tasks = TaskSet()
@@ -33,16 +37,41 @@ class Sessions:
     def __len__(self) -> int:
         return len(self.by_id)
 
-    def register(self, pid: int, framework: str, job: str) -> WorkerSession:
-        """A new worker with its own arena (DecentError when no arena can be made); dropped
-        if it does not attach within :data:`ATTACH_TIMEOUT`."""
-        arena = Arena(self._arena_bytes, f"{SHM_PREFIX}-{self._rank}-{os.getpid()}",
+    def _local_rank(self, job: str, asked: int | None) -> int:
+        """The local rank a new worker of ``job`` gets: the one it asked for, else the lowest
+        free one (DecentError when it is taken or out of range)."""
+        taken = {s.local_rank: s for s in self.by_id.values() if s.job == job}
+        if asked is None:
+            free = [r for r in range(self._per_node) if r not in taken]
+            if not free:
+                raise DecentError(pb.RESOURCE_EXHAUSTED, f"daemon rank {self._machine} already "
+                                  f"serves {self._per_node} workers of job {job!r} "
+                                  "(workers_per_node)")
+            return free[0]
+        if not 0 <= asked < self._per_node:
+            raise DecentError(pb.INVALID_ARGUMENT, f"local rank {asked} is outside 0.."
+                              f"{self._per_node - 1} (daemon rank {self._machine} serves "
+                              f"{self._per_node} workers per node)")
+        if asked in taken:
+            raise DecentError(pb.INVALID_ARGUMENT, f"local rank {asked} of job {job!r} is "
+                              f"already taken by the worker with pid {taken[asked].pid}")
+        return asked
+
+    def register(self, pid: int, framework: str, job: str,
+                 local_rank: int | None = None) -> WorkerSession:
+        """A new worker with its own arena and its rank (DecentError when its local rank is
+        taken or no arena can be made); dropped if it does not attach within
+        :data:`ATTACH_TIMEOUT`."""
+        local = self._local_rank(job, local_rank)
+        arena = Arena(self._arena_bytes, f"{SHM_PREFIX}-{self._machine}-{os.getpid()}",
                       self._max_regions)
-        session = WorkerSession(secrets.token_hex(8), pid, framework, arena, job)
+        rank = self._machine * self._per_node + local
+        session = WorkerSession(secrets.token_hex(8), pid, framework, arena, job, rank, local)
         self.by_id[session.worker_id] = session
+        self._engine.joined(session)
         self._tasks.spawn(self._expire_unattached(session))
-        log.info("worker %s (pid %d, %s, job %r) registered", session.worker_id, pid,
-                 framework, job)
+        log.info("worker %s (rank %d, local rank %d, pid %d, %s, job %r) registered",
+                 session.worker_id, rank, local, pid, framework, job)
         return session
 
     def get(self, worker_id: str) -> WorkerSession | None:

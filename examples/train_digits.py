@@ -20,7 +20,10 @@ and minibatch order:
     The centralized baseline (PmSGD): the same local step, then the global average of the
     parameters, so the models stay identical.
 
-Both are ``dt.DecentralizedOptimizer(torch.optim.SGD(...), model, algorithm=...)``;
+Both are ``dt.DecentralizedOptimizer(torch.optim.SGD(...), model, algorithm=...)``. With
+``--hierarchical`` (``decentrun -np 4 --nodes 2 -- python examples/train_digits.py
+--hierarchical``) D-SGD averages each node's workers in shared memory and mixes the node means
+over the daemons' machine topology (allreduce is hierarchical by itself);
 ``--algorithms`` also takes the library's other names (``dsgd-cta``, ``gradient-tracking``, ...;
 those that need a symmetric mixing matrix refuse the exponential graph and say what to use).
 
@@ -56,6 +59,8 @@ from decent.core.algorithms import ALGORITHMS as ALGORITHM_NAMES
 from decent.core.algorithms import ALIASES
 
 ALGORITHMS = ("dsgd", "allreduce")  # the default comparison
+#: the algorithms with a hierarchical form (``--hierarchical``)
+HIERARCHICAL = ("dsgd", "dmsgd", "pga", "allreduce")
 TorchClient = dt.Client[torch.Tensor]
 
 
@@ -101,6 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--algorithms", default=",".join(ALGORITHMS),
                    help=f"comma-separated algorithm names (default {','.join(ALGORITHMS)})")
     p.add_argument("--seed", type=int, default=0, help="seed for split, shards and init")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="dsgd/pga mix node means over the daemons' machine topology (each "
+                        "node's workers averaged in shared memory first; run with --nodes)")
     p.add_argument("--test-size", type=float, default=0.2,
                    help="fraction of the data held out for testing (default 0.2)")
     args = p.parse_args(argv)
@@ -222,8 +230,9 @@ def train(client: TorchClient, algo: str, init: dict[str, torch.Tensor], data: D
     # the wrapped optimizer's step is the local update; the algorithm turns it into the
     # decentralized one (and, given the model, starts exchanges before the forward pass)
     local = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    extra = {"hierarchical": True} if args.hierarchical and algo in HIERARCHICAL else {}
     opt = dt.DecentralizedOptimizer(local, model, algorithm=algo, client=client,
-                                    prefix=f"train.{algo}")
+                                    prefix=f"train.{algo}", **extra)
     total = args.epochs * data.steps_per_epoch
     sched: torch.optim.lr_scheduler.LRScheduler | None = None
     if args.schedule == "cosine":

@@ -38,13 +38,15 @@ def _delayed(fn: Callable[[Client[Any]], Any]) -> Callable[[Client[Any]], Any]:
 
 
 class Cluster:
-    """``n`` daemons as real processes plus one torch client per rank."""
+    """``n`` daemons as real processes plus one torch client per worker (``per_node`` per
+    daemon: worker r is local rank ``r % per_node`` of daemon ``r // per_node``)."""
 
     #: every cluster started in this test session (a session fixture kills what tests left)
     started: ClassVar[list[Cluster]] = []
 
-    def __init__(self, n: int, topology: str = "ring", *extra: str) -> None:
+    def __init__(self, n: int, topology: str = "ring", *extra: str, per_node: int = 1) -> None:
         self.n = n
+        self.per_node = per_node
         self.dir = tempfile.mkdtemp(prefix="decent-test-")
         self.peers = [f"127.0.0.1:{p}" for p in free_ports(n)]
         self.sockets = [os.path.join(self.dir, f"rank{i}.sock") for i in range(n)]
@@ -59,7 +61,8 @@ class Cluster:
         """Start daemon ``i``."""
         cmd = [sys.executable, "-m", "decentd.cli", "--rank", str(i),
                "--peers", ",".join(self.peers), "--socket", self.sockets[i],
-               "--topology", topology, "--set", "timeouts.start=30", *extra]
+               "--topology", topology, "--set", "timeouts.start=30",
+               "--workers-per-node", str(self.per_node), *extra]
         with open(self.logs[i], "ab") as log:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
@@ -71,9 +74,11 @@ class Cluster:
         def kwargs(rank: int) -> dict[str, Any]:
             return {k: v[rank] if isinstance(v, list) else v for k, v in options.items()}
 
-        with ThreadPoolExecutor(self.n) as pool:
-            futures = [pool.submit(dt.connect, f"unix://{s}", 60, **kwargs(i))
-                       for i, s in enumerate(self.sockets)]
+        per = self.per_node
+        with ThreadPoolExecutor(self.n * per) as pool:
+            futures = [pool.submit(dt.connect, f"unix://{self.sockets[r // per]}", 60,
+                                   local_rank=r % per, **kwargs(r))
+                       for r in range(self.n * per)]
             clients, failed = [], None
             for f in futures:
                 try:
@@ -101,7 +106,7 @@ class Cluster:
         ``$DECENT_TEST_DELAY=RANK:SECONDS`` delays that rank's start: tests that involve
         several ranks must pass with it (they wait on events, not on time).
         """
-        with ThreadPoolExecutor(self.n) as pool:
+        with ThreadPoolExecutor(len(self.clients)) as pool:
             futures = [pool.submit(_delayed(fn), c) for c in self.clients]
             return [f.result(timeout=timeout) for f in futures]
 

@@ -37,15 +37,17 @@ class SharedDaemons:
     """Running daemon clusters by (size, topology), the least recently used stopped first."""
 
     def __init__(self) -> None:
-        self.cache: dict[tuple[int, str], Cluster] = {}
+        self.cache: dict[tuple[int, str, int], Cluster] = {}
 
-    def get(self, n: int, topology: str) -> Cluster:
-        """The cluster of ``n`` daemons on ``topology``, started if it is not running."""
-        key = (n, topology)
+    def get(self, n: int, topology: str, per_node: int = 1) -> Cluster:
+        """The cluster of ``n`` daemons (``per_node`` workers each) on ``topology``, started if
+        it is not running."""
+        key = (n, topology, per_node)
         if key not in self.cache:
             while len(self.cache) >= KEEP:
                 self.stop(self.cache.pop(next(iter(self.cache))))
-            self.cache[key] = Cluster(n, topology, "--set", f"memory.arena_bytes={ARENA_BYTES}")
+            self.cache[key] = Cluster(n, topology, "--set", f"memory.arena_bytes={ARENA_BYTES}",
+                                      per_node=per_node)
         self.cache[key] = self.cache.pop(key)  # most recently used last
         return self.cache[key]
 
@@ -67,12 +69,13 @@ def _shared_daemons() -> Iterator[SharedDaemons]:
 @pytest.fixture
 def cluster(_shared_daemons: SharedDaemons, request: pytest.FixtureRequest
             ) -> Iterator[ClusterFactory]:
-    """``cluster(n, topology)``: shared daemons, with clients of this test's own job."""
+    """``cluster(n, topology, per_node=1)``: shared daemons (``n`` of them, ``per_node``
+    workers each), with clients of this test's own job."""
     job = "test-" + hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:12]
     used: list[Cluster] = []
 
-    def get(n: int, topology: str = "ring") -> Cluster:
-        c = _shared_daemons.get(n, topology)
+    def get(n: int, topology: str = "ring", per_node: int = 1) -> Cluster:
+        c = _shared_daemons.get(n, topology, per_node)
         if c not in used:
             c.disconnect()  # a cluster left connected by an interrupted test
             c.connect(job=job)

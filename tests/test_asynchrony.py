@@ -18,10 +18,20 @@ from decent.core.algorithms import ADPSGD
 from decent_wire.graphs import butterfly_group
 
 N = 8
+#: (daemons, workers per daemon): 8 workers on 8 daemons, and on 2 daemons of 4
+LAYOUTS = [(8, 1), (2, 4)]
 
 
-def test_exchange_and_add_are_exact_and_atomic_on_the_peer(cluster: ClusterFactory) -> None:
-    c = cluster(4, "ring")
+@pytest.fixture(params=LAYOUTS, ids=lambda lay: f"{lay[0]}x{lay[1]}")
+def layout(request: pytest.FixtureRequest) -> tuple[int, int]:
+    return tuple(request.param)
+
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (2, 2)], ids=["4x1", "2x2"])
+def test_exchange_and_add_are_exact_and_atomic_on_the_peer(cluster: ClusterFactory,
+                                                           shape: tuple[int, int]) -> None:
+    c = cluster(shape[0], "ring", shape[1])
 
     def work(cl: Any) -> dict[str, Any]:
         r = cl.rank
@@ -50,8 +60,8 @@ def test_exchange_and_add_are_exact_and_atomic_on_the_peer(cluster: ClusterFacto
 
 @pytest.mark.parametrize(("group_size", "rule"), [(2, "mean"), (4, "mean"), (4, "with-self")])
 def test_group_allreduce_of_published_models_is_the_group_average(
-        cluster: ClusterFactory, group_size: int, rule: str) -> None:
-    c = cluster(N, "hypercube")
+        cluster: ClusterFactory, group_size: int, rule: str, layout: tuple[int, int]) -> None:
+    c = cluster(layout[0], "hypercube", layout[1])
     rounds = 4
     values = np.random.default_rng(group_size).integers(-64, 64, size=(rounds, N, 3)) / 8.0
     name = f"grp{group_size}{rule}"
@@ -80,8 +90,9 @@ def test_group_allreduce_of_published_models_is_the_group_average(
             np.testing.assert_allclose(got[r][k], want, rtol=1e-15, atol=1e-15)
 
 
-def test_a_late_member_finds_its_group_result_ready(cluster: ClusterFactory) -> None:
-    c = cluster(N, "hypercube")
+def test_a_late_member_finds_its_group_result_ready(cluster: ClusterFactory,
+                                                    layout: tuple[int, int]) -> None:
+    c = cluster(layout[0], "hypercube", layout[1])
 
     def work(cl: Any) -> dict[str, Any]:
         r = cl.rank
@@ -121,8 +132,9 @@ def _least_squares(r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return a, b, x0
 
 
-def test_adpsgd_never_deadlocks_and_keeps_the_sum(cluster: ClusterFactory) -> None:
-    c = cluster(N, "hypercube")
+def test_adpsgd_never_deadlocks_and_keeps_the_sum(cluster: ClusterFactory,
+                                                 layout: tuple[int, int]) -> None:
+    c = cluster(layout[0], "hypercube", layout[1])
     steps = 60
 
     def work(cl: Any) -> dict[str, Any]:

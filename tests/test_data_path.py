@@ -336,7 +336,8 @@ def test_registered_memory_is_released_when_its_tensor_is_gone(small_window: Clu
 
 def test_registration_can_be_turned_off(small_window: Cluster) -> None:
     n = (2 << 20) // F32
-    off = [Client(cl.codec, cl.address, register=False) for cl in small_window.clients]
+    off = [Client(cl.codec, cl.address, register=False, job="noreg")
+           for cl in small_window.clients]
     try:
         def run(rank: int) -> tuple[bool, int]:
             cl = off[rank]

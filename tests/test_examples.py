@@ -12,10 +12,11 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, "-m", "decentd.launcher"]
 
 
-def _example(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _example(script: str, *args: str, layout: tuple[str, ...] = ("-np", "2")
+             ) -> subprocess.CompletedProcess[str]:
     """``examples/<script>`` on 2 workers (ring) under decentrun; it must exit 0."""
     proc = subprocess.run(
-        [*RUN, "-np", "2", "--topology", "ring", "--", sys.executable,
+        [*RUN, *layout, "--topology", "ring", "--", sys.executable,
          str(REPO / "examples" / script), *args],
         capture_output=True, text=True, timeout=300,
     )
@@ -37,6 +38,20 @@ def test_train_digits_dsgd_and_allreduce_learn() -> None:
         assert len(workers) == 2
         assert averaged > 80.0, (algo, averaged)  # 3 epochs on digits: well above chance (10%)
     assert rows["allreduce"][2] == 0.0  # allreduce keeps the replicas identical
+
+
+def test_train_digits_hierarchical_on_two_nodes_of_two_workers() -> None:
+    proc = _example("train_digits.py", "--epochs", "6", "--hierarchical",
+                    layout=("-np", "4", "--nodes", "2"))
+    rows = dict(re.findall(r"│ (dsgd|allreduce)\s+│[\d. ]+│\s+[\d.]+ │\s+([\d.]+) │",
+                           proc.stdout))
+    assert set(rows) == {"dsgd", "allreduce"}, proc.stdout[-3000:]
+    # two machines on a ring: the machine mix is the exact mean, so hierarchical D-SGD keeps
+    # the replicas as identical as allreduce does
+    consensus = re.findall(r"│ dsgd\s+│[\d. ]+│\s+[\d.]+ │\s+[\d.]+ │\s+([\d.e-]+) │",
+                           proc.stdout)
+    assert consensus == ["0"], proc.stdout[-3000:]
+    assert all(float(v) > 70.0 for v in rows.values()), rows
 
 
 def test_keras_example_trains_dsgd_beside_allreduce() -> None:

@@ -208,6 +208,34 @@ def test_decentrun_runs_workers_with_rank_prefix(tmp_path: Path) -> None:
         assert f"[{r}] rank={r} size=3 sum=3.0" in proc.stdout
 
 
+def test_decentrun_spreads_workers_over_nodes_and_sets_their_environment(
+        tmp_path: Path) -> None:
+    script = tmp_path / "w.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, decent.torch as dt
+        c = dt.init()
+        env = [os.environ[k] for k in ("DECENT_RANK", "DECENT_SIZE", "DECENT_LOCAL_RANK",
+                                       "DECENT_LOCAL_SIZE", "LOCAL_RANK")]
+        total = dt.allreduce(torch.tensor([float(c.rank)]), op="sum").item()
+        print(f"env={','.join(env)} rank={c.rank} local={c.local_rank}/{c.local_size} "
+              f"machine={c.machine_rank}/{c.machine_size} sum={total} "
+              f"job={bool(os.environ['DECENT_JOB'])}")
+        dt.shutdown()
+    """))
+    proc = subprocess.run([*RUN, "-np", "4", "--nodes", "2", "--machine-topology", "ring", "--",
+                           sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(4):
+        line = (f"[{r}] env={r},4,{r % 2},2,{r % 2} rank={r} local={r % 2}/2 "
+                f"machine={r // 2}/2 sum=6.0 job=True")
+        assert line in proc.stdout, proc.stdout
+    refused = subprocess.run([*RUN, "-np", "3", "--nodes", "2", "--", sys.executable, "-c",
+                              "pass"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2
+    assert "-np 3 is not divisible by --nodes 2" in refused.stderr
+
+
 def test_decentrun_fails_when_a_worker_fails(tmp_path: Path) -> None:
     script = tmp_path / "w.py"
     script.write_text(textwrap.dedent("""
@@ -258,6 +286,7 @@ def test_decentctl_status_and_topology() -> None:
         assert proc.returncode == 0, proc.stderr
         assert "rank 0/2" in proc.stdout and "completed 1" in proc.stdout
         assert "127.0.0.1" in proc.stdout and "yes" in proc.stdout
+        assert "local workers (1 per node)" in proc.stdout
     finally:
         c.stop()
     proc = subprocess.run([sys.executable, "-m", "decentd.ctl", "topology", "exponential", "-n",
@@ -298,7 +327,7 @@ def test_decentrun_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
             f.write(f"{{os.getpid()}}\\n")
         time.sleep(120)
     """))
-    proc = subprocess.Popen([*RUN, "-np", "2", sys.executable, str(script)],
+    proc = subprocess.Popen([*RUN, "-np", "2", "--nodes", "2", sys.executable, str(script)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while (not marker.exists() or len(marker.read_text().split()) < 2) \

@@ -53,8 +53,10 @@ def run(coro: Coroutine[Any, Any, None]) -> None:
 
 
 def wire(name: str = "x", round_: int = 0, tag: int = 0, n: int = 4,
-         dtype: int = F32) -> pb.Part:
-    return part(name, round_, tag, OP, dtype, (n,), 4 * n)
+         dtype: int = F32, src: int = 1) -> pb.Part:
+    p = part(name, round_, tag, OP, dtype, (n,), 4 * n)
+    p.src = src
+    return p
 
 
 def arrival(p: pb.Part, src: int = 1, released: list[Message] | None = None) -> Arrival:
@@ -71,7 +73,7 @@ def arrival(p: pb.Part, src: int = 1, released: list[Message] | None = None) -> 
 def test_an_early_arrival_waits_for_its_op_and_is_released_when_the_op_closes() -> None:
     async def body() -> None:
         box, released = Mailbox(Outbox()), list[Message]()
-        box.deliver(1, wire(), arrival(wire(), released=released))
+        box.deliver(wire(), arrival(wire(), released=released))
         assert box.early_bytes == 16
         fut = box.expect(1, "x", 0, 0)
         assert fut.done() and box.early_bytes == 0
@@ -86,10 +88,10 @@ def test_a_waiting_op_gets_its_part_and_other_keys_do_not_match() -> None:
         box = Mailbox(Outbox())
         fut = box.expect(1, "x", 0, 0)
         for other in (wire(round_=1), wire(tag=1), wire(name="y")):
-            box.deliver(1, other, arrival(other))
-        box.deliver(2, wire(), arrival(wire(), src=2))  # another sender
+            box.deliver(other, arrival(other))
+        box.deliver(wire(src=2), arrival(wire(src=2), src=2))  # another sender
         assert not fut.done()
-        box.deliver(1, wire(), arrival(wire()))
+        box.deliver(wire(), arrival(wire()))
         assert fut.done() and fut.result().src == 1
     run(body())
 
@@ -99,11 +101,11 @@ def test_a_part_that_matches_is_acknowledged_at_its_header_and_only_once() -> No
         out = Outbox()
         box = Mailbox(out)
         box.expect(1, "x", 0, 0, accepts=(OP, F32, (4,)))
-        box.header("conn", 1, [wire()])
+        box.header("conn", [wire()])
         assert out.acks == [(1, [("x", 0)], 0, False)]
         box.arrived("conn")
         a = arrival(wire())
-        box.deliver(1, wire(), a)
+        box.deliver(wire(), a)
         assert a.acked and len(out.acks) == 1  # the op need not acknowledge it again
     run(body())
 
@@ -114,9 +116,9 @@ def test_a_part_that_does_not_match_is_not_acknowledged_early() -> None:
         box = Mailbox(out)
         fut = box.expect(1, "x", 0, 0, accepts=(OP, F32, (4,)))
         other = wire(n=5)  # another shape: the op's checks fail it, no early ACK
-        box.header("conn", 1, [other])
+        box.header("conn", [other])
         a = arrival(other)
-        box.deliver(1, other, a)
+        box.deliver(other, a)
         assert out.acks == [] and fut.result() is a and not a.acked
     run(body())
 
@@ -125,12 +127,12 @@ def test_an_op_that_starts_while_its_part_arrives_acknowledges_at_once() -> None
     async def body() -> None:
         out = Outbox()
         box = Mailbox(out)
-        box.header("conn", 1, [wire()])  # the payload is on its way
+        box.header("conn", [wire()])  # the payload is on its way
         box.expect(1, "x", 0, 0, accepts=(OP, F32, (4,)))
         assert out.acks == [(1, [("x", 0)], 0, False)]
         box.arrived("conn")
         box2 = Mailbox(out2 := Outbox())
-        box2.header("conn", 1, [wire()])
+        box2.header("conn", [wire()])
         box2.arrived("conn")  # all here before the op: acknowledged by the op, later
         box2.expect(1, "x", 0, 0, accepts=(OP, F32, (4,)))
         assert out2.acks == []
@@ -140,12 +142,12 @@ def test_an_op_that_starts_while_its_part_arrives_acknowledges_at_once() -> None
 def test_an_abort_before_the_op_opens_is_kept_for_it_and_drops_its_data() -> None:
     async def body() -> None:
         box, released = Mailbox(Outbox()), list[Message]()
-        box.deliver(1, wire(), arrival(wire(), released=released))
-        box.aborted(1, [wire()], pb.Error(code=pb.MISMATCH, message="bad"))
+        box.deliver(wire(), arrival(wire(), released=released))
+        box.aborted([wire()], pb.Error(code=pb.MISMATCH, message="bad"))
         assert len(released) == 1 and box.early_bytes == 0
         listener = Listener()
         assert [(src, e.message) for src, e in box.open([("x", 0)], listener)] == [(1, "bad")]
-        box.aborted(2, [wire()], pb.Error(code=pb.TIMEOUT, message="late"))
+        box.aborted([wire(src=2)], pb.Error(code=pb.TIMEOUT, message="late"))
         assert listener.aborts == [(2, "late")]  # open: told at once
     run(body())
 
@@ -155,7 +157,7 @@ def test_an_abort_for_a_closed_op_is_not_kept() -> None:
         box = Mailbox(Outbox())
         box.open([("x", 0)], Listener())
         box.close([("x", 0)])
-        box.aborted(1, [wire()], pb.Error(code=pb.TIMEOUT, message="late"))
+        box.aborted([wire()], pb.Error(code=pb.TIMEOUT, message="late"))
         assert box.open([("x", 0)], Listener()) == []
     run(body())
 
@@ -167,7 +169,7 @@ def test_closing_cancels_waiters_and_drops_later_arrivals() -> None:
         ack = box.expect_ack(1, "x", 0, 0)
         box.close([("x", 0)])
         assert fut.cancelled() and ack.cancelled()
-        box.deliver(1, wire(), arrival(wire(), released=released))
+        box.deliver(wire(), arrival(wire(), released=released))
         assert len(released) == 1 and box.early_bytes == 0 and box.slot_count == 0
     run(body())
 
@@ -176,7 +178,7 @@ def test_a_part_for_an_open_op_that_nobody_waits_for_is_reported_as_stray() -> N
     async def body() -> None:
         box, listener = Mailbox(Outbox()), Listener()
         box.open([("x", 0)], listener)
-        box.deliver(1, wire(tag=7), arrival(wire(tag=7)))
+        box.deliver(wire(tag=7), arrival(wire(tag=7)))
         assert listener.strays == [(1, "x", 0, 7)]
     run(body())
 
@@ -185,7 +187,7 @@ def test_acks_resolve_only_the_parts_they_name() -> None:
     async def body() -> None:
         box = Mailbox(Outbox())
         mine, other = box.expect_ack(1, "x", 0, 0), box.expect_ack(1, "y", 0, 0)
-        box.acked(1, [pb.Part(name="x", round=0, tag=0)])
+        box.acked([pb.Part(name="x", round=0, tag=0, src=1)])
         assert mine.done() and not other.done()
     run(body())
 
@@ -195,7 +197,7 @@ def test_a_lost_peer_fails_only_what_waits_on_it() -> None:
         box = Mailbox(Outbox())
         theirs, ours = box.expect(1, "x", 0, 0), box.expect(2, "x", 0, 0)
         ack = box.expect_ack(1, "y", 0, 0)
-        box.peer_lost(1, ConnectionError("gone"))
+        box.peer_lost(1, lambda key: key[0] == 1, ConnectionError("gone"))
         assert isinstance(theirs.exception(), ConnectionError)
         assert isinstance(ack.exception(), ConnectionError)
         assert not ours.done()
@@ -274,8 +276,8 @@ def test_a_landing_payload_is_moved_away_when_its_op_closes() -> None:
         box = Mailbox(Outbox())
         into = np.zeros(16, np.uint8)
         box.expect(1, "x", 0, 0, into=(into, (OP, F32, (4,))))
-        assert box.landing_target(1, wire(n=5), 20) is None  # not what the op takes
-        assert box.landing_target(1, wire(), 16) is into
+        assert box.landing_target(wire(n=5), 20) is None  # not what the op takes
+        assert box.landing_target(wire(), 16) is into
 
         class Landing:
             cancelled = False
@@ -284,7 +286,7 @@ def test_a_landing_payload_is_moved_away_when_its_op_closes() -> None:
                 self.cancelled = True
 
         landing = Landing()
-        box.landing(1, wire(), landing)
+        box.landing(wire(), landing)
         box.close([("x", 0)])
         assert landing.cancelled
     run(body())
@@ -295,11 +297,11 @@ def test_forgetting_history_lets_a_new_job_reuse_keys() -> None:
         box, released = Mailbox(Outbox()), list[Message]()
         box.open([("x", 0)], Listener())
         box.close([("x", 0)])
-        box.deliver(1, wire("y"), arrival(wire("y"), released=released))
+        box.deliver(wire("y"), arrival(wire("y"), released=released))
         box.forget_history()
         assert released and box.early_bytes == 0 and not box.closed(("x", 0))
         fut = box.expect(1, "x", 0, 0)
-        box.deliver(1, wire(), arrival(wire()))
+        box.deliver(wire(), arrival(wire()))
         assert fut.done()  # round 0 of "x" is a new op again
     run(body())
 

@@ -11,7 +11,8 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.bufpool import BufferPool
 from decentd.links import Links, is_loopback
 from decentd.mailbox import Mailbox
-from decentd.ops.api import OpContext, PartSpec, Services
+from decentd.names import at_worker
+from decentd.ops.api import Level, OpContext, PartSpec, Services
 from decentd.ops.neighbor import NEIGHBOR_OPS, PAIR_MIN_BYTES, neighbor_plan, pair_peer
 from decentd.windows.groups import GroupSums
 from decentd.windows.locks import WindowLocks
@@ -24,14 +25,14 @@ def context(kind: str, n: int, rank: int, round_: int = 0, host: str = "127.0.0.
     topo = build_topology(kind, n)
     links = Links(rank, [f"{host}:{7000 + r}" for r in range(n)], "c", 1 << 20, topo.digest())
     mailbox = Mailbox(links)
-    windows = WindowStore(rank, n, links, 1.0, 1 << 20)
-    services = Services(rank, n, topo, links, mailbox, BufferPool(0), windows,
+    windows = WindowStore(n, links, 1.0, 1 << 20)
+    services = Services(rank, n, 1, topo, topo, links, mailbox, BufferPool(0), windows,
                         GroupSums(windows, links, mailbox), WindowLocks(), 1 << 18)
     x = np.zeros(nbytes // 4, np.float32)
     raw = x.view(np.uint8).data
-    part = PartSpec("t", "t", round_, pb.FLOAT32, x.shape, x, raw, raw)
+    part = PartSpec(at_worker("t", rank), "t", round_, pb.FLOAT32, x.shape, x, raw, raw)
     return OpContext(services, pb.NEIGHBOR_ALLREDUCE, args or pb.NeighborAllreduce(), [part],
-                     NEIGHBOR_OPS[pb.NEIGHBOR_ALLREDUCE])
+                     NEIGHBOR_OPS[pb.NEIGHBOR_ALLREDUCE], Level(rank, n, topo))
 
 
 def pair_of(ctx: OpContext) -> int | None:

@@ -201,7 +201,8 @@ def test_malformed_frame_closes_only_that_connection() -> None:
             from decent_wire.topology import build_topology
             port = stub.Handshake(pb.HandshakeRequest(
                 cluster_id="decent", protocol_version=pb.PROTOCOL_VERSION_CURRENT, from_rank=1,
-                to_rank=0,
+                to_rank=0, workers_per_node=1,
+                machine_topology_digest=build_topology("ring", 2).digest(),
                 topology_digest=build_topology("ring", 2).digest())).data_port
             def frame(h):
                 body = h.SerializeToString()

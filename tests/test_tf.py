@@ -27,10 +27,10 @@ tf.config.threading.set_inter_op_parallelism_threads(4 * N)
 
 @pytest.fixture
 def tfc(cluster: ClusterFactory) -> Iterator[tuple[Cluster, list[dtf.TFClient]]]:
-    """The shared 4-rank ring, with one TensorFlow client per rank next to the torch ones (in
-    the test's job)."""
+    """The shared 4-rank ring, with one TensorFlow client per rank next to the torch ones (in a
+    job of their own: a daemon serves one worker per job)."""
     c = cluster(N, "ring")
-    job = c.clients[0].job
+    job = c.clients[0].job + ".tf"  # a worker per daemon and job: beside the torch ones
     with ThreadPoolExecutor(N) as pool:
         clients = list(pool.map(lambda s: dtf.connect(f"unix://{s}", 60, job=job), c.sockets))
     yield c, clients
@@ -172,6 +172,7 @@ def test_mismatch_names_the_tensor_and_both_ranks(tfc: Any) -> None:
 
 def test_torch_and_tensorflow_workers_are_neighbors(cluster: ClusterFactory) -> None:
     c = cluster(2, "ring")
+    c.clients[0].close()  # rank 0's worker is a TensorFlow one
     tf_client = dtf.connect(f"unix://{c.sockets[0]}", 60, job=c.clients[1].job)
     torch_client = c.clients[1]
     try:

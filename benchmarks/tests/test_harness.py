@@ -144,6 +144,69 @@ def test_report_rows_for_the_netns_variants(tmp_path: Path) -> None:
     assert len(short) == 2 and "1.65x" in short[0] and "1.61x" in short[1], short
 
 
+def _hier_result(gloo_ms: float, flat_ms: float, hier_ms: float,
+                 correct: bool = True) -> dict[str, Any]:
+    """A netns_hier.py result as its JSON has it (the fields the report reads)."""
+    def system(median_ms: float, mb: float) -> dict[str, Any]:
+        return {"median_s": median_ms / 1e3, "correct": correct, "cpu_cores_busy": 0.7,
+                "other_cores_busy": 0.1,
+                "bytes": {"link_tx_mb_mean": mb, "link_tx_mb_max_call": mb,
+                          "daemon_sent_mb_mean": mb}}
+
+    systems = {"gloo": system(gloo_ms, 43.9), "flat": system(flat_ms, 41.8),
+               "hier": system(hier_ms, 25.1)}
+    targets = {key: {"target": t, "value": v, "met": v >= t} for key, t, v in (
+        ("gloo_over_hier", 1.6, gloo_ms / hier_ms), ("flat_over_hier", 1.7, flat_ms / hier_ms))}
+    return {"nodes": 4, "per_node": 2, "workers": 8, "rate": "1gbit", "mbytes": 25.0,
+            "repeats": 12, "systems": systems, "targets": targets, "correct": correct,
+            "meets_targets": all(t["met"] for t in targets.values()), "steal_frac": 0.0,
+            "theory": {"step_s": {"gloo": 0.35, "flat": 0.4, "hier": 0.2},
+                       "speedups": {"gloo_over_hier": 1.75, "flat_over_hier": 2.0}},
+            "decent_source": {"repo_commit": "abc1234"}, "date": "d"}
+
+
+def test_report_rows_for_netns_hier(tmp_path: Path) -> None:
+    """Rows 4h and 4f from netns_hier.json, each against its own target; a REPORT section."""
+    _quick_p2p(tmp_path, "4K")
+    (tmp_path / "netns_hier.json").write_text(json.dumps(_hier_result(378, 431, 230)))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"),
+                           "--results", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = (tmp_path / "REPORT.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in report.splitlines()
+            if line.startswith("| 4")}
+    assert "1.64x (378 vs 230 ms; 43.9 vs 25.1 MB/link/step" in rows["4h"], rows["4h"]
+    assert ">= 1.60x" in rows["4h"] and "PASS" in rows["4h"]
+    assert "1.87x (431 vs 230 ms" in rows["4f"] and ">= 1.70x" in rows["4f"]
+    assert "## Hierarchical D-SGD" in report and "gloo/hier **1.64x**" in report
+    short = (tmp_path / "README_TABLE.md").read_text()
+    assert "| 4h |" in short and "| 4f |" in short
+    # wrong results fail however fast; a missing file says so
+    (tmp_path / "netns_hier.json").write_text(json.dumps(_hier_result(378, 431, 200, False)))
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"), "--results",
+                    str(tmp_path)], capture_output=True, check=True, timeout=120)
+    line = next(x for x in (tmp_path / "REPORT.md").read_text().splitlines()
+                if x.startswith("| 4h |"))
+    assert "results WRONG" in line and "FAIL" in line
+    (tmp_path / "netns_hier.json").unlink()
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"), "--results",
+                    str(tmp_path)], capture_output=True, check=True, timeout=120)
+    assert "not measured (netns_hier.json missing)" in (tmp_path / "REPORT.md").read_text()
+
+
+def test_netns_hier_link_bounds() -> None:
+    """Model copies per node link and step: the ring crosses each node once, flat sends one
+    copy per local worker whose peer is remote, hierarchical one per machine."""
+    from benchmarks.netns_hier import link_copies, theory
+
+    assert link_copies(4, 2) == {"gloo": [1.75], "flat": [1.0, 2.0, 2.0], "hier": [1.0, 1.0]}
+    assert link_copies(2, 4)["flat"] == [1.0, 2.0, 4.0]
+    th = theory(4, 2, 25, "1gbit")
+    assert th["step_s"] == pytest.approx({"gloo": 0.35, "flat": 0.4, "hier": 0.2})
+    assert th["speedups"] == pytest.approx({"gloo_over_hier": 1.75, "flat_over_hier": 2.0})
+
+
 class _SlowReads:
     """The shared flags, read slowly: the other rank runs ahead into the next round meanwhile."""
 
@@ -324,16 +387,45 @@ def test_netns_benchmark_runs_and_cleans_up(tmp_path: Path) -> None:
     assert _netns_left() == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                    reason="network namespaces need root and iproute2")
+def test_netns_hier_benchmark_short_run(tmp_path: Path) -> None:
+    """4 namespaces x 2 workers, 2 MB: the exit code is the JSON's verdict, every system ran
+    and was exact, bytes per link were counted, nothing is left behind."""
+    out, png = tmp_path / "hier.json", tmp_path / "hier.png"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "netns_hier.py"), "--repeats", "2",
+         "--mbytes", "2", "--json", str(out), "--png", str(png)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert proc.returncode == (0 if res["meets_targets"] else 3), \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert set(res["systems"]) == {"gloo", "flat", "hier"} and res["correct"]
+    for name, system in res["systems"].items():
+        assert system["correct"] and len(system["per_repeat_max_s"]) == 2, name
+        assert system["bytes"]["link_tx_mb_mean"] > 1.9, name  # at least one 2 MB copy
+    assert set(res["targets"]) == {"gloo_over_hier", "flat_over_hier"}
+    # the daemon's counters: one copy per machine and step (plus headers, barriers)
+    assert 2.0 <= res["systems"]["hier"]["bytes"]["daemon_sent_mb_mean"] < 2.2
+    assert png.stat().st_size > 10_000
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [line for line in listed.splitlines() if line.startswith("dchr")]
+    assert res["leftover_processes"] == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                     reason="needs root to run the benchmark as an unprivileged user")
-def test_netns_benchmark_says_why_it_skips_without_root() -> None:
+@pytest.mark.parametrize("script", ["netns_dsgd.py", "netns_hier.py"])
+def test_netns_benchmark_says_why_it_skips_without_root(script: str) -> None:
     where = Path(tempfile.mkdtemp(prefix="decent-netns-"))  # pytest's tmp dirs are root-only
     try:
         where.chmod(0o777)
         out = where / "netns.json"
         proc = subprocess.run(
             ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-             str(REPO / "benchmarks" / "netns_dsgd.py"), "--json", str(out)],
+             str(REPO / "benchmarks" / script), "--json", str(out)],
             capture_output=True, text=True, timeout=60, cwd=where,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -20,27 +20,33 @@ import numpy as np
 from decent.core.arena import ClientArena
 from decent.core.args import WeightsArg, op_args, rank_weights
 from decent.core.codec import TensorCodec
-from decent.core.compression import Compressor
+from decent.core.compression import Compressor, Transform
 from decent.core.connection import Connection, default_address
 from decent.core.fusion import settings_from_env
 from decent.core.handles import Handle
+from decent.core.hierarchy_ops import HierarchicalOps
 from decent.core.regions import RegionTable
 from decent.core.registrar import Registrar
 from decent.core.submitter import OpCall, Submitter
 from decent.core.topology_ops import TopologyOps
 from decent.core.windows import WindowOps, WindowTable
 from decent_wire import dtypes
+from decent_wire.errors import DecentError
 from decent_wire.protocol import COMPRESSORS
 from decent_wire.v1 import decent_pb2 as pb
 
 T = TypeVar("T")
 
-def _env_int(*names: str, default: int) -> int:
+#: where a worker finds its local rank: decentrun's, torchrun's, SLURM's, Open MPI's
+LOCAL_RANK_VARS = ("DECENT_LOCAL_RANK", "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+def _env_int(*names: str) -> int | None:
     for name in names:
         value = os.environ.get(name, "")
         if value.isdigit():
             return int(value)
-    return default
+    return None
 
 
 def _rank_list(ranks: list[int] | None) -> pb.RankList | None:
@@ -51,32 +57,7 @@ def _rank_list(ranks: list[int] | None) -> pb.RankList | None:
 DTYPE_OF = {v: k for k, v in dtypes.STORAGE.items() if k != pb.BFLOAT16}
 
 
-class _Transform:
-    """What Horovod's allreduce does around the reduction: scale, compress; then undo."""
-
-    def __init__(self, compression: Compressor | None, pre: float, post: float) -> None:
-        self.compression = compression
-        self.pre, self.post = float(pre), float(post)
-
-    @property
-    def active(self) -> bool:
-        """Whether there is anything to do."""
-        return self.compression is not None or self.pre != 1.0 or self.post != 1.0
-
-    def before(self, tensor: Any) -> tuple[Any, Any]:
-        """What travels, and what undoes the compression."""
-        if self.pre != 1.0:
-            tensor = tensor * self.pre
-        return self.compression.compress(tensor) if self.compression else (tensor, None)
-
-    def after(self, result: Any, context: Any) -> Any:
-        """The reduced tensor, decompressed and scaled."""
-        if self.compression is not None:
-            result = self.compression.decompress(result, context)
-        return result * self.post if self.post != 1.0 else result
-
-
-class Client(WindowOps[T], TopologyOps[T], Generic[T]):
+class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
     """A worker's connection to its daemon. Thread-safe; one per process is typical."""
 
     def __init__(
@@ -88,15 +69,16 @@ class Client(WindowOps[T], TopologyOps[T], Generic[T]):
         fusion_threshold: int | None = None,
         cycle_time: float | None = None,
         register: bool | None = None,
+        local_rank: int | None = None,
     ) -> None:
-        """Register with the daemon at ``address`` ($DECENT_DAEMON by default).
+        """Register with the daemon at ``address`` ($DECENT_DAEMON by default) as its worker
+        ``local_rank`` (default: :data:`LOCAL_RANK_VARS`, else the lowest free one).
 
-        ``fusion_threshold`` (bytes, 0: off) and ``cycle_time`` (seconds) control tensor fusion
-        of asynchronous requests; defaults from $DECENT_FUSION_THRESHOLD / $DECENT_CYCLE_TIME
-        (ms), else 64 MiB and 1 ms. ``register`` (default on; $DECENT_REGISTER=0 turns it off)
-        lets in-place ops hand a tensor of 64 KiB or more that already lives in shared memory
-        (torch: ``t.share_memory_()``, ``model.share_memory()``) to the daemon once, after which
-        they copy nothing (see :mod:`decent.core.regions`).
+        ``fusion_threshold`` (bytes, 0: off) and ``cycle_time`` (seconds) tune the fusion of
+        asynchronous requests ($DECENT_FUSION_THRESHOLD / $DECENT_CYCLE_TIME in ms; else 64 MiB
+        and 1 ms). ``register`` (default on; $DECENT_REGISTER=0: off) lets in-place ops hand a
+        tensor of 64 KiB or more in shared memory (torch: ``share_memory_()``) to the daemon
+        once, after which they copy nothing (:mod:`decent.core.regions`).
         """
         env_threshold, env_cycle = settings_from_env()
         self.codec = codec
@@ -104,19 +86,22 @@ class Client(WindowOps[T], TopologyOps[T], Generic[T]):
         self.job = os.environ.get("DECENT_JOB", "") if job is None else job
         self.address = address or default_address()
         #: the links to the daemon (registration, data channel, memory socket)
-        self.connection = Connection(self.address, codec.framework, self.job, connect_timeout)
+        self.connection = Connection(self.address, codec.framework, self.job, connect_timeout,
+                                     local_rank if local_rank is not None else _env_int(
+                                         *LOCAL_RANK_VARS))
         reg = self.connection.registration
         self.worker_id = reg.worker_id
-        self.rank = reg.rank
-        self.size = reg.size
+        #: this worker among all (BlueFog's names): ``machine_rank * local_size + local_rank``
+        self.rank, self.size = reg.rank, reg.size
+        #: this worker among its daemon's (pick a GPU by it), and how many that daemon serves
+        self.local_rank, self.local_size = reg.local_rank, reg.local_size
+        #: this worker's daemon (node) among the daemons, and how many there are
+        self.machine_rank, self.machine_size = reg.machine_rank, reg.machine_size
         self.cluster_id = reg.cluster_id
-        self.topology = reg.topology
+        #: the workers' topology, and the daemons' (hierarchical ops), at step 0
+        self.topology, self.machine_topology = reg.topology, reg.machine_topology
         self.default_timeout = reg.default_timeout
         self.ring_threshold = reg.ring_threshold
-        #: this worker among the workers of its node (for device choice): from $DECENT_LOCAL_RANK
-        #: and $DECENT_LOCAL_SIZE (or torchrun's $LOCAL_RANK, $LOCAL_WORLD_SIZE), else 0 and 1
-        self.local_rank = _env_int("DECENT_LOCAL_RANK", "LOCAL_RANK", default=0)
-        self.local_size = _env_int("DECENT_LOCAL_SIZE", "LOCAL_WORLD_SIZE", default=1)
         if register is None:
             register = os.environ.get("DECENT_REGISTER", "1") not in ("0", "false", "no")
         self._registrar = Registrar(codec, self.connection, reg.worker_id,
@@ -134,6 +119,20 @@ class Client(WindowOps[T], TopologyOps[T], Generic[T]):
             raise
         self._window_table: WindowTable[T] = WindowTable()
         self._prefixes: dict[str, itertools.count[int]] = {}
+        self._check_rank()
+
+    def _check_rank(self) -> None:
+        """DecentError (and the registration undone) when $DECENT_RANK names another rank than
+        the daemon gave: the worker was started against the wrong daemon or local rank."""
+        want = _env_int("DECENT_RANK")
+        if want is None or want == self.rank:
+            return
+        self.close()
+        raise DecentError(pb.INVALID_ARGUMENT, f"$DECENT_RANK is {want}, but daemon "
+                          f"{self.machine_rank} of {self.machine_size} made this worker rank "
+                          f"{self.rank} (local rank {self.local_rank} of {self.local_size}): "
+                          "start worker r on daemon r // workers_per_node with local rank "
+                          "r % workers_per_node")
 
     @property
     def regions(self) -> RegionTable:
@@ -334,7 +333,7 @@ class Client(WindowOps[T], TopologyOps[T], Generic[T]):
         (multiplied in before and after).
         """
         return self._allreduce(tensor, None, self._reduce_op(op, average), name, timeout, fuse,
-                               _Transform(compression, prescale_factor, postscale_factor))
+                               Transform(compression, prescale_factor, postscale_factor))
 
     @staticmethod
     def _reduce_op(op: str, average: bool | None) -> str:
@@ -345,7 +344,7 @@ class Client(WindowOps[T], TopologyOps[T], Generic[T]):
         return op
 
     def _allreduce(self, tensor: T, into: T | None, op: str, name: str | None,
-                   timeout: float | None, fuse: bool, transform: _Transform | None = None
+                   timeout: float | None, fuse: bool, transform: Transform | None = None
                    ) -> Handle[T]:
         args = pb.Allreduce(reduce_op=pb.AVERAGE if op == "average" else pb.SUM)
         if transform is not None and transform.active:
@@ -368,7 +367,7 @@ class Client(WindowOps[T], TopologyOps[T], Generic[T]):
                          ) -> Handle[T]:
         """In-place :meth:`allreduce_async` (the result is written into ``tensor``)."""
         return self._allreduce(tensor, tensor, self._reduce_op(op, average), name, timeout,
-                               fuse, _Transform(compression, prescale_factor, postscale_factor))
+                               fuse, Transform(compression, prescale_factor, postscale_factor))
 
     def allreduce_(self, tensor: T, **kwargs: Any) -> T:
         """Blocking in-place :meth:`allreduce_async`."""

@@ -26,3 +26,28 @@ class NoneCompressor:
     def decompress(self, tensor: Any, context: Any) -> Any:
         """``tensor`` itself."""
         return tensor
+
+
+class Transform:
+    """What Horovod's allreduce does around the reduction: scale, compress; then undo."""
+
+    def __init__(self, compression: Compressor | None, pre: float, post: float) -> None:
+        self.compression = compression
+        self.pre, self.post = float(pre), float(post)
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anything to do."""
+        return self.compression is not None or self.pre != 1.0 or self.post != 1.0
+
+    def before(self, tensor: Any) -> tuple[Any, Any]:
+        """What travels, and what undoes the compression."""
+        if self.pre != 1.0:
+            tensor = tensor * self.pre
+        return self.compression.compress(tensor) if self.compression else (tensor, None)
+
+    def after(self, result: Any, context: Any) -> Any:
+        """The reduced tensor, decompressed and scaled."""
+        if self.compression is not None:
+            result = self.compression.decompress(result, context)
+        return result * self.post if self.post != 1.0 else result

@@ -63,8 +63,13 @@ class Registration:
     worker_id: str
     rank: int
     size: int
+    local_rank: int
+    local_size: int
+    machine_rank: int
+    machine_size: int
     cluster_id: str
     topology: pb.TopologyInfo
+    machine_topology: pb.TopologyInfo
     default_timeout: float
     ring_threshold: int
     arena_name: str
@@ -76,9 +81,10 @@ class Registration:
 class Connection:
     """One worker's connection to its daemon. ``start()`` opens the data channel."""
 
-    def __init__(self, address: str, framework: str, job: str, connect_timeout: float) -> None:
-        """Register with the daemon at ``address`` (DecentError when it cannot be reached or
-        refuses)."""
+    def __init__(self, address: str, framework: str, job: str, connect_timeout: float,
+                 local_rank: int | None = None) -> None:
+        """Register with the daemon at ``address`` as its worker ``local_rank`` (None: the
+        lowest free one); DecentError when it cannot be reached or refuses."""
         self.address = address
         self.connect_timeout = connect_timeout
         _wait_for_socket(address, min(connect_timeout, SOCKET_WAIT))
@@ -87,10 +93,11 @@ class Connection:
             ("grpc.max_send_message_length", 64 << 20)])
         self._stub = pb_grpc.WorkerStub(self._channel)
         try:
-            reply = self._stub.Register(
-                pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, pid=os.getpid(),
-                                   framework=framework, job=job),
-                timeout=connect_timeout, wait_for_ready=True)
+            request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, pid=os.getpid(),
+                                         framework=framework, job=job)
+            if local_rank is not None:
+                request.local_rank = local_rank
+            reply = self._stub.Register(request, timeout=connect_timeout, wait_for_ready=True)
         except grpc.RpcError as exc:
             self._channel.close()
             raise DecentError(pb.PEER_UNAVAILABLE, f"cannot reach the daemon at {address}: "
@@ -99,9 +106,11 @@ class Connection:
             self._channel.close()
             raise DecentError.from_pb(reply.error)
         self.registration = Registration(
-            reply.worker_id, int(reply.rank), int(reply.size), reply.cluster_id, reply.topology,
-            reply.default_timeout_s, int(reply.ring_threshold_bytes), reply.arena_name,
-            int(reply.arena_bytes), reply.data_socket, reply.memory_socket)
+            reply.worker_id, int(reply.rank), int(reply.size), int(reply.local_rank),
+            max(1, int(reply.local_size)), int(reply.machine_rank),
+            max(1, int(reply.machine_size)), reply.cluster_id, reply.topology,
+            reply.machine_topology, reply.default_timeout_s, int(reply.ring_threshold_bytes),
+            reply.arena_name, int(reply.arena_bytes), reply.data_socket, reply.memory_socket)
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None

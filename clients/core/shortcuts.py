@@ -38,6 +38,9 @@ SHORTCUTS = (
     "win_put_async", "win_put", "win_accumulate_async", "win_accumulate", "win_get_async",
     "win_get", "win_update", "win_publish", "win_free", "win_info", "win_versions",
     "win_exchange_async", "win_exchange", "win_add", "group_allreduce_async", "group_allreduce",
+    "machine_rank", "machine_size", "hierarchical_neighbor_allreduce_async",
+    "hierarchical_neighbor_allreduce", "hierarchical_neighbor_allreduce_async_",
+    "hierarchical_neighbor_allreduce_",
 )
 
 
@@ -84,6 +87,30 @@ class DefaultClient(Generic[T, C]):
     def local_size(self) -> int:
         """Number of workers on this node."""
         return self.get().local_size
+
+    def machine_rank(self) -> int:
+        """This worker's daemon (node) among the daemons."""
+        return self.get().machine_rank
+
+    def machine_size(self) -> int:
+        """How many daemons (nodes) there are."""
+        return self.get().machine_size
+
+    def hierarchical_neighbor_allreduce_async(self, tensor: T, **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.hierarchical_neighbor_allreduce_async`."""
+        return self.get().hierarchical_neighbor_allreduce_async(tensor, **kwargs)
+
+    def hierarchical_neighbor_allreduce(self, tensor: T, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.hierarchical_neighbor_allreduce`."""
+        return self.get().hierarchical_neighbor_allreduce(tensor, **kwargs)
+
+    def hierarchical_neighbor_allreduce_async_(self, tensor: T, **kwargs: Any) -> Handle[T]:
+        """See :meth:`decent.core.Client.hierarchical_neighbor_allreduce_async_`."""
+        return self.get().hierarchical_neighbor_allreduce_async_(tensor, **kwargs)
+
+    def hierarchical_neighbor_allreduce_(self, tensor: T, **kwargs: Any) -> T:
+        """See :meth:`decent.core.Client.hierarchical_neighbor_allreduce_`."""
+        return self.get().hierarchical_neighbor_allreduce_(tensor, **kwargs)
 
     # ------------------------------------------------------------------ topology
 

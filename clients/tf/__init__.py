@@ -91,6 +91,12 @@ win_exchange = _default.win_exchange
 win_add = _default.win_add
 group_allreduce_async = _default.group_allreduce_async
 group_allreduce = _default.group_allreduce
+machine_rank = _default.machine_rank
+machine_size = _default.machine_size
+hierarchical_neighbor_allreduce_async = _default.hierarchical_neighbor_allreduce_async
+hierarchical_neighbor_allreduce = _default.hierarchical_neighbor_allreduce
+hierarchical_neighbor_allreduce_async_ = _default.hierarchical_neighbor_allreduce_async_
+hierarchical_neighbor_allreduce_ = _default.hierarchical_neighbor_allreduce_
 
 __all__ = ["Average", "BroadcastGlobalVariablesCallback", "Client", "Compression", "DecentError",
            "DecentralizedOptimizer", "DistributedOptimizer", "Handle",

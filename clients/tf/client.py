@@ -56,6 +56,10 @@ class TFClient(Client[Any]):
         """Blocking neighbor_allreduce (also inside tf.function)."""
         return self._staged(super().neighbor_allreduce, tensor, _same, **kwargs)
 
+    def hierarchical_neighbor_allreduce(self, tensor: Any, **kwargs: Any) -> Any:
+        """Blocking hierarchical_neighbor_allreduce (also inside tf.function)."""
+        return self._staged(super().hierarchical_neighbor_allreduce, tensor, _same, **kwargs)
+
     def allreduce(self, tensor: Any, **kwargs: Any) -> Any:
         """Blocking allreduce (also inside tf.function)."""
         return self._staged(super().allreduce, tensor, _same, **kwargs)
@@ -103,10 +107,10 @@ def _same(shape: tf.TensorShape) -> tf.TensorShape:
 
 def connect(address: str | None = None, connect_timeout: float = 120.0,
             job: str | None = None, fusion_threshold: int | None = None,
-            cycle_time: float | None = None) -> TFClient:
+            cycle_time: float | None = None, local_rank: int | None = None) -> TFClient:
     """A new client of the local daemon (the arguments as in ``decent.torch.connect``)."""
     return TFClient(TFCodec(), address, connect_timeout, job, fusion_threshold, cycle_time,
-                    register=False)
+                    register=False, local_rank=local_rank)
 
 
 #: the default client of ``decent.tf``: ``init()`` creates it

@@ -14,16 +14,19 @@ TorchClient = Client[torch.Tensor]
 
 def connect(address: str | None = None, connect_timeout: float = 120.0,
             job: str | None = None, fusion_threshold: int | None = None,
-            cycle_time: float | None = None, register: bool | None = None) -> TorchClient:
+            cycle_time: float | None = None, register: bool | None = None,
+            local_rank: int | None = None) -> TorchClient:
     """A new client of the local daemon (address: $DECENT_DAEMON, else the default socket).
 
     ``job`` (default $DECENT_JOB) keeps jobs sharing long-lived daemons apart;
     ``fusion_threshold`` (bytes, 0: off) and ``cycle_time`` (seconds) tune tensor fusion;
     ``register=False`` (or $DECENT_REGISTER=0) keeps in-place ops copying tensors instead of
-    moving them into shared memory registered with the daemon.
+    moving them into shared memory registered with the daemon. ``local_rank``: this worker
+    among its daemon's (default: $DECENT_LOCAL_RANK, $LOCAL_RANK, $SLURM_LOCALID, else the
+    lowest free one).
     """
     return Client(TorchCodec(), address, connect_timeout, job, fusion_threshold, cycle_time,
-                  register)
+                  register, local_rank)
 
 
 #: the default client of ``decent.torch``: ``init()`` creates it

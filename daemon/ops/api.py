@@ -43,9 +43,11 @@ _NO_BYTES = memoryview(b"")
 class Services:
     """The daemon services ops use, handed to every op explicitly."""
 
-    rank: int
-    size: int
-    topology: Topology
+    machine: int  #: this daemon's rank among the daemons
+    machines: int  #: daemons in the cluster
+    per_node: int  #: workers per daemon
+    topology: Topology  #: over the workers (the default of their ops)
+    machine_topology: Topology  #: over the daemons (hierarchical ops)
     links: Links
     mailbox: Mailbox
     pool: BufferPool  #: reusable buffers (a ring allreduce's working copy)
@@ -53,6 +55,22 @@ class Services:
     groups: GroupSums  #: WAGMA's group sums
     locks: WindowLocks  #: window mutexes
     ring_threshold: int  #: allreduce of a lone tensor this large runs as a ring
+
+    @property
+    def workers(self) -> int:
+        """Workers in the cluster."""
+        return self.machines * self.per_node
+
+
+@dataclass(frozen=True)
+class Level:
+    """Whom an op runs among: the workers (worker ranks, their topology) or, for a node's
+    part of a hierarchical collective, the daemons (``node``)."""
+
+    rank: int
+    size: int
+    topology: Topology
+    node: bool = False
 
 
 @dataclass
@@ -72,6 +90,10 @@ class PartSpec:
     def nbytes(self) -> int:
         """Input bytes."""
         return int(self.x.nbytes)
+
+    def release(self) -> None:
+        """Drop the views of the worker's memory (so that it can be unmapped)."""
+        self.x, self.out, self.raw = _EMPTY, _NO_BYTES, _NO_BYTES
 
     def output(self, nbytes: int, label: str) -> np.ndarray:
         """The output region as a flat storage-dtype array of ``nbytes``; ARENA_ERROR when the
@@ -117,15 +139,16 @@ class OpContext:
     """One running op: its request, its tensors and peers, and send/receive with checks."""
 
     def __init__(self, services: Services, op: int, args: Any, parts: list[PartSpec],
-                 spec: OpSpec, topology: Topology | None = None) -> None:
+                 spec: OpSpec, level: Level) -> None:
         self.services = services
-        #: the topology of the worker's job when the op was submitted (``set_topology``)
-        self.topology = topology if topology is not None else services.topology
+        #: the topology of the op's level (a worker's: its job's when it was submitted)
+        self.topology = level.topology
         #: the op's neighbors come from the topology: its name travels with what it sends, and
         #: a peer on another topology fails the op with MISMATCH
         self.on_topology = False
-        self.rank = services.rank
-        self.size = services.size
+        self.rank = level.rank
+        self.size = level.size
+        self.level = level
         self.op = op
         #: the op's typed arguments (``pb.NeighborAllreduce``, ``pb.Broadcast``, ...)
         self.args = args
@@ -172,8 +195,12 @@ class OpContext:
         return f"{self.topology.kind}#{self.topology.digest()[:8]}"
 
     def same_host(self, peer: int) -> bool:
-        """Whether ``peer``'s daemon is on this host (both addressed on loopback)."""
-        return self.services.links.same_host(peer)
+        """Whether ``peer``'s daemon is this one or on this host (both addressed on loopback)."""
+        return self.services.links.same_host(self.machine_of(peer))
+
+    def machine_of(self, peer: int) -> int:
+        """The daemon of ``peer`` (a rank of this op's level)."""
+        return peer if self.level.node else peer // self.services.per_node
 
     def output(self, p: PartSpec, nbytes: int) -> np.ndarray:
         """Part ``p``'s output region as a flat storage-dtype array of ``nbytes``."""
@@ -258,7 +285,7 @@ class OpContext:
         arrive elsewhere (it came before the op ran): compare ``Arrival.data`` with it.
         ``shape``: the one part's expected shape when it is not ours (gathers).
         """
-        link = self.services.links.links.get(src)
+        link = self.services.links.link(self.machine_of(src))
         if link is None:
             raise DecentError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} is not a peer")
         want = self.parts if parts is None else parts
@@ -382,7 +409,7 @@ class OpContext:
     def release_views(self) -> None:
         """Drop this op's views of the worker's arena (so the arena can be unmapped)."""
         for p in self.parts:
-            p.x, p.out, p.raw = _EMPTY, _NO_BYTES, _NO_BYTES
+            p.release()
         self.by_name = {}
         self.payload = []
 

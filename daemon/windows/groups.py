@@ -18,7 +18,7 @@ from decent_wire.graphs import butterfly_group
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.links import Links, part
 from decentd.mailbox import Arrival, Mailbox
-from decentd.names import display_name
+from decentd.names import display_name, owner
 from decentd.numerics import weighted_sum
 from decentd.tasks import TaskSet, gather_all
 from decentd.windows.store import REPLY, REQUEST, WindowStore
@@ -34,6 +34,14 @@ FETCH_BASE = 1 << 62
 GroupKey = tuple[str, int]
 #: a group sum and the most steps a member's copy in it lagged the round
 GroupSum = tuple[np.ndarray, int]
+
+
+def _owner(name: str) -> int:
+    """The worker whose window (and group round) ``name`` is."""
+    who = owner(name)
+    if who is None:
+        raise DecentError(pb.INVALID_ARGUMENT, f"window '{display_name(name)}' has no worker")
+    return who
 
 
 def _bounded(table: collections.OrderedDict[GroupKey, Any], limit: int) -> None:
@@ -81,7 +89,7 @@ class GroupSums:
 
     async def _sum_group(self, name: str, round_: int, group_size: int, dtype: int,
                          shape: tuple[int, ...]) -> None:
-        rank = self._store.rank
+        rank = _owner(name)
         members = butterfly_group(rank, self._store.size, group_size, round_)
         others = [m for m in members if m != rank]
         fetch = FETCH_BASE + next(self._fetches)
@@ -107,7 +115,7 @@ class GroupSums:
     async def _gather(self, name: str, round_: int, fetch: int, members: list[int],
                       dtype: int, shape: tuple[int, ...]) -> GroupSum:
         """Every member's copy as its daemon holds it, summed in rank order."""
-        rank, timeout = self._store.rank, self._store.timeout
+        rank, timeout = _owner(name), self._store.timeout
         w = self._store.windows.get(name)
         if w is None or w.own is None:
             raise DecentError(pb.NOT_FOUND, f"window '{display_name(name)}' does not exist on "

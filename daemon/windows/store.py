@@ -34,7 +34,7 @@ from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.links import Links, part
 from decentd.mailbox import Arrival
-from decentd.names import display_name
+from decentd.names import display_name, owner
 from decentd.numerics import weighted_sum
 from decentd.tasks import TaskSet
 
@@ -126,9 +126,8 @@ class _Parked:
 class WindowStore:
     """Every window of this daemon, and the answers to peers' window messages."""
 
-    def __init__(self, rank: int, size: int, links: Links, timeout: float,
-                 early_limit: int) -> None:
-        self.rank = rank
+    def __init__(self, size: int, links: Links, timeout: float, early_limit: int) -> None:
+        #: workers in the cluster (a window's key names the worker that owns it)
         self.size = size
         self._links = links
         self.timeout = timeout
@@ -145,7 +144,7 @@ class WindowStore:
         w = self.windows.get(name)
         if w is None or w.own is None:
             raise DecentError(pb.NOT_FOUND, f"window '{display}' does not exist on rank "
-                                            f"{self.rank} (call win_create first)")
+                                            f"{owner(name)} (call win_create first)")
         return w
 
     def create(self, name: str, dtype: int, shape: tuple[int, ...], x: np.ndarray,
@@ -155,9 +154,9 @@ class WindowStore:
         w = self.windows.get(name)
         if w is not None and w.own is not None:
             raise DecentError(pb.INVALID_ARGUMENT, f"window '{w.display}' already exists on "
-                                                   f"rank {self.rank} (win_free it first)")
+                                                   f"rank {owner(name)} (win_free it first)")
         if w is not None and (w.dtype, w.shape) != (dtype, shape):
-            raise DecentError(pb.MISMATCH, f"window '{w.display}': rank {self.rank} creates it "
+            raise DecentError(pb.MISMATCH, f"window '{w.display}': rank {owner(name)} creates it "
                               f"as {dtypes.describe(dtype, shape)} but rank(s) "
                               f"{sorted(w.buffers)} already wrote {w.describe()} into it")
         if w is None:
@@ -190,7 +189,7 @@ class WindowStore:
         if w is None or w.own is None:
             return pb.WindowInfo(error=pb.Error(
                 code=pb.NOT_FOUND, message=f"window '{display_name(name)}' does not exist on "
-                                           f"rank {self.rank}"))
+                                           f"rank {owner(name)}"))
         return pb.WindowInfo(meta=pb.TensorMeta(dtype=w.dtype, shape=w.shape), step=w.step,
                              versions=w.versions, steps=w.steps, served=w.served,
                              max_staleness=w.max_staleness, p=w.p)
@@ -242,7 +241,7 @@ class WindowStore:
         if any(p.arrival is kept for p in waiting):
             self._parked[name] = [p for p in waiting if p.arrival is not kept]
             err = DecentError(pb.NOT_FOUND, f"rank {src} reads window '{display_name(name)}', "
-                              f"which rank {self.rank} did not create within {self.timeout:g}s")
+                              f"which rank {owner(name)} did not create within {self.timeout:g}s")
             self._links.send_abort(src, [(name, round_)], err.to_pb())
 
     async def _reply(self, dst: int, reply: pb.Part, data: memoryview) -> None:
@@ -273,7 +272,7 @@ class WindowStore:
         not exist here yet)."""
         if name in self._freed:
             raise DecentError(pb.NOT_FOUND, f"rank {src} writes window '{display_name(name)}', "
-                                            f"which rank {self.rank} has freed")
+                                            f"which rank {owner(name)} has freed")
         target = self.windows.get(name)
         if target is None:  # not created here yet
             target = self.windows[name] = Window(name, arrival.dtype, arrival.shape)
@@ -299,7 +298,7 @@ class WindowStore:
             if not w.buffers:
                 del self.windows[name]
             raise DecentError(pb.RESOURCE_EXHAUSTED, f"rank {src} writes window "
-                              f"'{w.display}' before rank {self.rank} created it, past the "
+                              f"'{w.display}' before rank {owner(name)} created it, past the "
                               f"{self.early_limit} bytes kept for such writes "
                               "(memory.window_early_bytes)")
 
@@ -308,11 +307,11 @@ class WindowStore:
         w = self.windows.get(name)
         if w is None or w.own is None:
             raise DecentError(pb.NOT_FOUND, f"rank {src} {verb} window '{display_name(name)}', "
-                                            f"which does not exist on rank {self.rank}")
+                                            f"which does not exist on rank {owner(name)}")
         return w, w.own
 
     def _check(self, src: int, w: Window, arrival: Arrival, verb: str) -> None:
         if (arrival.dtype, arrival.shape) != (w.dtype, w.shape):
             raise DecentError(pb.MISMATCH, f"window '{w.display}': rank {src} {verb} "
                               f"{dtypes.describe(arrival.dtype, arrival.shape)} but rank "
-                              f"{self.rank} holds {w.describe()}")
+                              f"{owner(w.name)} holds {w.describe()}")

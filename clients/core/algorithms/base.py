@@ -141,6 +141,10 @@ class Algorithm(Generic[T]):
         if mean:
             hs = [c.allreduce_async_(t, name=n, fuse=False) if in_place
                   else c.allreduce_async(t, name=n) for t, n in zip(tensors, names, strict=True)]
+        elif self.options.get("hierarchical"):
+            hs = [c.hierarchical_neighbor_allreduce_async_(t, name=n) if in_place
+                  else c.hierarchical_neighbor_allreduce_async(t, name=n)
+                  for t, n in zip(tensors, names, strict=True)]
         else:
             w = self._weights()
             hs = [c.neighbor_allreduce_async_(t, name=n, fuse=False, **w) if in_place
@@ -232,6 +236,23 @@ class AdaptThenCombine(Algorithm[T]):
     """
 
     in_place = True
+    #: ``hierarchical``: each combine averages the node's workers, then mixes the nodes' means
+    #: over the daemons' machine topology (BlueFog's hierarchical_neighbor_allreduce)
+    defaults: ClassVar[dict[str, Any]] = {"hierarchical": False}
+
+    def __init__(self, client: Client[T], **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        if self.options["hierarchical"]:
+            if self.own_topology:
+                raise AlgorithmError(f"algorithm {self.name!r}: hierarchical=True mixes over "
+                                     "the daemons' machine topology; it takes no topology of "
+                                     "its own")
+            machines = from_spec(json.loads(client.machine_topology.spec_json or "{}"),
+                                 client.machine_size)
+            try:
+                machines.check(self.needs, f"algorithm {self.name!r} (machine topology)")
+            except TopologyError as exc:
+                raise AlgorithmError(str(exc)) from None
 
     def combine(self) -> tuple[str, bool] | None:
         """This iteration's combine, ``(exchange key, global mean?)``, or None (a local step)."""

@@ -59,7 +59,7 @@ class PeriodicGlobalAveraging(AdaptThenCombine[T]):
     """ATC D-SGD whose every ``period``-th combine is a global average."""
 
     name = "pga"
-    defaults: ClassVar[dict[str, Any]] = {"period": 8}
+    defaults: ClassVar[dict[str, Any]] = {"period": 8, "hierarchical": False}
 
     def __init__(self, client: Client[T], **kwargs: Any) -> None:
         super().__init__(client, **kwargs)

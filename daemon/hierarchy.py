@@ -1,0 +1,360 @@
+"""Hierarchical collectives: a node's workers are combined first, then the op runs once among
+the daemons.
+
+``allreduce``, ``broadcast``, ``barrier`` and ``hierarchical_neighbor_allreduce`` are node-level:
+each worker of a node submits its part of the k-th call of a name (a *gather*); once the node
+has them all, the daemon stages one tensor from them (the local sum, the root's tensor, nothing,
+the local mean), runs the op among the daemons under a node-level key, and writes the result
+into every local worker's output. A node sends what one worker would, whatever its worker
+count. With one worker per node the worker's own tensor is the staged one: nothing is copied.
+
+A gather that cannot complete (a member's timeout, a member that left, members that disagree)
+fails every member with the same error and tells the daemons the node-level op would have met.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from decent_wire import dtypes
+from decent_wire.errors import DecentError
+from decent_wire.protocol import op_label
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.mailbox import OpKey
+from decentd.names import at_node
+from decentd.numerics import ACCUM, from_accum, to_accum, weighted_sum
+from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Services
+
+log = logging.getLogger("decentd.hierarchy")
+
+#: the wire dtype of each accumulation dtype (node sums travel in it)
+ACCUM_WIRE = {np.dtype(np.float32): pb.FLOAT32, np.dtype(np.float64): pb.FLOAT64,
+              np.dtype(np.int64): pb.INT64}
+NODE_LEVEL = (pb.ALLREDUCE, pb.BROADCAST, pb.BARRIER, pb.HIERARCHICAL_NEIGHBOR_ALLREDUCE)
+
+Done = Callable[[OpResult | None, DecentError | None], None]
+Start = Callable[[OpContext, float, Done], None]
+
+
+class Worker(Protocol):
+    """What a gather needs of a local worker's session."""
+
+    rank: int
+    local_rank: int
+    job: str
+    gone: bool
+
+    def complete(self, completion: pb.Completion) -> None:
+        """Send a completion to the worker."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One worker's request of a node-level op (its parts' names job-qualified, no owner)."""
+
+    session: Worker
+    request_id: int
+    op: int
+    args: Any
+    parts: list[PartSpec]
+    timeout: float
+    left: int = -1  #: parts not resolved yet
+    error: DecentError | None = None
+
+    def __post_init__(self) -> None:
+        self.left = len(self.parts)
+
+
+@dataclass(eq=False)
+class Staged:
+    """A node's tensor of one gather, in a pooled buffer."""
+
+    part: PartSpec
+    buf: np.ndarray  #: the pool's buffer (given back when the op ends)
+
+
+@dataclass(eq=False)
+class Gather:
+    """One tensor ``(name, round)`` of a node-level op, from each local worker."""
+
+    key: OpKey
+    members: dict[int, tuple[Request, PartSpec]] = field(default_factory=dict)
+    timer: asyncio.TimerHandle | None = None
+    launched: OpContext | None = None
+
+
+class Hierarchy:
+    """The node-level ops of one daemon."""
+
+    def __init__(self, services: Services, ops: Mapping[int, OpSpec], start: Start) -> None:
+        self.services = services
+        self.per_node = services.per_node
+        self._start = start
+        self._spec = dict(ops)
+        #: the ops run here, by the op workers submit
+        self.ops: dict[int, OpSpec] = {op: ops[op] for op in NODE_LEVEL[:3]}
+        self.ops[pb.HIERARCHICAL_NEIGHBOR_ALLREDUCE] = dataclasses.replace(
+            ops[pb.NEIGHBOR_ALLREDUCE])
+        self.gathers: dict[OpKey, Gather] = {}
+        #: node-level ops running among the daemons, with their gathers
+        self.running: dict[OpContext, list[Gather]] = {}
+        #: by job: the local ranks that left (and have not come back), with their ranks
+        self.departed: dict[str, dict[int, int]] = {}
+
+    # ------------------------------------------------------------------ gathering
+
+    def submit(self, req: Request) -> None:
+        """A worker's part of node-level ops: gathered, and the op started once the node has
+        every worker's (DecentError when the request itself is refused)."""
+        if req.op == pb.BROADCAST:
+            root = int(req.args.root)
+            if not 0 <= root < self.services.workers:
+                raise DecentError(pb.INVALID_ARGUMENT, f"{op_label(req.op)} "
+                                  f"'{req.parts[0].display}': root {root} is not a rank "
+                                  f"(0..{self.services.workers - 1})")
+        local = req.session.local_rank
+        for p in req.parts:
+            g = self.gathers.get((p.name, p.round))
+            if g is not None and local in g.members:
+                raise DecentError(pb.INVALID_ARGUMENT, f"'{p.display}' round {p.round} is "
+                                  f"already in flight on rank {req.session.rank}")
+        ready = []
+        left = self.departed.get(req.session.job, {})
+        for p in req.parts:
+            g = self.gathers.setdefault((p.name, p.round), Gather((p.name, p.round)))
+            problem = self._disagreement(g, req, p) or self._departure(left, req, p)
+            g.members[local] = (req, p)
+            if problem is not None:
+                self._fail(g, problem)
+            elif len(g.members) == self.per_node:
+                ready.append(g)
+            elif g.timer is None:
+                g.timer = asyncio.get_running_loop().call_later(req.timeout, self._expire, g)
+        if ready:
+            self._launch(req, ready)
+
+    def _disagreement(self, g: Gather, req: Request, p: PartSpec) -> DecentError | None:
+        """MISMATCH when ``req``'s part differs from what another local worker submitted."""
+        if not g.members:
+            return None
+        other, q = next(iter(g.members.values()))
+        mine = (req.op, req.args.SerializeToString(deterministic=True), p.dtype, p.shape)
+        theirs = (other.op, other.args.SerializeToString(deterministic=True), q.dtype, q.shape)
+        if mine == theirs:
+            return None
+        what = (f"{op_label(req.op)} {dtypes.describe(p.dtype, p.shape)}",
+                f"{op_label(other.op)} {dtypes.describe(q.dtype, q.shape)}")
+        if what[0] == what[1]:
+            what = (f"{what[0]} ({_args(req.args)})", f"{what[1]} ({_args(other.args)})")
+        return DecentError(pb.MISMATCH, f"tensor '{p.display}' round {p.round}: rank "
+                           f"{req.session.rank} submitted {what[0]} but rank "
+                           f"{other.session.rank} on the same node {what[1]}")
+
+    @staticmethod
+    def _departure(left: Mapping[int, int], req: Request, p: PartSpec) -> DecentError | None:
+        """ABORTED when a worker of the node that this op needs has left."""
+        if not left:
+            return None
+        return DecentError(pb.ABORTED, f"{op_label(req.op)} '{p.display}' round {p.round}: "
+                           f"rank {', '.join(str(r) for r in sorted(left.values()))} left; "
+                           "this node's workers cannot all take part")
+
+    def _expire(self, g: Gather) -> None:
+        g.timer = None
+        if g.launched is not None or self.gathers.get(g.key) is not g:
+            return
+        missing = sorted(self.services.machine * self.per_node + r
+                         for r in range(self.per_node) if r not in g.members)
+        req, p = next(iter(g.members.values()))
+        self._fail(g, DecentError(pb.TIMEOUT, f"{op_label(req.op)} '{p.display}' round "
+                                  f"{p.round} timed out after {req.timeout:g}s; still waiting "
+                                  f"for rank(s) {missing} on the same node to submit it"))
+
+    def _fail(self, g: Gather, err: DecentError) -> None:
+        """A gather that will never run: every member fails, the daemons are told."""
+        self.gathers.pop(g.key, None)
+        if g.timer is not None:
+            g.timer.cancel()
+        req, _ = next(iter(g.members.values()))
+        ctx = self._context(req, [g])
+        try:
+            peers = ctx.spec.peers(ctx)
+        except DecentError:
+            peers = set(range(ctx.size)) - {ctx.rank}
+        for peer in peers:
+            self.services.links.send_abort(peer, ctx.keys, err.to_pb())
+        log.warning("%s", err.message)
+        for member, _ in g.members.values():
+            self._resolve(member, err)
+
+    # ------------------------------------------------------------------ running among daemons
+
+    def _launch(self, req: Request, ready: list[Gather]) -> None:
+        """Stage the ready gathers and run their op among the daemons."""
+        for g in ready:
+            self.gathers.pop(g.key, None)
+            if g.timer is not None:
+                g.timer.cancel()
+        staged = [] if self.per_node == 1 else [self._staging(req.op, g) for g in ready]
+        ctx = self._context(req, ready, [st.part for st in staged] or None)
+        for g in ready:
+            g.launched = ctx
+        self.running[ctx] = ready
+        try:
+            self._start(ctx, min(m.timeout for g in ready for m, _ in g.members.values()),
+                        lambda result, err: self._finished(req, ready, staged, ctx, err))
+        except DecentError as err:
+            self._finished(req, ready, staged, ctx, err)
+
+    def _context(self, req: Request, gathers: list[Gather],
+                 staged: list[PartSpec] | None = None) -> OpContext:
+        """The node-level op of ``gathers``: on ``staged`` tensors (copies of their specs: the
+        op drops its views when it ends), else on the one local worker's own tensors."""
+        op, args, spec = self._machine_op(req.op, req.args)
+        if staged is not None:
+            parts = [dataclasses.replace(p) for p in staged]
+        else:
+            parts = [dataclasses.replace(p, name=at_node(p.name))
+                     for p in (next(iter(g.members.values()))[1] for g in gathers)]
+        s = self.services
+        level = Level(s.machine, s.machines, s.machine_topology, node=True)
+        return OpContext(s, op, args, parts, spec, level)
+
+    def _machine_op(self, op: int, args: Any) -> tuple[int, Any, OpSpec]:
+        """What runs among the daemons: the op, its arguments in daemon ranks, its spec."""
+        if op == pb.HIERARCHICAL_NEIGHBOR_ALLREDUCE:
+            nar = pb.NeighborAllreduce()
+            if args.HasField("self_weight"):
+                nar.self_weight = args.self_weight
+            if args.HasField("src_machine_weights"):
+                nar.src_weights.CopyFrom(args.src_machine_weights)
+            if args.HasField("dst_machine_weights"):
+                nar.dst_weights.CopyFrom(args.dst_machine_weights)
+            return pb.NEIGHBOR_ALLREDUCE, nar, self._spec[pb.NEIGHBOR_ALLREDUCE]
+        if self.per_node > 1 and op == pb.ALLREDUCE:
+            return op, pb.Allreduce(reduce_op=pb.SUM), self._spec[op]
+        if self.per_node > 1 and op == pb.BROADCAST:
+            return op, pb.Broadcast(root=int(args.root) // self.per_node), self._spec[op]
+        return op, args, self._spec[op]
+
+    def _staging(self, op: int, g: Gather) -> Staged:
+        """The node's tensor of gather ``g`` in a pooled buffer (allreduce: in the accumulation
+        dtype, so that sums neither overflow nor round on the way): the members' sum, the
+        root's tensor, or their mean."""
+        _, p = next(iter(g.members.values()))
+        dtype = ACCUM_WIRE[ACCUM[p.dtype]] if op == pb.ALLREDUCE else p.dtype
+        buf = self.services.pool.get(dtypes.nbytes(dtype, p.shape))
+        view = buf.data
+        staged = Staged(PartSpec(at_node(p.name), p.display, p.round, dtype, p.shape,
+                                 buf.view(dtypes.STORAGE[dtype]), view, view), buf)
+        self._stage(op, g, staged.part)
+        return staged
+
+    def _stage(self, op: int, g: Gather, staged: PartSpec) -> None:
+        """Combine the members' tensors into ``staged``."""
+        members = [p for _, (_, p) in sorted(g.members.items())]
+        if op == pb.ALLREDUCE:
+            acc = to_accum(members[0].x, members[0].dtype)
+            for p in members[1:]:
+                acc += to_accum(p.x, p.dtype)
+            np.copyto(staged.x, acc)
+        elif op == pb.BROADCAST:
+            req, _ = next(iter(g.members.values()))
+            root = int(req.args.root)
+            if root // self.per_node == self.services.machine:
+                np.copyto(staged.x, members[root % self.per_node].x)
+        elif op == pb.HIERARCHICAL_NEIGHBOR_ALLREDUCE:
+            share = 1.0 / len(members)
+            weighted_sum(staged.x, members[0].x, share,
+                         [(p.x, share) for p in members[1:]], staged.dtype)
+
+    def _finished(self, req: Request, gathers: list[Gather], staged: list[Staged],
+                  ctx: OpContext, err: DecentError | None) -> None:
+        """The node-level op ended: every member's output, then its completion."""
+        self.running.pop(ctx, None)
+        for i, g in enumerate(gathers):
+            if err is None and staged:
+                try:
+                    self._deliver(req.op, req.args, g, staged[i].part)
+                except DecentError as exc:
+                    err = exc
+                except Exception as exc:  # a bug: the members fail, the daemon goes on
+                    log.exception("delivering %s failed", ctx.label)
+                    err = DecentError(pb.INTERNAL, f"{ctx.label}: internal error: {exc!r}")
+            for member, _ in g.members.values():
+                self._resolve(member, err)
+        for st in staged:
+            self.services.pool.put(st.buf)
+
+    def _deliver(self, op: int, args: Any, g: Gather, staged: PartSpec) -> None:
+        """The staged result into each local worker's output."""
+        divisor = self.services.workers if (op == pb.ALLREDUCE and
+                                            args.reduce_op == pb.AVERAGE) else 1
+        for req, p in g.members.values():
+            if req.session.gone or not p.nbytes:
+                continue
+            out = p.output(p.nbytes, f"{op_label(op)} '{p.display}' round {p.round}")
+            if op == pb.ALLREDUCE:
+                out[...] = from_accum(staged.x, p.dtype, divisor)
+            else:
+                np.copyto(out, staged.x)
+
+    def _resolve(self, req: Request, err: DecentError | None) -> None:
+        """One of ``req``'s parts ended; its completion once all have."""
+        if err is not None and req.error is None:
+            req.error = err
+        req.left -= 1
+        if req.left:
+            return
+        completion = pb.Completion(request_id=req.request_id)
+        if req.error is not None:
+            completion.error.CopyFrom(req.error.to_pb())
+        else:
+            first = req.parts[0]
+            completion.out_nbytes = sum(p.nbytes for p in req.parts)
+            completion.out_meta.dtype = first.dtype
+            completion.out_meta.shape.extend(first.shape)
+        for p in req.parts:  # the worker's memory is not ours to hold any more
+            p.release()
+        req.session.complete(completion)
+
+    # ------------------------------------------------------------------ workers leaving
+
+    def joined(self, session: Worker) -> None:
+        """A worker registered: its local rank takes part again."""
+        left = self.departed.get(session.job)
+        if left is not None:
+            left.pop(session.local_rank, None)
+
+    def fail_session(self, session: Worker) -> list[asyncio.Task[None]]:
+        """A local worker left: every gather of its job not yet run fails (it can never
+        complete), and so do later ones until a worker takes its local rank again; the
+        tasks of node-level ops that read its memory, to wait for."""
+        self.departed.setdefault(session.job, {})[session.local_rank] = session.rank
+        err = DecentError(pb.ABORTED, f"rank {session.rank} left before the node's workers "
+                                      "all submitted it")
+        for g in list(self.gathers.values()):
+            if any(m.session.job == session.job for m, _ in g.members.values()):
+                self._fail(g, err)
+        return [ctx.task for ctx, gathers in self.running.items() if ctx.task is not None and
+                any(m.session is session for g in gathers for m, _ in g.members.values())]
+
+    def shutdown(self, reason: str) -> None:
+        """Every gather not yet run fails with SHUTTING_DOWN."""
+        err = DecentError(pb.SHUTTING_DOWN, f"daemon rank {self.services.machine} is shutting "
+                                            f"down ({reason})")
+        for g in list(self.gathers.values()):
+            self._fail(g, err)
+
+
+def _args(args: Any) -> str:
+    """A short form of an op's arguments for messages."""
+    text = str(args).replace("\n", " ").strip()
+    return text or "no arguments"
