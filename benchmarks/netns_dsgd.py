@@ -1068,20 +1068,27 @@ def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 
             ok = True
     finally:
         say("cleaning up namespaces and processes")
-        cleanup.run()
-        atexit.unregister(cleanup.run)
-        left = leftover_procs(str(run_dir))
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if ok:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        else:
-            console.print(f"[yellow]logs kept in {run_dir}[/]")
+        left = tear_down(cleanup, run_dir, ok)
     result["leftover_processes"] = left
-    result["leftover_namespaces"] = [n for n in leftover_namespaces(prefix)]
+    result["leftover_namespaces"] = leftover_namespaces(prefix)
     result["total_s"] = time.perf_counter() - started
     return result
+
+
+def tear_down(cleanup: Cleanup, run_dir: Path, ok: bool) -> list[int]:
+    """After a run: namespaces and processes removed, stragglers of ``run_dir`` killed (their
+    pids returned), its logs removed after a good run and kept (and named) otherwise."""
+    cleanup.run()
+    atexit.unregister(cleanup.run)
+    left = leftover_procs(str(run_dir))
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if ok:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:
+        console.print(f"[yellow]logs kept in {run_dir}[/]")
+    return left
 
 
 def leftover_procs(marker: str) -> list[int]:

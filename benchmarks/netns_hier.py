@@ -86,6 +86,7 @@ from benchmarks.netns_dsgd import (  # noqa: E402
     summarize,
     tail,
     tbf_drops,
+    tear_down,
     warmup_steps,
     write_json,
 )
@@ -380,16 +381,7 @@ def run(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
             ok = True
     finally:
         say("cleaning up namespaces and processes")
-        cleanup.run()
-        atexit.unregister(cleanup.run)
-        left = leftover_procs(str(run_dir))
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if ok:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        else:
-            console.print(f"[yellow]logs kept in {run_dir}[/]")
+        left = tear_down(cleanup, run_dir, ok)
     res["leftover_processes"] = left
     res["leftover_namespaces"] = leftover_namespaces(prefix)
     res["total_s"] = time.perf_counter() - started

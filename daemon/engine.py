@@ -26,7 +26,7 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.arena import Arena
 from decentd.hierarchy import Hierarchy, Request
 from decentd.mailbox import OpKey
-from decentd.names import JOB_SEPARATOR, OWNER_SEPARATOR, at_worker, qualify
+from decentd.names import RESERVED, at_worker, qualify
 from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Services
 
 log = logging.getLogger("decentd.engine")
@@ -181,8 +181,9 @@ class Engine:
         name = t.name
         if not name:
             raise DecentError(pb.INVALID_ARGUMENT, "request has an empty name")
-        if JOB_SEPARATOR in name or OWNER_SEPARATOR in name:
-            raise DecentError(pb.INVALID_ARGUMENT, f"op name {name!r} contains \\x1f or \\x1e")
+        if any(c in name for c in RESERVED):
+            raise DecentError(pb.INVALID_ARGUMENT,
+                              f"op name {name!r} contains one of {RESERVED!r}")
         meta = t.meta
         if meta.dtype not in dtypes.STORAGE:
             raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{name}': unsupported dtype "
@@ -275,6 +276,8 @@ class Engine:
         """The worker went away: fail its in-flight ops (and the node's collectives that wait
         for it); their tasks, to wait for."""
         session.gone = True
+        self.services.links.tell_all(pb.BulkHeader(kind=pb.WORKER_LEFT, parts=[
+            pb.Part(name=session.job, src=session.rank)]))
         tasks = self.hierarchy.fail_session(session)
         for key in list(session.in_flight):
             ctx = self.running.get(key)
@@ -285,8 +288,11 @@ class Engine:
         return tasks
 
     def joined(self, session: WorkerSession) -> None:
-        """A worker registered (its local rank takes part in the node's collectives again)."""
+        """A worker registered: it takes part in the node's collectives, and peers wait for it,
+        again."""
         self.hierarchy.joined(session)
+        self.services.links.tell_all(pb.BulkHeader(kind=pb.WORKER_JOINED, parts=[
+            pb.Part(name=session.job, src=session.rank)]))
 
     def forget_history(self) -> None:
         """The last local worker left: a new job may reuse (name, round) keys from round 0."""

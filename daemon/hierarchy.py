@@ -8,6 +8,12 @@ the local mean), runs the op among the daemons under a node-level key, and write
 into every local worker's output. A node sends what one worker would, whatever its worker
 count. With one worker per node the worker's own tensor is the staged one: nothing is copied.
 
+A large staged tensor runs as consecutive *segments* (one op each, keys from
+:func:`decentd.names.segment`): segment k+1 is staged while segment k is on the wire, and a
+segment's result reaches the workers while the next ones still arrive, so the local copies
+overlap the transfer instead of adding to it. Every segment's wire part carries the whole
+tensor's shape, so daemons whose tensors differ still fail with MISMATCH naming both shapes.
+
 A gather that cannot complete (a member's timeout, a member that left, members that disagree)
 fails every member with the same error and tells the daemons the node-level op would have met.
 """
@@ -28,7 +34,7 @@ from decent_wire.errors import DecentError
 from decent_wire.protocol import op_label
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.mailbox import OpKey
-from decentd.names import at_node
+from decentd.names import at_node, segment
 from decentd.numerics import ACCUM, from_accum, to_accum, weighted_sum
 from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Services
 
@@ -37,6 +43,8 @@ log = logging.getLogger("decentd.hierarchy")
 #: the wire dtype of each accumulation dtype (node sums travel in it)
 ACCUM_WIRE = {np.dtype(np.float32): pb.FLOAT32, np.dtype(np.float64): pb.FLOAT64,
               np.dtype(np.int64): pb.INT64}
+#: staged tensors run among the daemons in segments of at most this many bytes
+SEGMENT_BYTES = 1 << 20
 NODE_LEVEL = (pb.ALLREDUCE, pb.BROADCAST, pb.BARRIER, pb.HIERARCHICAL_NEIGHBOR_ALLREDUCE)
 
 Done = Callable[[OpResult | None, DecentError | None], None]
@@ -78,6 +86,29 @@ class Staged:
 
     part: PartSpec
     buf: np.ndarray  #: the pool's buffer (given back when the op ends)
+
+
+@dataclass(eq=False)
+class Launch:
+    """The ready gathers of one request, running among the daemons segment by segment."""
+
+    req: Request
+    gathers: list[Gather]
+    staged: list[Staged]
+    segments: int  #: segment count (the longest gather's)
+    left: int = -1  #: segments not ended yet
+    error: DecentError | None = None
+    contexts: list[OpContext] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.left = self.segments
+
+
+def segment_bounds(elements: int, itemsize: int) -> list[tuple[int, int]]:
+    """The element ranges a staged tensor of ``elements`` runs in (one range when it is small;
+    at least one, empty for an empty tensor)."""
+    step = max(1, SEGMENT_BYTES // itemsize)
+    return [(lo, min(lo + step, elements)) for lo in range(0, elements, step)] or [(0, 0)]
 
 
 @dataclass(eq=False)
@@ -197,21 +228,105 @@ class Hierarchy:
     # ------------------------------------------------------------------ running among daemons
 
     def _launch(self, req: Request, ready: list[Gather]) -> None:
-        """Stage the ready gathers and run their op among the daemons."""
+        """Run the ready gathers' op among the daemons: the one local worker's tensors as they
+        are, else staged in pooled buffers, segment by segment."""
         for g in ready:
             self.gathers.pop(g.key, None)
             if g.timer is not None:
                 g.timer.cancel()
-        staged = [] if self.per_node == 1 else [self._staging(req.op, g) for g in ready]
-        ctx = self._context(req, ready, [st.part for st in staged] or None)
-        for g in ready:
-            g.launched = ctx
-        self.running[ctx] = ready
+        if self.per_node == 1:
+            ctx = self._context(req, ready)
+            for g in ready:
+                g.launched = ctx
+            launch = Launch(req, ready, [], 1)
+            self._run_segment(launch, ctx)
+            return
+        staged = [self._staging(req.op, g) for g in ready]
+        bounds = [segment_bounds(st.part.x.size, st.part.x.itemsize) for st in staged]
+        launch = Launch(req, ready, staged, max(len(b) for b in bounds))
+        self._next_segment(launch, bounds, 0)
+
+    def _next_segment(self, launch: Launch, bounds: list[list[tuple[int, int]]],
+                      k: int) -> None:
+        """Stage segment ``k`` of every gather that has one, start its op, and schedule the
+        next (the event loop runs in between: the sender and receiver go on meanwhile)."""
+        if launch.error is not None:  # an earlier segment failed: the rest never start
+            launch.left -= launch.segments - k
+            self._segments_ended(launch)
+            return
+        parts = []
+        for g, st, b in zip(launch.gathers, launch.staged, bounds, strict=True):
+            if k < len(b):
+                part = self._segment_part(st.part, k, *b[k])
+                self._stage(launch.req.op, g, part, *b[k])
+                parts.append(part)
+        ctx = self._context(launch.req, launch.gathers, parts)
+        for g in launch.gathers:
+            g.launched = g.launched or ctx
+        if k + 1 < launch.segments:
+            asyncio.get_running_loop().call_soon(self._next_segment, launch, bounds, k + 1)
+        self._run_segment(launch, ctx, bounds, k)
+
+    @staticmethod
+    def _segment_part(whole: PartSpec, k: int, lo: int, hi: int) -> PartSpec:
+        """Elements ``lo:hi`` of a staged tensor under segment ``k``'s key (the wire part
+        keeps the whole tensor's shape)."""
+        size = whole.x.itemsize
+        return dataclasses.replace(whole, name=segment(whole.name, k), x=whole.x[lo:hi],
+                                   out=whole.out[lo * size:hi * size],
+                                   raw=whole.raw[lo * size:hi * size])
+
+    def _run_segment(self, launch: Launch, ctx: OpContext,
+                     bounds: list[list[tuple[int, int]]] | None = None, k: int = 0) -> None:
+        """Start one segment's op among the daemons."""
+        launch.contexts.append(ctx)
+        self.running[ctx] = launch.gathers
+        timeout = min(m.timeout for g in launch.gathers for m, _ in g.members.values())
         try:
-            self._start(ctx, min(m.timeout for g in ready for m, _ in g.members.values()),
-                        lambda result, err: self._finished(req, ready, staged, ctx, err))
+            self._start(ctx, timeout, lambda result, err: self._segment_done(
+                launch, ctx, err, bounds, k))
         except DecentError as err:
-            self._finished(req, ready, staged, ctx, err)
+            self._segment_done(launch, ctx, err, bounds, k)
+
+    def _segment_done(self, launch: Launch, ctx: OpContext, err: DecentError | None,
+                      bounds: list[list[tuple[int, int]]] | None, k: int) -> None:
+        """One segment ended: its result into the workers' outputs, or the launch fails (the
+        segments still running stop); the members' completions once every segment ended."""
+        self.running.pop(ctx, None)
+        if err is None and launch.error is None and bounds is not None:
+            err = self._deliver_segment(launch, ctx, bounds, k)
+        if err is not None and launch.error is None:
+            launch.error = err
+            for other in launch.contexts:
+                if other is not ctx:
+                    other.fail(err)
+        launch.left -= 1
+        self._segments_ended(launch)
+
+    def _deliver_segment(self, launch: Launch, ctx: OpContext,
+                         bounds: list[list[tuple[int, int]]], k: int) -> DecentError | None:
+        """Segment ``k`` of each staged tensor into its members' outputs."""
+        try:
+            for g, st, b in zip(launch.gathers, launch.staged, bounds, strict=True):
+                if k < len(b):
+                    self._deliver(launch.req.op, launch.req.args, g, st.part, *b[k])
+        except DecentError as exc:
+            return exc
+        except Exception as exc:  # a bug: the members fail, the daemon goes on
+            log.exception("delivering %s failed", ctx.label)
+            return DecentError(pb.INTERNAL, f"{ctx.label}: internal error: {exc!r}")
+        return None
+
+    def _segments_ended(self, launch: Launch) -> None:
+        """Every segment ended: the members' completions; the staging buffers go back."""
+        if launch.left:
+            return
+        for g in launch.gathers:
+            for member, _ in g.members.values():
+                self._resolve(member, launch.error)
+        for st in launch.staged:
+            self.services.pool.put(st.buf)
+        launch.staged = []
 
     def _context(self, req: Request, gathers: list[Gather],
                  staged: list[PartSpec] | None = None) -> OpContext:
@@ -245,66 +360,49 @@ class Hierarchy:
         return op, args, self._spec[op]
 
     def _staging(self, op: int, g: Gather) -> Staged:
-        """The node's tensor of gather ``g`` in a pooled buffer (allreduce: in the accumulation
-        dtype, so that sums neither overflow nor round on the way): the members' sum, the
-        root's tensor, or their mean."""
+        """A pooled buffer for the node's tensor of gather ``g`` (allreduce: in the
+        accumulation dtype, so that sums neither overflow nor round on the way); segments are
+        staged into it as they start."""
         _, p = next(iter(g.members.values()))
         dtype = ACCUM_WIRE[ACCUM[p.dtype]] if op == pb.ALLREDUCE else p.dtype
         buf = self.services.pool.get(dtypes.nbytes(dtype, p.shape))
         view = buf.data
         staged = Staged(PartSpec(at_node(p.name), p.display, p.round, dtype, p.shape,
                                  buf.view(dtypes.STORAGE[dtype]), view, view), buf)
-        self._stage(op, g, staged.part)
         return staged
 
-    def _stage(self, op: int, g: Gather, staged: PartSpec) -> None:
-        """Combine the members' tensors into ``staged``."""
-        members = [p for _, (_, p) in sorted(g.members.items())]
+    def _stage(self, op: int, g: Gather, staged: PartSpec, lo: int, hi: int) -> None:
+        """Elements ``lo:hi`` of the members' tensors combined into ``staged`` (a segment)."""
+        members = [p.x[lo:hi] for _, (_, p) in sorted(g.members.items())]
         if op == pb.ALLREDUCE:
-            acc = to_accum(members[0].x, members[0].dtype)
-            for p in members[1:]:
-                acc += to_accum(p.x, p.dtype)
+            dtype = next(iter(g.members.values()))[1].dtype
+            acc = to_accum(members[0], dtype)
+            for x in members[1:]:
+                acc += to_accum(x, dtype)
             np.copyto(staged.x, acc)
         elif op == pb.BROADCAST:
             req, _ = next(iter(g.members.values()))
             root = int(req.args.root)
             if root // self.per_node == self.services.machine:
-                np.copyto(staged.x, members[root % self.per_node].x)
+                np.copyto(staged.x, members[root % self.per_node])
         elif op == pb.HIERARCHICAL_NEIGHBOR_ALLREDUCE:
             share = 1.0 / len(members)
-            weighted_sum(staged.x, members[0].x, share,
-                         [(p.x, share) for p in members[1:]], staged.dtype)
+            weighted_sum(staged.x, members[0], share, [(x, share) for x in members[1:]],
+                         staged.dtype)
 
-    def _finished(self, req: Request, gathers: list[Gather], staged: list[Staged],
-                  ctx: OpContext, err: DecentError | None) -> None:
-        """The node-level op ended: every member's output, then its completion."""
-        self.running.pop(ctx, None)
-        for i, g in enumerate(gathers):
-            if err is None and staged:
-                try:
-                    self._deliver(req.op, req.args, g, staged[i].part)
-                except DecentError as exc:
-                    err = exc
-                except Exception as exc:  # a bug: the members fail, the daemon goes on
-                    log.exception("delivering %s failed", ctx.label)
-                    err = DecentError(pb.INTERNAL, f"{ctx.label}: internal error: {exc!r}")
-            for member, _ in g.members.values():
-                self._resolve(member, err)
-        for st in staged:
-            self.services.pool.put(st.buf)
-
-    def _deliver(self, op: int, args: Any, g: Gather, staged: PartSpec) -> None:
-        """The staged result into each local worker's output."""
+    def _deliver(self, op: int, args: Any, g: Gather, staged: PartSpec, lo: int,
+                 hi: int) -> None:
+        """Elements ``lo:hi`` of the staged result into each local worker's output."""
         divisor = self.services.workers if (op == pb.ALLREDUCE and
                                             args.reduce_op == pb.AVERAGE) else 1
         for req, p in g.members.values():
             if req.session.gone or not p.nbytes:
                 continue
-            out = p.output(p.nbytes, f"{op_label(op)} '{p.display}' round {p.round}")
+            out = p.output(p.nbytes, f"{op_label(op)} '{p.display}' round {p.round}")[lo:hi]
             if op == pb.ALLREDUCE:
-                out[...] = from_accum(staged.x, p.dtype, divisor)
+                out[...] = from_accum(staged.x[lo:hi], p.dtype, divisor)
             else:
-                np.copyto(out, staged.x)
+                np.copyto(out, staged.x[lo:hi])
 
     def _resolve(self, req: Request, err: DecentError | None) -> None:
         """One of ``req``'s parts ended; its completion once all have."""
@@ -324,6 +422,12 @@ class Hierarchy:
         for p in req.parts:  # the worker's memory is not ours to hold any more
             p.release()
         req.session.complete(completion)
+
+    def requests_of(self, session: Worker) -> int:
+        """The node-level requests of ``session`` not completed yet (gathering or running)."""
+        gathers = [*self.gathers.values(), *(g for gs in self.running.values() for g in gs)]
+        return len({id(m) for g in gathers for m, _ in g.members.values()
+                    if m.session is session})
 
     # ------------------------------------------------------------------ workers leaving
 

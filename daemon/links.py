@@ -422,6 +422,11 @@ class Links:
             return
         link.sender.send([link.flow.stamp(header)])
 
+    def tell_all(self, header: pb.BulkHeader) -> None:
+        """Send a payload-free frame to every daemon, this one included (best effort)."""
+        for machine in [self.rank, *self.links]:
+            self.control(machine, header)
+
     def _to_peer(self, dst: int, parts: list[pb.Part], header: pb.BulkHeader) -> None:
         """A payload-free frame of ``parts`` (ours) to peer ``dst`` (best effort)."""
         if not parts:

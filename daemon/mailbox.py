@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.names import job_of, owner
 
 #: (peer, name, round, tag): one part of one op, from (or to) one peer (a worker rank, or a
 #: daemon rank for node-level keys: see :mod:`decentd.names`)
@@ -43,6 +44,8 @@ CLOSED_MEMORY = 65536
 EARLY_ABORT_MEMORY = 4096
 #: payloads cleared to send whose ops all ended here: dropped if they still come
 DISCARD_MEMORY = 4096
+#: workers remembered as gone (what waits for them fails at once)
+DEPARTED_MEMORY = 4096
 
 
 def accepts_of(part: pb.Part) -> Accepts:
@@ -156,6 +159,9 @@ class Mailbox:
         self._announced: dict[MessageId, pb.BulkHeader] = {}
         self._cleared: dict[MessageId, pb.BulkHeader] = {}
         self._discard: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
+        #: (job, worker rank) of workers that left, and the error that waiting for them gets
+        self._departed: collections.OrderedDict[tuple[str, int], Exception] = (
+            collections.OrderedDict())
         #: bytes of parts that arrived before their op asked for them
         self.early_bytes = 0
 
@@ -205,6 +211,10 @@ class Mailbox:
             self._held.setdefault((name, round_), []).append(arrival)
             fut.set_result(arrival)
             return fut
+        gone = self._gone(src, name)
+        if gone is not None:
+            fut.set_exception(gone)
+            return fut
         slot.waiter = fut
         if accepts is not None:
             if slot.arriving is not None and accepts == accepts_of(slot.arriving):
@@ -221,8 +231,39 @@ class Mailbox:
     def expect_ack(self, dst: int, name: str, round_: int, tag: int) -> asyncio.Future[None]:
         """A future resolved when ``dst`` acknowledges our part ``(name, round, tag)``."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._slot((dst, name, round_, tag)).ack_waiter = fut
+        gone = self._gone(dst, name)
+        if gone is not None:
+            fut.set_exception(gone)
+        else:
+            self._slot((dst, name, round_, tag)).ack_waiter = fut
         return fut
+
+    # ------------------------------------------------------------------ workers coming and going
+
+    def worker_left(self, job: str, rank: int, error: Exception) -> None:
+        """Worker ``rank`` of ``job`` is gone: whatever waits for it fails with ``error``, now
+        and until it is back."""
+        self._departed[(job, rank)] = error
+        while len(self._departed) > DEPARTED_MEMORY:
+            self._departed.popitem(last=False)
+        for key, slot in self._slots.items():
+            if key[0] == rank and self._gone(rank, key[1]) is not None:
+                for fut in (slot.waiter, slot.ack_waiter):
+                    if fut is not None and not fut.done():
+                        fut.set_exception(error)
+                slot.waiter = slot.ack_waiter = None
+
+    def worker_joined(self, job: str, rank: int) -> None:
+        """Worker ``rank`` of ``job`` registered (again)."""
+        self._departed.pop((job, rank), None)
+
+    def _gone(self, peer: int, name: str) -> Exception | None:
+        """The error for waiting on ``peer`` under key ``name`` when that worker left."""
+        try:
+            worker_level = bool(self._departed) and owner(name) is not None
+        except ValueError:  # no owner: nobody to have left
+            return None
+        return self._departed.get((job_of(name), peer)) if worker_level else None
 
     def close(self, keys: Iterable[OpKey]) -> None:
         """The op of these keys ended: drop its slots and what they hold; later arrivals for

@@ -15,11 +15,21 @@ JOB_SEPARATOR = "\x1f"
 OWNER_SEPARATOR = "\x1e"
 #: the owner mark of node-level keys
 NODE = "n"
+#: separates a segment's index from the name (segments of a large node-level tensor)
+SEGMENT_SEPARATOR = "\x1d"
+#: characters no op name may contain
+RESERVED = JOB_SEPARATOR + OWNER_SEPARATOR + SEGMENT_SEPARATOR
 
 
 def qualify(job: str, name: str) -> str:
     """The wire key of op ``name`` in job ``job`` (without its owner)."""
     return f"{job}{JOB_SEPARATOR}{name}" if job else name
+
+
+def job_of(key: str) -> str:
+    """The job a wire key belongs to ("" without a job id)."""
+    job, sep, _ = key.partition(JOB_SEPARATOR)
+    return job if sep else ""
 
 
 def at_worker(name: str, rank: int) -> str:
@@ -45,6 +55,14 @@ def owner(key: str) -> int | None:
     return int(who)
 
 
+def segment(key: str, index: int) -> str:
+    """The key of segment ``index`` of a tensor under ``key`` (segment 0: the key itself)."""
+    if index == 0:
+        return key
+    base, sep, who = key.rpartition(OWNER_SEPARATOR)
+    return f"{base}{SEGMENT_SEPARATOR}{index}{sep}{who}"
+
+
 def readdress(key: str, rank: int) -> str:
     """The same key owned by worker ``rank`` (a node-level key stays as it is)."""
     base, _, who = key.rpartition(OWNER_SEPARATOR)
@@ -53,4 +71,5 @@ def readdress(key: str, rank: int) -> str:
 
 def display_name(wire_name: str) -> str:
     """The user's op name inside a wire key (for messages)."""
-    return wire_name.rsplit(JOB_SEPARATOR, 1)[-1].split(OWNER_SEPARATOR, 1)[0]
+    name = wire_name.rsplit(JOB_SEPARATOR, 1)[-1].split(OWNER_SEPARATOR, 1)[0]
+    return name.split(SEGMENT_SEPARATOR, 1)[0]

@@ -152,6 +152,8 @@ class Receiver:
                 self._mailbox.announce(src, mid, header)
         elif kind == pb.CTS:
             self._links.cleared(src, int(header.message_id))
+        elif kind in (pb.WORKER_LEFT, pb.WORKER_JOINED):
+            self._worker_news(src, header)
         elif kind == pb.ACK:
             self._mailbox.acked(self._checked(src, header.parts))
         elif kind == pb.ABORT:
@@ -167,6 +169,17 @@ class Receiver:
                     self._mailbox.aborted([p], header.error)
         else:
             raise ValueError(f"a frame of unknown kind {kind}")
+
+    def _worker_news(self, src: int, header: pb.BulkHeader) -> None:
+        """Daemon ``src`` says one of its workers left or (re)joined."""
+        if len(header.parts) != 1 or header.parts[0].src // self._links.per_node != src:
+            raise ValueError(f"worker news from rank {src} about another daemon's worker")
+        job, rank = header.parts[0].name, int(header.parts[0].src)
+        if header.kind == pb.WORKER_JOINED:
+            self._mailbox.worker_joined(job, rank)
+            return
+        self._mailbox.worker_left(job, rank, DecentError(
+            pb.PEER_UNAVAILABLE, f"rank {rank} left (its worker ended or closed its client)"))
 
     def _split(self, src: int, parts: Iterable[pb.Part], payload: np.ndarray | None,
                total: int, credit: int, pooled: bool) -> None:

@@ -122,7 +122,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             local_workers=[
                 pb.LocalWorker(rank=w.rank, local_rank=w.local_rank, pid=w.pid,
                                framework=w.framework, job=w.job,
-                               ops_in_flight=len(w.in_flight))
+                               ops_in_flight=(len(w.in_flight)
+                                              + engine.hierarchy.requests_of(w)))
                 for w in sorted(self._sessions.by_id.values(), key=lambda w: (w.job, w.rank))],
             cluster_id=self._endpoints.cluster_id,
             workers=len(self._sessions),

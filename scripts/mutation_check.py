@@ -26,6 +26,7 @@ EARLY_TESTS = [BLUEFOG + "a_write_before_win_create_is_applied_at_creation",
 GATHER_TESTS = [BLUEFOG + "allgather_concatenates_variable_first_dimensions"]
 PUSH_TESTS = ["tests/test_push_algorithms.py"]
 KERAS_TESTS = ["tests/test_tf.py::test_keras_distributed_optimizer_sums_passes_in_a_compiled_fit"]
+MULTI = "tests/test_multiworker.py::test_"
 
 #: (file, snippet, replacement, tests, what the change breaks)
 MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
@@ -59,7 +60,7 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("daemon/mailbox.py", "        if self._all_closed(header.parts):\n            return  #",
      "        if False:\n            return  #", MAILBOX_TESTS,
      "an RTS after its op ended is taken"),
-    ("daemon/mailbox.py", "            if key[0] != src:\n                continue\n", "",
+    ("daemon/mailbox.py", "            if not reaches(key):\n                continue\n", "",
      MAILBOX_TESTS, "a lost peer fails the waiters of every peer"),
     ("daemon/mailbox.py", "        if slot.landing is not None:\n            slot.landing.cancel()",
      "        if False:\n            pass", MAILBOX_TESTS,
@@ -107,6 +108,32 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("clients/tf/optim.py",
      "        rate.assign(keras.ops.cast(wrapper.learning_rate, rate.dtype))", "        pass",
      KERAS_TESTS, "the Keras wrappers ignore model.optimizer.learning_rate"),
+    ("daemon/names.py", "    return key if who == NODE else at_worker(base, rank)",
+     "    return key", [MULTI + "neighbor_allreduce_among_workers"],
+     "a part travels under its sender's key, not its receiver's"),
+    ("daemon/hierarchy.py", "        divisor = self.services.workers if", "        divisor = "
+     "self.services.machines if", [MULTI + "allreduce_and_broadcast_are_hierarchical"],
+     "a node-level average divides by the daemons, not the workers"),
+    ("daemon/hierarchy.py", "        return None\n        what = (", "        return None\n"
+     "        return None\n        what = (",
+     [MULTI + "workers_of_one_node_that_disagree_fail_everywhere_naming_both"],
+     "the node's workers may disagree about a collective"),
+    ("daemon/mailbox.py", "        self._departed[(job, rank)] = error\n", "",
+     [MULTI + "peers_waiting_for_a_worker_that_left_fail_at_once_until_it_is_back"],
+     "a worker that left is waited for until the timeout"),
+    ("daemon/hierarchy.py", "        return [(lo, min(lo + step, elements)) for lo in",
+     "        return [(lo, min(lo + step, elements - 1)) for lo in",
+     [MULTI + "large_node_tensors_run_in_segments_exactly"],
+     "the last segment of a large node tensor is cut short"),
+    ("daemon/hierarchy.py",
+     "                if other is not ctx:\n                    other.fail(err)",
+     "                if False:\n                    other.fail(err)",
+     [MULTI + "daemons_whose_large_tensors_differ_fail_with_both_shapes"],
+     "segments only one daemon has wait out the timeout when another segment fails"),
+    ("daemon/bulk.py", "        while self._queue:\n            item = self._queue.popleft()\n"
+     "            if item.abandoned", "        if self._queue:\n            item = "
+     "self._queue.popleft()\n            if item.abandoned", ["tests/test_sender.py"],
+     "frames queued for a peer go out one write each"),
 ]
 
 

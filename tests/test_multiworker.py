@@ -3,6 +3,10 @@ across and within daemons, hierarchical collectives and averaging, exact values.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -312,3 +316,150 @@ def test_the_daemon_holds_its_workers_arenas_and_bounded_buffers_only(
     for b, a in zip(before, after, strict=True):
         assert a.pool_peak_bytes <= 8 * tensor, a.pool_peak_bytes  # not 4 workers x steps
         assert a.rss_bytes - b.rss_bytes < 4 * tensor, (b.rss_bytes, a.rss_bytes)
+
+
+def test_peers_waiting_for_a_worker_that_left_fail_at_once_until_it_is_back(
+        cluster: ClusterFactory) -> None:
+    c = cluster(2, "ring", 2)
+    c.clients[3].close()  # rank 3, on the second daemon
+
+    def wait_for_three(cl: T) -> Any:
+        try:
+            return cl.neighbor_allreduce(torch.ones(2), name="mw.gone", self_weight=0.5,
+                                         src_weights={3: 0.5}, dst_weights={3: 1.0},
+                                         timeout=20)
+        except DecentError as err:
+            return err
+
+    err = c.run(lambda cl: wait_for_three(cl) if cl.rank == 0 else None)[0]
+    assert isinstance(err, DecentError) and err.code_name == "PEER_UNAVAILABLE", err
+    assert "rank 3 left" in err.message, err.message
+    back = dt.connect(f"unix://{c.sockets[1]}", 60, job=c.clients[0].job, local_rank=1)
+    try:
+        assert back.rank == 3
+        with ThreadPoolExecutor(2) as pool:
+            zero = pool.submit(c.clients[0].neighbor_allreduce, torch.ones(2), name="mw.back",
+                               self_weight=0.5, src_weights={3: 0.5}, dst_weights={3: 1.0})
+            three = pool.submit(back.neighbor_allreduce, torch.full((2,), 3.0), name="mw.back",
+                                self_weight=0.5, src_weights={0: 0.5}, dst_weights={0: 1.0})
+            got, mine = zero.result(timeout=60), three.result(timeout=60)
+        assert torch.equal(got, torch.full((2,), 2.0)) and torch.equal(mine, got)
+    finally:
+        back.close()
+
+
+def test_workers_of_one_node_that_disagree_fail_everywhere_naming_both(
+        cluster: ClusterFactory) -> None:
+    c = cluster(2, "ring", 2)
+
+    def run(cl: T) -> Any:
+        try:
+            return cl.allreduce(torch.ones(3 + (cl.rank == 1)), name="mw.odd", timeout=30)
+        except DecentError as err:
+            return err
+
+    for r, err in enumerate(c.run(run)):
+        assert isinstance(err, DecentError) and err.code_name == "MISMATCH", (r, err)
+        assert "'mw.odd'" in err.message and "float32[4]" in err.message, err.message
+        assert "float32[3]" in err.message and "same node" in err.message, err.message
+
+
+BIG = 2_500_001  # float32 elements: ~10 MB, three segments among the daemons (the last short)
+
+
+def test_large_node_tensors_run_in_segments_exactly(cluster: ClusterFactory) -> None:
+    # every element keeps its place: a segment delivered to the wrong offset, or the short
+    # last one cut, changes some element
+    c = cluster(2, "ring", 2)
+    ramp = torch.arange(BIG, dtype=torch.float32)
+
+    def run(cl: T) -> list[torch.Tensor]:
+        mine = ramp + 1000.0 * cl.rank
+        return [cl.hierarchical_neighbor_allreduce(mine, name="mw.seg.hier"),
+                cl.allreduce(mine, name="mw.seg.avg"),
+                cl.allreduce(mine, op="sum", name="mw.seg.sum"),
+                cl.broadcast(mine, root=3, name="mw.seg.bcast")]
+
+    for hier, avg, total, bcast in c.run(run):
+        # machine means 500 and 2500 (plus the ramp), averaged on the 2-machine ring
+        assert torch.equal(hier, ramp + 1500.0)
+        assert torch.equal(avg, ramp + 1500.0)
+        assert torch.equal(total, 4 * ramp + 6000.0)
+        assert torch.equal(bcast, ramp + 3000.0)
+
+
+@pytest.mark.parametrize("other", [1000, 1_500_000], ids=["one-segment", "two-segments"])
+def test_daemons_whose_large_tensors_differ_fail_with_both_shapes(cluster: ClusterFactory,
+                                                                 other: int) -> None:
+    # segments carry the whole tensor's shape: MISMATCH names both, and the segments only
+    # one side has stop with the rest instead of waiting out the (hour-long) timeout
+    c = cluster(2, "ring", 2)
+
+    def run(cl: T) -> Any:
+        size = BIG if cl.machine_rank == 0 else other
+        try:
+            return cl.hierarchical_neighbor_allreduce(torch.ones(size), name="mw.seg.odd",
+                                                      timeout=3600)
+        except DecentError as err:
+            return err
+
+    for r, err in enumerate(c.run(run)):
+        assert isinstance(err, DecentError) and err.code_name == "MISMATCH", (r, err)
+        assert "'mw.seg.odd'" in err.message, err.message
+        assert f"float32[{BIG}]" in err.message and f"float32[{other}]" in err.message, \
+            err.message
+    after = c.run(lambda cl: cl.hierarchical_neighbor_allreduce(
+        torch.full((BIG,), float(cl.machine_rank)), name="mw.seg.after"))
+    assert all(torch.equal(t, torch.full((BIG,), 0.5)) for t in after)
+
+
+KILLED_WORKER = """
+import sys, torch, decent.torch as dt
+cl = dt.connect(sys.argv[1], 60, job=sys.argv[2], local_rank=1)
+print("ready", cl.rank, flush=True)
+cl.allreduce(torch.ones(3), name="mw.killed", timeout=3600)
+"""
+
+
+def test_a_killed_worker_fails_its_peers_and_spares_its_node(cluster: ClusterFactory) -> None:
+    # rank 3 is a process of its own, killed while its node waits for it in an allreduce
+    c = cluster(2, "ring", 2)
+    c.clients[3].close()
+    job = c.clients[0].job
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WORKER, f"unix://{c.sockets[1]}", job],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().split() == ["ready", "3"]
+        deadline = time.monotonic() + 60
+        while not any(w.rank == 3 and w.ops_in_flight for w in c.status(1).local_workers):
+            assert time.monotonic() < deadline, "rank 3's allreduce never reached its daemon"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 60
+    while any(w.rank == 3 for w in c.status(1).local_workers):  # the daemon saw it go
+        assert time.monotonic() < deadline, "the daemon still lists the killed worker"
+        time.sleep(0.05)
+
+    def run(cl: T) -> Any:
+        if cl.rank == 3:
+            return None
+        try:
+            return cl.allreduce(torch.ones(3), name="mw.killed", timeout=3600)
+        except DecentError as err:
+            return err
+
+    for r, err in enumerate(c.run(run)[:3]):
+        assert isinstance(err, DecentError) and "rank 3 left" in err.message, (r, err)
+
+    def pair(cl: T) -> torch.Tensor | None:  # the node's other worker and the daemons go on
+        if cl.rank not in (1, 2):
+            return None
+        other = 3 - cl.rank
+        return cl.neighbor_allreduce(torch.full((2,), float(cl.rank)), name="mw.killed.after",
+                                     self_weight=0.5, src_weights={other: 0.5},
+                                     dst_weights={other: 1.0})
+
+    got = c.run(pair)
+    assert torch.equal(got[1], torch.full((2,), 1.5)) and torch.equal(got[2], got[1])

@@ -343,7 +343,8 @@ class OpContext:
         (``shape``: this one instead of ``p``'s)."""
         p = p or self.parts[0]
         want = p.shape if shape is None else shape
-        nbytes = dtypes.nbytes(p.dtype, want)
+        # p.nbytes: a segment of a staged node tensor carries the whole tensor's shape
+        nbytes = p.nbytes if shape is None else dtypes.nbytes(p.dtype, want)
         problem = None
         if self.on_topology and arrival.topology and arrival.topology != self.topology_name:
             problem = (f"rank {self.rank} runs it on topology {self.topology_name} but rank "
