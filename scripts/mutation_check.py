@@ -121,8 +121,8 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("daemon/mailbox.py", "        self._departed[(job, rank)] = error\n", "",
      [MULTI + "peers_waiting_for_a_worker_that_left_fail_at_once_until_it_is_back"],
      "a worker that left is waited for until the timeout"),
-    ("daemon/hierarchy.py", "        return [(lo, min(lo + step, elements)) for lo in",
-     "        return [(lo, min(lo + step, elements - 1)) for lo in",
+    ("daemon/hierarchy.py", "    return [(lo, min(lo + step, elements)) for lo in",
+     "    return [(lo, min(lo + step, elements - 1)) for lo in",
      [MULTI + "large_node_tensors_run_in_segments_exactly"],
      "the last segment of a large node tensor is cut short"),
     ("daemon/hierarchy.py",
@@ -153,16 +153,22 @@ def run(path: str, old: str, new: str, tests: list[str]) -> bool:
     return proc.returncode != 0
 
 
-def main() -> int:
-    """Run every mutation; exit 1 if one survives."""
+def main(argv: list[str]) -> int:
+    """Run every mutation (or those whose file or description contains one of ``argv``);
+    exit 1 if one survives. Every snippet is checked before any test runs."""
+    chosen = [m for m in MUTATIONS if not argv or any(w in m[0] or w in m[4] for w in argv)]
+    for path, old, *_ in chosen:
+        count = (ROOT / path).read_text().count(old)
+        if count != 1:
+            raise SystemExit(f"{path}: the snippet to mutate occurs {count} times:\n{old}")
     survived = 0
-    for path, old, new, tests, what in MUTATIONS:
+    for path, old, new, tests, what in chosen:
         caught = run(path, old, new, tests)
         survived += not caught
-        print(f"{'caught  ' if caught else 'SURVIVED'} {path}: {what}")
-    print(f"{len(MUTATIONS) - survived} of {len(MUTATIONS)} mutations caught")
+        print(f"{'caught  ' if caught else 'SURVIVED'} {path}: {what}", flush=True)
+    print(f"{len(chosen) - survived} of {len(chosen)} mutations caught")
     return 1 if survived else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
