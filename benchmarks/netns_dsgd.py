@@ -103,6 +103,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from decentd.auth import write_secret
 from decentd.launcher import stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -560,6 +561,7 @@ def paired_bench(runner: Runner, mbytes: float, repeats: int, job: str,
         daemon_bin = Path(shutil.which("decentd") or "decentd")
     daemons: dict[str, subprocess.Popen[bytes]] = {}
     sockets = [run_dir / f"decentd-{i}.sock" for i in range(n)]
+    secret = write_secret(run_dir / "secret")  # secret mode: what a real cluster runs
     for i in range(n):
         cfg = run_dir / f"node-{i}.yaml"
         cfg.write_text(
@@ -571,6 +573,7 @@ def paired_bench(runner: Runner, mbytes: float, repeats: int, job: str,
             "topology: {kind: one-peer-exponential}\n"
             "memory: {arena_bytes: 134217728}\n"
             "log_level: warning\n"
+            f"security: {{mode: secret, secret_file: {secret}}}\n"
         )
         daemons[f"decentd-{i}"] = runner.spawn(i, f"decentd-{i}",
                                                [str(daemon_bin), "--config", str(cfg)])

@@ -91,6 +91,7 @@ from benchmarks.netns_dsgd import (  # noqa: E402
     write_json,
 )
 from decent_wire.topology import build_topology, from_spec  # noqa: E402
+from decentd.auth import write_secret  # noqa: E402
 from decentd.launcher import worker_env  # noqa: E402
 
 PREFIX = "dchr"
@@ -255,11 +256,13 @@ def start_daemons(runner: Runner, per_node: int) -> tuple[dict[str, subprocess.P
     net, run_dir = runner.net, runner.run_dir
     peers = ",".join(f"{net.ip(i)}:{DECENT_PORT}" for i in range(net.nodes))
     sockets = [run_dir / f"decentd-{i}.sock" for i in range(net.nodes)]
+    secret = str(write_secret(run_dir / "secret"))  # secret mode: what a real cluster runs
     daemons = {f"decentd-{i}": runner.spawn(i, f"decentd-{i}", [
         sys.executable, "-m", "decentd.cli", "--rank", str(i), "--peers", peers,
         "--socket", str(sockets[i]), "--topology", KIND, "--machine-topology", KIND,
         "--workers-per-node", str(per_node), "--cluster-id", "netns-hier",
-        "--log-level", "warning", "--set", f"memory.arena_bytes={128 << 20}"])
+        "--log-level", "warning", "--set", f"memory.arena_bytes={128 << 20}",
+        "--security-mode", "secret", "--secret-file", secret])
         for i in range(net.nodes)}
     deadline = time.monotonic() + 90
     while not all(s.exists() for s in sockets):

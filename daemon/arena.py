@@ -16,6 +16,7 @@ import mmap
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -29,10 +30,14 @@ PAGE = 4096
 class Arena:
     """A daemon-owned shared-memory segment for one worker."""
 
-    def __init__(self, nbytes: int, prefix: str, max_regions: int = 4096) -> None:
+    def __init__(self, nbytes: int, prefix: str, max_regions: int = 4096,
+                 protect: Callable[[int], None] | None = None) -> None:
         self.name = f"{prefix}-{secrets.token_hex(4)}"
         # the stdlib resource tracker stays registered: if this process is killed, it unlinks
+        # (created with mode 0600; ``protect`` may give it the workers' group)
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=nbytes)
+        if protect is not None:
+            protect(self._shm._fd)  # type: ignore[attr-defined]
         try:
             # reserve the pages now: on a full /dev/shm this fails here (ENOSPC) instead of
             # killing the daemon with SIGBUS at the first touch

@@ -19,6 +19,7 @@ import collections
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,12 @@ log = logging.getLogger("decentd.bulk")
 
 #: headers are small (a name and a shape per part); a larger one means a broken stream
 MAX_HEADER = 16 << 20
+#: ... and before it said a valid HELLO (a HELLO is about 100 bytes)
+UNPROVEN_HEADER = 4096
+#: the scratch buffer of a connection that has not said a valid HELLO yet
+UNPROVEN_SCRATCH = 8192
+#: connections that have not said a valid HELLO yet, at once
+MAX_UNPROVEN = 64
 SCRATCH = 256 << 10
 #: a payload being received wakes the event loop (and reports its progress) once this much more
 #: has arrived; fewer wakeups mean less interpreter work per byte
@@ -111,6 +118,8 @@ class Sender:
         self.frames = 0
         self.writes = 0
         self.error: BaseException | None = None
+        #: a TLS connection (no sendmsg: buffers are written one by one)
+        self._tls = isinstance(sock, ssl.SSLSocket)
         self._cv = threading.Condition()
         self._queue: collections.deque[Outgoing] = collections.deque()
         self._busy = False
@@ -132,7 +141,7 @@ class Sender:
                 if on_done is not None:
                     on_done(err)
                 return None
-            if not self._busy and not self._queue:
+            if not self._busy and not self._queue and not self._tls:
                 head = _take(buffers, DIRECT_HEAD)  # at most 64 buffers: well within IOV_MAX
                 try:
                     sent = self.sock.sendmsg(head, (), socket.MSG_DONTWAIT)
@@ -214,7 +223,7 @@ class Sender:
         pending = list(batch)
         while pending:
             buffers = [b for item in pending for b in item.buffers]
-            sent = self.sock.sendmsg(_take(buffers, SLICE))
+            sent = self._write_slice(_take(buffers, SLICE))
             self.bytes_sent += sent
             self.writes += 1
             while pending and sent:
@@ -229,6 +238,14 @@ class Sender:
                     self.frames += 1
                     self._done(item, None)
                     pending.pop(0)
+
+    def _write_slice(self, chunk: list[Buffer]) -> int:
+        """Write ``chunk`` (gathered, or buffer by buffer over TLS); the bytes written."""
+        if not self._tls:
+            return self.sock.sendmsg(chunk)
+        for b in chunk:
+            self.sock.sendall(b)
+        return sum(len(b) for b in chunk)
 
     def _done(self, item: Outgoing, err: BaseException | None) -> None:
         item.buffers = []
@@ -293,10 +310,11 @@ class Inbound(asyncio.BufferedProtocol):
     """One incoming bulk connection: a frame parser that receives payloads in place."""
 
     sink: FrameSink
+    gate: Gate | None = None  #: bounds connections until their HELLO (None: this daemon's own)
     src: int = -1  # set by the HELLO frame
     bytes_received: int = 0
     transport: asyncio.Transport | None = None
-    _scratch: bytearray = field(default_factory=lambda: bytearray(SCRATCH))
+    _scratch: bytearray = field(default_factory=lambda: bytearray(UNPROVEN_SCRATCH))
     _start: int = 0
     _end: int = 0
     _partial: _Partial | None = None
@@ -311,11 +329,22 @@ class Inbound(asyncio.BufferedProtocol):
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 tune(self._sock)
+        if self.gate is not None and not self.gate.opened(self):
+            self.fail(f"more than {self.gate.limit} connections have not said HELLO")
+
+    @property
+    def trusted(self) -> bool:
+        """This daemon's own connection to itself (no gate, no proof)."""
+        return self.gate is None
 
     def _low_water(self, nbytes: int) -> None:
         """Wake the loop only once ``nbytes`` are readable (SO_RCVLOWAT): a payload trickling
         in over a slow link is then read in large pieces instead of a packet at a time."""
         nbytes = max(1, nbytes)
+        # over TLS the socket's bytes are records, not payload: a threshold could wait for
+        # bytes the TLS layer already read
+        if self.transport is not None and self.transport.get_extra_info("sslcontext"):
+            return
         if nbytes != self._lowat and self._sock is not None:
             with contextlib.suppress(OSError, AttributeError):
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
@@ -325,6 +354,9 @@ class Inbound(asyncio.BufferedProtocol):
         """The payload being received, else free scratch space."""
         if self._partial is not None:
             return self._partial.view[self._partial.filled:]
+        if self.src >= 0 and self._start == self._end and len(self._scratch) < SCRATCH:
+            self._scratch = bytearray(SCRATCH)  # proven: the full-size buffer
+            self._start = self._end = 0
         if self._end == len(self._scratch):
             pending = self._end - self._start
             if self._start:
@@ -365,7 +397,8 @@ class Inbound(asyncio.BufferedProtocol):
         buf = self._scratch
         length = framing.LENGTH
         while not self._closed:
-            hlen = framing.body_length(buf, self._start, self._end, MAX_HEADER)
+            limit = MAX_HEADER if self.src >= 0 else UNPROVEN_HEADER
+            hlen = framing.body_length(buf, self._start, self._end, limit)
             if hlen is None or self._end - self._start < length + hlen:
                 break
             header = pb.BulkHeader()
@@ -424,8 +457,11 @@ class Inbound(asyncio.BufferedProtocol):
         """Close this connection (and only this one) after a protocol error."""
         if self._closed:
             return
-        log.error("bulk connection from rank %d: %s; closing it", self.src, reason)
+        who = f"rank {self.src}" if self.src >= 0 else "a peer that has not said HELLO"
+        log.error("bulk connection from %s: %s; closing it", who, reason)
         self._closed = True
+        if self.gate is not None:
+            self.gate.settled(self)
         if self.transport is not None:
             self.transport.abort()
         self.sink.on_lost(self, reason)
@@ -435,4 +471,30 @@ class Inbound(asyncio.BufferedProtocol):
         if self._closed:
             return
         self._closed = True
+        if self.gate is not None:
+            self.gate.settled(self)
         self.sink.on_lost(self, "stream closed" if exc is None else type(exc).__name__)
+
+
+class Gate:
+    """Incoming connections that have not said a valid HELLO yet: at most ``limit`` at once,
+    each closed when it has not within ``timeout`` seconds; they hold a few KiB each."""
+
+    def __init__(self, timeout: float, limit: int = MAX_UNPROVEN) -> None:
+        self.timeout = timeout
+        self.limit = limit
+        self._timers: dict[Inbound, asyncio.TimerHandle] = {}
+
+    def opened(self, conn: Inbound) -> bool:
+        """A new connection; False when too many wait already (close it)."""
+        if len(self._timers) >= self.limit:
+            return False
+        self._timers[conn] = asyncio.get_running_loop().call_later(
+            self.timeout, conn.fail, f"did not authenticate within {self.timeout:g}s")
+        return True
+
+    def settled(self, conn: Inbound) -> None:
+        """The connection proved itself, or closed."""
+        timer = self._timers.pop(conn, None)
+        if timer is not None:
+            timer.cancel()

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import sys
 from collections.abc import Callable, Coroutine
@@ -28,6 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers-per-node", type=int, help="workers this daemon serves")
     p.add_argument("--cluster-id", help="cluster id peers must share")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--security-mode", choices=["secret", "mtls", "insecure"],
+                   help="security.mode: how peers prove who they are")
+    p.add_argument("--secret-file", help="security.secret_file (mode secret)")
+    p.add_argument("--ca", help="security.ca: the CA certificate (mode mtls)")
+    p.add_argument("--cert", help="security.cert: this node's certificate (mode mtls)")
+    p.add_argument("--key", help="security.key: this node's private key (mode mtls)")
+    p.add_argument("--encrypt-bulk", action=argparse.BooleanOptionalAction, default=None,
+                   help="security.encrypt_bulk: TLS on the bulk data path too (mode mtls)")
+    p.add_argument("--worker-group", help="security.worker_group: group allowed on the "
+                   "worker sockets")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set timeouts.op=30")
     return p
@@ -49,6 +60,11 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         out["machine_topology.kind"] = args.machine_topology
     if args.workers_per_node is not None:
         out["workers_per_node"] = args.workers_per_node
+    for flag, key in (("security_mode", "mode"), ("secret_file", "secret_file"), ("ca", "ca"),
+                      ("cert", "cert"), ("key", "key"), ("encrypt_bulk", "encrypt_bulk"),
+                      ("worker_group", "worker_group")):
+        if getattr(args, flag) is not None:
+            out[f"security.{key}"] = getattr(args, flag)
     out.update(parse_set(args.set))
     return out
 
@@ -80,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from decentd.server import Daemon  # after logging: grpc import is slow-ish
 
     raise_fd_limit()
+    os.umask(0o077)  # sockets and files are the daemon user's until it widens them on purpose
 
     runner: Callable[[Coroutine[Any, Any, None]], None]
     try:

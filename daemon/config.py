@@ -6,6 +6,7 @@ Every value has a default, so a local run needs no file. Command-line flags over
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -65,7 +66,10 @@ class TimeoutConfig(_Strict):
     start: float = Field(60.0, gt=0, description="how long to wait for all peers at start")
     op: float = Field(60.0, gt=0, description="default per-op timeout")
     stall_warning: float = Field(10.0, gt=0, description="log the ranks an op waits on after this")
-    heartbeat: float = Field(2.0, gt=0, description="heartbeat interval between peers")
+    heartbeat: float = Field(2.0, ge=0.05, le=3600,
+                             description="heartbeat interval between peers")
+    auth: float = Field(10.0, gt=0, le=600, description="a peer's bulk connection that has not "
+                        "said a valid HELLO after this is closed")
     shutdown: float = Field(5.0, ge=0, description="grace period for in-flight ops at SIGTERM")
 
 
@@ -108,6 +112,47 @@ class TransportConfig(_Strict):
     )
 
 
+class SecurityConfig(_Strict):
+    """Who may talk to this daemon (README, Security)."""
+
+    #: unset: loopback only (a listen address off loopback refuses to start); ``secret``:
+    #: every peer proves it holds ``secret_file``'s secret; ``mtls``: certificates (``ca``,
+    #: ``cert``, ``key``; ``decentctl certs``); ``insecure``: nothing proven (a warning at start)
+    mode: Literal["secret", "mtls", "insecure"] | None = None
+    secret_file: str | None = None
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    #: mtls: TLS on the bulk data connections too (else they are bound to the TLS session by an
+    #: HMAC, and travel in clear)
+    encrypt_bulk: bool = True
+    #: local workers: the group that may use the worker sockets and arenas (mode 0660); unset:
+    #: only this daemon's user (0600)
+    worker_group: str | None = None
+    #: local workers: uids allowed besides the daemon's own (checked with SO_PEERCRED)
+    allowed_uids: list[int] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _complete(self) -> SecurityConfig:
+        if self.mode == "secret" and not self.secret_file:
+            raise ValueError("mode secret needs secret_file (a file holding the cluster "
+                             "secret, the same on every node, mode 600)")
+        if self.mode == "mtls" and not (self.ca and self.cert and self.key):
+            raise ValueError("mode mtls needs ca, cert and key (decentctl certs writes them)")
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, brackets allowed) is this machine's loopback."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class NodeConfig(_Strict):
     """Everything one ``decentd`` needs to know."""
 
@@ -117,7 +162,8 @@ class NodeConfig(_Strict):
     rank: int | Literal["auto"] = 0
     #: peer addresses ``host:port`` indexed by rank, this node included; empty: a one-node cluster
     peers: list[str] = Field(default_factory=list)
-    #: where to listen for peers; default ``0.0.0.0:<port of peers[rank]>``
+    #: where to listen for peers; default ``<host>:<port of peers[rank]>`` where host is
+    #: 127.0.0.1 when peers[rank] is a loopback address, else 0.0.0.0
     listen: str | None = None
     #: Unix socket for local workers
     socket: str = Field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "decentd.sock"))
@@ -131,17 +177,30 @@ class NodeConfig(_Strict):
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("peers")
     @classmethod
     def _check_peers(cls, peers: list[str]) -> list[str]:
         for address in peers:
-            if not re.fullmatch(r"\[?[\w.\-:]+\]?:\d{1,5}", address):
-                raise ValueError(f"peer address {address!r} is not host:port")
+            check_address(address, "peer address", any_port=False)
         if len(set(peers)) != len(peers):
             raise ValueError("peer addresses must be distinct")
         return peers
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, listen: str | None) -> str | None:
+        if listen is not None:
+            check_address(listen, "listen address", any_port=True)
+        return listen
+
+    @field_validator("socket")
+    @classmethod
+    def _check_socket(cls, path: str) -> str:
+        check_socket_path(path)
+        return path
 
     @model_validator(mode="after")
     def _check_rank(self) -> NodeConfig:
@@ -189,9 +248,49 @@ class NodeConfig(_Strict):
         if self.listen:
             return self.listen
         if self.peers:
-            port = self.peers[self.resolved_rank()].rsplit(":", 1)[1]
-            return f"0.0.0.0:{port}"
+            host, port = self.peers[self.resolved_rank()].rsplit(":", 1)
+            return f"{'127.0.0.1' if is_loopback(host) else '0.0.0.0'}:{port}"
         return "127.0.0.1:0"
+
+    def exposure_error(self) -> str | None:
+        """Why this daemon must not start as configured: listening off loopback with no
+        security mode (None when it may)."""
+        host = self.listen_address().rsplit(":", 1)[0]
+        if self.security.mode is not None or not self.peers or is_loopback(host):
+            return None
+        return (f"config error: rank {self.resolved_rank()} would listen on {host}, off "
+                "loopback, with no security: set security.mode to secret (with "
+                "security.secret_file: the same secret file on every node; decentrun makes "
+                "one) or mtls (with security.ca/cert/key from `decentctl certs`), or to "
+                "insecure on a network you trust (--security-mode, --secret-file)")
+
+
+def check_address(address: str, what: str, any_port: bool) -> None:
+    """ValueError unless ``address`` is host:port with a port in range (0 too: any free one,
+    when ``any_port``)."""
+    match = re.fullmatch(r"(\[?[\w.\-:]+\]?):(\d{1,5})", address)
+    if not match:
+        raise ValueError(f"{what} {address!r} is not host:port")
+    port = int(match.group(2))
+    if not (0 if any_port else 1) <= port <= 65535:
+        raise ValueError(f"{what} {address!r}: port {port} is outside 1..65535")
+
+
+#: the longest path a Unix socket address holds (sun_path, with its terminating NUL)
+MAX_SOCKET_PATH = 107
+
+
+def check_socket_path(path: str) -> None:
+    """ValueError unless a Unix socket can be created at ``path`` (and its .data/.mem)."""
+    longest = len(os.fsencode(path)) + len(".data")
+    if longest > MAX_SOCKET_PATH:
+        raise ValueError(f"socket path {path!r} is {longest - 5} bytes; a Unix socket path "
+                         f"(plus '.data') holds at most {MAX_SOCKET_PATH}")
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise ValueError(f"socket path {path!r}: directory {str(parent)!r} does not exist")
+    if Path(path).is_dir():
+        raise ValueError(f"socket path {path!r} is a directory")
 
 
 def _format_error(err: ValidationError) -> str:

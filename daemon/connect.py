@@ -1,12 +1,15 @@
 """How a daemon reaches its peers at start: a gRPC handshake with each (cluster id, protocol
-version, ranks, topology, workers per node), retried until the start timeout, then its bulk
-connection, greeted with HELLO."""
+version, ranks, topology, workers per node; in secret mode after a challenge-response both ways,
+:mod:`decentd.auth`), retried until the start timeout, then its bulk connection, greeted with a
+HELLO that proves the handshake's session key."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
+import ssl
 import time
 
 import grpc
@@ -15,6 +18,7 @@ from decent_wire import framing
 from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
+from decentd.auth import new_nonce, shown
 from decentd.bulk import Sender, tune
 from decentd.errors import StartupError
 from decentd.links import GRPC_OPTIONS, Links, PeerLink, host_of
@@ -44,19 +48,25 @@ async def connect_all(links: Links, timeout: float) -> None:
 
 
 async def _connect(links: Links, link: PeerLink, deadline: float) -> None:
-    link.channel = grpc.aio.insecure_channel(link.address, options=GRPC_OPTIONS)
-    reply = await _handshake(links, link, pb_grpc.PeerStub(link.channel), deadline)
-    if reply is None:
+    tls = links.auth.tls
+    link.channel = (grpc.aio.secure_channel(link.address, tls.channel_credentials(),
+                                            options=GRPC_OPTIONS) if tls is not None else
+                    grpc.aio.insecure_channel(link.address, options=GRPC_OPTIONS))
+    answer = await _handshake(links, link, pb_grpc.PeerStub(link.channel), deadline)
+    if answer is None:
         return
+    reply, key = answer
     try:
-        sock = await _open(host_of(link.address), int(reply.data_port))
+        bulk_tls = tls.client_context() if tls is not None and tls.encrypt_bulk else None
+        sock = await _open(host_of(link.address), int(reply.data_port), bulk_tls)
     except OSError as exc:
         raise StartupError(f"rank {link.rank} at {link.address}: cannot open the bulk "
                            f"connection to port {reply.data_port}: {exc}") from None
     link.flow.credits = int(reply.window_bytes)
     link.sender = Sender(sock, asyncio.get_running_loop(), link.rank)
+    proof = links.auth.hello_proof(key or bytes(reply.bulk_key), links.rank, link.rank)
     link.sender.send([framing.encode(pb.BulkHeader(kind=pb.HELLO, cluster_id=links.cluster_id,
-                                                   from_rank=links.rank))])
+                                                   from_rank=links.rank, proof=proof))])
     link.connected = True
     link.last_heartbeat = time.monotonic()
     log.debug("connected to rank %d at %s (bulk port %d)", link.rank, link.address,
@@ -64,8 +74,9 @@ async def _connect(links: Links, link: PeerLink, deadline: float) -> None:
 
 
 async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,
-                     deadline: float) -> pb.HandshakeReply | None:
-    """The peer's handshake reply, retried until ``deadline`` (None: not reachable)."""
+                     deadline: float) -> tuple[pb.HandshakeReply, bytes] | None:
+    """The peer's handshake reply and the session key of secret mode (empty otherwise),
+    retried until ``deadline`` (None: not reachable)."""
     delay = 0.05
     request = pb.HandshakeRequest(cluster_id=links.cluster_id,
                                   protocol_version=PROTOCOL_VERSION, from_rank=links.rank,
@@ -73,9 +84,10 @@ async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,
                                   workers_per_node=links.per_node,
                                   machine_topology_digest=links.machine_digest)
     while True:
+        timeout = max(0.1, min(2.0, deadline - time.monotonic()))
         try:
-            reply: pb.HandshakeReply = await stub.Handshake(
-                request, timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+            key = await _prove(links, link, stub, request, timeout)
+            reply: pb.HandshakeReply = await stub.Handshake(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             if time.monotonic() + delay >= deadline:
                 log.error("rank %d at %s: %s", link.rank, link.address, exc.code().name)
@@ -86,12 +98,40 @@ async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,
         if reply.error.code != pb.OK:
             raise StartupError(
                 f"handshake with rank {link.rank} at {link.address} refused: "
-                f"{pb.ErrorCode.Name(reply.error.code)}: {reply.error.message}"
+                f"{pb.ErrorCode.Name(reply.error.code)}: {shown(reply.error.message, 400)}"
             )
-        return reply
+        return reply, key
 
 
-async def _open(host: str, port: int) -> socket.socket:
+async def _prove(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,
+                 request: pb.HandshakeRequest, timeout: float) -> bytes:
+    """Secret mode: the challenge-response before ``request`` (its proof filled in); the
+    session key. Nothing in other modes. StartupError when the peer does not prove it holds
+    the cluster secret."""
+    if links.auth.mode != "secret":
+        return b""
+    nonce = new_nonce()
+    reply: pb.ChallengeReply = await stub.Challenge(pb.ChallengeRequest(
+        cluster_id=links.cluster_id, from_rank=links.rank, to_rank=link.rank,
+        client_nonce=nonce), timeout=timeout)
+    where = f"rank {link.rank} at {link.address}"
+    if reply.error.code != pb.OK:
+        raise StartupError(f"{where} refused our challenge: "
+                           f"{pb.ErrorCode.Name(reply.error.code)}: "
+                           f"{shown(reply.error.message, 400)}")
+    if not links.auth.server_proof_ok(links.rank, link.rank, nonce, reply.server_nonce,
+                                      reply.server_proof):
+        raise StartupError(f"{where} does not hold this cluster's secret (another "
+                           "security.secret_file?)")
+    request.server_nonce = reply.server_nonce
+    request.proof, key = links.auth.client_proof(links.rank, link.rank, nonce,
+                                                 reply.server_nonce)
+    return key
+
+
+async def _open(host: str, port: int, tls: ssl.SSLContext | None) -> socket.socket:
+    """A tuned, blocking bulk connection to ``host:port`` (over TLS with ``tls``, the peer's
+    certificate checked against ``host``)."""
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     family, kind, proto, _, addr = infos[0]
@@ -104,4 +144,11 @@ async def _open(host: str, port: int) -> socket.socket:
         raise
     tune(sock)
     sock.setblocking(True)  # the sender thread writes with blocking calls
-    return sock
+    if tls is None:
+        return sock
+    try:  # the handshake blocks: off the event loop, which serves the peer's side of ours
+        return await loop.run_in_executor(None, functools.partial(
+            tls.wrap_socket, sock, server_hostname=host))
+    except BaseException:
+        sock.close()
+        raise

@@ -3,6 +3,9 @@
     decentctl status [--daemon unix:///tmp/decentd.sock]
     decentctl topology KIND -n N [--step T] [--weights metropolis] [--option K=V] [--png F]
     decentctl topology --config node.yaml [-n N] [--step T] [--png F]
+    decentctl certs --out DIR --nodes N [--cluster-id ID] [--hosts H0,H1,...]
+                    [--dns-pattern 'decent-{i}.decent.default.svc'] [--days 365] [--force]
+    decentctl certs --check DIR
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import grpc
 import networkx as nx
@@ -126,6 +130,31 @@ def draw(topo: topology.Topology, step: int, path: str) -> None:
     plt.close(fig)
 
 
+def certs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``decentctl certs``: write a CA and one certificate per node into ``--out``, or check
+    the certificates of ``--check`` (exit 1 when one fails)."""
+    from decentd import certs as mtls  # cryptography is imported only by this subcommand
+
+    if args.check is not None:
+        lines, ok = mtls.check_dir(Path(args.check))
+        print("\n".join(lines))
+        return 0 if ok else 1
+    if args.nodes is None:
+        parser.error("--out needs --nodes N")
+    hosts = [h.strip() for h in args.hosts.split(",")] if args.hosts is not None else None
+    try:
+        written = mtls.write_cluster(Path(args.out), args.nodes, args.cluster_id, hosts,
+                                     args.dns_pattern, args.days, args.force)
+    except mtls.CertError as exc:
+        parser.error(str(exc))
+    except OSError as exc:  # FileExistsError: the directory already holds certificates
+        print(f"decentctl certs: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(written)} files into {args.out}: ca.crt and node-0..{args.nodes - 1}"
+          ".crt/.key (give node i ca.crt, node-i.crt and node-i.key; keep ca.key offline)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``decentctl`` console script."""
     p = argparse.ArgumentParser(prog="decentctl", description=__doc__,
@@ -144,8 +173,25 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("--option", type=_option, action="append", default=[],
                     metavar="KEY=VALUE", help="a kind's option (rows, seed, group_size, mean)")
     tp.add_argument("--png", help="draw the graph into this PNG file")
+    ce = sub.add_parser("certs", help="make or check the mutual-TLS certificates of a cluster")
+    what = ce.add_mutually_exclusive_group(required=True)
+    what.add_argument("--out", metavar="DIR", help="write ca.crt, ca.key, node-<i>.crt and "
+                      "node-<i>.key (keys mode 0600) into DIR")
+    what.add_argument("--check", metavar="DIR", help="print each certificate of DIR and "
+                      "whether it verifies against DIR/ca.crt and is unexpired")
+    ce.add_argument("--nodes", type=int, metavar="N", help="number of daemons (ranks 0..N-1)")
+    ce.add_argument("--cluster-id", default="decent", help="the cluster_id of node.yaml "
+                    "(default: %(default)s), written into each decent://ID/rank/I URI SAN")
+    ce.add_argument("--hosts", metavar="H0,H1,...", help="one address per rank, a SAN of its "
+                    "certificate (an IP address or a DNS name)")
+    ce.add_argument("--dns-pattern", metavar="PATTERN", help="a DNS SAN per rank, {i} the "
+                    "rank, e.g. 'decent-{i}.decent.default.svc'")
+    ce.add_argument("--days", type=int, default=365, help="validity (default: %(default)s)")
+    ce.add_argument("--force", action="store_true", help="replace the certificates in DIR")
     args = p.parse_args(argv)
     console = Console()
+    if args.cmd == "certs":
+        return certs(args, ce)
     if args.cmd == "status":
         return status(_address(args.daemon), console)
     if (args.kind is None) == (args.config is None):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO
 
 from decent_wire import topology
+from decentd.auth import write_secret
 
 _SPLIT = re.compile(rb"([\r\n])")
 
@@ -120,11 +121,14 @@ def stop_processes(procs: Sequence[subprocess.Popen[bytes]], grace: float = 5.0)
             p.wait()
 
 
-def daemon_command(args: argparse.Namespace, rank: int, peers: str, sock: str) -> list[str]:
-    """The command line of daemon ``rank`` of the local cluster."""
+def daemon_command(args: argparse.Namespace, rank: int, peers: str, sock: str,
+                   secret: str) -> list[str]:
+    """The command line of daemon ``rank`` of the local cluster (secret mode, with the
+    launch's fresh secret in the file ``secret``; ``--set security.mode=...`` overrides it)."""
     cmd = [sys.executable, "-m", "decentd.cli", "--rank", str(rank), "--peers", peers,
            "--socket", sock, "--topology", args.topology, "--log-level", args.daemon_log_level,
-           "--workers-per-node", str(args.np // args.nodes)]
+           "--workers-per-node", str(args.np // args.nodes), "--security-mode", "secret",
+           "--secret-file", secret]
     if args.machine_topology:
         cmd += ["--machine-topology", args.machine_topology]
     if args.config:
@@ -158,9 +162,10 @@ class LocalCluster:
         """Start the daemons, then the workers (``stop()`` cleans up whatever started)."""
         job = os.environ.get("DECENT_JOB") or f"decentrun-{secrets.token_hex(4)}"
         peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(self.nodes))
+        secret = str(write_secret(Path(self.workdir) / "secret"))  # the directory is 0700
         for m in range(self.nodes):
             sock = os.path.join(self.workdir, f"node{m}.sock")
-            self.daemons.append(self._spawn(daemon_command(args, m, peers, sock), None,
+            self.daemons.append(self._spawn(daemon_command(args, m, peers, sock, secret), None,
                                             f"[decentd {m}] "))
         per_node = self.n // self.nodes
         for r in range(self.n):

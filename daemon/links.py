@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import ssl
 from dataclasses import dataclass
 
 import grpc
@@ -18,7 +19,8 @@ import grpc
 from decent_wire.errors import DecentError
 from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.bulk import Buffer, FrameSink, Inbound, Outgoing, Sender
+from decentd.auth import PeerAuth, shown
+from decentd.bulk import Buffer, FrameSink, Gate, Inbound, Outgoing, Sender
 from decentd.flow import LinkFlow, Rendezvous
 from decentd.loopback import LoopbackSender
 from decentd.mailbox import OpKey
@@ -33,6 +35,8 @@ GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # a second daemon on a port in use must fail to bind, not share the port with the first
+    ("grpc.so_reuseport", 0),
 ]
 
 #: a cancelled op whose half-written message is still not out after this long says so in the log
@@ -125,9 +129,14 @@ class Links:
     """
 
     def __init__(self, rank: int, addresses: list[str], cluster_id: str, window: int,
-                 topology_digest: str, per_node: int = 1, machine_digest: str = "") -> None:
+                 topology_digest: str, per_node: int = 1, machine_digest: str = "",
+                 auth: PeerAuth | None = None, auth_timeout: float = 10.0) -> None:
         self.rank = rank
         self.cluster_id = cluster_id
+        #: what peers prove at handshake and HELLO (:mod:`decentd.auth`)
+        self.auth = auth or PeerAuth("insecure", cluster_id)
+        #: incoming bulk connections until their HELLO
+        self.gate = Gate(auth_timeout)
         #: eager bytes each peer may have unconsumed here (its receive window)
         self.window = window
         #: Topology.digest() of this daemon's topology: peers must have the same
@@ -193,13 +202,16 @@ class Links:
 
     # ------------------------------------------------------------------ connection setup
 
-    async def listen(self, host: str, port: int, sink: FrameSink) -> int:
+    async def listen(self, host: str, port: int, sink: FrameSink,
+                     tls: ssl.SSLContext | None = None) -> int:
         """Accept the peers' bulk connections on ``host`` (port 0: any free one), each read by
-        an :class:`~decentd.bulk.Inbound` that hands its frames to ``sink``; the port."""
+        an :class:`~decentd.bulk.Inbound` that hands its frames to ``sink`` (over TLS with
+        ``tls``); the port."""
         loop = asyncio.get_running_loop()
-        bind = None if host in ("", "0.0.0.0", "[::]", "::") else host.strip("[]")
-        self._server = await loop.create_server(lambda: Inbound(sink), bind, port,
-                                                reuse_address=True)
+        bind = host.strip("[]") or "0.0.0.0"  # one address family: never a second port
+        self._server = await loop.create_server(
+            lambda: Inbound(sink, self.gate), bind, port, reuse_address=True, ssl=tls,
+            ssl_handshake_timeout=self.gate.timeout if tls else None)
         self.data_port = int(self._server.sockets[0].getsockname()[1])
         return self.data_port
 
@@ -208,7 +220,7 @@ class Links:
         theirs = request.from_rank
         if request.cluster_id != self.cluster_id:
             return pb.Error(code=pb.CLUSTER_MISMATCH, message=(
-                f"rank {theirs} is in cluster {request.cluster_id!r}, this daemon (rank "
+                f"rank {theirs} is in cluster {shown(request.cluster_id)}, this daemon (rank "
                 f"{self.rank}) is in {self.cluster_id!r}"))
         if request.protocol_version != PROTOCOL_VERSION:
             return pb.Error(code=pb.VERSION_MISMATCH, message=(
@@ -237,13 +249,21 @@ class Links:
                             message=f"rank {theirs} is not a peer of rank {self.rank}")
         return None
 
-    def bind_inbound(self, conn: Inbound, src: int, cluster_id: str) -> None:
-        """A bulk connection said HELLO as rank ``src``; ValueError closes it if it cannot be."""
+    def bind_inbound(self, conn: Inbound, src: int, cluster_id: str, proof: bytes) -> None:
+        """A bulk connection said HELLO as rank ``src`` with ``proof`` (:mod:`decentd.auth`);
+        ValueError closes it if it cannot be that rank's."""
         if conn.src >= 0:
             raise ValueError("a second HELLO")
         link = self.link(src)
         if cluster_id != self.cluster_id or link is None:
-            raise ValueError(f"HELLO from rank {src} of cluster {cluster_id!r}")
+            raise ValueError(f"HELLO from rank {src} of cluster {shown(cluster_id)}")
+        if (src == self.rank) != conn.trusted:
+            raise ValueError(f"HELLO as rank {src} (this daemon's own) from the network")
+        if not conn.trusted and not self.auth.admit_hello(src, self.rank, proof):
+            raise ValueError(f"HELLO as rank {src} without a valid proof (security mode "
+                             f"{self.auth.mode})")
+        if not conn.trusted:
+            self.gate.settled(conn)
         if link.inbound is not None:  # reconnecting is not supported: keep the first one
             raise ValueError(f"a second HELLO from rank {src}, which is already connected")
         conn.src = src

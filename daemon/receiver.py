@@ -115,7 +115,8 @@ class Receiver:
         self._mailbox.arrived(conn)
         kind = header.kind
         if kind == pb.HELLO:
-            self._links.bind_inbound(conn, int(header.from_rank), header.cluster_id)
+            self._links.bind_inbound(conn, int(header.from_rank), header.cluster_id,
+                                     bytes(header.proof))
             return
         src = conn.src
         link = self._links.link(src)

@@ -15,11 +15,13 @@ from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.topology import Topology
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
+from decentd.auth import NONCE_BYTES, shown
 from decentd.engine import Engine
 from decentd.links import Links
 from decentd.names import at_worker, qualify
 from decentd.ops.api import Services
 from decentd.sessions import Sessions
+from decentd.tls import peer_identity
 
 log = logging.getLogger("decentd")
 
@@ -182,18 +184,63 @@ class WorkerService(pb_grpc.WorkerServicer):
 
 
 class PeerService(pb_grpc.PeerServicer):
-    """Other daemons: the handshake (data and heartbeats go over the bulk path)."""
+    """Other daemons: the challenge and the handshake (data and heartbeats go over the bulk
+    path)."""
 
     def __init__(self, links: Links) -> None:
         self._links = links
 
+    async def Challenge(
+        self, request: pb.ChallengeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ChallengeReply:
+        """Secret mode: our nonce for the caller's, and our proof that we hold the secret."""
+        links = self._links
+        problem = None
+        if links.auth.mode != "secret":
+            problem = f"rank {links.rank} runs security mode {links.auth.mode}, not secret"
+        elif request.cluster_id != links.cluster_id or request.from_rank not in links.links:
+            problem = (f"no peer rank {request.from_rank} in cluster "
+                       f"{shown(request.cluster_id)} here")
+        elif request.to_rank != links.rank or len(request.client_nonce) != NONCE_BYTES:
+            problem = "a challenge for another rank, or a nonce of the wrong size"
+        if problem is not None:
+            log.warning("refused a challenge: %s", problem)
+            return pb.ChallengeReply(error=pb.Error(code=pb.UNAUTHENTICATED, message=problem))
+        nonce, proof = links.auth.challenge(request.from_rank, links.rank,
+                                            request.client_nonce)
+        return pb.ChallengeReply(server_nonce=nonce, server_proof=proof)
+
     async def Handshake(
         self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext
     ) -> pb.HandshakeReply:
-        """Check cluster id, protocol version and that the caller reached the rank it meant."""
-        error = self._links.check_handshake(request)
+        """Check cluster id, protocol version, that the caller reached the rank it meant, and
+        (secret mode) its proof."""
+        links = self._links
+        error = None
+        if links.auth.mode == "secret":  # who it is first: nothing else is said to strangers
+            why = links.auth.admit_handshake(request.from_rank, links.rank,
+                                             request.server_nonce, request.proof)
+            if why is not None:
+                error = pb.Error(code=pb.UNAUTHENTICATED,
+                                 message=f"rank {request.from_rank} refused: {why}")
+        if links.auth.mode == "mtls":
+            error = self._certificate_error(request, context)
+        error = error or links.check_handshake(request)
         if error is not None:
             log.error("refused handshake: %s", error.message)
-            return pb.HandshakeReply(error=error, rank=self._links.rank)
-        return pb.HandshakeReply(rank=self._links.rank, data_port=self._links.data_port,
-                                 window_bytes=self._links.window)
+            return pb.HandshakeReply(error=error, rank=links.rank)
+        key = links.auth.issue_bulk_key(request.from_rank) if links.auth.mode == "mtls" else b""
+        return pb.HandshakeReply(rank=links.rank, data_port=links.data_port,
+                                 window_bytes=links.window, bulk_key=key)
+
+    def _certificate_error(self, request: pb.HandshakeRequest,
+                           context: grpc.aio.ServicerContext) -> pb.Error | None:
+        """mtls: UNAUTHENTICATED unless the caller's certificate names the rank it claims."""
+        who = peer_identity(context.auth_context())
+        if who == (self._links.cluster_id, request.from_rank):
+            return None
+        named = "no decent rank" if who is None else \
+            f"rank {who[1]} of cluster {shown(who[0])}"
+        return pb.Error(code=pb.UNAUTHENTICATED, message=(
+            f"the caller's certificate names {named}, but it says it is rank "
+            f"{request.from_rank} of {shown(request.cluster_id)}"))

@@ -17,11 +17,14 @@ import gc
 import logging
 import os
 import signal
+import ssl
 
 import grpc
 
 from decent_wire.topology import TopologyError
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
+from decentd.access import LocalAccess
+from decentd.auth import PeerAuth, read_secret
 from decentd.bufpool import BufferPool
 from decentd.config import NodeConfig
 from decentd.connect import connect_all
@@ -44,6 +47,30 @@ from decentd.workers import MemorySocket, WorkerChannel
 log = logging.getLogger("decentd")
 
 
+def build_auth(cfg: NodeConfig, rank: int) -> PeerAuth:
+    """What this daemon asks of its peers (StartupError when the config cannot give it)."""
+    sec = cfg.security
+    if sec.mode == "mtls":
+        from decentd.tls import Tls  # cryptography: only when certificates are used
+
+        try:
+            tls = Tls.load(str(sec.ca), str(sec.cert), str(sec.key), sec.encrypt_bulk)
+        except (ValueError, ssl.SSLError) as exc:
+            raise StartupError(f"config error: {exc}") from None
+        if tls.identity() != (cfg.cluster_id, rank):
+            raise StartupError(f"config error: security.cert {sec.cert} names "
+                               f"{tls.identity() or 'no decent rank'}, but this daemon is rank "
+                               f"{rank} of cluster {cfg.cluster_id!r}")
+        return PeerAuth("mtls", cfg.cluster_id, tls=tls)
+    if sec.mode == "secret":
+        try:
+            secret = read_secret(str(sec.secret_file))
+        except ValueError as exc:
+            raise StartupError(f"config error: security.secret_file: {exc}") from None
+        return PeerAuth("secret", cfg.cluster_id, secret)
+    return PeerAuth("insecure", cfg.cluster_id)
+
+
 def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver]:
     """The peer-facing layers of one daemon, wired bottom up."""
     try:
@@ -58,7 +85,8 @@ def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver]:
     pool = BufferPool(limit=cfg.memory.pool_bytes)
     links = Links(rank, addresses, cfg.cluster_id,
                   window_per_peer(cfg.memory.early_arrival_bytes, len(addresses) - 1),
-                  topology.digest(), cfg.workers_per_node, machine_topology.digest())
+                  topology.digest(), cfg.workers_per_node, machine_topology.digest(),
+                  build_auth(cfg, rank), cfg.timeouts.auth)
     mailbox = Mailbox(links)
     windows = WindowStore(cfg.worker_count, links, cfg.timeouts.op,
                           cfg.memory.window_early_bytes)
@@ -79,16 +107,23 @@ class Daemon:
         if cfg.peers and not 0 <= self.rank < cfg.size:
             raise StartupError(f"config error: rank: {self.rank} is outside peers "
                                f"(there are {cfg.size})")
+        exposed = cfg.exposure_error()
+        if exposed is not None:
+            raise StartupError(exposed)
         self.services, self.receiver = build_services(cfg, self.rank)
         self.links = self.services.links
         self.engine = Engine(self.services, OPS, cfg.timeouts.op, cfg.timeouts.stall_warning)
+        try:
+            self.access = LocalAccess(cfg.security.allowed_uids, cfg.security.worker_group)
+        except ValueError as exc:
+            raise StartupError(f"config error: {exc}") from None
         self.sessions = Sessions(self.engine, self.rank, cfg.workers_per_node,
-                                 cfg.memory.arena_bytes, cfg.memory.max_regions)
+                                 cfg.memory.arena_bytes, cfg.memory.max_regions, self.access)
         self.ready = asyncio.Event()
         self.stopping = asyncio.Event()
         self.data_socket = f"{cfg.socket}.data"
         self.channels: set[WorkerChannel] = set()
-        self.memory = MemorySocket(self.sessions, f"{cfg.socket}.mem")
+        self.memory = MemorySocket(self.sessions, f"{cfg.socket}.mem", self.access)
         self.endpoints = WorkerEndpoints(cfg.cluster_id, self.data_socket, self.memory.path,
                                          cfg.timeouts.op, cfg.transport.ring_threshold_bytes)
         self._tasks: list[asyncio.Task[None]] = []
@@ -125,30 +160,50 @@ class Daemon:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         data_server = await asyncio.get_running_loop().create_unix_server(
-            lambda: WorkerChannel(self.sessions, self.engine, self.channels), self.data_socket)
+            lambda: WorkerChannel(self.sessions, self.engine, self.channels, self.access),
+            self.data_socket)
         self.memory.start()
         self.links.start_loopback(self.receiver)
+        tls = self.links.auth.tls
         try:
             if cfg.peers:
                 host = cfg.listen_address().rsplit(":", 1)[0]
-                await self.links.listen(host, cfg.transport.data_port, self.receiver)
+                await self.links.listen(host, cfg.transport.data_port, self.receiver,
+                                        tls.server_context() if tls and tls.encrypt_bulk
+                                        else None)
         except OSError as exc:
             data_server.close()
             self.memory.close()
             raise StartupError(f"cannot listen for bulk data on port "
                                f"{cfg.transport.data_port}: {exc}") from None
         try:
-            if cfg.peers and peer_server.add_insecure_port(cfg.listen_address()) == 0:
-                raise StartupError(f"cannot listen for peers on {cfg.listen_address()}")
+            bound = 1 if not cfg.peers else (
+                peer_server.add_secure_port(cfg.listen_address(), tls.server_credentials())
+                if tls is not None else peer_server.add_insecure_port(cfg.listen_address()))
+            if bound == 0:
+                raise RuntimeError("no address bound")
+        except RuntimeError:
+            raise StartupError(f"cannot listen for peers on {cfg.listen_address()}: the "
+                               "address is in use (another decentd?) or not this host's"
+                               ) from None
+        try:
             worker_server.add_insecure_port(f"unix://{cfg.socket}")
         except RuntimeError as exc:
-            raise StartupError(f"cannot bind: {exc}") from None
+            raise StartupError(f"cannot listen for workers on {cfg.socket}: {exc}") from None
         await peer_server.start()
         await worker_server.start()
-        log.info("rank %d/%d listening for peers on %s, %d worker(s) on %s (topology %s, "
-                 "machine topology %s)", self.rank, cfg.size, cfg.listen_address(),
-                 cfg.workers_per_node, cfg.socket, self.services.topology.kind,
-                 self.services.machine_topology.kind)
+        for path in (cfg.socket, self.data_socket, self.memory.path):
+            self.access.protect(path)
+        bulk = "bulk over TLS" if tls is not None and tls.encrypt_bulk else (
+            "bulk in clear, bound to the handshake" if self.links.auth.proves else "bulk in clear")
+        log.info("rank %d/%d listening for peers on %s, bulk data on port %d, %d worker(s) on "
+                 "%s (topology %s, machine topology %s; security: %s, %s)", self.rank,
+                 cfg.size, cfg.listen_address(), self.links.data_port, cfg.workers_per_node,
+                 cfg.socket, self.services.topology.kind, self.services.machine_topology.kind,
+                 cfg.security.mode or "none, loopback only", bulk)
+        if cfg.security.mode == "insecure":
+            log.warning("security.mode is insecure: any process that reaches %s can join this "
+                        "cluster and put values into its averages", cfg.listen_address())
         return data_server
 
     async def _connect(self) -> None:

@@ -9,6 +9,7 @@ import secrets
 
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.access import LocalAccess
 from decentd.arena import Arena
 from decentd.engine import Engine, WorkerSession
 from decentd.tasks import TaskSet
@@ -17,6 +18,9 @@ log = logging.getLogger("decentd.sessions")
 
 #: /dev/shm names of all arenas start with this (tests and the before-stop hook look for it)
 SHM_PREFIX = "decent"
+#: registered workers that have not opened their completion stream yet, at once (each holds
+#: an arena: registrations cannot fill /dev/shm)
+MAX_UNATTACHED = 8
 #: a worker must open its completion stream this soon after Register, or its arena is freed
 ATTACH_TIMEOUT = 30.0
 
@@ -25,8 +29,9 @@ class Sessions:
     """Every worker of this daemon, by worker id."""
 
     def __init__(self, engine: Engine, machine: int, per_node: int, arena_bytes: int,
-                 max_regions: int) -> None:
+                 max_regions: int, access: LocalAccess | None = None) -> None:
         self._engine = engine
+        self._access = access or LocalAccess()
         self._machine = machine
         self._per_node = per_node
         self._arena_bytes = arena_bytes
@@ -63,8 +68,12 @@ class Sessions:
         taken or no arena can be made); dropped if it does not attach within
         :data:`ATTACH_TIMEOUT`."""
         local = self._local_rank(job, local_rank)
+        waiting = sum(not s.attached for s in self.by_id.values())
+        if waiting >= MAX_UNATTACHED:
+            raise DecentError(pb.RESOURCE_EXHAUSTED, f"{waiting} registered workers have not "
+                              "attached yet; register again once they have (or are dropped)")
         arena = Arena(self._arena_bytes, f"{SHM_PREFIX}-{self._machine}-{os.getpid()}",
-                      self._max_regions)
+                      self._max_regions, self._access.protect_fd)
         rank = self._machine * self._per_node + local
         session = WorkerSession(secrets.token_hex(8), pid, framework, arena, job, rank, local)
         self.by_id[session.worker_id] = session

@@ -21,6 +21,7 @@ from typing import cast
 from decent_wire import framing
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.access import LocalAccess
 from decentd.arena import Arena
 from decentd.engine import Engine, WorkerSession
 from decentd.sessions import Sessions
@@ -39,9 +40,10 @@ FD_RESERVE = 512
 class WorkerChannel(asyncio.Protocol):
     """One worker's data connection."""
 
-    def __init__(self, sessions: Sessions, engine: Engine, open_channels: set[WorkerChannel]
-                 ) -> None:
+    def __init__(self, sessions: Sessions, engine: Engine, open_channels: set[WorkerChannel],
+                 access: LocalAccess) -> None:
         self._sessions = sessions
+        self._access = access
         self._engine = engine
         self._open = open_channels
         self._reader = framing.FrameReader(MAX_FRAME)
@@ -52,6 +54,9 @@ class WorkerChannel(asyncio.Protocol):
         """Remember the transport."""
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self._open.add(self)
+        refused = self._access.refusal(transport.get_extra_info("socket"))
+        if refused is not None:
+            self._drop(f"refused: {refused}")
 
     def data_received(self, data: bytes) -> None:
         """Handle every complete frame received so far."""
@@ -132,9 +137,10 @@ class MemorySocket:
     an ``Error`` frame (code OK on success) and the connection is closed.
     """
 
-    def __init__(self, sessions: Sessions, path: str) -> None:
+    def __init__(self, sessions: Sessions, path: str, access: LocalAccess) -> None:
         self._sessions = sessions
         self.path = path
+        self._access = access
         self._sock: socket.socket | None = None
         self._conns: dict[socket.socket, tuple[framing.FrameReader, list[int],
                                                 asyncio.TimerHandle]] = {}
@@ -162,6 +168,11 @@ class MemorySocket:
                 loop = asyncio.get_running_loop()
                 loop.remove_reader(self._sock.fileno())
                 loop.call_later(0.5, self._resume)
+            return
+        refused = self._access.refusal(conn)
+        if refused is not None:
+            log.error("memory socket: refused: %s", refused)
+            conn.close()
             return
         conn.setblocking(False)
         loop = asyncio.get_running_loop()

@@ -314,7 +314,9 @@ def test_the_daemon_holds_its_workers_arenas_and_bounded_buffers_only(
     after = [c.status(m) for m in range(2)]
     tensor = 4 * size
     for b, a in zip(before, after, strict=True):
-        assert a.pool_peak_bytes <= 8 * tensor, a.pool_peak_bytes  # not 4 workers x steps
+        # at most: the worker-level step's 2 tensors per worker (8) plus a node op's staged
+        # tensor and its segments in flight; not a copy per worker and step (36)
+        assert a.pool_peak_bytes <= 12 * tensor, a.pool_peak_bytes
         assert a.rss_bytes - b.rss_bytes < 4 * tensor, (b.rss_bytes, a.rss_bytes)
 
 
