@@ -1318,9 +1318,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "a DecentralizedOptimizer(SGD) step against gloo's gradient all_reduce + SGD")
     p.add_argument("--attempts", type=_at_least(1), default=1,
                    help=f"measure again, up to this many times in all, while the hypervisor took "
-                   f"more than {QUIET_STEAL:.0%} of the CPU during the timed calls; the first "
-                   "attempt on a quiet host stands for the run (chosen by the host alone), and "
-                   "every attempt is listed")
+                   f"more than {QUIET_STEAL * 100:.0f}%% of the CPU during the timed calls; "
+                   "the first attempt on a quiet host stands for the run (chosen by the host "
+                   "alone), and every attempt is listed")
     p.add_argument("--pause", type=_at_least(0.0), default=30.0,
                    help="seconds to wait before measuring again (--attempts)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)

@@ -5,8 +5,9 @@ Run it after the benchmarks::
     python benchmarks/report.py [--results benchmarks/results]
 
 It reads ``p2p_vs_gloo.json`` (written by ``benchmarks/p2p_vs_gloo.py``) and ``netns_dsgd.json``
-(written by ``benchmarks/netns_dsgd.py``) and ``netns_hier.json`` (``benchmarks/netns_hier.py``;
-any of them may be missing or say ``skipped``), writes
+(written by ``benchmarks/netns_dsgd.py``), ``netns_hier.json`` (``benchmarks/netns_hier.py``) and
+``security_cost.json`` (``benchmarks/security_cost.py``; any of them may be missing or say
+``skipped``), writes
 ``REPORT.md`` with every table and the acceptance table of all criteria, writes
 ``README_TABLE.md`` (a compact table to paste into the README) and prints that table.
 
@@ -77,6 +78,12 @@ HM_TITLES = {
 HIER_ROWS = (("4h", "gloo_over_hier", 1.6, "gloo ring allreduce / hierarchical D-SGD step"),
              ("4f", "flat_over_hier", 1.7,
               "flat one-peer D-SGD over workers / hierarchical D-SGD step"))
+#: security_cost.py's ratios to insecure (its JSON carries the targets: at most 1.05x for the
+#: authenticated modes without bulk encryption, none for bulk over TLS: reported)
+SECURITY_ROWS = (("9s", "secret_over_insecure", "secret (HMAC handshakes, bulk in clear)"),
+                 ("9m", "mtls_clear_over_insecure", "mtls, bulk in clear"),
+                 ("9t", "mtls_tls_over_insecure", "mtls, bulk over TLS"))
+SECURITY_TARGET = 1.05
 MIB64 = 64 << 20
 KIB4 = 4 << 10
 LOAD_WARNING = 1.5
@@ -376,6 +383,9 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                 f"{hier['mbytes']} MB: {what}", float(t["value"]), float(t["target"]), True,
                 _hier_vs(hier, key) + provenance(hier, netns))
             wrong_is_fail(rows[-1], hier)
+    # (9) what security costs (loopback, every mode in one run)
+    if results is not None:
+        security_rows(rows, load(results / "security_cost.json"), netns or {})
     # (5) daemon RSS
     daemons = p2p.get("daemons") or []
     peaks = [d.get("peak", {}).get("VmRSS") for d in daemons]
@@ -403,6 +413,74 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                  "value": None, "target": "exact", "measured": "all exact" if not wrong
                  else "failed/wrong: " + ", ".join(wrong), "pass": not wrong and bool(p2p)})
     return rows
+
+
+def security_rows(rows: list[dict[str, Any]], sec: dict[str, Any] | None,
+                  main: dict[str, Any]) -> None:
+    """Rows 9s, 9m (at most 1.05x insecure) and 9t (reported) from ``security_cost.json``;
+    a wrong result fails its row, however fast."""
+    res = sec or {}
+    why = ("security_cost.json missing" if sec is None else
+           str(res.get("error") or res.get("skipped") or "no result"))
+    for cid, key, what in SECURITY_ROWS:
+        r = res.get("ratios", {}).get(key)
+        target = (r or {}).get("target", None if cid == "9t" else SECURITY_TARGET)
+        row: dict[str, Any] = {
+            "id": cid, "value": None, "measured": f"not measured ({why})", "pass": None,
+            "criterion": f"64 MiB neighbor_allreduce_, 2 daemons, share_memory_(): {what} / "
+                         "insecure" + ("" if target is not None else
+                                       " (reported: the cost of encrypting the bulk path)"),
+            "target": "reported (no target)" if target is None else f"<= {ratio_text(target)}"}
+        if r is not None:
+            m, base = res["modes"][r["mode"]], res["modes"]["insecure"]
+            row["value"] = r["value"]
+            row["measured"] = (f"{ratio_text(r['value'], 3)} ({ms(m['median_s'])} vs "
+                               f"{ms(base['median_s'])} ms; {m['gbps']:.2f} vs "
+                               f"{base['gbps']:.2f} GB/s; per-round ratios' median "
+                               f"{ratio_text(r['paired_median'], 3)})" + provenance(res, main))
+            row["pass"] = True if target is None else r["value"] <= target
+            wrong_is_fail(row, res)
+        rows.append(row)
+
+
+def security_lines(sec: dict[str, Any] | None, results: Path) -> list[str]:
+    """Summary of ``security_cost.json``: every mode's 64 MiB call, ratios to insecure."""
+    if sec is None:
+        return ["`security_cost.json` is missing: `benchmarks/security_cost.py` has not been run."]
+    if "ratios" not in sec:
+        return [f"Not measured: {sec.get('error') or sec.get('skipped') or 'no result'}."]
+    ratios = {r["mode"]: r for r in sec["ratios"].values()}
+    rows = []
+    for mode, m in sec["modes"].items():
+        r = ratios.get(mode)
+        label = mode if m["label"] == mode else f"{mode}: {m['label']}"
+        rows.append([label, f"{ms(m['median_s'])} ({ms(m['p10_s'])}-"
+                     f"{ms(m['p90_s'])})", f"{m['gbps']:.2f}",
+                     ratio_text(r["value"], 3) if r else "1",
+                     ratio_text(r["paired_median"], 3) if r else "1",
+                     f"{m['daemon_cpu_ms_per_call']:.0f}", "yes" if m["correct"] else "NO"])
+    verdict = "; ".join(
+        f"{r['mode']} / insecure **{r['value']:.3f}x** ("
+        + (f"target <= {r['target']}x: {'met' if r['met'] else 'MISSED'})"
+           if r["target"] is not None else "reported)") for r in sec["ratios"].values())
+    png = ["", "![security cost](security_cost.png)"] \
+        if (results / "security_cost.png").exists() else []
+    return [
+        f"{human_bytes(sec['nbytes'])} float32 `neighbor_allreduce_` on `share_memory_()` "
+        f"tensors between 2 daemons on loopback, in each security mode; {sec['repeats']} timed "
+        f"calls per mode after {sec['warmup']} untimed rounds. Method: {sec['method']}. "
+        "Ratios: a mode's median over insecure's; per-round: the median of each call over "
+        "insecure's call of the same round. Daemon CPU: both daemons, per call. Load average "
+        f"at start {_load(sec.get('loadavg_start'))}, 64 MiB memmove {_memmove(sec)}, CPU stolen "
+        f"{sec.get('steal_frac', 0):.0%}; date {sec.get('date')}; decent "
+        f"{sec.get('decent_source', {}).get('repo_commit', '?')}.",
+        "",
+        *table(["mode", "median ms (p10-p90)", "GB/s", "/ insecure", "per-round ratio",
+                "daemon CPU ms/call", "exact"], rows),
+        "",
+        f"Ratios: {verdict}.",
+        *png,
+    ]
 
 
 def _why(entry: dict[str, Any], op: str) -> str:
@@ -960,8 +1038,9 @@ def render_report(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
     lines = ["# Benchmark report", "",
              "Merged from `p2p_vs_gloo.json` (`decentrun -np 2 -- python "
              "benchmarks/p2p_vs_gloo.py`), `netns_dsgd.json` (`python "
-             "benchmarks/netns_dsgd.py`, as root) and `netns_hier.json` (`python "
-             "benchmarks/netns_hier.py`, as root) by `python benchmarks/report.py`.", "",
+             "benchmarks/netns_dsgd.py`, as root), `netns_hier.json` (`python "
+             "benchmarks/netns_hier.py`, as root) and `security_cost.json` (`python "
+             "benchmarks/security_cost.py`) by `python benchmarks/report.py`.", "",
              "## Acceptance", "", *acceptance_lines(rows), ""]
     if p2p is None or "sizes" not in p2p:
         lines += ["## Loopback (2 daemons)", "",
@@ -979,6 +1058,8 @@ def render_report(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
     lines += ["## D-SGD across network namespaces", "", *netns_lines(netns), ""]
     lines += ["## Hierarchical D-SGD across network namespaces (workers per node)", "",
               *netns_hier_lines(load(results / "netns_hier.json"), results), ""]
+    lines += ["## What security costs (2 daemons on loopback, every mode in one run)", "",
+              *security_lines(load(results / "security_cost.json"), results), ""]
     if p2p is not None and "sizes" in p2p:
         lines += ["Full per-series details: `p2p_vs_gloo.md`.", ""]
     return "\n".join(lines)

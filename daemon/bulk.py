@@ -314,7 +314,8 @@ class Inbound(asyncio.BufferedProtocol):
     src: int = -1  # set by the HELLO frame
     bytes_received: int = 0
     transport: asyncio.Transport | None = None
-    _scratch: bytearray = field(default_factory=lambda: bytearray(UNPROVEN_SCRATCH))
+    _scratch: bytearray = field(default_factory=lambda: bytearray(UNPROVEN_SCRATCH),
+                                repr=False)
     _start: int = 0
     _end: int = 0
     _partial: _Partial | None = None

@@ -21,7 +21,8 @@ from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.auth import new_nonce, shown
 from decentd.bulk import Sender, tune
 from decentd.errors import StartupError
-from decentd.links import GRPC_OPTIONS, Links, PeerLink, host_of
+from decentd.grpcopts import GRPC_OPTIONS
+from decentd.links import Links, PeerLink, host_of
 
 log = logging.getLogger("decentd.links")
 

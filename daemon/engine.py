@@ -31,6 +31,10 @@ from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Servic
 
 log = logging.getLogger("decentd.engine")
 
+#: ops whose result has the size of their input: an output region too small fails at once
+SAME_SIZE_RESULT = frozenset({pb.NEIGHBOR_ALLREDUCE, pb.COMPRESSED_NEIGHBOR_ALLREDUCE,
+                              pb.ALLREDUCE, pb.BROADCAST})
+
 #: the OpType of each field of ``SubmitRequest.op`` (a field is named after its OpType)
 OP_OF_FIELD: dict[str, int] = {
     f.name: pb.OpType.Value(f.name.upper())
@@ -217,6 +221,9 @@ class Engine:
                 raise
             if ctx.failure is not None:  # aborted by a peer, or shut down, before it started
                 raise asyncio.CancelledError
+            if ctx.op in SAME_SIZE_RESULT:  # fail (and tell the peers) before receiving
+                for p in ctx.parts:
+                    p.output(p.nbytes, ctx.label)
             # a timer instead of asyncio.wait_for: no extra task per op on the hot path
             timer = asyncio.get_running_loop().call_later(timeout, self._time_out, ctx, timeout)
             try:

@@ -6,13 +6,16 @@ only) and its payload follows the receiver's CTS. The receiver gives consumed by
 on the next frame it sends that way, or on its own a moment later.
 
 One :class:`LinkFlow` per peer holds both directions: what we may send (``credits``, our messages
-waiting for a CTS) and what the peer may send us (``unconsumed`` against ``window``, credit we owe
-it). Nothing here touches a socket: the link writes what this decides.
+waiting for a CTS) and what the peer may send us (``unconsumed`` bytes against ``window`` and
+parts against :data:`MAX_PARTS`, credit we owe it). :class:`Announced` holds the peers' messages
+announced by RTS, as many parts per peer at most. Nothing here touches a socket: the link writes
+what this decides.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 from dataclasses import dataclass, field
 
@@ -21,6 +24,15 @@ from decent_wire.v1 import decent_pb2 as pb
 
 #: the smallest receive window a peer gets, however many peers share the early-arrival budget
 MIN_WINDOW = 1 << 20
+#: parts a peer may have unconsumed here, each a slot and an arrival whatever its bytes (a flood
+#: of empty parts is bounded by this, as bytes are by the window); also the parts it may have
+#: announced by RTS and not sent yet
+MAX_PARTS = 1 << 16
+#: payloads cleared to send whose ops all ended here: dropped if they still come
+DISCARD_MEMORY = 4096
+
+#: (sending daemon, message id): one message on one link
+MessageId = tuple[int, int]
 
 
 class FlowError(ValueError):
@@ -49,7 +61,9 @@ class LinkFlow:
 
     window: int  #: eager bytes the peer may have unconsumed here
     credits: int = 0  #: eager bytes we may still send before the peer consumes some
+    lent: int = 0  #: eager bytes we sent that the peer has not given back yet
     unconsumed: int = 0  #: eager bytes the peer sent that we have not consumed yet
+    unconsumed_parts: int = 0  #: parts of those eager messages (empty ones too)
     owed: int = 0  #: credit for consumed payloads not yet given back
     flush_scheduled: bool = False
     rendezvous: dict[int, Rendezvous] = field(default_factory=dict)
@@ -66,20 +80,25 @@ class LinkFlow:
         if nbytes > self.credits:
             return False
         self.credits -= nbytes
+        self.lent += nbytes
         return True
 
     def refund(self, credits: int, owed: int) -> None:
         """A DATA frame was skipped before it went out: its credit, and the credit its header
         carried back to the peer, are ours again."""
         self.credits += credits
+        self.lent -= credits
         self.owed += owed
 
     def returned(self, credit: int) -> None:
-        """The peer gave back ``credit`` bytes."""
+        """The peer gave back ``credit`` bytes (the receiver checks it against ``lent``)."""
         self.credits += credit
+        self.lent = max(0, self.lent - credit)
 
     def stamp(self, header: pb.BulkHeader) -> bytes:
-        """``header`` encoded as a frame, carrying the credit we owe the peer."""
+        """``header`` encoded as a frame, carrying the credit we owe the peer (and none that
+        another peer's stamp left in it: one header may go to every peer)."""
+        header.credit = 0
         if self.owed:
             header.credit += self.owed
             self.owed = 0
@@ -94,12 +113,21 @@ class LinkFlow:
 
     # ------------------------------------------------------------------ receiving
 
-    def accept_eager(self, nbytes: int, peer: int) -> None:
-        """The peer sent ``nbytes`` eagerly; FlowError past its window."""
+    def accept_eager(self, nbytes: int, peer: int, parts: int = 0) -> None:
+        """The peer sent ``nbytes`` eagerly in ``parts`` parts; FlowError past its window (or
+        past :data:`MAX_PARTS` parts unconsumed)."""
         if self.unconsumed + nbytes > self.window:
             raise FlowError(f"rank {peer} sent {nbytes} eager bytes with {self.unconsumed} of "
                             f"its {self.window}-byte window in use")
+        if self.unconsumed_parts + parts > MAX_PARTS:
+            raise FlowError(f"rank {peer} sent {parts} eager parts with {self.unconsumed_parts} "
+                            f"unconsumed (at most {MAX_PARTS})")
         self.unconsumed += nbytes
+        self.unconsumed_parts += parts
+
+    def parts_consumed(self, parts: int) -> None:
+        """``parts`` eager parts were consumed (their credit goes back with their bytes)."""
+        self.unconsumed_parts -= parts
 
     def consumed(self, nbytes: int) -> bool:
         """``nbytes`` of eager payload were consumed; True when a credit flush should be
@@ -115,3 +143,70 @@ class LinkFlow:
         """The scheduled flush is here: True when credit is still owed (nothing carried it)."""
         self.flush_scheduled = False
         return self.owed > 0
+
+
+class Announced:
+    """The peers' messages announced by RTS and not sent yet: ``waiting`` for an op here,
+    ``cleared`` to send, and of those the ones whose ops all ended here (``discard``: read and
+    dropped if they still come, at most :data:`DISCARD_MEMORY`). A link has at most
+    :data:`MAX_PARTS` parts waiting or cleared and not to be dropped."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[MessageId, pb.BulkHeader] = {}
+        self.cleared: dict[MessageId, pb.BulkHeader] = {}
+        self.discard: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
+        self._parts: collections.Counter[int] = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.cleared)
+
+    def hold(self, msg: MessageId, header: pb.BulkHeader, cleared: bool) -> None:
+        """Note an announced message; FlowError for an id in use, or past the link's parts."""
+        if msg in self.waiting or msg in self.cleared:
+            raise FlowError(f"message {msg[1]} announced twice")
+        if self._parts[msg[0]] + len(header.parts) > MAX_PARTS:
+            raise FlowError(f"more than {MAX_PARTS} parts announced and not sent")
+        self._parts[msg[0]] += len(header.parts)
+        (self.cleared if cleared else self.waiting)[msg] = header
+
+    def pop(self, msg: MessageId) -> pb.BulkHeader | None:
+        """Forget a message (sent, or not to be); its header."""
+        counted = msg not in self.discard
+        header = self.waiting.pop(msg, None)
+        header = self.cleared.pop(msg, None) if header is None else header
+        self.discard.pop(msg, None)
+        if header is not None and counted:
+            self._parts[msg[0]] -= len(header.parts)
+        return header
+
+    def dropping(self, msg: MessageId) -> None:
+        """A cleared message is about to join ``discard``: its parts stop counting, and the
+        oldest there are forgotten to make room for it."""
+        header = self.cleared.get(msg)
+        if header is None or msg in self.discard:
+            return
+        self._parts[msg[0]] -= len(header.parts)
+        while len(self.discard) >= DISCARD_MEMORY:
+            self.pop(next(iter(self.discard)))
+
+    def forget(self) -> None:
+        """A new job: no message waits for an op any more, the cleared ones are dropped."""
+        for msg in list(self.waiting):
+            self.pop(msg)
+        for msg in list(self.cleared):
+            if msg in self.cleared:
+                self.dropping(msg)
+                self.discard[msg] = None
+
+    def nbytes(self, msg: MessageId) -> int:
+        """The bytes the payload of a cleared message must have; FlowError if not cleared."""
+        header = self.cleared.get(msg)
+        if header is None:
+            raise FlowError(f"a payload for message {msg[1]}, which was not cleared to send")
+        return sum(int(p.nbytes) for p in header.parts)
+
+    def drop_link(self, link: int) -> None:
+        """Daemon ``link`` is gone: its messages will not come."""
+        for msg in [m for m in (*self.waiting, *self.cleared) if m[0] == link]:
+            self.pop(msg)
+        self._parts.pop(link, None)

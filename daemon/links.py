@@ -28,16 +28,7 @@ from decentd.names import display_name, owner, readdress
 
 log = logging.getLogger("decentd.links")
 
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 16 << 20),
-    ("grpc.max_receive_message_length", 16 << 20),
-    # peers start in any order: retry a peer that is not up yet soon, not after gRPC's 1 s
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    # a second daemon on a port in use must fail to bind, not share the port with the first
-    ("grpc.so_reuseport", 0),
-]
+
 
 #: a cancelled op whose half-written message is still not out after this long says so in the log
 WRITE_GRACE = 5.0
@@ -422,9 +413,9 @@ class Links:
             return  # its op gave up meanwhile
         size = sum(len(b) for b in rdv.payload)
         header = pb.BulkHeader(kind=pb.PAYLOAD, message_id=mid, payload_bytes=size)
-        done = rdv.done
+        done, name = rdv.done, rdv.name  # not rdv: the callback must not keep its payload
         item = link.sender.send([link.flow.stamp(header), *rdv.payload],
-                                lambda err: _settle(done, err, link.rank, rdv.name))
+                                lambda err: _settle(done, err, link.rank, name))
         rdv.queued = item if item is not None else Outgoing([], None, started=True)
 
     async def send_data(

@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.flow import Announced, MessageId
 from decentd.names import job_of, owner
 
 #: (peer, name, round, tag): one part of one op, from (or to) one peer (a worker rank, or a
@@ -31,8 +32,6 @@ from decentd.names import job_of, owner
 Key = tuple[int, str, int, int]
 #: (name, round): one op
 OpKey = tuple[str, int]
-#: (sending daemon, message id): one message on one link
-MessageId = tuple[int, int]
 #: what an op takes: (op type, dtype, shape)
 Accepts = tuple[int, int, tuple[int, ...]]
 #: told ``(payload so far, bytes arrived, sender's weight, part)`` while a lone part arrives
@@ -42,8 +41,6 @@ Progress = Callable[[np.ndarray, int, float, pb.Part], None]
 CLOSED_MEMORY = 65536
 #: aborts kept for ops that have not started here yet
 EARLY_ABORT_MEMORY = 4096
-#: payloads cleared to send whose ops all ended here: dropped if they still come
-DISCARD_MEMORY = 4096
 #: workers remembered as gone (what waits for them fails at once)
 DEPARTED_MEMORY = 4096
 
@@ -94,6 +91,7 @@ class Message:
     refs: int
     credit: int  #: eager bytes to give back to the sender
     on_release: Callable[[Message], None] | None = None
+    parts: int = 0  #: eager parts given back with them
 
 
 @dataclass(eq=False)
@@ -156,9 +154,10 @@ class Mailbox:
         self._early_aborts: collections.OrderedDict[OpKey, tuple[int, pb.Error]] = (
             collections.OrderedDict())
         self._arriving_on: dict[object, list[Key]] = {}
-        self._announced: dict[MessageId, pb.BulkHeader] = {}
-        self._cleared: dict[MessageId, pb.BulkHeader] = {}
-        self._discard: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
+        #: messages announced by RTS (the tables are the flow module's, bounded per link)
+        self.announced = Announced()
+        self._announced, self._cleared = self.announced.waiting, self.announced.cleared
+        self._discard = self.announced.discard
         #: (job, worker rank) of workers that left, and the error that waiting for them gets
         self._departed: collections.OrderedDict[tuple[str, int], Exception] = (
             collections.OrderedDict())
@@ -299,11 +298,11 @@ class Mailbox:
         header = self._announced.get(msg) or self._cleared.get(msg)
         if header is None or not self._all_closed(header.parts):
             return
-        self._announced.pop(msg, None)
-        if self._cleared.pop(msg, None) is not None:
+        if msg in self._announced:
+            self.announced.pop(msg)
+        else:
+            self.announced.dropping(msg)
             self._discard[msg] = None
-            while len(self._discard) > DISCARD_MEMORY:
-                self._discard.popitem(last=False)
 
     def _all_closed(self, parts: Iterable[pb.Part]) -> bool:
         return all((p.name, int(p.round)) in self._closed for p in parts)
@@ -317,9 +316,7 @@ class Mailbox:
         self._by_op.clear()
         self._closed.clear()
         self._early_aborts.clear()
-        self._discard.update((msg, None) for msg in self._cleared)
-        self._cleared.clear()
-        self._announced.clear()
+        self.announced.forget()
 
     # ------------------------------------------------------------------ what peers send
 
@@ -429,17 +426,22 @@ class Mailbox:
 
     def peer_lost(self, link: int, reaches: Callable[[Key], bool], error: Exception) -> None:
         """Daemon ``link``'s connection is gone: whatever waits on a peer there (``reaches``
-        tells a slot's) fails with ``error``."""
-        for table in (self._announced, self._cleared):
-            for msg in [m for m in table if m[0] == link]:
-                del table[msg]
-        for key, slot in self._slots.items():
+        tells a slot's) fails with ``error``; its messages, and the slots that hold nothing it
+        sent, are dropped."""
+        self.announced.drop_link(link)
+        for key, slot in list(self._slots.items()):
             if not reaches(key):
                 continue
             for fut in (slot.waiter, slot.ack_waiter):
                 if fut is not None and not fut.done():
                     fut.set_exception(error)
-            slot.waiter = slot.ack_waiter = None
+            slot.waiter = slot.ack_waiter = slot.into = slot.message = None
+            if slot.early is None and slot.landing is None:
+                del self._slots[key]
+                op_slots = self._by_op[(key[1], key[2])]
+                op_slots.discard(key)
+                if not op_slots:
+                    del self._by_op[(key[1], key[2])]
 
     # ------------------------------------------------------------------ large messages (RTS)
 
@@ -449,7 +451,7 @@ class Mailbox:
         if self._all_closed(header.parts):
             return  # late: its ops ended here (the sender's fail by timeout or ABORT)
         msg = (link, message_id)
-        self._announced[msg] = header
+        self.announced.hold(msg, header, cleared=False)
         wanted = False
         for p in header.parts:
             slot = self._slot(key_of(p))
@@ -460,7 +462,7 @@ class Mailbox:
 
     def clear_at_once(self, link: int, message_id: int, header: pb.BulkHeader) -> None:
         """Clear a message nothing local waits for (a one-sided window request) now."""
-        self._cleared[(link, message_id)] = header
+        self.announced.hold((link, message_id), header, cleared=True)
         self._outbox.send_cts(link, message_id)
 
     def _clear_to_send(self, msg: MessageId) -> None:
@@ -475,20 +477,16 @@ class Mailbox:
         ValueError for a payload that was never cleared to send.
         """
         msg = (link, message_id)
-        header = self._cleared.get(msg)
-        if header is not None:
-            return list(header.parts)
-        if msg in self._discard:
-            return None
-        raise ValueError(f"a payload for message {message_id}, which was not cleared to send")
+        self.announced.nbytes(msg)
+        return None if msg in self._discard else list(self._cleared[msg].parts)
 
     def payload_done(self, link: int, message_id: int) -> list[pb.Part] | None:
         """A payload after CTS is complete: its parts (None: drop it)."""
-        header = self._cleared.pop((link, message_id), None)
-        if header is None:
-            self._discard.pop((link, message_id), None)
-            return None
-        return list(header.parts)
+        msg = (link, message_id)
+        dropped, header = msg in self._discard, self._cleared.get(msg)
+        if header is not None:
+            self.announced.pop(msg)
+        return None if header is None or dropped else list(header.parts)
 
     # ------------------------------------------------------------------ counters
 

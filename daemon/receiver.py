@@ -6,30 +6,55 @@ module checks them against the link's flow control, hands each part of a message
 :mod:`~decentd.windows` services), and gives consumed bytes back as credit. Received
 payloads live in pooled buffers, reused step after step; a lone part an op waits for lands
 straight in that op's memory.
+
+Everything a peer says is checked before anything is allocated for it or indexed with it: a
+payload has exactly the bytes its parts (or its RTS) declared, eager ones fit the link's window
+in bytes and parts, a window message describes its tensor exactly. A frame that fails a check,
+or that fails while it is handled, is a ValueError: the connection it came on is closed (and
+only that one), with a short reason (peer text cut and escaped).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.auth import shown
 from decentd.bufpool import BufferPool
 from decentd.bulk import Inbound
 from decentd.flow import LinkFlow
 from decentd.links import Links
 from decentd.mailbox import Arrival, Mailbox, Message
-from decentd.windows import Handler
+from decentd.windows import OneSided
 from decentd.windows.store import is_one_sided
 
 log = logging.getLogger("decentd.receiver")
 
 _EMPTY = np.empty(0, np.uint8)
+#: the largest message a peer may announce: this machine's memory
+MAX_MESSAGE = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+#: characters of a failure's text that reach the log; of an ABORT's text that reach an op
+SHOWN, ERROR_TEXT = 300, 4096
+_ERROR_CODES = frozenset(pb.ErrorCode.values())
+
+
+def _contained(exc: Exception) -> ValueError:
+    """A failure while handling a peer's frame, as the ValueError that closes only the
+    connection it came on; its text is short (what the peer said is cut and escaped)."""
+    text = str(exc)
+    if isinstance(exc, ValueError):
+        return ValueError(text if len(text) <= SHOWN else shown(text, SHOWN))
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" in {frames[-1].name} line {frames[-1].lineno}" if frames else ""
+    return ValueError(f"{type(exc).__name__}{where}: {shown(text, SHOWN // 2)}")
 
 
 @dataclass(eq=False)
@@ -52,8 +77,7 @@ class _Landing:
 class Receiver:
     """Where every incoming bulk connection delivers its frames (a ``bulk.FrameSink``)."""
 
-    def __init__(self, links: Links, mailbox: Mailbox, pool: BufferPool,
-                 one_sided: Mapping[int, Handler],
+    def __init__(self, links: Links, mailbox: Mailbox, pool: BufferPool, one_sided: OneSided,
                  group_failed: Callable[[str, int, pb.Error], None]) -> None:
         self._links = links
         self._mailbox = mailbox
@@ -66,16 +90,23 @@ class Receiver:
     def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
         """Where a frame's payload goes: a pooled buffer of exactly its size, or the memory of
         the op that waits for its lone part."""
+        try:
+            return self._header(conn, header)
+        except Exception as exc:
+            raise _contained(exc) from None
+
+    def _header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
         if conn.src < 0:
             raise ValueError("data before HELLO")
         size = int(header.payload_bytes)
         if header.kind == pb.PAYLOAD:
+            self._announced_size(conn.src, int(header.message_id), size)
             parts = self._mailbox.payload_parts(conn.src, int(header.message_id))
             if parts is None:  # its ops ended here: read and dropped
                 return self._pool.get(size)
         elif header.kind == pb.DATA:
-            self._flow(conn.src).accept_eager(size, conn.src)
-            parts = self._checked(conn.src, header.parts)
+            parts = self._described(conn.src, header.parts, size)
+            self._flow(conn.src).accept_eager(size, conn.src, len(parts))
         else:
             raise ValueError(f"a payload on a frame of kind {header.kind}")
         if any(is_one_sided(p) for p in parts):
@@ -102,6 +133,28 @@ class Receiver:
             self._links.check_sender(src, p)
         return plist
 
+    def _described(self, src: int, parts: Iterable[pb.Part], size: int) -> list[pb.Part]:
+        """The parts of a message from daemon ``src`` (:meth:`_checked`), a window message
+        describing its tensor exactly, and all of them ``size`` bytes (-1: announced, at most
+        :data:`MAX_MESSAGE`)."""
+        plist = self._checked(src, parts)
+        for p in plist:
+            self._one_sided.check(p)
+        declared = sum(int(p.nbytes) for p in plist)
+        if size < 0 and declared > MAX_MESSAGE:
+            raise ValueError(f"a message of {declared} bytes announced, more than this "
+                             f"machine's {MAX_MESSAGE} bytes of memory")
+        if size >= 0 and declared != size:
+            raise ValueError(f"parts of {declared} bytes in a {size}-byte payload")
+        return plist
+
+    def _announced_size(self, src: int, message_id: int, size: int) -> None:
+        """ValueError unless a payload of ``size`` follows our CTS for its message."""
+        announced = self._mailbox.announced.nbytes((src, message_id))
+        if size != announced:
+            raise ValueError(f"a {size}-byte payload for message {message_id}, announced with "
+                             f"{announced} bytes")
+
     def on_progress(self, conn: Inbound, header: pb.BulkHeader, dest: np.ndarray,
                     filled: int) -> None:
         """Part of a payload arrived: a lone part's waiting op may fold it in already."""
@@ -112,6 +165,12 @@ class Receiver:
 
     def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
         """Dispatch one complete frame; ValueError closes the connection it came on."""
+        try:
+            self._frame(conn, header, payload)
+        except Exception as exc:
+            raise _contained(exc) from None
+
+    def _frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
         self._mailbox.arrived(conn)
         kind = header.kind
         if kind == pb.HELLO:
@@ -123,6 +182,8 @@ class Receiver:
         if link is None:
             raise ValueError("data before HELLO")
         link.last_heartbeat = time.monotonic()
+        if header.credit > link.flow.lent:
+            raise ValueError(f"{header.credit} bytes of credit given back, {link.flow.lent} lent")
         link.flow.returned(int(header.credit))
         landing = self._landing.pop(conn, None)
         if landing is not None:
@@ -130,14 +191,19 @@ class Receiver:
         pooled = landing is None or not landing.active
         size = int(header.payload_bytes)
         if kind == pb.DATA:
-            self._split(src, self._checked(src, header.parts), payload, size, size, pooled)
+            parts = self._described(src, header.parts, size)
+            if not size:  # no header call: its parts count now
+                link.flow.accept_eager(0, src, len(parts))
+            self._split(src, parts, payload, size, size, pooled, eager=True)
         elif kind == pb.PAYLOAD:
-            parts = self._mailbox.payload_done(src, int(header.message_id))
-            if parts is None:  # its ops ended here meanwhile
+            if not size:
+                self._announced_size(src, int(header.message_id), 0)
+            cleared = self._mailbox.payload_done(src, int(header.message_id))
+            if cleared is None:  # its ops ended here meanwhile
                 if payload is not None and pooled:
                     self._pool.put(payload)
                 return
-            self._split(src, parts, payload, size, 0, pooled)
+            self._split(src, cleared, payload, size, 0, pooled)
         else:
             self._control(src, header)
 
@@ -146,9 +212,9 @@ class Receiver:
         kind = header.kind
         if kind == pb.RTS:
             mid = int(header.message_id)
-            self._checked(src, header.parts)
-            if any(is_one_sided(p) for p in header.parts):  # the window service takes it now
-                self._mailbox.clear_at_once(src, mid, header)
+            parts = self._described(src, header.parts, -1)
+            if any(is_one_sided(p) for p in parts):  # the window service takes it now
+                self._window_rts(src, mid, header, parts)
             else:
                 self._mailbox.announce(src, mid, header)
         elif kind == pb.CTS:
@@ -158,8 +224,10 @@ class Receiver:
         elif kind == pb.ACK:
             self._mailbox.acked(self._checked(src, header.parts))
         elif kind == pb.ABORT:
-            if not header.parts:
-                raise ValueError("ABORT without the op it aborts")
+            if not header.parts or header.error.code not in _ERROR_CODES:
+                raise ValueError(f"ABORT of {len(header.parts)} ops with error code "
+                                 f"{header.error.code}")
+            header.error.message = header.error.message[:ERROR_TEXT]
             link = self._links.link(src)
             if link is not None:
                 link.aborts_received += 1
@@ -170,6 +238,22 @@ class Receiver:
                     self._mailbox.aborted([p], header.error)
         else:
             raise ValueError(f"a frame of unknown kind {kind}")
+
+    def _window_rts(self, src: int, mid: int, header: pb.BulkHeader,
+                    parts: list[pb.Part]) -> None:
+        """A window request too large to go eagerly travels alone, and is cleared to send at
+        once when its window can take its bytes; refused (ABORT, or the group round failed
+        here) when it cannot."""
+        if len(parts) != 1:
+            raise ValueError(f"a window request in a message of {len(parts)} parts")
+        p = parts[0]
+        refused = self._one_sided.admit(p)
+        if refused is None:
+            self._mailbox.clear_at_once(src, mid, header)
+        elif p.op == pb.GROUP_RESULT:
+            self._group_failed(p.name, int(p.round), refused.to_pb())
+        else:
+            self._links.send_abort(int(p.src), [(p.name, int(p.round))], refused.to_pb())
 
     def _worker_news(self, src: int, header: pb.BulkHeader) -> None:
         """Daemon ``src`` says one of its workers left or (re)joined."""
@@ -183,34 +267,43 @@ class Receiver:
             pb.PEER_UNAVAILABLE, f"rank {rank} left (its worker ended or closed its client)"))
 
     def _split(self, src: int, parts: Iterable[pb.Part], payload: np.ndarray | None,
-               total: int, credit: int, pooled: bool) -> None:
+               total: int, credit: int, pooled: bool, eager: bool = False) -> None:
         """Hand each part of a message to whoever takes it; the payload is released (and its
-        credit given back) with the last part."""
+        credit given back, and its parts when it came ``eager``) with the last part."""
         plist = list(parts)
         declared = sum(int(p.nbytes) for p in plist)
         if declared != total or not plist:
             if payload is not None and pooled:
                 self._pool.put(payload)
             raise ValueError(f"parts of {declared} bytes in a {total}-byte payload")
-        msg = Message(src, payload if pooled else None, len(plist), credit, self._released)
+        msg = Message(src, payload if pooled else None, len(plist), credit, self._released,
+                      len(plist) if eager else 0)
         offset = 0
-        for p in plist:
+        for i, p in enumerate(plist):
             n = int(p.nbytes)
             data = payload[offset:offset + n] if payload is not None else _EMPTY
             offset += n
             shape = tuple(int(s) for s in p.meta.shape)
             arrival = Arrival(int(p.src), int(p.op), int(p.meta.dtype), shape, float(p.weight),
                               data, msg, step=int(p.step), p=float(p.p), topology=p.topology)
-            if is_one_sided(p):
-                self._one_sided[int(p.op)](int(p.src), p.name, int(p.round), arrival)
-            else:
+            if not is_one_sided(p):
                 self._mailbox.deliver(p, arrival)
+                continue
+            try:
+                self._one_sided[int(p.op)](int(p.src), p.name, int(p.round), arrival)
+            except Exception:  # the message is released with what was handed out before
+                msg.refs -= len(plist) - i - 1
+                arrival.release()
+                raise
 
     def _released(self, msg: Message) -> None:
         if msg.buf is not None:
             self._pool.put(msg.buf)
             msg.buf = None
         self._links.consumed(msg.src, msg.credit)
+        link = self._links.link(msg.src)
+        if link is not None and msg.parts:
+            link.flow.parts_consumed(msg.parts)
 
     def on_lost(self, conn: Inbound, reason: str) -> None:
         """An incoming connection ended: when it was the peer's current one, the peer is down."""
@@ -227,6 +320,7 @@ class Receiver:
         err = DecentError(pb.PEER_UNAVAILABLE, f"rank {src} disconnected ({reason})")
         self._mailbox.peer_lost(src, lambda key: self._links.machine_of(key[0], key[1]) == src,
                                 err)
+        self._one_sided.peer_lost(lambda rank, name: self._links.machine_of(rank, name) == src)
         self._flow(src).fail_rendezvous(err)
         if reason == "stream closed":  # the peer closed its stream: an orderly stop
             log.info("rank %d closed its connection", src)

@@ -6,9 +6,11 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from decent_wire.errors import DecentError
 from decent_wire.protocol import PROTOCOL_VERSION
@@ -181,6 +183,31 @@ class WorkerService(pb_grpc.WorkerServicer):
                                                 message=f"unknown worker {request.worker_id!r}"))
         return self._services.windows.info(at_worker(qualify(session.job, request.name),
                                                      session.rank))
+
+
+def _lenient(message: type[Message]) -> Callable[[bytes], Message]:
+    """A request parser that turns undecodable bytes into an empty request (refused by the
+    handler like any other bad one) instead of an exception gRPC logs with a traceback."""
+    def parse(data: bytes) -> Message:
+        try:
+            return message.FromString(data)
+        except DecodeError:
+            return message()
+    return parse
+
+
+def add_peer_service(service: PeerService, server: grpc.aio.Server) -> None:
+    """Serve ``service`` on ``server`` with lenient request parsers."""
+    handlers = {
+        "Challenge": grpc.unary_unary_rpc_method_handler(
+            service.Challenge, _lenient(pb.ChallengeRequest),
+            pb.ChallengeReply.SerializeToString),
+        "Handshake": grpc.unary_unary_rpc_method_handler(
+            service.Handshake, _lenient(pb.HandshakeRequest),
+            pb.HandshakeReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("decent.v1.Peer",
+                                                                          handlers),))
 
 
 class PeerService(pb_grpc.PeerServicer):

@@ -31,12 +31,13 @@ from decentd.connect import connect_all
 from decentd.engine import Engine
 from decentd.errors import StartupError
 from decentd.flow import window_per_peer
-from decentd.links import GRPC_OPTIONS, Links
+from decentd.grpcopts import GRPC_OPTIONS, PEER_SERVER_OPTIONS
+from decentd.links import Links
 from decentd.mailbox import Mailbox
 from decentd.ops import OPS
 from decentd.ops.api import Services
 from decentd.receiver import Receiver
-from decentd.rpc import PeerService, WorkerEndpoints, WorkerService
+from decentd.rpc import PeerService, WorkerEndpoints, WorkerService, add_peer_service
 from decentd.sessions import Sessions
 from decentd.windows import one_sided_handlers
 from decentd.windows.groups import GroupSums
@@ -133,8 +134,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        peer_server = grpc.aio.server(options=GRPC_OPTIONS)
-        pb_grpc.add_PeerServicer_to_server(PeerService(self.links), peer_server)
+        peer_server = grpc.aio.server(options=PEER_SERVER_OPTIONS)
+        add_peer_service(PeerService(self.links), peer_server)
         worker_server = grpc.aio.server(options=GRPC_OPTIONS)
         pb_grpc.add_WorkerServicer_to_server(
             WorkerService(self.services, self.sessions, self.engine, self.endpoints, self.ready),

@@ -11,6 +11,7 @@ from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.access import LocalAccess
 from decentd.arena import Arena
+from decentd.auth import shown
 from decentd.engine import Engine, WorkerSession
 from decentd.tasks import TaskSet
 
@@ -50,7 +51,7 @@ class Sessions:
             free = [r for r in range(self._per_node) if r not in taken]
             if not free:
                 raise DecentError(pb.RESOURCE_EXHAUSTED, f"daemon rank {self._machine} already "
-                                  f"serves {self._per_node} workers of job {job!r} "
+                                  f"serves {self._per_node} workers of job {shown(job)} "
                                   "(workers_per_node)")
             return free[0]
         if not 0 <= asked < self._per_node:
@@ -58,7 +59,7 @@ class Sessions:
                               f"{self._per_node - 1} (daemon rank {self._machine} serves "
                               f"{self._per_node} workers per node)")
         if asked in taken:
-            raise DecentError(pb.INVALID_ARGUMENT, f"local rank {asked} of job {job!r} is "
+            raise DecentError(pb.INVALID_ARGUMENT, f"local rank {asked} of job {shown(job)} is "
                               f"already taken by the worker with pid {taken[asked].pid}")
         return asked
 
@@ -79,8 +80,8 @@ class Sessions:
         self.by_id[session.worker_id] = session
         self._engine.joined(session)
         self._tasks.spawn(self._expire_unattached(session))
-        log.info("worker %s (rank %d, local rank %d, pid %d, %s, job %r) registered",
-                 session.worker_id, rank, local, pid, framework, job)
+        log.info("worker %s (rank %d, local rank %d, pid %d, %s, job %s) registered",
+                 session.worker_id, rank, local, pid, shown(framework), shown(job))
         return session
 
     def get(self, worker_id: str) -> WorkerSession | None:

@@ -23,6 +23,7 @@ from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.access import LocalAccess
 from decentd.arena import Arena
+from decentd.auth import shown
 from decentd.engine import Engine, WorkerSession
 from decentd.sessions import Sessions
 
@@ -73,8 +74,8 @@ class WorkerChannel(asyncio.Protocol):
         session = self._sessions.get(hello.worker_id)
         if session is None or session.attached:
             self.send(pb.Completion(error=pb.Error(
-                code=pb.UNKNOWN_WORKER, message=f"unknown worker id {hello.worker_id!r}")))
-            raise ValueError(f"hello from unknown worker {hello.worker_id!r}")
+                code=pb.UNKNOWN_WORKER, message=f"unknown worker id {shown(hello.worker_id)}")))
+            raise ValueError(f"hello from unknown worker {shown(hello.worker_id)}")
         self.session = session
         session.arena.unlink()  # the worker has attached: nothing needs the name any more
         session.attached = True
@@ -231,7 +232,8 @@ class MemorySocket:
             return pb.Error(code=pb.INVALID_ARGUMENT, message=str(exc))
         session = self._sessions.get(req.worker_id)
         if session is None:
-            return pb.Error(code=pb.UNKNOWN_WORKER, message=f"unknown worker id {req.worker_id!r}")
+            return pb.Error(code=pb.UNKNOWN_WORKER,
+                            message=f"unknown worker id {shown(req.worker_id)}")
         for base in req.release:
             session.arena.release_region(base)
         if req.nbytes == 0:

@@ -207,6 +207,145 @@ def test_netns_hier_link_bounds() -> None:
     assert th["speedups"] == pytest.approx({"gloo_over_hier": 1.75, "flat_over_hier": 2.0})
 
 
+def _security_result(ms_by_mode: dict[str, float], correct: bool = True) -> dict[str, Any]:
+    """A security_cost.py result as its JSON has it (the fields the report reads)."""
+    from benchmarks.security_cost import LABELS, RATIOS
+
+    modes = {m: {"label": LABELS[m], "median_s": v / 1e3, "p10_s": v * 0.9e-3,
+                 "p90_s": v * 1.1e-3, "gbps": (64 << 20) / (v / 1e3) / 1e9,
+                 "daemon_cpu_ms_per_call": 60.0, "correct": correct, "errors": []}
+             for m, v in ms_by_mode.items()}
+    ratios = {}
+    for key, (m, target) in RATIOS.items():
+        value = ms_by_mode[m] / ms_by_mode["insecure"]
+        ratios[key] = {"mode": m, "value": value, "target": target, "paired_median": value,
+                       "met": None if target is None else value <= target}
+    return {"nbytes": 64 << 20, "repeats": 160, "warmup": 3, "method": "interleaved",
+            "modes": modes, "ratios": ratios, "correct": correct, "steal_frac": 0.0,
+            "meets_targets": all(r["met"] is not False for r in ratios.values()),
+            "decent_source": {"repo_commit": "abc1234"}, "date": "d"}
+
+
+def _report_rows(results: Path, prefix: str = "| 9") -> dict[str, str]:
+    """Run report.py on ``results`` (no p2p or netns JSON needed); its acceptance rows."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"),
+                           "--results", str(results)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {line.split("|")[1].strip(): line for line in
+            (results / "REPORT.md").read_text().splitlines() if line.startswith(prefix)}
+
+
+def test_report_rows_for_security_cost(tmp_path: Path) -> None:
+    """Rows 9s, 9m against 1.05x insecure, 9t reported without a target; a REPORT section;
+    a miss, a wrong result, an error and a missing file each say so."""
+    sec = tmp_path / "security_cost.json"
+    sec.write_text(json.dumps(_security_result(
+        {"insecure": 40.0, "secret": 41.0, "mtls-clear": 40.4, "mtls-tls": 96.0})))
+    rows = _report_rows(tmp_path)
+    assert "1.025x (41.00 vs 40.00 ms; 1.64 vs 1.68 GB/s" in rows["9s"], rows["9s"]
+    assert "<= 1.05x" in rows["9s"] and "PASS" in rows["9s"]
+    assert "1.010x (40.40 vs 40.00 ms" in rows["9m"] and "PASS" in rows["9m"]
+    assert "2.400x (96.00 vs 40.00 ms" in rows["9t"] and "reported (no target)" in rows["9t"]
+    assert "cost of encrypting the bulk path" in rows["9t"] and "FAIL" not in rows["9t"]
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "## What security costs" in report and "secret / insecure **1.025x**" in report
+    assert "mtls-tls / insecure **2.400x** (reported)" in report
+    short = (tmp_path / "README_TABLE.md").read_text()
+    assert "| 9s |" in short and "| 9m |" in short and "| 9t |" in short
+    # 6% over insecure misses; the others still pass
+    sec.write_text(json.dumps(_security_result(
+        {"insecure": 40.0, "secret": 40.2, "mtls-clear": 42.4, "mtls-tls": 96.0})))
+    rows = _report_rows(tmp_path)
+    assert "1.060x" in rows["9m"] and "FAIL" in rows["9m"] and "PASS" in rows["9s"]
+    assert "target <= 1.05x: MISSED" in (tmp_path / "REPORT.md").read_text()
+    # wrong results fail however fast, the reported row too
+    sec.write_text(json.dumps(_security_result(
+        {"insecure": 40.0, "secret": 40.0, "mtls-clear": 40.0, "mtls-tls": 96.0}, False)))
+    rows = _report_rows(tmp_path)
+    for cid in ("9s", "9m", "9t"):
+        assert "results WRONG" in rows[cid] and "FAIL" in rows[cid], rows[cid]
+    # a failed run and a missing file: not measured, and why
+    sec.write_text(json.dumps({"error": "daemon exited: {'mtls-tls-0': 1}"}))
+    rows = _report_rows(tmp_path)
+    assert "not measured (daemon exited" in rows["9s"] and "n/a" in rows["9s"]
+    assert "Not measured: daemon exited" in (tmp_path / "REPORT.md").read_text()
+    sec.unlink()
+    rows = _report_rows(tmp_path)
+    for cid in ("9s", "9m", "9t"):
+        assert "not measured (security_cost.json missing)" in rows[cid], rows[cid]
+    assert "`security_cost.json` is missing" in (tmp_path / "REPORT.md").read_text()
+
+
+def test_security_cost_orders_are_balanced() -> None:
+    """Over any 4 rounds every mode takes every position once and follows every other mode
+    once (a plain rotation would put the cheapest mode after the heaviest every time)."""
+    from benchmarks.security_cost import MODES, order
+
+    for start in (0, 3):
+        rounds = [order(r) for r in range(start, start + 4)]
+        for pos in range(4):
+            assert sorted(r[pos] for r in rounds) == sorted(MODES)
+        pairs = [(r[k], r[k + 1]) for r in rounds for k in range(3)]
+        assert sorted(pairs) == sorted((a, b) for a in MODES for b in MODES if a != b)
+
+
+def test_security_cost_summary() -> None:
+    """A call's time is the slower rank's; ratios of medians and per round; a daemon that did
+    not log the mode it was meant to run makes its mode wrong."""
+    import argparse
+
+    from benchmarks.security_cost import LOGGED, MODES, summarize
+
+    base = {"insecure": 0.040, "secret": 0.041, "mtls-clear": 0.043, "mtls-tls": 0.100}
+    ranks = [{"times": {m: [v, v * 2, v] for m, v in base.items()},
+              "daemon_cpu_s": dict.fromkeys(MODES, 0.3), "errors": []},
+             {"times": {m: [v * 1.5, v, v] for m, v in base.items()},
+              "daemon_cpu_s": dict.fromkeys(MODES, 0.0), "errors": []}]
+    logged = {m: [LOGGED[m] + ", bound to the handshake"] * 2 for m in MODES}
+    a = argparse.Namespace(nbytes=64 << 20, repeats=3)
+    res = summarize(a, ranks, logged)
+    assert res["modes"]["insecure"]["per_call_s"] == pytest.approx([0.06, 0.08, 0.04])
+    assert res["modes"]["insecure"]["median_s"] == pytest.approx(0.06)
+    assert res["modes"]["insecure"]["daemon_cpu_ms_per_call"] == pytest.approx(100)
+    r = res["ratios"]
+    assert r["secret_over_insecure"]["value"] == pytest.approx(1.025)
+    assert r["secret_over_insecure"]["met"] and not r["mtls_clear_over_insecure"]["met"]
+    assert r["mtls_tls_over_insecure"]["met"] is None and r["mtls_tls_over_insecure"][
+        "paired_median"] == pytest.approx(2.5)
+    assert res["correct"] and not res["meets_targets"]
+    logged["mtls-tls"][1] = "mtls, bulk in clear, bound to the handshake"
+    res = summarize(a, ranks, logged)
+    assert not res["correct"] and not res["modes"]["mtls-tls"]["correct"]
+    assert "daemon 1 logged" in res["modes"]["mtls-tls"]["errors"][0]
+
+
+def test_security_cost_short_run(tmp_path: Path) -> None:
+    """4 MiB, 4 rounds: every mode ran and was exact, its daemons said which mode they ran,
+    the exit code is the JSON's verdict, the plot is written, every daemon stopped."""
+    out, png = tmp_path / "sec.json", tmp_path / "sec.png"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "security_cost.py"), "--repeats", "4",
+         "--warmup", "1", "--mbytes", "4", "--json", str(out), "--png", str(png)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert "error" not in res, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == (0 if res["meets_targets"] else 3), \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert res["correct"] and set(res["modes"]) == {"insecure", "secret", "mtls-clear",
+                                                     "mtls-tls"}
+    for mode, m in res["modes"].items():
+        assert m["correct"] and len(m["per_call_s"]) == 4 and m["gbps"] > 0, mode
+    assert res["modes"]["mtls-tls"]["daemons_logged"] == ["mtls, bulk over TLS"] * 2
+    assert res["modes"]["insecure"]["daemons_logged"][0].startswith("insecure")
+    assert set(res["ratios"]) == {"secret_over_insecure", "mtls_clear_over_insecure",
+                                  "mtls_tls_over_insecure"}
+    assert set(res["daemon_exit_codes"].values()) <= {0, -15}
+    assert png.stat().st_size > 10_000
+
+
 class _SlowReads:
     """The shared flags, read slowly: the other rank runs ahead into the next round meanwhile."""
 

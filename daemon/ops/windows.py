@@ -34,6 +34,16 @@ def _local(ctx: OpContext) -> tuple[Window, np.ndarray]:
     return w, w.own
 
 
+def _answer(w: Window, j: int, a: Arrival, rank: int) -> np.ndarray:
+    """Rank ``j``'s answer as the window's elements; MISMATCH unless it is exactly a tensor
+    like the window's."""
+    if (a.dtype, a.shape) != (w.dtype, w.shape) or a.data.nbytes != w.nbytes:
+        raise DecentError(pb.MISMATCH, f"window '{w.display}': rank {j} holds "
+                          f"{dtypes.describe(a.dtype, a.shape)} ({a.data.nbytes} bytes) but "
+                          f"rank {rank} holds {w.describe()}")
+    return a.data.view(dtypes.STORAGE[w.dtype])
+
+
 def _echo(ctx: OpContext) -> OpResult:
     """The op's result is its input (put, accumulate, publish, create)."""
     p = ctx.parts[0]
@@ -138,12 +148,7 @@ async def win_get(ctx: OpContext) -> OpResult:
         srcs = {j: 1.0 for j in _static_step(ctx, "src_weights")[1]}
     got = await _exchange(ctx, srcs, w.step, memoryview(b""))
     for j, arrival in got.items():
-        if (arrival.dtype, arrival.shape) != (w.dtype, w.shape):
-            raise DecentError(pb.MISMATCH, f"window '{w.display}': rank {j} holds "
-                              f"{dtypes.describe(arrival.dtype, arrival.shape)} but rank "
-                              f"{ctx.rank} holds {w.describe()}")
-        weighted_sum(w.buffer(j), arrival.data.view(dtypes.STORAGE[w.dtype]), srcs[j], [],
-                     w.dtype)
+        weighted_sum(w.buffer(j), _answer(w, j, arrival, ctx.rank), srcs[j], [], w.dtype)
         w.wrote(j, arrival.step)
         arrival.release()
     return OpResult(0, (0,))
@@ -204,11 +209,9 @@ async def win_exchange(ctx: OpContext) -> OpResult:
     j = int(args.peer)
     ctx.check_ranks([j], "peer")
     a = (await _exchange(ctx, {j: 0.5}, w.step, p.raw))[j]
-    if (a.dtype, a.shape) != (w.dtype, w.shape):  # pragma: no cover - the peer checked it
-        raise DecentError(pb.MISMATCH, f"window '{w.display}': rank {j} answered "
-                          f"{dtypes.describe(a.dtype, a.shape)}")
+    answer = _answer(w, j, a, ctx.rank)
     out = ctx.output(p, p.nbytes)
-    out[...] = a.data.view(dtypes.STORAGE[w.dtype])
+    out[...] = answer
     a.release()
     own[...] = out
     w.versions[j] = w.versions.get(j, 0) + 1
@@ -277,6 +280,10 @@ async def group_allreduce(ctx: OpContext) -> OpResult:
         finally:
             groups.stop_waiting(key)
     total, staleness = got
+    if total.dtype != dtypes.STORAGE[p.dtype] or total.nbytes != p.nbytes:
+        raise DecentError(pb.MISMATCH, f"window '{w.display}': the group sum of round {gr} is "
+                          f"{total.size} {total.dtype} elements, the window "
+                          f"{dtypes.describe(p.dtype, p.shape)}")
     w.max_staleness = max(w.max_staleness, staleness)
     g = len(members)
     assert isinstance(ctx.args, pb.GroupAllreduce)

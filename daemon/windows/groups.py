@@ -16,6 +16,7 @@ from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.graphs import butterfly_group
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.auth import shown
 from decentd.links import Links, part
 from decentd.mailbox import Arrival, Mailbox
 from decentd.names import display_name, owner
@@ -29,6 +30,8 @@ log = logging.getLogger("decentd.windows")
 GROUP_MEMORY = 4096
 #: rounds of the leader's own reads of its members' copies: far above any worker's round
 FETCH_BASE = 1 << 62
+#: group sums a leader runs at once (each holds a copy of the window)
+MAX_SUMS = 256
 
 #: a group round: (window wire name, the member's k-th call)
 GroupKey = tuple[str, int]
@@ -65,11 +68,15 @@ class GroupSums:
         self._failures: collections.OrderedDict[GroupKey, DecentError] = (
             collections.OrderedDict())
         self._fetches = itertools.count(1)
+        self._running = 0  #: group sums running
 
     def on_trigger(self, src: int, name: str, round_: int, arrival: Arrival) -> None:
         """A member of a group this rank leads arrived (its group size rides as the weight)."""
         arrival.release()
-        self.lead(name, round_, int(arrival.weight), arrival.dtype, arrival.shape)
+        try:
+            self.lead(name, round_, int(arrival.weight), arrival.dtype, arrival.shape)
+        except DecentError as err:
+            self._links.send_abort(src, [(name, round_)], err.to_pb(), pb.GROUP_RESULT)
 
     def on_result(self, src: int, name: str, round_: int, arrival: Arrival) -> None:
         """The leader's sum of a group round this rank is a member of."""
@@ -83,12 +90,23 @@ class GroupSums:
         key = (name, round_)
         if key in self._led:
             return
+        if self._running >= MAX_SUMS:
+            raise DecentError(pb.RESOURCE_EXHAUSTED, f"group of window '{display_name(name)}' "
+                              f"round {round_}: its leader runs {MAX_SUMS} group sums already")
         self._led[key] = None
         _bounded(self._led, GROUP_MEMORY)
+        self._running += 1
         self._tasks.spawn(self._sum_group(name, round_, group_size, dtype, shape))
 
     async def _sum_group(self, name: str, round_: int, group_size: int, dtype: int,
                          shape: tuple[int, ...]) -> None:
+        try:
+            await self._lead_round(name, round_, group_size, dtype, shape)
+        finally:
+            self._running -= 1
+
+    async def _lead_round(self, name: str, round_: int, group_size: int, dtype: int,
+                          shape: tuple[int, ...]) -> None:
         rank = _owner(name)
         members = butterfly_group(rank, self._store.size, group_size, round_)
         others = [m for m in members if m != rank]
@@ -105,7 +123,7 @@ class GroupSums:
                 pb.TIMEOUT if isinstance(exc, TimeoutError) else pb.PEER_UNAVAILABLE,
                 f"group of window '{display_name(name)}' round {round_} (leader rank "
                 f"{rank}, members {members}): {exc!r}")
-            log.warning("%s", err)
+            log.warning("%s", shown(str(err), 400))
             for m in others:
                 self._links.send_abort(m, [(name, round_)], err.to_pb(), pb.GROUP_RESULT)
             self.failed(name, round_, err.to_pb())
@@ -132,7 +150,7 @@ class GroupSums:
             *(self._links.send_parts(m, [ask], [memoryview(b"")]) for m in others)), timeout)
         for m, fut in futs.items():
             a = await asyncio.wait_for(fut, timeout)
-            if (a.dtype, a.shape) != (dtype, shape):
+            if (a.dtype, a.shape) != (dtype, shape) or a.data.nbytes != w.nbytes:
                 raise DecentError(pb.MISMATCH, f"window '{w.display}': rank {m} holds "
                                   f"{dtypes.describe(a.dtype, a.shape)}, its group leader "
                                   f"rank {rank} {w.describe()}")

@@ -23,6 +23,8 @@ log = logging.getLogger("decentd.windows")
 
 #: message tags of a lock exchange: the request, and the grant or release
 REQUEST, REPLY = 0, 1
+#: lock requests held or waiting at once, over all slots
+LOCK_MEMORY = 1 << 14
 
 #: who holds or waits for a slot: (the rank, the wire name of its request)
 Holder = tuple[int, str]
@@ -40,12 +42,22 @@ class WindowLocks:
 
     def __init__(self) -> None:
         self._slots: dict[tuple[str, int], _Slot] = {}
+        self.requests = 0  #: held or waiting, over all slots
+
+    def drop(self, gone: Callable[[Holder], bool]) -> None:
+        """The holders ``gone`` tells are unreachable: what they hold or wait for is given
+        to the next in line."""
+        for (name, slot), state in list(self._slots.items()):
+            holders = [w[0] for w in state.line] + ([state.holder] if state.holder else [])
+            for holder in dict.fromkeys(h for h in holders if gone(h)):  # the line first
+                self.release(name, slot, holder)
 
     def acquire(self, name: str, slot: int, holder: Holder,
                 granted: Callable[[], None]) -> None:
         """Take slot ``slot`` of window ``name`` for ``holder``: ``granted()`` runs once it is
         ``holder``'s (at once when it is free)."""
         state = self._slots.setdefault((name, slot), _Slot())
+        self.requests += 1
         if state.holder is None:
             state.holder = holder
             granted()
@@ -76,8 +88,10 @@ class WindowLocks:
         if state.holder != holder:
             before = len(state.line)
             state.line = collections.deque(w for w in state.line if w[0] != holder)
+            self.requests -= before - len(state.line)
             return len(state.line) != before
         state.holder = None
+        self.requests -= 1
         if state.line:
             state.holder, granted = state.line.popleft()
             granted()
@@ -101,8 +115,13 @@ class LockService:
 
     def on_lock(self, src: int, name: str, round_: int, arrival: Arrival) -> None:
         """``src`` wants its slot (``arrival.step``) of window ``name``: answered once it is
-        granted."""
+        granted (refused past :data:`LOCK_MEMORY` requests)."""
         arrival.release()
+        if self._locks.requests >= LOCK_MEMORY:
+            self._links.send_abort(src, [(name, round_)], pb.Error(
+                code=pb.RESOURCE_EXHAUSTED, message=f"rank {src} asks for a window lock past the "
+                f"{LOCK_MEMORY} lock requests kept at once"))
+            return
         self._locks.acquire(name, int(arrival.step), (src, name),
                             lambda: self._tasks.spawn(self._answer(src, name, round_)))
 
@@ -111,6 +130,10 @@ class LockService:
         arrival.release()
         self._locks.release(name, int(arrival.step), (src, name))
         self._tasks.spawn(self._answer(src, name, round_))
+
+    def peer_lost(self, gone: Callable[[int, str], bool]) -> None:
+        """The ranks ``gone`` tells are unreachable: their locks are released."""
+        self._locks.drop(lambda holder: gone(*holder))
 
     async def _answer(self, dst: int, name: str, round_: int) -> None:
         reply = part(name, round_, REPLY, pb.WIN_REPLY, pb.FLOAT32, (0,), 0)

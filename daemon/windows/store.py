@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,11 +51,49 @@ ONE_SIDED = frozenset({pb.WIN_PUT, pb.WIN_ACCUMULATE, pb.WIN_GET, pb.WIN_EXCHANG
                        pb.GROUP_TRIGGER, pb.GROUP_RESULT, pb.WIN_LOCK, pb.WIN_UNLOCK})
 #: the requests that read a window (they wait for one not created yet)
 READS = frozenset({pb.WIN_GET, pb.WIN_EXCHANGE})
+#: window requests that carry no tensor (its description names the window's)
+EMPTY = frozenset({pb.WIN_GET, pb.GROUP_TRIGGER, pb.WIN_LOCK, pb.WIN_UNLOCK})
+#: the most dimensions a window message's shape may have (numpy's)
+MAX_DIMS = 64
+#: peers' reads of windows not created here yet, kept at once
+PARKED_MEMORY = 1024
+#: buffers of windows not created here yet, whatever their bytes (empty ones too)
+EARLY_BUFFERS = 1 << 14
 
 
 def is_one_sided(part: pb.Part) -> bool:
     """Whether ``part`` is a window request this daemon serves by itself (not an op's data)."""
     return part.op in ONE_SIDED and part.tag == REQUEST
+
+
+def check_part(part: pb.Part, size: int) -> None:
+    """ValueError unless a window message (a request, or an answer: any other part passes)
+    from a peer describes itself exactly: a worker's window, a known dtype, a shape, exactly
+    that shape's bytes (none for a request without a tensor, none or all for an answer), a
+    lock slot and a group size among the ``size`` ranks."""
+    op = part.op
+    if op not in ONE_SIDED and op != pb.WIN_REPLY:
+        return
+    if owner(part.name) is None:
+        raise ValueError("a window message for no worker's window")
+    dtype, shape = int(part.meta.dtype), part.meta.shape
+    if dtype not in dtypes.STORAGE:
+        raise ValueError(f"a window message of unknown dtype {dtype}")
+    if len(shape) > MAX_DIMS or min(shape, default=0) < 0:
+        raise ValueError(f"a window message of {len(shape)} dimensions, the least "
+                         f"{min(shape, default=0)}")
+    count = math.prod(shape)
+    full = count * dtypes.itemsize(dtype)
+    allowed = (0,) if op in EMPTY else (0, full) if op == pb.WIN_REPLY else (full,)
+    if part.nbytes not in allowed:
+        raise ValueError(f"a window message of {count} {dtypes.dtype_name(dtype)} elements in "
+                         f"{part.nbytes} bytes")
+    if op in (pb.WIN_LOCK, pb.WIN_UNLOCK) and part.step >= size:
+        raise ValueError(f"a window lock of slot {part.step} among {size} ranks")
+    group = part.weight  # a trigger's group size: a power of two, at most every rank
+    if op == pb.GROUP_TRIGGER and not (group.is_integer() and 1 <= group <= size
+                                       and (int(group) & (int(group) - 1)) == 0):
+        raise ValueError(f"a group trigger for a group of {group} among {size} ranks")
 
 
 @dataclass
@@ -206,6 +246,32 @@ class WindowStore:
 
     # ------------------------------------------------------------------ peers
 
+    def admit(self, part: pb.Part) -> DecentError | None:
+        """Why a window request announced by RTS may not be cleared to send: more bytes than
+        its window holds, or than are kept for writes to a window not created here yet."""
+        w = self.windows.get(part.name)
+        if w is not None and w.own is not None:
+            if part.nbytes <= w.nbytes:
+                return None
+            return DecentError(pb.MISMATCH, f"window '{w.display}': rank {part.src} sent "
+                               f"{dtypes.describe(part.meta.dtype, part.meta.shape)} but rank "
+                               f"{owner(w.name)} holds {w.describe()}")
+        if part.nbytes <= self.early_limit:
+            return None
+        return DecentError(pb.RESOURCE_EXHAUSTED, f"rank {part.src} sends window "
+                           f"'{display_name(part.name)}' {part.nbytes} bytes before rank "
+                           f"{owner(part.name)} created it, past the {self.early_limit} bytes "
+                           "kept for such writes (memory.window_early_bytes)")
+
+    def peer_lost(self, gone: Callable[[int, str], bool]) -> None:
+        """The ranks ``gone`` tells are unreachable: their parked reads are dropped."""
+        for name, waiting in list(self._parked.items()):
+            kept = [p for p in waiting if not gone(p.src, name)]
+            if kept:
+                self._parked[name] = kept
+            else:
+                del self._parked[name]
+
     def on_message(self, src: int, name: str, round_: int, arrival: Arrival) -> None:
         """A window request from ``src``: applied or answered now, without the worker (a read
         of a window not created yet waits for it)."""
@@ -229,6 +295,14 @@ class WindowStore:
         w = self.windows.get(name)
         if (w is not None and w.own is not None) or name in self._freed:
             return False
+        held = sum(p.arrival.data.nbytes for v in self._parked.values() for p in v)
+        if self.parked >= PARKED_MEMORY or held + arrival.data.nbytes > self.early_limit:
+            arrival.release()
+            self._links.send_abort(src, [(name, round_)], pb.Error(
+                code=pb.RESOURCE_EXHAUSTED, message=f"rank {src} reads window "
+                f"'{display_name(name)}', which rank {owner(name)} has not created, past the "
+                f"{PARKED_MEMORY} reads or {self.early_limit} bytes kept for such reads"))
+            return True
         kept = dataclasses.replace(arrival, data=arrival.data.copy(), message=None)
         arrival.release()
         self._parked.setdefault(name, []).append(_Parked(src, round_, kept))
@@ -293,8 +367,10 @@ class WindowStore:
         target.wrote(src, arrival.step)
 
     def _reserve(self, src: int, name: str, w: Window) -> None:
-        """Room for one more buffer of a window not created here yet."""
-        if self.early_bytes + w.nbytes > self.early_limit:
+        """Room for one more buffer of a window not created here yet (in bytes, and at most
+        :data:`EARLY_BUFFERS` such buffers)."""
+        buffers = sum(len(x.buffers) for x in self.windows.values() if x.own is None)
+        if self.early_bytes + w.nbytes > self.early_limit or buffers >= EARLY_BUFFERS:
             if not w.buffers:
                 del self.windows[name]
             raise DecentError(pb.RESOURCE_EXHAUSTED, f"rank {src} writes window "
