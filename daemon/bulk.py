@@ -496,6 +496,5 @@ class Gate:
 
     def settled(self, conn: Inbound) -> None:
         """The connection proved itself, or closed."""
-        timer = self._timers.pop(conn, None)
-        if timer is not None:
+        if (timer := self._timers.pop(conn, None)) is not None:
             timer.cancel()
