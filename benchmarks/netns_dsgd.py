@@ -1094,6 +1094,31 @@ def tear_down(cleanup: Cleanup, run_dir: Path, ok: bool) -> list[int]:
     return left
 
 
+def run_and_report(a: argparse.Namespace, run: Callable[[Callable[[str], None]], dict[str, Any]],
+                   report: Callable[[dict[str, Any]], None],
+                   draw: Callable[[dict[str, Any], Path], None]) -> dict[str, Any] | int:
+    """A netns benchmark's run with a status line, its JSON, table and PNG: the result, or the
+    exit code when there is none to judge (a failure, Ctrl-C, a skipped run)."""
+    try:
+        with console.status("starting") as st:
+            res = run(lambda msg: st.update(f"[bold]{msg}"))
+    except BenchError as exc:
+        print(f"failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: processes stopped and namespaces deleted", file=sys.stderr)
+        return 130
+    write_json(res, a.json)
+    if "skipped" in res:
+        print(res["skipped"])
+        return 0
+    report(res)
+    if a.png:
+        draw(res, a.png)
+    console.print(f"wrote {a.json}" + (f" and {a.png}" if a.png else ""))
+    return res
+
+
 def leftover_procs(marker: str) -> list[int]:
     """Pids of live processes whose command line mentions ``marker`` (our run directory)."""
     pids = []
@@ -1360,23 +1385,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"removed {len(removed)} leftover namespace(s)/run dir(s): "
               f"{' '.join(removed) or '-'}")
         return 0
-    try:
-        with console.status("starting") as st:
-            res = measure(a, status=lambda msg: st.update(f"[bold]{msg}"))
-    except BenchError as exc:
-        print(f"failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: processes stopped and namespaces deleted", file=sys.stderr)
-        return 130
-    write_json(res, a.json)
-    if "skipped" in res:
-        print(res["skipped"])
-        return 0
-    print_report(res)
-    if a.png:
-        write_png(res, a.png)
-    console.print(f"wrote {a.json}" + (f" and {a.png}" if a.png else ""))
+    outcome = run_and_report(a, lambda say: measure(a, status=say), print_report, write_png)
+    if isinstance(outcome, int):
+        return outcome
+    res = outcome
     return 0 if res["correct"] else 1
 
 

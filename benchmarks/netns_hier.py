@@ -72,7 +72,6 @@ from benchmarks.netns_dsgd import (  # noqa: E402
     Network,
     Runner,
     TimedSystem,
-    console,
     decent_source,
     delete_namespace,
     leftover_namespaces,
@@ -81,6 +80,7 @@ from benchmarks.netns_dsgd import (  # noqa: E402
     numel,
     parse_rate,
     proc_cpu_seconds,
+    run_and_report,
     signals_raise,
     skip_reason,
     summarize,
@@ -88,7 +88,6 @@ from benchmarks.netns_dsgd import (  # noqa: E402
     tbf_drops,
     tear_down,
     warmup_steps,
-    write_json,
 )
 from decent_wire.topology import build_topology, from_spec  # noqa: E402
 from decentd.auth import write_secret  # noqa: E402
@@ -528,23 +527,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         removed = [] if reason else cleanup_leftovers()
         print(reason or f"removed {len(removed)}: {' '.join(removed) or '-'}")
         return 0
-    try:
-        with console.status("starting") as st:
-            res = run(a, lambda msg: st.update(f"[bold]{msg}"))
-    except BenchError as exc:
-        print(f"failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: processes stopped and namespaces deleted", file=sys.stderr)
-        return 130
-    write_json(res, a.json)
-    if "skipped" in res:
-        print(res["skipped"])
-        return 0
-    print_report(res)
-    if a.png:
-        write_png(res, a.png)
-    console.print(f"wrote {a.json}" + (f" and {a.png}" if a.png else ""))
+    outcome = run_and_report(a, lambda say: run(a, say), print_report, write_png)
+    if isinstance(outcome, int):
+        return outcome
+    res = outcome
     if not res["correct"]:
         return 1
     return 0 if res["meets_targets"] else 3
