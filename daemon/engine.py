@@ -24,6 +24,7 @@ from decent_wire.errors import DecentError
 from decent_wire.topology import Topology, from_spec
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.arena import Arena
+from decentd.auth import shown
 from decentd.hierarchy import Hierarchy, Request
 from decentd.mailbox import OpKey
 from decentd.names import RESERVED, at_worker, qualify
@@ -31,6 +32,8 @@ from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Servic
 
 log = logging.getLogger("decentd.engine")
 
+#: characters of a peer's ABORT text that reach the log (the op's error keeps more)
+LOGGED_ABORT = 300
 #: ops whose result has the size of their input: an output region too small fails at once
 SAME_SIZE_RESULT = frozenset({pb.NEIGHBOR_ALLREDUCE, pb.COMPRESSED_NEIGHBOR_ALLREDUCE,
                               pb.ALLREDUCE, pb.BROADCAST})
@@ -260,8 +263,9 @@ class Engine:
 
     def _fail(self, ctx: OpContext, err: DecentError) -> None:
         self.failed += 1
-        if err.code != pb.SHUTTING_DOWN or ctx.failure is None:
-            log.warning("%s failed: %s", ctx.label, err)
+        if err.code != pb.SHUTTING_DOWN or ctx.failure is None:  # a peer's ABORT text: escaped
+            text = str(err) if ctx.aborted_by < 0 else shown(str(err), LOGGED_ABORT)
+            log.warning("%s failed: %s", ctx.label, text)
         for peer in ctx.participants - {ctx.aborted_by}:
             self.services.links.send_abort(peer, ctx.keys, err.to_pb())
 

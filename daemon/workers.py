@@ -188,12 +188,16 @@ class MemorySocket:
     def _readable(self, conn: socket.socket) -> None:
         reader, fds, _ = self._conns[conn]
         try:
-            data, got, flags, _ = socket.recv_fds(conn, 1 << 16, 4)
+            data, got, flags, _ = socket.recv_fds(conn, 1 << 16, 2)
         except BlockingIOError:
             return
         except OSError:
             data, got, flags = b"", [], 0
         fds.extend(got)
+        if len(fds) > 1:  # one request takes one descriptor: more would pile up unbounded
+            self._finish(conn, pb.Error(code=pb.INVALID_ARGUMENT, message="memory request: "
+                                        f"{len(fds)} file descriptors sent, at most 1 is taken"))
+            return
         if flags & socket.MSG_CTRUNC:  # the kernel dropped descriptors: we are out of fds
             self._finish(conn, pb.Error(code=pb.RESOURCE_EXHAUSTED, message="the daemon has no "
                                         "file descriptors left to take this memory"))

@@ -37,8 +37,8 @@ descriptor must fail, ...): any other answer is a *violation*. Meanwhile the rea
 exact pairwise averages (four in flight per worker, up to 2.4 MB). A campaign passes when the
 daemons are alive, every average was exact, nothing was violated, RSS grew by less than 64 MiB,
 open descriptors by less than 16, no daemon logged a Python traceback or a line over 1 KiB, and
-both stop cleanly at SIGTERM. Bugs found already (:data:`KNOWN_BUGS`) are left out unless
-``--include-known``; ``tests/test_fuzz.py`` runs a short campaign, and one test per known bug.
+both stop cleanly at SIGTERM. ``tests/test_fuzz.py`` runs a short campaign, and one regression
+test per bug the fuzzer found.
 """
 
 from __future__ import annotations
@@ -94,14 +94,8 @@ EDGE_FLOATS = (0.0, -0.0, 1.0, -1.0, 0.5, 1e-300, 5e-324, 1e300, 1.7976931348623
 ONE_SIDED = (pb.WIN_PUT, pb.WIN_ACCUMULATE, pb.WIN_GET, pb.WIN_EXCHANGE, pb.GROUP_TRIGGER,
              pb.GROUP_RESULT, pb.WIN_LOCK, pb.WIN_UNLOCK)
 SUBMIT_OPS = [f.name for f in pb.SubmitRequest.DESCRIPTOR.oneofs_by_name["op"].fields]
-#: daemon bugs found by this fuzzer and not fixed yet, each reproduced by an xfail(strict) test
-#: in tests/test_fuzz.py; campaigns leave their triggers out unless asked (--include-known).
-#: Fixed since, with their tests: grpc-undecodable, broadcast-out, rts-arena-leak, worker-text,
-#: window-dtype
-KNOWN_BUGS = {
-    "memory-fds": "a memory-socket connection keeps every descriptor sent with a frame's pieces "
-                  "until the frame is whole: one connection pins thousands (up to the fd limit)",
-}
+#: bugs this fuzzer found, all fixed, each with a regression test in tests/test_fuzz.py:
+#: grpc-undecodable, broadcast-out, rts-arena-leak, worker-text, window-dtype, memory-fds
 
 
 # ---------------------------------------------------------------------------- bookkeeping
@@ -153,10 +147,8 @@ class Tally:
 class Gen:
     """Hostile values for protocol fields, from one seeded ``random.Random``."""
 
-    def __init__(self, seed: int, known: bool = False) -> None:
+    def __init__(self, seed: int) -> None:
         self.r = random.Random(seed)
-        #: also generate the triggers of :data:`KNOWN_BUGS`
-        self.known = known
 
     def chance(self, p: float) -> bool:
         return self.r.random() < p
@@ -1314,8 +1306,8 @@ class MemorySocket(WorkerData):
         return str(pb.ErrorCode.Name(framing.decode(pb.Error, bodies[0]).code))
 
     def spread(self, d: int, w: Worker) -> None:
-        """One frame sent a byte at a time, four descriptors with each byte: they pile up in the
-        daemon until the frame is whole (then all but one are closed)."""
+        """One frame sent a byte at a time, four descriptors with each byte: the daemon takes one
+        descriptor per request and ends the connection at the second (INVALID_ARGUMENT)."""
         data = framing.encode(pb.MemoryRequest(worker_id=w.id, base=w.arena + (1 << 30),
                                                nbytes=4096))
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -1402,7 +1394,7 @@ def quotas(count: int) -> dict[str, int]:
 
 
 def campaign(cluster: FuzzCluster, count: int, seed: int, budget: float,
-             known: bool = False, tally: Tally | None = None) -> Tally:
+             tally: Tally | None = None) -> Tally:
     """``count`` messages over the five targets (each in its own thread, seeded from ``seed``),
     within ``budget`` seconds."""
     tally = tally or Tally()
@@ -1416,7 +1408,7 @@ def campaign(cluster: FuzzCluster, count: int, seed: int, budget: float,
 
     def run(target: str, quota: int) -> None:
         try:
-            makers[target](Gen(seed * 1000 + TARGETS.index(target), known)).run(quota)
+            makers[target](Gen(seed * 1000 + TARGETS.index(target))).run(quota)
         except Exception as exc:  # a fuzzer bug, or a daemon gone: the report says so
             failures.append(f"{target}: {type(exc).__name__}: {exc}")
 
@@ -1478,8 +1470,7 @@ class Outcome:
     rss_series: list[tuple[int, int, int]] = field(default_factory=list)
 
 
-def run_campaign(cluster: FuzzCluster, count: int, seed: int, budget: float,
-                 known: bool = False) -> Outcome:
+def run_campaign(cluster: FuzzCluster, count: int, seed: int, budget: float) -> Outcome:
     """The campaign with exact ops in flight, and what the daemons look like after."""
     clients = cluster.clients or cluster.connect()
     PairOps(clients).step(0)  # everything allocated on the ops' first run, before measuring
@@ -1495,7 +1486,7 @@ def run_campaign(cluster: FuzzCluster, count: int, seed: int, budget: float,
     sampler = threading.Thread(target=sample, daemon=True, name="rss-sampler")
     sampler.start()
     try:
-        campaign(cluster, count, seed, budget, known, tally)
+        campaign(cluster, count, seed, budget, tally)
     finally:
         done.set()
         ops.finish()
@@ -1581,17 +1572,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=3600, help="stop after this many seconds")
     p.add_argument("--json", help="write the counts and the outcome here")
     p.add_argument("--keep", action="store_true", help="keep the daemons' logs")
-    p.add_argument("--include-known", action="store_true",
-                   help="also send the triggers of the daemon bugs known already (KNOWN_BUGS)")
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
-    print(f"seed {seed}, {args.count} messages"
-          f"{' (known bugs included)' if args.include_known else ''}", flush=True)
+    print(f"seed {seed}, {args.count} messages", flush=True)
     cluster = FuzzCluster()
     out: Outcome | None = None
     bad = ["the campaign did not finish"]
     try:
-        out = run_campaign(cluster, args.count, seed, args.budget, args.include_known)
+        out = run_campaign(cluster, args.count, seed, args.budget)
         print_report(out)
         bad = verdict(out)
     finally:

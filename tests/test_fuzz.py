@@ -4,10 +4,8 @@ data channel and the memory socket, while two real workers average exactly.
 
 The generator and driver are ``scripts/fuzz.py`` (``make fuzz`` runs a longer campaign with the
 same code): a cluster of daemons 0 and 1 in secret mode and this process as rank 2, which holds
-the secret, so that it also attacks the bulk path after a proven HELLO. Bugs the fuzzer found are
-left out of the campaign (``fuzz.KNOWN_BUGS``) and reproduced one by one below, each marked
-``xfail(strict=True)``: once fixed, its test passes and fails the suite, so that the mark (and
-the exclusion in the fuzzer) are removed.
+the secret, so that it also attacks the bulk path after a proven HELLO. Each bug the fuzzer found
+is reproduced on its own below, as a regression test.
 """
 
 from __future__ import annotations
@@ -180,7 +178,6 @@ def test_text_from_a_local_worker_is_cut_in_the_log(fuzz_cluster: Any) -> None:
     assert longest <= fuzz.LONG_LINE, longest
 
 
-@pytest.mark.xfail(strict=True, reason=fuzz.KNOWN_BUGS["memory-fds"])
 def test_a_memory_connection_pins_few_descriptors(fuzz_cluster: Any) -> None:
     base = fuzz_cluster.open_fds(0)
     memfd = os.memfd_create("fz")

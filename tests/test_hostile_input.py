@@ -576,3 +576,34 @@ def test_hostile_frames_close_only_their_connection_and_ops_go_on(
         for client in clients:
             client.close()
 
+
+
+def test_a_peers_abort_text_reaches_the_log_escaped_and_cut(two_of_three: TwoOfThree) -> None:
+    c = two_of_three
+    clients = [dt.connect(f"unix://{s}", 60, local_rank=0) for s in c.sockets]  # all up
+    try:
+        digest = build_topology("ring", 3).digest()
+        stub = pb_grpc.PeerStub(grpc.insecure_channel(c.peers[0]))
+        port = stub.Handshake(pb.HandshakeRequest(
+            cluster_id="decent", protocol_version=pb.PROTOCOL_VERSION_CURRENT, from_rank=2,
+            to_rank=0, workers_per_node=1, topology_digest=digest,
+            machine_topology_digest=digest)).data_port
+        handle = clients[0].neighbor_allreduce_async(  # waits for rank 2, which never sends
+            torch.ones(4), name="victim", self_weight=0.5, src_weights={2: 0.5}, dst_weights=[],
+            timeout=60)
+        forged = "\nFORGED log line " + "x" * 20_000
+        abort = pb.BulkHeader(kind=pb.ABORT, parts=[pb.Part(name=at_worker("victim", 0), src=2)],
+                              error=pb.Error(code=pb.MISMATCH, message=forged))
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(frame(pb.BulkHeader(kind=pb.HELLO, cluster_id="decent", from_rank=2))
+                      + frame(abort))
+            with pytest.raises(dt.DecentError) as failed:
+                handle.wait()
+        assert failed.value.code == pb.MISMATCH and "FORGED" in str(failed.value)
+        lines = c.logs[0].read_text().splitlines()
+        assert not any(line.startswith("FORGED") for line in lines)  # no line of the peer's
+        mentions = [line for line in lines if "FORGED" in line]
+        assert mentions and all(len(line) < 1024 for line in mentions), mentions
+    finally:
+        for client in clients:
+            client.close()
