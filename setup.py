@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 ROOT = pathlib.Path(__file__).parent
@@ -38,4 +38,7 @@ class BuildWithProtos(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildWithProtos})
+#: the daemon's SIGBUS guard (daemon/sigbus.c): C, because a Python handler cannot resume a fault
+SIGBUS_GUARD = Extension("decentd.sigbus", ["daemon/sigbus.c"], extra_compile_args=["-O2"])
+
+setup(cmdclass={"build_py": BuildWithProtos}, ext_modules=[SIGBUS_GUARD])

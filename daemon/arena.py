@@ -1,85 +1,126 @@
 """The shared-memory arena of one local worker: created, pre-touched and mapped once by the daemon.
 
-The worker attaches by name and writes tensors at offsets it allocates; requests carry offsets.
-The name is unlinked as soon as the worker has attached (both mappings stay valid), so nothing is
-left in /dev/shm even if a process is killed.
+The arena is a sealed memfd: its size can neither shrink nor grow (``F_SEAL_SHRINK``,
+``F_SEAL_GROW``), so no worker can pull pages from under the daemon; it has no name anywhere, and
+the worker gets its descriptor once, over the memory socket (:meth:`Arena.take_fd`). The worker
+writes tensors at offsets it allocates; requests carry offsets.
 
 A worker may also register shared memory of its own (a tensor's storage, see MemoryRequest): the
-daemon maps it at offsets above the arena, and :meth:`Arena.view` resolves both.
+daemon maps it at offsets above the arena, and :meth:`Arena.view` resolves both. That memory the
+worker can shrink: its ranges are watched by :mod:`decentd.sigbus`, so a touch past the new end
+reads zeros instead of killing the daemon, and :meth:`Arena.faulted` says so (the worker's ops
+then fail).
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import fcntl
 import mmap
 import os
-import secrets
-import shutil
-from collections.abc import Callable
-from multiprocessing import shared_memory
+import weakref
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
+from decentd import sigbus
 
 PAGE = 4096
+#: the arena's size is fixed for its life, and so are its seals
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def _sealed_memfd(name: str, nbytes: int, protect: Callable[[int], None] | None) -> int:
+    """A memfd of ``nbytes`` reserved now (a node short of memory fails here, not with SIGBUS at
+    the first touch) and sealed; DecentError when it cannot be had."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        if protect is not None:
+            protect(fd)
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except OSError as exc:
+        os.close(fd)
+        raise DecentError(
+            pb.RESOURCE_EXHAUSTED,
+            f"cannot reserve a {nbytes}-byte shared-memory arena ({exc.strerror}): lower "
+            "memory.arena_bytes or give the daemon more memory",
+        ) from None
+    return fd
+
+
+def address_of(buffer: mmap.mmap) -> int:
+    """Where ``buffer``'s bytes start in this process."""
+    return int(np.frombuffer(buffer, np.uint8, 1).ctypes.data)
+
+
+def fault_in(buffers: Iterable[bytes | bytearray | memoryview]) -> None:
+    """Touch every page of ``buffers``: pages of watched memory that a worker shrank away become
+    zero pages (a system call given such memory fails with EFAULT instead)."""
+    for b in buffers:
+        pages = np.frombuffer(b, np.uint8)
+        if pages.size:
+            int(pages[::PAGE].sum()) + int(pages[-1])
 
 
 class Arena:
     """A daemon-owned shared-memory segment for one worker."""
 
-    def __init__(self, nbytes: int, prefix: str, max_regions: int = 4096,
+    def __init__(self, nbytes: int, name: str, max_regions: int = 4096,
                  protect: Callable[[int], None] | None = None) -> None:
-        self.name = f"{prefix}-{secrets.token_hex(4)}"
-        # the stdlib resource tracker stays registered: if this process is killed, it unlinks
-        # (created with mode 0600; ``protect`` may give it the workers' group)
-        self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=nbytes)
-        if protect is not None:
-            protect(self._shm._fd)  # type: ignore[attr-defined]
-        try:
-            # reserve the pages now: on a full /dev/shm this fails here (ENOSPC) instead of
-            # killing the daemon with SIGBUS at the first touch
-            if hasattr(os, "posix_fallocate"):  # not on macOS
-                os.posix_fallocate(self._shm._fd, 0, nbytes)  # type: ignore[attr-defined]
-        except OSError as exc:
-            self._shm.close()
-            self._shm.unlink()
-            free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
-            raise DecentError(
-                pb.RESOURCE_EXHAUSTED,
-                f"cannot reserve a {nbytes}-byte shared-memory arena ({exc.strerror}; "
-                f"/dev/shm has {free} bytes free): lower memory.arena_bytes or give the "
-                "node more shared memory (docker: --shm-size)",
-            ) from None
+        """``protect(fd)`` may give the memory another mode (the workers' group)."""
+        self.name = name
+        self._fd: int | None = _sealed_memfd(name, nbytes, protect)
+        self._map = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED,
+                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.nbytes = nbytes
-        buf = self._shm.buf
-        assert buf is not None
-        self.buf: memoryview = buf
+        self.buf: memoryview = memoryview(self._map)
         pages = np.frombuffer(self.buf, np.uint8)
         pages[::PAGE] = 0  # first touch now, not on the hot path
         del pages
-        self._unlinked = False
         self.max_regions = max_regions
         self._bases: list[int] = []  # sorted bases of registered regions
         self._regions: dict[int, mmap.mmap] = {}
+        self._addresses: dict[int, int] = {}  # base -> where the region is mapped here
+        self._faults_seen = sigbus.total()
+        self._faulted = False
 
-    def unlink(self) -> None:
-        """Remove the name from /dev/shm (mappings stay valid)."""
-        if not self._unlinked:
-            self._unlinked = True
-            with contextlib.suppress(FileNotFoundError):
-                self._shm.unlink()
+    def take_fd(self) -> int | None:
+        """The arena's descriptor, for the worker; None once taken (the caller closes it)."""
+        fd, self._fd = self._fd, None
+        return fd
 
     def close(self) -> None:
-        """Unlink and unmap; views still held elsewhere keep the mapping until released."""
-        self.unlink()
+        """Unmap; views still held elsewhere keep the mapping until released."""
         for base in list(self._regions):
             self.release_region(base)
-        self.buf = memoryview(b"")
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        buf, self.buf = self.buf, memoryview(b"")
         with contextlib.suppress(BufferError):
-            self._shm.close()
+            buf.release()
+            self._map.close()
+
+    def faulted(self) -> bool:
+        """Whether the worker shrank memory of its while the daemon had it mapped (what the
+        daemon touched there read as zeros): its ops fail from then on."""
+        total = sigbus.total()
+        if total != self._faults_seen:
+            self._faults_seen = total
+            if any(sigbus.faults(a) for a in self._addresses.values()):
+                self._faulted = True
+        return self._faulted
+
+    def fault_error(self, what: str) -> DecentError:
+        """The error of ``what`` (an op) once :meth:`faulted`."""
+        return DecentError(pb.ARENA_ERROR, f"{what}: the worker shrank (truncated) shared memory "
+                           "it had registered while the daemon was using it; its ops fail until "
+                           "it connects again")
 
     def view(self, offset: int, nbytes: int, what: str) -> memoryview:
         """Bytes ``[offset, offset + nbytes)`` of the arena or of one registered region;
@@ -97,6 +138,10 @@ class Arena:
             f"{what}: bytes [{offset}, {offset + nbytes}) are outside the {self.nbytes}-byte "
             f"arena and outside every memory region this worker registered",
         )
+
+    def holds(self, offset: int, nbytes: int) -> bool:
+        """Whether ``[offset, offset + nbytes)`` lies in the arena itself (not in a region)."""
+        return offset >= 0 and nbytes >= 0 and offset + nbytes <= self.nbytes
 
     def check_region(self, base: int, nbytes: int) -> None:
         """Raise ValueError unless ``[base, base + nbytes)`` could be registered now."""
@@ -124,19 +169,31 @@ class Arena:
 
     def add_region(self, base: int, region: mmap.mmap) -> None:
         """Make a mapped region addressable at ``base`` (checked again: ValueError/OverflowError
-        leave it to the caller to close)."""
+        leave it to the caller to close); it is watched for SIGBUS from now on."""
         self.check_region(base, len(region))
+        address = address_of(region)
+        sigbus.watch(address, len(region))
         i = bisect.bisect_right(self._bases, base)
         self._bases.insert(i, base)
         self._regions[base] = region
+        self._addresses[base] = address
 
     def release_region(self, base: int) -> None:
-        """Forget a region; it is unmapped once ops still using it have let go of their views."""
+        """Forget a region; it is unmapped once ops still using it have let go of their views
+        (and watched until then)."""
         region = self._regions.pop(base, None)
-        if region is not None:
-            self._bases.remove(base)
-            with contextlib.suppress(BufferError):
-                region.close()
+        if region is None:
+            return
+        self._bases.remove(base)
+        address = self._addresses.pop(base)
+        if sigbus.faults(address):
+            self._faulted = True
+        try:
+            region.close()
+        except BufferError:  # still in use: unwatched once unmapped
+            weakref.finalize(region, sigbus.unwatch, address)
+        else:
+            sigbus.unwatch(address)
 
     @property
     def region_count(self) -> int:

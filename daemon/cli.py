@@ -93,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s decentd[{rank}] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    from decentd import sigbus
     from decentd.server import Daemon  # after logging: grpc import is slow-ish
 
     raise_fd_limit()
+    sigbus.install()  # memory a worker shrinks under the daemon fails its ops, not the daemon
     os.umask(0o077)  # sockets and files are the daemon user's until it widens them on purpose
 
     runner: Callable[[Coroutine[Any, Any, None]], None]

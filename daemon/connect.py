@@ -19,10 +19,11 @@ from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.auth import new_nonce, shown
-from decentd.bulk import Sender, tune
+from decentd.bulk import tune
 from decentd.errors import StartupError
 from decentd.grpcopts import GRPC_OPTIONS
 from decentd.links import Links, PeerLink, host_of
+from decentd.sender import Sender
 
 log = logging.getLogger("decentd.links")
 

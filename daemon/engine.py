@@ -70,7 +70,11 @@ class WorkerSession:
     topology: Topology | None = None
 
     def complete(self, completion: pb.Completion) -> None:
-        """Send a completion to the worker (dropped if it is gone)."""
+        """Send a completion to the worker (dropped if it is gone); an op that succeeded while
+        the worker shrank its memory under the daemon fails."""
+        if completion.error.code == pb.OK and self.arena.faulted():
+            err = self.arena.fault_error(f"request {completion.request_id}")
+            completion = pb.Completion(request_id=completion.request_id, error=err.to_pb())
         if self.deliver is not None:
             self.deliver(completion)
 
@@ -103,6 +107,8 @@ class Engine:
             session.complete(pb.Completion(request_id=req.request_id))
             return
         op, spec, args = self._op(req)
+        if session.arena.faulted():
+            raise session.arena.fault_error(f"{pb.OpType.Name(op)} request {req.request_id}")
         timeout = req.timeout_s or self.default_timeout
         parts = [self._part(session, t) for t in req.tensors]
         if len({p.round for p in parts}) != 1:
@@ -208,7 +214,8 @@ class Engine:
                               f"request says {len(x_bytes)}")
         x = np.frombuffer(x_bytes, dtypes.STORAGE[meta.dtype])
         return PartSpec(qualify(session.job, name), name, int(t.round), int(meta.dtype), shape,
-                        x, out_bytes, x_bytes)
+                        x, out_bytes, x_bytes,
+                        landable=session.arena.holds(t.out_offset, t.out_capacity))
 
     # ------------------------------------------------------------------ running
 

@@ -20,11 +20,12 @@ from decent_wire.errors import DecentError
 from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.auth import PeerAuth, shown
-from decentd.bulk import Buffer, FrameSink, Gate, Inbound, Outgoing, Sender
+from decentd.bulk import FrameSink, Gate, Inbound
 from decentd.flow import LinkFlow, Rendezvous
 from decentd.loopback import LoopbackSender
 from decentd.mailbox import OpKey
 from decentd.names import display_name, owner, readdress
+from decentd.sender import Buffer, Outgoing, Sender
 
 log = logging.getLogger("decentd.links")
 

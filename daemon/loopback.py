@@ -1,6 +1,6 @@
 """The daemon as its own peer: what one local worker sends another never touches a socket.
 
-A :class:`LoopbackSender` stands where a peer's :class:`~decentd.bulk.Sender` would. It hands
+A :class:`LoopbackSender` stands where a peer's :class:`~decentd.sender.Sender` would. It hands
 each frame, on the event loop, to an :class:`~decentd.bulk.Inbound` of this daemon exactly as a
 socket would have (the same parser, flow control, mailbox and landing in place), so a tensor
 goes from the sending worker's memory straight into the receiving op's memory or a pooled
@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.bulk import Buffer, FrameSink, Inbound, Outgoing
+from decentd.bulk import FrameSink, Inbound
+from decentd.sender import Buffer, Outgoing
 
 log = logging.getLogger("decentd.loopback")
 

@@ -102,7 +102,6 @@ class WorkerService(pb_grpc.WorkerServicer):
             machine_rank=s.machine,
             machine_size=s.machines,
             machine_topology=topology_info(s.machine_topology, s.machine, 0),
-            arena_name=session.arena.name,
             arena_bytes=session.arena.nbytes,
             cluster_id=e.cluster_id,
             protocol_version=PROTOCOL_VERSION,

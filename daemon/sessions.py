@@ -17,10 +17,10 @@ from decentd.tasks import TaskSet
 
 log = logging.getLogger("decentd.sessions")
 
-#: /dev/shm names of all arenas start with this (tests and the before-stop hook look for it)
+#: the names of all arenas (memfds: /proc/PID/fd shows them as /memfd:NAME) start with this
 SHM_PREFIX = "decent"
 #: registered workers that have not opened their completion stream yet, at once (each holds
-#: an arena: registrations cannot fill /dev/shm)
+#: an arena: registrations cannot fill the node's memory)
 MAX_UNATTACHED = 8
 #: a worker must open its completion stream this soon after Register, or its arena is freed
 ATTACH_TIMEOUT = 30.0

@@ -77,7 +77,6 @@ class WorkerChannel(asyncio.Protocol):
                 code=pb.UNKNOWN_WORKER, message=f"unknown worker id {shown(hello.worker_id)}")))
             raise ValueError(f"hello from unknown worker {shown(hello.worker_id)}")
         self.session = session
-        session.arena.unlink()  # the worker has attached: nothing needs the name any more
         session.attached = True
         session.deliver = self.send
         self.send(pb.Completion(request_id=0))  # request ids start at 1: this says "attached"
@@ -220,24 +219,37 @@ class MemorySocket:
 
     async def _serve(self, conn: socket.socket, body: bytes, fds: list[int]) -> None:
         reply: pb.Error | None = None
+        given: int | None = None
         try:
-            reply = await self._handle(body, fds)
+            reply, given = await self._answer(body, fds)
         except Exception as exc:  # a bug must not take the loop down: the worker is told
             log.exception("memory request failed")
             reply = pb.Error(code=pb.INTERNAL, message=f"memory request: {exc!r}")
         finally:
             self._serving.discard(conn)
-            self._finish(conn, reply)
+            self._finish(conn, reply, given)
 
-    async def _handle(self, body: bytes, fds: list[int]) -> pb.Error:
+    async def _answer(self, body: bytes, fds: list[int]) -> tuple[pb.Error, int | None]:
+        """The reply to one request, and the descriptor that goes with it (the arena's)."""
         try:
             req = framing.decode(pb.MemoryRequest, body)
         except framing.FrameError as exc:
-            return pb.Error(code=pb.INVALID_ARGUMENT, message=str(exc))
+            return pb.Error(code=pb.INVALID_ARGUMENT, message=str(exc)), None
         session = self._sessions.get(req.worker_id)
         if session is None:
             return pb.Error(code=pb.UNKNOWN_WORKER,
-                            message=f"unknown worker id {shown(req.worker_id)}")
+                            message=f"unknown worker id {shown(req.worker_id)}"), None
+        if req.arena:
+            fd = session.arena.take_fd()
+            if fd is None:
+                return pb.Error(code=pb.INVALID_ARGUMENT, message="the arena was handed over "
+                                "already"), None
+            return pb.Error(code=pb.OK), fd
+        return await self._register(req, session, fds), None
+
+    async def _register(self, req: pb.MemoryRequest, session: WorkerSession,
+                        fds: list[int]) -> pb.Error:
+        """Release what ``req`` lets go of, and map the memory it registers."""
         for base in req.release:
             session.arena.release_region(base)
         if req.nbytes == 0:
@@ -275,9 +287,13 @@ class MemorySocket:
             return pb.Error(code=code, message=f"{what}: {exc}")
         return pb.Error(code=pb.OK)
 
-    def _finish(self, conn: socket.socket, reply: pb.Error | None) -> None:
+    def _finish(self, conn: socket.socket, reply: pb.Error | None, given: int | None = None
+                ) -> None:
+        """Answer (``given`` rides along, and is closed here) and close the connection."""
         entry = self._conns.pop(conn, None)
         if entry is None:
+            if given is not None:
+                os.close(given)
             return
         _, fds, timer = entry
         timer.cancel()
@@ -288,7 +304,9 @@ class MemorySocket:
             asyncio.get_running_loop().remove_reader(conn.fileno())
         if reply is not None:
             with contextlib.suppress(OSError):  # a few bytes into an empty socket buffer
-                conn.send(framing.encode(reply))
+                socket.send_fds(conn, [framing.encode(reply)], [] if given is None else [given])
+        if given is not None:
+            os.close(given)
         conn.close()
 
     def close(self) -> None:

@@ -27,6 +27,9 @@ GATHER_TESTS = [BLUEFOG + "allgather_concatenates_variable_first_dimensions"]
 PUSH_TESTS = ["tests/test_push_algorithms.py"]
 KERAS_TESTS = ["tests/test_tf.py::test_keras_distributed_optimizer_sums_passes_in_a_compiled_fit"]
 MULTI = "tests/test_multiworker.py::test_"
+SHRINK_TESTS = ("tests/test_worker_memory.py::"
+                "test_a_worker_that_shrinks_registered_memory_fails_its_ops_and_nothing_else")
+SENDS, RECEIVES = SHRINK_TESTS + "[sends]", SHRINK_TESTS + "[receives]"
 
 #: (file, snippet, replacement, tests, what the change breaks)
 MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
@@ -130,10 +133,16 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "                if False:\n                    other.fail(err)",
      [MULTI + "daemons_whose_large_tensors_differ_fail_with_both_shapes"],
      "segments only one daemon has wait out the timeout when another segment fails"),
-    ("daemon/bulk.py", "        while self._queue:\n            item = self._queue.popleft()\n"
+    ("daemon/sender.py", "        while self._queue:\n            item = self._queue.popleft()\n"
      "            if item.abandoned", "        if self._queue:\n            item = "
      "self._queue.popleft()\n            if item.abandoned", ["tests/test_sender.py"],
      "frames queued for a peer go out one write each"),
+    ("daemon/cli.py", "    sigbus.install()", "    pass", [SENDS],
+     "memory a worker shrinks kills the daemon (no SIGBUS guard)"),
+    ("daemon/sender.py", "        fault_in(buffers)\n", "", [SENDS],
+     "sending from memory a worker shrank breaks the connection"),
+    ("daemon/ops/api.py", "        dest = None if not p.landable else into", "        dest = into",
+     [RECEIVES], "a payload is received straight into memory a worker may shrink"),
 ]
 
 

@@ -9,13 +9,37 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-want=$(cat pyproject.toml setup.py proto/decent/v1/*.proto | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml setup.py proto/decent/v1/*.proto daemon/sigbus.c | sha256sum | cut -d' ' -f1)
+# the daemon's SIGBUS guard (daemon/sigbus.c) is compiled at install: a C compiler and the
+# Python headers are needed (installed here when missing, on Debian/Ubuntu or Fedora/RHEL)
+system_install() {
+  local as_root=()
+  [ "$(id -u)" = 0 ] || as_root=(sudo)
+  if command -v apt-get >/dev/null; then
+    "${as_root[@]}" apt-get update -qq && "${as_root[@]}" apt-get install -y -qq "$@"
+  elif command -v dnf >/dev/null; then
+    "${as_root[@]}" dnf install -y -q "$@"
+  else
+    echo "install a C compiler and the Python headers ($*), then run this again" >&2
+    exit 1
+  fi
+}
+if ! command -v cc >/dev/null; then
+  echo "installing a C compiler"
+  system_install gcc libc6-dev
+fi
+headers=$("$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+if [ ! -f "$headers/Python.h" ]; then
+  echo "installing the Python headers"
+  system_install python3-dev
+fi
 pip_install() {
   # some machines list local package mirrors that may be empty; pip warns per package about them
   .venv/bin/python -m pip install -q "$@" 2> >(grep -v "^WARNING: Location '" >&2)
 }
 stamp=.venv/.decent-setup
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -f wire/v1/decent_pb2.py ]
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -f wire/v1/decent_pb2.py ] \
+   || ! compgen -G "daemon/sigbus*.so" >/dev/null
 then
   echo "setting up .venv (first run takes a minute or two)"
   pip_install --upgrade pip

@@ -22,9 +22,10 @@ import torch
 from cluster import Cluster
 from decent.core import Client, DecentError
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.bulk import SCRATCH, Sender
+from decentd.bulk import SCRATCH
 from decentd.numerics import BLOCK
 from decentd.ops.neighbor import PAIR_MIN_BYTES
+from decentd.sender import Sender
 
 WINDOW = 1 << 20
 F32 = 4
@@ -405,10 +406,11 @@ def test_a_registration_whose_answer_is_lost_is_released() -> None:
         def run(cl: Client[torch.Tensor]) -> tuple[int, int, bool]:
             real = cl.connection.memory_call
 
-            def lossy(req: pb.MemoryRequest, fd: int | None) -> None:
-                real(req, fd)
+            def lossy(req: pb.MemoryRequest, fd: int | None) -> list[int]:
+                got = real(req, fd)
                 if fd is not None:  # the daemon mapped it, but the answer never came back
                     raise DecentError(pb.PEER_UNAVAILABLE, "lost")
+                return got
 
             cl.connection.memory_call = lossy  # type: ignore[method-assign]
             t = torch.full((n,), float(2 * cl.rank)).share_memory_()

@@ -141,7 +141,7 @@ def test_a_worker_that_sent_past_the_window_leaves_no_arena_behind(fuzz_cluster:
 
     def arenas() -> int:  # shared-memory arenas mapped by daemon 0
         with open(f"/proc/{pid}/maps") as f:
-            return sum("/dev/shm/decent-" in line for line in f)
+            return sum("/memfd:decent-" in line for line in f)
 
     before = arenas()
     clients = [Client(NumpyCodec(), f"unix://{s}", 60, job="fz-leak")

@@ -288,8 +288,8 @@ def test_another_uid_is_refused_on_the_worker_sockets() -> None:
         sock = c.sockets[0]
         paths = [sock, f"{sock}.data", f"{sock}.mem"]
         assert {p: stat.S_IMODE(os.stat(p).st_mode) for p in paths} == dict.fromkeys(paths, 0o600)
-        fds = Path(f"/proc/{c.procs[0].pid}/fd")  # the arenas are unlinked once mapped
-        arenas = [fd for fd in fds.iterdir() if "/dev/shm/decent-" in os.readlink(fd)]
+        maps = Path(f"/proc/{c.procs[0].pid}/map_files")  # the arenas: memfds, mapped
+        arenas = [m for m in maps.iterdir() if "/memfd:decent-" in os.readlink(m)]
         assert arenas and all(stat.S_IMODE(fd.stat().st_mode) == 0o600 for fd in arenas)
         os.chmod(c.dir, 0o755)  # the directory is no obstacle: the sockets' modes are
         probe = ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",

@@ -13,8 +13,9 @@ import numpy as np
 
 from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.bulk import Inbound, Sender
+from decentd.bulk import Inbound
 from decentd.loopback import LoopbackSender
+from decentd.sender import Sender
 
 
 def _read_all(sock: socket.socket, nbytes: int, started: threading.Event) -> bytes:

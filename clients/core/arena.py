@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
@@ -21,15 +22,15 @@ PAGE = 4096
 class ClientArena:
     """A mapped arena plus a first-fit allocator; ``alloc`` blocks while the arena is full."""
 
-    def __init__(self, name: str, nbytes: int) -> None:
-        self._shm = shared_memory.SharedMemory(name=name)
-        # the daemon owns the segment; keep the stdlib tracker from unlinking it at our exit
-        with contextlib.suppress(Exception):
-            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+    def __init__(self, fd: int, nbytes: int) -> None:
+        """Map the arena the daemon handed over as ``fd`` (closed here: the mapping keeps it)."""
+        try:
+            self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
         self.nbytes = nbytes
-        buf = self._shm.buf
-        assert buf is not None
-        self.buf: memoryview = buf
+        self.buf: memoryview = memoryview(self._map)
         pages = np.frombuffer(self.buf, np.uint8)
         int(pages[::PAGE].sum())  # map every page now
         #: the arena's address in this process (to recognize tensors that live in it)
@@ -113,8 +114,7 @@ class ClientArena:
 
     def close(self) -> None:
         """Unmap (views still held elsewhere keep it mapped until they go)."""
-        self.buf = memoryview(b"")
-        try:
-            self._shm.close()
-        except BufferError:  # shared() tensors still use it: it stays mapped until they go
-            self._shm.close = lambda: None  # type: ignore[method-assign]
+        buf, self.buf = self.buf, memoryview(b"")
+        with contextlib.suppress(BufferError):  # shared() tensors still use it: mapped till then
+            buf.release()
+            self._map.close()

@@ -106,7 +106,7 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
             register = os.environ.get("DECENT_REGISTER", "1") not in ("0", "false", "no")
         self._registrar = Registrar(codec, self.connection, reg.worker_id,
                                     register and bool(reg.memory_socket))
-        self.arena = ClientArena(reg.arena_name, reg.arena_bytes)
+        self.arena = ClientArena(self.connection.arena_fd(), reg.arena_bytes)
         codec.attach(self.arena)
         self._submitter = Submitter(
             codec, self.arena, self._registrar, self.connection.send,

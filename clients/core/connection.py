@@ -72,7 +72,6 @@ class Registration:
     machine_topology: pb.TopologyInfo
     default_timeout: float
     ring_threshold: int
-    arena_name: str
     arena_bytes: int
     data_socket: str
     memory_socket: str
@@ -110,7 +109,7 @@ class Connection:
             max(1, int(reply.local_size)), int(reply.machine_rank),
             max(1, int(reply.machine_size)), reply.cluster_id, reply.topology,
             reply.machine_topology, reply.default_timeout_s, int(reply.ring_threshold_bytes),
-            reply.arena_name, int(reply.arena_bytes), reply.data_socket, reply.memory_socket)
+            int(reply.arena_bytes), reply.data_socket, reply.memory_socket)
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
@@ -179,11 +178,13 @@ class Connection:
 
     # ------------------------------------------------------------------ control calls
 
-    def memory_call(self, req: pb.MemoryRequest, fd: int | None) -> None:
-        """One request on the daemon's memory socket (``fd`` rides along); raises its error."""
+    def memory_call(self, req: pb.MemoryRequest, fd: int | None) -> list[int]:
+        """One request on the daemon's memory socket (``fd`` rides along); raises its error.
+        Returns the descriptors that came with the answer (the caller's to close)."""
         path = self.registration.memory_socket
         reader = framing.FrameReader(1 << 16)
         bodies: list[bytes] = []
+        fds: list[int] = []
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(MEMORY_CALL_TIMEOUT)
@@ -192,16 +193,35 @@ class Connection:
                 sent = socket.send_fds(sock, [frame], [] if fd is None else [fd])
                 if sent < len(frame):  # the daemon answers and closes once it has all of it
                     sock.sendall(frame[sent:])
-                while not bodies and (chunk := sock.recv(4096)):
+                while not bodies:
+                    chunk, got, _, _ = socket.recv_fds(sock, 4096, 1)
+                    fds.extend(got)
+                    if not chunk:
+                        break
                     bodies = reader.feed(chunk)
+            if not bodies:
+                raise DecentError(pb.PEER_UNAVAILABLE, f"memory socket {path} closed without "
+                                                       "an answer")
+            error = framing.decode(pb.Error, bodies[0])
+            if error.code != pb.OK:
+                raise DecentError.from_pb(error)
         except (OSError, framing.FrameError) as exc:
+            _close_all(fds)
             raise DecentError(pb.PEER_UNAVAILABLE, f"memory socket {path}: {exc}") from None
-        if not bodies:
-            raise DecentError(pb.PEER_UNAVAILABLE, f"memory socket {path} closed without an "
-                                                   "answer")
-        error = framing.decode(pb.Error, bodies[0])
-        if error.code != pb.OK:
-            raise DecentError.from_pb(error)
+        except DecentError:
+            _close_all(fds)
+            raise
+        return fds
+
+    def arena_fd(self) -> int:
+        """The descriptor of this worker's arena (the daemon hands it over once)."""
+        fds = self.memory_call(pb.MemoryRequest(worker_id=self.registration.worker_id,
+                                                arena=True), None)
+        if len(fds) != 1:
+            _close_all(fds)
+            raise DecentError(pb.ARENA_ERROR, f"the daemon sent {len(fds)} descriptors for "
+                                              "the arena, not 1")
+        return fds[0]
 
     def status(self) -> pb.StatusReply:
         """The daemon's counters and peer health."""
@@ -236,3 +256,9 @@ class Connection:
                     self._reader.join(timeout=5)
             sock.close()
         self._channel.close()
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -25,8 +25,9 @@ log = logging.getLogger("decent")
 class MemoryChannel(Protocol):
     """Where memory requests go (the daemon's memory socket)."""
 
-    def memory_call(self, req: pb.MemoryRequest, fd: int | None) -> None:
-        """Send ``req`` with ``fd`` and raise the daemon's error, if any."""
+    def memory_call(self, req: pb.MemoryRequest, fd: int | None) -> list[int]:
+        """Send ``req`` with ``fd`` and raise the daemon's error, if any; the descriptors that
+        came back (none for registrations)."""
 
 
 class Registrar:

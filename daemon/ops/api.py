@@ -24,9 +24,9 @@ from decent_wire.protocol import op_label
 from decent_wire.topology import Step, Topology
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.bufpool import BufferPool
-from decentd.bulk import Outgoing
 from decentd.links import Links, part
 from decentd.mailbox import Accepts, Arrival, Key, Mailbox, Progress
+from decentd.sender import Outgoing
 from decentd.tasks import gather_all
 from decentd.windows.groups import GroupSums
 from decentd.windows.locks import WindowLocks
@@ -85,6 +85,9 @@ class PartSpec:
     x: np.ndarray  #: storage-dtype view of the input, flat
     out: memoryview  #: this tensor's output region
     raw: memoryview  #: the input's bytes
+    #: payloads may be received straight into ``out``: it lies in the sealed arena (memory a
+    #: worker registered may shrink under a receive, which would break the connection)
+    landable: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -281,7 +284,8 @@ class OpContext:
         A part whose op, dtype or shape differs from ours fails the op with MISMATCH. The
         arrivals' bytes stay valid until the op ends (or :meth:`release`). ``direct``: a part
         that travels alone is received straight into its output region; ``into`` (uint8, for
-        one part): straight into that buffer when the payload has its size. Either may still
+        one part, a view of its output): straight into that buffer when the payload has its
+        size. Only into the arena (:attr:`PartSpec.landable`). Either may still
         arrive elsewhere (it came before the op ran): compare ``Arrival.data`` with it.
         ``shape``: the one part's expected shape when it is not ours (gathers).
         """
@@ -310,7 +314,7 @@ class OpContext:
     def _expect(self, src: int, tag: int, p: PartSpec, ack: bool, progress: Progress | None,
                 into: np.ndarray | None, direct: bool) -> asyncio.Future[Arrival]:
         accepts: Accepts = (self.op, p.dtype, p.shape)
-        dest = into if into is not None else (
+        dest = None if not p.landable else into if into is not None else (
             # an output region too small for the tensor: the op's output() says so later
             np.frombuffer(p.out, np.uint8, p.nbytes) if direct and len(p.out) >= p.nbytes
             else None)

@@ -13,10 +13,10 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.bulk import Outgoing
 from decentd.numerics import weighted_sum
 from decentd.ops import compression
 from decentd.ops.api import Arrival, DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
+from decentd.sender import Outgoing
 
 #: a tensor still arriving is folded in once at least this many more elements are usable (the
 #: receiver reports progress in large steps, halving toward the end of a payload)
