@@ -5,11 +5,15 @@ process that connects to the data and memory sockets is checked by its credentia
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
 import socket
+import stat
 import struct
 from pathlib import Path
+
+from decent_wire.local import private_tmp_dir
 
 #: struct ucred: pid, uid, gid
 UCRED = struct.Struct("3i")
@@ -55,6 +59,23 @@ class LocalAccess:
         if self.gid is not None:
             os.chown(path, -1, self.gid)
         os.chmod(path, self.mode)
+
+    def prepare_default_dir(self, socket_path: str) -> None:
+        """Make the directory of the default socket in the temporary directory (mode 0700, or
+        0750 with the workers' group); ValueError when it is someone else's or writable by
+        others. Other directories are the user's to choose and are left as they are."""
+        folder = os.path.dirname(socket_path)
+        if folder != private_tmp_dir():
+            return
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+        info = os.lstat(folder)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != self.uid:
+            raise ValueError(f"{folder} is not a directory of uid {self.uid} (owner uid "
+                             f"{info.st_uid}): someone else made it; remove it, or set socket:")
+        if self.gid is not None:
+            os.chown(folder, -1, self.gid)
+        os.chmod(folder, 0o750 if self.gid is not None else 0o700)
 
     def protect_fd(self, fd: int) -> None:
         """The same for an open file (an arena)."""

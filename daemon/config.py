@@ -10,7 +10,6 @@ import ipaddress
 import os
 import re
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from decent_wire import topology
+from decent_wire.local import default_socket
 from decentd.errors import StartupError
 
 
@@ -166,7 +166,7 @@ class NodeConfig(_Strict):
     #: 127.0.0.1 when peers[rank] is a loopback address, else 0.0.0.0
     listen: str | None = None
     #: Unix socket for local workers
-    socket: str = Field(default_factory=lambda: str(Path(tempfile.gettempdir()) / "decentd.sock"))
+    socket: str = Field(default_factory=default_socket)
     #: workers each daemon serves (the same on every node): worker ranks are
     #: ``rank * workers_per_node + local_rank``, and ``topology`` is over all workers
     workers_per_node: int = Field(1, ge=1, le=1024)

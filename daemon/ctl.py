@@ -1,6 +1,6 @@
 """``decentctl``: look at a running daemon, or at a topology.
 
-    decentctl status [--daemon unix:///tmp/decentd.sock]
+    decentctl status [--daemon unix://$XDG_RUNTIME_DIR/decentd.sock]
     decentctl topology KIND -n N [--step T] [--weights metropolis] [--option K=V] [--png F]
     decentctl topology --config node.yaml [-n N] [--step T] [--png F]
     decentctl certs --out DIR --nodes N [--cluster-id ID] [--hosts H0,H1,...]
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import grpc
@@ -24,6 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from decent_wire import topology
+from decent_wire.local import default_socket
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.config import load_config
@@ -31,8 +31,7 @@ from decentd.errors import StartupError
 
 
 def _address(arg: str | None) -> str:
-    address = arg or os.environ.get("DECENT_DAEMON") or os.path.join(
-        tempfile.gettempdir(), "decentd.sock")
+    address = arg or os.environ.get("DECENT_DAEMON") or default_socket()
     return address if "://" in address or ":" in address else f"unix://{address}"
 
 

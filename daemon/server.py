@@ -157,6 +157,10 @@ class Daemon:
         """Open every socket: the worker data channel, memory registration, the bulk path, and
         both gRPC servers."""
         cfg = self.cfg
+        try:
+            self.access.prepare_default_dir(cfg.socket)
+        except (ValueError, OSError) as exc:
+            raise StartupError(f"socket {cfg.socket}: {exc}") from None
         for path in (cfg.socket, self.data_socket):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

@@ -227,6 +227,40 @@ def test_a_listen_address_off_loopback_needs_a_security_mode(tmp_path: Path) -> 
         proc.wait()
 
 
+def test_the_default_socket_is_in_a_directory_of_the_users_own(tmp_path: Path) -> None:
+    # $XDG_RUNTIME_DIR when set; else decentd-<uid> in the temporary directory, made 0700, and
+    # refused when someone else made it first (anyone may create names in /tmp)
+    runtime, tmp = tmp_path / "run", tmp_path / "tmp"
+    runtime.mkdir(mode=0o700)
+    tmp.mkdir()
+    daemon = [sys.executable, "-m", "decentd.cli", "--peers", f"127.0.0.1:{free_ports(1)[0]}"]
+    mine = tmp / f"decentd-{os.getuid()}"
+    for given, folder in (({"XDG_RUNTIME_DIR": str(runtime)}, runtime),
+                          ({"XDG_RUNTIME_DIR": "", "TMPDIR": str(tmp)}, mine)):
+        env = {**os.environ, **given}
+        with (tmp_path / "d.log").open("wb") as log:
+            proc = subprocess.Popen(daemon, stdout=log, stderr=subprocess.STDOUT, env=env)
+        sock = folder / "decentd.sock"
+        try:
+            wait_for(sock.exists, "no socket")
+            assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+            address = subprocess.run(
+                [sys.executable, "-c", "from decent.core.connection import default_address; "
+                 "print(default_address())"], env=env, capture_output=True, text=True,
+                check=True).stdout.strip()
+            assert address == f"unix://{sock}"
+        finally:
+            proc.terminate()
+            assert proc.wait(timeout=30) == 0
+    if os.geteuid() == 0:  # squatted by another user: refused, saying why
+        squatted = tmp_path / "tmp2"
+        (squatted / f"decentd-{os.getuid()}").mkdir(parents=True)
+        os.chown(squatted / f"decentd-{os.getuid()}", OTHER_UID, OTHER_UID)
+        out = subprocess.run(daemon, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "XDG_RUNTIME_DIR": "", "TMPDIR": str(squatted)})
+        assert out.returncode != 0 and "someone else made it" in out.stderr, out
+
+
 def test_a_loopback_daemon_listens_on_loopback_only(tmp_path: Path) -> None:
     c = Cluster(2, "ring")
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import grpc
 
 from decent_wire import framing
 from decent_wire.errors import DecentError
+from decent_wire.local import default_socket
 from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
@@ -38,7 +38,7 @@ def default_address() -> str:
     env = os.environ.get("DECENT_DAEMON")
     if env:
         return env if "://" in env or ":" in env else f"unix://{env}"
-    return f"unix://{os.path.join(tempfile.gettempdir(), 'decentd.sock')}"
+    return f"unix://{default_socket()}"
 
 
 def _wait_for_socket(address: str, timeout: float) -> None:
