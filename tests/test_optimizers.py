@@ -1,7 +1,12 @@
 """Every algorithm of ``DecentralizedOptimizer`` trains around the optimizers users wrap: SGD with
 and without momentum, Adam, AdamW, RMSprop and Adagrad, on heterogeneous least squares (4 ranks
 on a ring, real daemons). The stateful optimizers create their state on their first step: the
-algorithm's state must not be in the way (it crashed Adam with ``KeyError: 'exp_avg'``)."""
+algorithm's state must not be in the way (it crashed Adam with ``KeyError: 'exp_avg'``).
+
+The asynchronous algorithms (the ones that communicate through windows) are synchronized here,
+so that what a rank reads from its neighbors does not depend on timing and the runs are the same
+every time: win-put with its own barriers, wagma with a barrier after each step, adpsgd one rank
+at a time. Their asynchrony is tested in ``test_asynchrony.py`` and ``test_push_algorithms.py``."""
 
 from __future__ import annotations
 
@@ -28,10 +33,21 @@ XSTAR = np.linalg.solve(np.einsum("nrd,nre->de", A, A), np.einsum("nrd,nr->d", A
 #: the lazy ring (1/2 self): D2 needs lambda_min(W) > -1/3, which the plain 4-ring misses
 LAZY = build_topology("ring", N, weights={i: {i: 0.5, (i - 1) % N: 0.25, (i + 1) % N: 0.25}
                                           for i in range(N)})
+#: win-put's barrier: every put of a step lands before any rank combines, and every rank
+#: combines before any rank puts again (x' = W x - d exactly; without it, a rank combines whatever
+#: its neighbors put last, from zero to a dozen steps of theirs when the machine is loaded)
 OPTIONS: dict[str, dict[str, Any]] = {"d2": {"topology": LAZY}, "pga": {"period": 4},
                                       "wagma": {"group_size": 2, "tau": 4},
                                       "choco": {"compressor": "int8", "consensus_step": 0.8},
-                                      "decentlam": {"beta": 0.5}}
+                                      "decentlam": {"beta": 0.5}, "win-put": {"barrier": True}}
+#: wagma: every rank has published the model of its last step before any group round starts, so
+#: a member that arrives late contributes the model it brings (the group mean is exact)
+BARRIER_AFTER_EACH_STEP = {"wagma"}
+#: adpsgd: one rank steps at a time, so the active ranks' exchanges and the passive ranks' adds
+#: on the same model happen in rank order
+ONE_RANK_AT_A_TIME = {"adpsgd"}
+#: the algorithms that use windows (asynchronous): each must be synchronized above
+SYNCHRONIZED = {"win-put", *BARRIER_AFTER_EACH_STEP, *ONE_RANK_AT_A_TIME}
 OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.02, momentum=0.9),
@@ -47,6 +63,30 @@ def loss(x: np.ndarray) -> float:
     return float(0.5 * ((np.einsum("nrd,d->nr", A, x) - B) ** 2).sum())
 
 
+def local_loss(r: int, x: torch.Tensor) -> torch.Tensor:
+    """Rank ``r``'s objective at ``x`` (torch, for backward)."""
+    return 0.5 * ((torch.tensor(A[r]) @ x - torch.tensor(B[r])) ** 2).sum()
+
+
+def win_put(optimizer: str) -> np.ndarray:
+    """Every rank's iterate after STEPS steps of x' = W x - d (the ring's weights, 1/3 each),
+    ``d`` the step of each rank's own ``optimizer`` at its x: win-put with a barrier."""
+    w = torch.tensor(build_topology("ring", N).matrix())
+    xs = [torch.nn.Parameter(torch.tensor(X0)) for _ in range(N)]
+    opts = [OPTIMIZERS[optimizer]([x]) for x in xs]
+    for _ in range(STEPS):
+        before = torch.stack([x.detach().clone() for x in xs])
+        for r, (x, opt) in enumerate(zip(xs, opts, strict=True)):
+            opt.zero_grad()
+            local_loss(r, x).backward()
+            opt.step()
+        with torch.no_grad():
+            new = w @ before - (before - torch.stack([x.detach() for x in xs]))
+            for x, value in zip(xs, new, strict=True):
+                x.copy_(value)
+    return np.stack([x.detach().numpy().copy() for x in xs])
+
+
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_every_algorithm_trains_around_every_optimizer(cluster: ClusterFactory, algorithm: str,
@@ -58,22 +98,31 @@ def test_every_algorithm_trains_around_every_optimizer(cluster: ClusterFactory, 
                 torch.zeros(DIM))]), algorithm=algorithm, client=c.clients[0])
         return
 
-    def run(cl: Client[torch.Tensor]) -> np.ndarray:
-        r = cl.rank
-        x = torch.nn.Parameter(torch.tensor(X0))
-        a, b = torch.tensor(A[r]), torch.tensor(B[r])
-        opt = dt.DecentralizedOptimizer(OPTIMIZERS[optimizer]([x]), algorithm=algorithm,
-                                        client=cl, prefix=f"opt.{algorithm}.{optimizer}",
-                                        **OPTIONS.get(algorithm, {}))
-        for _ in range(STEPS):
-            opt.zero_grad()
-            (0.5 * ((a @ x - b) ** 2).sum()).backward()
-            opt.step()
-        cl.barrier(name=f"opt.{algorithm}.{optimizer}.done")
-        return x.detach().numpy().copy()
+    prefix = f"opt.{algorithm}.{optimizer}"
+    turns = N if algorithm in ONE_RANK_AT_A_TIME else 1
 
-    xs = np.stack(c.run(run, timeout=300))
+    def run(cl: Client[torch.Tensor]) -> tuple[np.ndarray, bool]:
+        x = torch.nn.Parameter(torch.tensor(X0))
+        opt = dt.DecentralizedOptimizer(OPTIMIZERS[optimizer]([x]), algorithm=algorithm,
+                                        client=cl, prefix=prefix, **OPTIONS.get(algorithm, {}))
+        for _ in range(STEPS):
+            for turn in range(turns):
+                if turns == 1 or turn == cl.rank:
+                    opt.zero_grad()
+                    local_loss(cl.rank, x).backward()
+                    opt.step()
+                if algorithm in BARRIER_AFTER_EACH_STEP | ONE_RANK_AT_A_TIME:
+                    cl.barrier(name=f"{prefix}.step")
+        cl.barrier(name=f"{prefix}.done")
+        return x.detach().numpy().copy(), bool(opt.algorithm.windows)
+
+    results = c.run(run, timeout=300)
+    # an algorithm that reads windows depends on timing unless this test synchronizes it
+    assert all(windows == (algorithm in SYNCHRONIZED) for _, windows in results), algorithm
+    xs = np.stack([x for x, _ in results])
     assert np.isfinite(xs).all()
+    if algorithm == "win-put":
+        np.testing.assert_allclose(xs, win_put(optimizer), rtol=1e-9, atol=1e-12)
     start, best = loss(X0), loss(XSTAR)
     final = loss(xs.mean(axis=0))
     assert final - best < 0.5 * (start - best), (final, start, best)
