@@ -153,6 +153,43 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class PeerPattern(_Strict):
+    """Peers named by a pattern instead of a list: ``dns_pattern.format(i=rank)`` for every
+    rank below ``size`` (a Kubernetes StatefulSet behind a headless Service)."""
+
+    dns_pattern: str = Field(min_length=1, description="host:port with {i} for the rank, e.g. "
+                             "'decent-{i}.decent.default.svc:7700'")
+    size: int = Field(ge=1, le=65536)
+
+    @field_validator("dns_pattern")
+    @classmethod
+    def _check_pattern(cls, pattern: str) -> str:
+        if "{i}" not in pattern:
+            raise ValueError(f"dns_pattern {pattern!r} has no {{i}} for the rank")
+        try:
+            pattern.format(i=0)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"dns_pattern {pattern!r}: {exc}") from None
+        return pattern
+
+    def addresses(self) -> list[str]:
+        """The peer list the pattern stands for."""
+        return [self.dns_pattern.format(i=i) for i in range(self.size)]
+
+
+class MetricsConfig(_Strict):
+    """Prometheus metrics over HTTP (``/metrics``); off unless ``port`` is set."""
+
+    port: int | None = Field(None, ge=0, le=65535, description="0: any free port")
+    host: str = Field("127.0.0.1", description="0.0.0.0 to be scraped from other hosts")
+
+
+class TimelineConfig(_Strict):
+    """A Chrome trace of every op's phases (``$DECENT_TIMELINE`` also sets ``path``)."""
+
+    path: str | None = None
+
+
 class NodeConfig(_Strict):
     """Everything one ``decentd`` needs to know."""
 
@@ -160,7 +197,8 @@ class NodeConfig(_Strict):
     #: this node's rank, or "auto": $DECENT_RANK, $RANK, $SLURM_PROCID, else the trailing ordinal
     #: of the hostname (Kubernetes StatefulSet pods are ``name-0``, ``name-1``, ...)
     rank: int | Literal["auto"] = 0
-    #: peer addresses ``host:port`` indexed by rank, this node included; empty: a one-node cluster
+    #: peer addresses ``host:port`` indexed by rank, this node included; empty: a one-node
+    #: cluster. Or ``{dns_pattern, size}`` (:class:`PeerPattern`), expanded into that list
     peers: list[str] = Field(default_factory=list)
     #: where to listen for peers; default ``<host>:<port of peers[rank]>`` where host is
     #: 127.0.0.1 when peers[rank] is a loopback address, else 0.0.0.0
@@ -178,7 +216,18 @@ class NodeConfig(_Strict):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    timeline: TimelineConfig = Field(default_factory=TimelineConfig)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: json: one JSON object per line (time, level, rank, message; job, op and peer when known)
+    log_format: Literal["text", "json"] = "text"
+
+    @field_validator("peers", mode="before")
+    @classmethod
+    def _expand_peers(cls, peers: Any) -> Any:
+        if isinstance(peers, dict):
+            return PeerPattern.model_validate(peers).addresses()
+        return peers
 
     @field_validator("peers")
     @classmethod
