@@ -132,17 +132,32 @@ class PeerAuth:
                         proof: bytes) -> str | None:
         """Check a caller's proof (secret mode); None when admitted (its bulk key is then
         expected), else why not. A challenge answers one handshake only."""
-        pending = self._challenges.pop(server_nonce, None)
-        if pending is None or pending.expires < time.monotonic():
-            return "the handshake answers no challenge of ours (expired or replayed)"
-        if pending.from_rank != from_rank:
-            return f"the challenge was issued to rank {pending.from_rank}"
-        want = self._proof("client", from_rank, to_rank, pending.client_nonce, server_nonce)
-        if not hmac.compare_digest(want, proof):
-            return "wrong proof: it does not hold this cluster's secret"
+        pending = self._answered(from_rank, to_rank, server_nonce, proof, "client")
+        if isinstance(pending, str):
+            return pending
         self._bulk_keys[from_rank] = self._proof("session", from_rank, to_rank,
                                                  pending.client_nonce, server_nonce)
         return None
+
+    def admit_status(self, from_rank: int, to_rank: int, server_nonce: bytes,
+                     proof: bytes) -> str | None:
+        """Check a peer's status request (secret mode): None when it answers a challenge of
+        ours with the secret, else why not."""
+        pending = self._answered(from_rank, to_rank, server_nonce, proof, "status")
+        return pending if isinstance(pending, str) else None
+
+    def _answered(self, from_rank: int, to_rank: int, server_nonce: bytes, proof: bytes,
+                  label: str) -> Challenge | str:
+        """The challenge ``proof`` answers (consumed), or why it answers none."""
+        pending = self._challenges.pop(server_nonce, None)
+        if pending is None or pending.expires < time.monotonic():
+            return "the request answers no challenge of ours (expired or replayed)"
+        if pending.from_rank != from_rank:
+            return f"the challenge was issued to rank {pending.from_rank}"
+        want = self._proof(label, from_rank, to_rank, pending.client_nonce, server_nonce)
+        if not hmac.compare_digest(want, proof):
+            return "wrong proof: it does not hold this cluster's secret"
+        return pending
 
     def issue_bulk_key(self, from_rank: int) -> bytes:
         """A fresh session key for an authenticated caller (mtls: sent over TLS)."""
@@ -175,6 +190,11 @@ class PeerAuth:
         """(our handshake proof, the session key both ends derive) for a challenge reply."""
         args = (from_rank, to_rank, client_nonce, server_nonce)
         return self._proof("client", *args), self._proof("session", *args)
+
+    def status_proof(self, from_rank: int, to_rank: int, client_nonce: bytes,
+                     server_nonce: bytes) -> bytes:
+        """Our proof for a status request that answers a challenge."""
+        return self._proof("status", from_rank, to_rank, client_nonce, server_nonce)
 
     def hello_proof(self, key: bytes, from_rank: int, to_rank: int) -> bytes:
         """The proof our bulk HELLO carries (empty in insecure mode)."""

@@ -90,6 +90,7 @@ class Inbound(asyncio.BufferedProtocol):
     gate: Gate | None = None  #: bounds connections until their HELLO (None: this daemon's own)
     src: int = -1  # set by the HELLO frame
     bytes_received: int = 0
+    frames_received: int = 0
     transport: asyncio.Transport | None = None
     _scratch: bytearray = field(default_factory=lambda: bytearray(UNPROVEN_SCRATCH),
                                 repr=False)
@@ -208,6 +209,7 @@ class Inbound(asyncio.BufferedProtocol):
             self._scratch = bytearray(SCRATCH)  # shrink after a huge header
 
     def _deliver(self, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
+        self.frames_received += 1
         try:
             self.sink.on_frame(self, header, payload)
         except ValueError as exc:

@@ -1,4 +1,8 @@
-"""``decentd --config node.yaml``: run one node's daemon (flags override the file)."""
+"""``decentd --config node.yaml``: run one node's daemon (flags override the file).
+
+SIGTERM stops it; SIGHUP re-reads the file (with the same flags) and applies what may change
+while it runs (:mod:`decentd.reload`). Under systemd (``$NOTIFY_SOCKET``) it reports readiness.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,11 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from decentd.config import load_config, parse_set
+from decentd.config import NodeConfig, load_config, parse_set
 from decentd.errors import StartupError
+from decentd.logs import DaemonLog, startup_error
+from decentd.notify import Notifier
+from decentd.reload import Service
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers-per-node", type=int, help="workers this daemon serves")
     p.add_argument("--cluster-id", help="cluster id peers must share")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", choices=["text", "json"],
+                   help="log_format: text lines, or one JSON object per line (log shippers)")
     p.add_argument("--security-mode", choices=["secret", "mtls", "insecure"],
                    help="security.mode: how peers prove who they are")
     p.add_argument("--secret-file", help="security.secret_file (mode secret)")
@@ -51,7 +60,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         out["rank"] = int(args.rank) if args.rank.lstrip("-").isdigit() else args.rank
     if args.peers is not None:
         out["peers"] = [p.strip() for p in args.peers.split(",") if p.strip()]
-    for key in ("listen", "socket", "log_level", "cluster_id"):
+    for key in ("listen", "socket", "log_level", "log_format", "cluster_id"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
     if args.topology is not None:
@@ -82,17 +91,21 @@ def raise_fd_limit() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``decentd`` console script."""
     args = build_parser().parse_args(argv)
+    notifier = Notifier.from_env()
     try:
-        cfg = load_config(args.config, overrides_from(args))
+        overrides = overrides_from(args)
+        cfg = load_config(args.config, overrides)
         rank = cfg.resolved_rank()
     except StartupError as exc:
-        print(f"decentd: {exc}", file=sys.stderr)
+        print(startup_error(str(exc), args.log_format), file=sys.stderr)
+        notifier.status(f"failed: {exc}")
         return 2
-    logging.basicConfig(
-        level=cfg.log_level.upper(),
-        format=f"%(asctime)s decentd[{rank}] %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    daemon_log = DaemonLog(rank, cfg.log_level, cfg.log_format)
+
+    def reread() -> NodeConfig:
+        return load_config(args.config, overrides)
+
+    service = Service(reread, args.config, notifier, daemon_log)
     from decentd import sigbus
     from decentd.server import Daemon  # after logging: grpc import is slow-ish
 
@@ -109,13 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         runner = asyncio.run
 
     async def serve() -> None:
-        await Daemon(cfg).run()
+        await Daemon(cfg, service).run()
 
     try:
         runner(serve())
     except StartupError as exc:
         logging.getLogger("decentd").error("%s", exc)
-        print(f"decentd: {exc}", file=sys.stderr)
+        if daemon_log.format != "json":  # a JSON log has the line above, and nothing else
+            print(f"decentd: {exc}", file=sys.stderr)
+        notifier.status(f"failed: {exc}")
         return 1
     return 0
 

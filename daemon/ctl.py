@@ -1,11 +1,12 @@
 """``decentctl``: look at a running daemon, or at a topology.
 
-    decentctl status [--daemon unix://$XDG_RUNTIME_DIR/decentd.sock]
+    decentctl status [--cluster [--json]] [--daemon unix://$XDG_RUNTIME_DIR/decentd.sock]
     decentctl topology KIND -n N [--step T] [--weights metropolis] [--option K=V] [--png F]
     decentctl topology --config node.yaml [-n N] [--step T] [--png F]
     decentctl certs --out DIR --nodes N [--cluster-id ID] [--hosts H0,H1,...]
                     [--dns-pattern 'decent-{i}.decent.default.svc'] [--days 365] [--force]
     decentctl certs --check DIR
+    decentctl timeline FILE... [--png OUT] [--merge OUT] [--window FROM:TO]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from decent_wire import topology
 from decent_wire.local import default_socket
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
+from decentd import cluster_view, timeline_plot
 from decentd.config import load_config
 from decentd.errors import StartupError
 
@@ -161,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("status", help="a running daemon's counters and peers")
     st.add_argument("--daemon", help="daemon address (default $DECENT_DAEMON or the socket)")
+    st.add_argument("--cluster", action="store_true",
+                    help="every daemon, one line each (asked through this one)")
+    st.add_argument("--json", action="store_true", help="with --cluster: JSON for scripts")
     tp = sub.add_parser("topology", help="print a topology's mixing matrix, rho and degree")
     tp.add_argument("kind", nargs="?", choices=topology.kinds())
     tp.add_argument("-n", type=int, help="number of ranks (with --config: default the number "
@@ -187,11 +192,16 @@ def main(argv: list[str] | None = None) -> int:
                     "rank, e.g. 'decent-{i}.decent.default.svc'")
     ce.add_argument("--days", type=int, default=365, help="validity (default: %(default)s)")
     ce.add_argument("--force", action="store_true", help="replace the certificates in DIR")
+    tl = timeline_plot.add_parser(sub)
     args = p.parse_args(argv)
     console = Console()
+    if args.cmd == "timeline":
+        return timeline_plot.run(args, tl)
     if args.cmd == "certs":
         return certs(args, ce)
     if args.cmd == "status":
+        if args.cluster:
+            return cluster_view.cluster_status(_address(args.daemon), console, args.json)
         return status(_address(args.daemon), console)
     if (args.kind is None) == (args.config is None):
         tp.error("give a topology KIND or --config node.yaml (one of them)")

@@ -13,9 +13,9 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -26,9 +26,10 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.arena import Arena
 from decentd.auth import shown
 from decentd.hierarchy import Hierarchy, Request
+from decentd.logs import op_fields
 from decentd.mailbox import OpKey
 from decentd.names import RESERVED, at_worker, qualify
-from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Services
+from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Phases, Services
 
 log = logging.getLogger("decentd.engine")
 
@@ -79,12 +80,34 @@ class WorkerSession:
             self.deliver(completion)
 
 
+class OpObserver(Protocol):
+    """Watches ops go by (metrics, the timeline); called on the event loop."""
+
+    def submitted(self, session: WorkerSession, req: pb.SubmitRequest) -> None:
+        """A worker's request arrived (before it is checked)."""
+
+    def ended(self, ctx: OpContext, error: DecentError | None, seconds: float) -> None:
+        """An op ended after ``seconds`` of running, with ``error`` or not."""
+
+
+@runtime_checkable
+class PhaseObserver(OpObserver, Protocol):
+    """An observer of each op's phases (the timeline). While one is given, the engine stamps
+    every op with :class:`~decentd.ops.api.Phases` (``ctx.phases``, which the op's sends and
+    receives mark too) and a worker's tensors with their client's times (``submitted``)."""
+
+    def completed(self, ctx: OpContext) -> None:
+        """``ctx`` ended and its completion went to its worker(s) (``ctx.phases.done_ns``)."""
+
+
 class Engine:
     """Runs requests; one per daemon."""
 
     def __init__(self, services: Services, ops: Mapping[int, OpSpec], default_timeout: float,
-                 stall_warning: float) -> None:
+                 stall_warning: float, observers: Sequence[OpObserver] = ()) -> None:
         self.services = services
+        self.observers = tuple(observers)
+        self.tracers = tuple(o for o in self.observers if isinstance(o, PhaseObserver))
         self.machine = services.machine
         self.ops = ops
         self.default_timeout = default_timeout
@@ -100,6 +123,8 @@ class Engine:
 
     def submit(self, session: WorkerSession, req: pb.SubmitRequest) -> None:
         """Validate and start one request; DecentError when it is refused outright."""
+        for observer in self.observers:
+            observer.submitted(session, req)
         if self.closing:
             raise DecentError(pb.SHUTTING_DOWN, f"daemon rank {self.machine} is shutting down")
         if req.WhichOneof("op") == "set_topology":
@@ -115,6 +140,8 @@ class Engine:
             raise DecentError(pb.INVALID_ARGUMENT, f"fused request '{parts[0].display}' mixes "
                               f"rounds {sorted({p.round for p in parts})}; fuse one step's "
                               "tensors")
+        if self.tracers:
+            self._stamp(req, parts)
         if op in self.hierarchy.ops:
             self.hierarchy.submit(Request(session, req.request_id, op, args, parts, timeout))
             return
@@ -140,6 +167,8 @@ class Engine:
                                                    "tensor twice")
         for key in keys:
             self.running[key] = ctx
+        if self.tracers:
+            ctx.phases = Phases()
         for src, error in self.services.mailbox.open(keys, ctx):
             ctx.aborted(src, error)
         ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, timeout, done))
@@ -189,6 +218,13 @@ class Engine:
             raise DecentError(pb.INVALID_ARGUMENT, f"set_topology: {exc}") from None
 
     @staticmethod
+    def _stamp(req: pb.SubmitRequest, parts: list[PartSpec]) -> None:
+        """Each tensor's client times, for the timeline (none from a client that sent none)."""
+        if len(req.queued_ns) == len(req.fused_ns) == len(parts):
+            for p, queued, fused in zip(parts, req.queued_ns, req.fused_ns, strict=True):
+                p.submitted = (queued, fused, req.sent_ns)
+
+    @staticmethod
     def _part(session: WorkerSession, t: pb.TensorRef) -> PartSpec:
         """Validate one tensor of a request and map its arena views."""
         name = t.name
@@ -221,6 +257,7 @@ class Engine:
 
     async def _run(self, ctx: OpContext, timeout: float, done: Done) -> None:
         ctx.running = True
+        began = time.monotonic()
         result: OpResult | None = None
         error: DecentError | None = None
         try:
@@ -238,6 +275,8 @@ class Engine:
             timer = asyncio.get_running_loop().call_later(timeout, self._time_out, ctx, timeout)
             try:
                 result = await ctx.spec.run(ctx)
+                if ctx.phases is not None:
+                    ctx.phases.ran_ns = time.monotonic_ns()
             finally:
                 timer.cancel()
         except asyncio.CancelledError:
@@ -259,10 +298,16 @@ class Engine:
         if error is not None:
             self._fail(ctx, error)
             result = None
+        for observer in self.observers:
+            observer.ended(ctx, error, time.monotonic() - began)
         try:
             done(result, error)
         except Exception:  # a bug in whoever waits: log it, keep the daemon
             log.exception("completing %s failed", ctx.label)
+        if ctx.phases is not None:  # done() wrote the completion(s): the op's last phase ends
+            ctx.phases.done_ns = time.monotonic_ns()
+            for tracer in self.tracers:
+                tracer.completed(ctx)
 
     def _time_out(self, ctx: OpContext, timeout: float) -> None:
         ctx.fail(DecentError(pb.TIMEOUT, f"{ctx.label} timed out after {timeout:g}s on rank "
@@ -272,7 +317,7 @@ class Engine:
         self.failed += 1
         if err.code != pb.SHUTTING_DOWN or ctx.failure is None:  # a peer's ABORT text: escaped
             text = str(err) if ctx.aborted_by < 0 else shown(str(err), LOGGED_ABORT)
-            log.warning("%s failed: %s", ctx.label, text)
+            log.warning("%s failed: %s", ctx.label, text, extra=op_fields(ctx))
         for peer in ctx.participants - {ctx.aborted_by}:
             self.services.links.send_abort(peer, ctx.keys, err.to_pb())
 

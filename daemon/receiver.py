@@ -323,6 +323,6 @@ class Receiver:
         self._one_sided.peer_lost(lambda rank, name: self._links.machine_of(rank, name) == src)
         self._flow(src).fail_rendezvous(err)
         if reason == "stream closed":  # the peer closed its stream: an orderly stop
-            log.info("rank %d closed its connection", src)
+            log.info("rank %d closed its connection", src, extra={"peer": src})
         else:
-            log.warning("rank %d disconnected: %s", src, reason)
+            log.warning("rank %d disconnected: %s", src, reason, extra={"peer": src})

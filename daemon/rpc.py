@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import version
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -18,10 +19,12 @@ from decent_wire.topology import Topology
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.auth import NONCE_BYTES, shown
+from decentd.cluster import cluster_status
 from decentd.engine import Engine
 from decentd.links import Links
 from decentd.names import at_worker, qualify
 from decentd.ops.api import Services
+from decentd.sender import Sender
 from decentd.sessions import Sessions
 from decentd.tls import peer_identity
 
@@ -61,6 +64,7 @@ class WorkerEndpoints:
     memory_socket: str  #: memory registration
     default_timeout: float
     ring_threshold: int
+    metrics_port: int = 0  #: where /metrics is served (0: not served)
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -75,6 +79,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._ready = ready
         self._machine = services.machine
         self._topology = services.topology
+        self._started = time.monotonic()
 
     async def Register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
@@ -115,7 +120,14 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusReply:
-        """Counters and peer health."""
+        """Counters and peer health; with ``cluster``, every daemon's too."""
+        own = self.status()
+        if request.cluster:
+            own.cluster.extend(await cluster_status(self._services.links, own))
+        return own
+
+    def status(self) -> pb.StatusReply:
+        """Counters and peer health, now (on the event loop)."""
         now = time.monotonic()
         engine, pool = self._engine, self._services.pool
         return pb.StatusReply(
@@ -143,6 +155,13 @@ class WorkerService(pb_grpc.WorkerServicer):
             parked_window_requests=self._services.windows.parked,
             window_lock_waiters=self._services.locks.waiting,
             early_window_bytes=self._services.windows.early_bytes,
+            arena_bytes=sum(w.arena.nbytes for w in self._sessions.by_id.values()),
+            window_staleness=self._services.windows.staleness(),
+            metrics_port=self._endpoints.metrics_port,
+            version=version("decent"),
+            uptime_s=now - self._started,
+            security_mode=self._services.links.auth.mode,
+            address=self._services.links.own.address,
             peers=[
                 pb.PeerStatus(
                     rank=link.rank,
@@ -156,6 +175,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                     aborts_received=link.aborts_received,
                     frames_sent=link.frames_sent,
                     writes=link.writes,
+                    frames_received=link.inbound.frames_received if link.inbound else 0,
+                    frames_queued=link.sender.queued if isinstance(link.sender, Sender) else 0,
                 )
                 for link in self._services.links.links.values()
             ],
@@ -204,6 +225,9 @@ def add_peer_service(service: PeerService, server: grpc.aio.Server) -> None:
         "Handshake": grpc.unary_unary_rpc_method_handler(
             service.Handshake, _lenient(pb.HandshakeRequest),
             pb.HandshakeReply.SerializeToString),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            service.Status, _lenient(pb.PeerStatusRequest),
+            pb.StatusReply.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("decent.v1.Peer",
                                                                           handlers),))
@@ -213,8 +237,32 @@ class PeerService(pb_grpc.PeerServicer):
     """Other daemons: the challenge and the handshake (data and heartbeats go over the bulk
     path)."""
 
-    def __init__(self, links: Links) -> None:
+    def __init__(self, links: Links, status: Callable[[], pb.StatusReply]) -> None:
+        """``status``: this daemon's (``WorkerService.status``) for peers that ask."""
         self._links = links
+        self._status = status
+
+    async def Status(
+        self, request: pb.PeerStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatusReply:
+        """This daemon's status for a peer that proves who it is (as at handshake)."""
+        links = self._links
+        error = None
+        if request.cluster_id != links.cluster_id or request.from_rank not in links.links \
+                or request.to_rank != links.rank:
+            error = pb.Error(code=pb.UNAUTHENTICATED, message="not a peer of this rank")
+        elif links.auth.mode == "secret":
+            why = links.auth.admit_status(request.from_rank, links.rank, request.server_nonce,
+                                          request.proof)
+            if why is not None:
+                error = pb.Error(code=pb.UNAUTHENTICATED, message=why)
+        elif links.auth.mode == "mtls":
+            error = self._certificate_error(request, context)
+        if error is not None:
+            log.warning("refused a status request from rank %d: %s", request.from_rank,
+                        shown(error.message, 300))
+            return pb.StatusReply(rank=links.rank, error=error)
+        return self._status()
 
     async def Challenge(
         self, request: pb.ChallengeRequest, context: grpc.aio.ServicerContext
@@ -259,7 +307,7 @@ class PeerService(pb_grpc.PeerServicer):
         return pb.HandshakeReply(rank=links.rank, data_port=links.data_port,
                                  window_bytes=links.window, bulk_key=key)
 
-    def _certificate_error(self, request: pb.HandshakeRequest,
+    def _certificate_error(self, request: pb.HandshakeRequest | pb.PeerStatusRequest,
                            context: grpc.aio.ServicerContext) -> pb.Error | None:
         """mtls: UNAUTHENTICATED unless the caller's certificate names the rank it claims."""
         who = peer_identity(context.auth_context())

@@ -145,6 +145,12 @@ class Sender:
             return item
 
     @property
+    def queued(self) -> int:
+        """Frames waiting for the sender thread."""
+        with self._cv:
+            return len(self._queue)
+
+    @property
     def idle(self) -> bool:
         """Nothing queued or going out."""
         with self._cv:

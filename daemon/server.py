@@ -7,6 +7,9 @@ the :class:`~decentd.receiver.Receiver` (the peers' frames), the ops' :class:`Se
 :class:`~decentd.engine.Engine` (requests), the worker :class:`~decentd.sessions.Sessions`, and
 the servers: gRPC for control, Unix sockets for the worker data channel and memory
 registration, TCP for the bulk path.
+
+As a service (``deploy/systemd``) it tells systemd when it is ready (its peers connected),
+reloading (SIGHUP: :mod:`decentd.reload`) and stopping, through :mod:`decentd.notify`.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import signal
 import ssl
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from decent_wire.topology import TopologyError
+from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.access import LocalAccess
 from decentd.auth import PeerAuth, read_secret
@@ -34,11 +39,14 @@ from decentd.flow import window_per_peer
 from decentd.grpcopts import GRPC_OPTIONS, PEER_SERVER_OPTIONS
 from decentd.links import Links
 from decentd.mailbox import Mailbox
+from decentd.metrics import MetricsServer, OpMetrics, StatusCollector
 from decentd.ops import OPS
 from decentd.ops.api import Services
 from decentd.receiver import Receiver
+from decentd.reload import Service, assign, changes, split, summary
 from decentd.rpc import PeerService, WorkerEndpoints, WorkerService, add_peer_service
 from decentd.sessions import Sessions
+from decentd.timeline import open_timeline
 from decentd.windows import one_sided_handlers
 from decentd.windows.groups import GroupSums
 from decentd.windows.locks import LockService, WindowLocks
@@ -102,8 +110,12 @@ def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver]:
 class Daemon:
     """One decentd: its layers, its servers and its lifecycle."""
 
-    def __init__(self, cfg: NodeConfig) -> None:
+    def __init__(self, cfg: NodeConfig, service: Service | None = None) -> None:
+        """Build every layer from ``cfg``; ``service``: how it runs as a service (re-reading
+        its config at SIGHUP, notifying systemd)."""
         self.cfg = cfg
+        self.service = service or Service()
+        self.notifier = self.service.notifier
         self.rank = cfg.resolved_rank()
         if cfg.peers and not 0 <= self.rank < cfg.size:
             raise StartupError(f"config error: rank: {self.rank} is outside peers "
@@ -113,7 +125,11 @@ class Daemon:
             raise StartupError(exposed)
         self.services, self.receiver = build_services(cfg, self.rank)
         self.links = self.services.links
-        self.engine = Engine(self.services, OPS, cfg.timeouts.op, cfg.timeouts.stall_warning)
+        self.registry = CollectorRegistry()
+        observers = [OpMetrics(self.registry)] if cfg.metrics.port is not None else []
+        self.timeline = open_timeline(cfg.timeline.path, self.rank, cfg.workers_per_node)
+        self.engine = Engine(self.services, OPS, cfg.timeouts.op, cfg.timeouts.stall_warning,
+                             observers + ([self.timeline] if self.timeline else []))
         try:
             self.access = LocalAccess(cfg.security.allowed_uids, cfg.security.worker_group)
         except ValueError as exc:
@@ -125,21 +141,43 @@ class Daemon:
         self.data_socket = f"{cfg.socket}.data"
         self.channels: set[WorkerChannel] = set()
         self.memory = MemorySocket(self.sessions, f"{cfg.socket}.mem", self.access)
+        self.metrics = self._serve_metrics()
         self.endpoints = WorkerEndpoints(cfg.cluster_id, self.data_socket, self.memory.path,
-                                         cfg.timeouts.op, cfg.transport.ring_threshold_bytes)
+                                         cfg.timeouts.op, cfg.transport.ring_threshold_bytes,
+                                         self.metrics.port if self.metrics else 0)
         self._tasks: list[asyncio.Task[None]] = []
+
+    def _serve_metrics(self) -> MetricsServer | None:
+        """``/metrics`` on ``metrics.port`` (None when not configured)."""
+        port = self.cfg.metrics.port
+        if port is None:
+            return None
+        try:
+            server = MetricsServer(self.registry, self.cfg.metrics.host, port)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {self.cfg.metrics.host}:{port}: "
+                               f"{exc.strerror}") from None
+        log.info("metrics on http://%s:%d/metrics", self.cfg.metrics.host, server.port)
+        return server
 
     async def run(self) -> None:
         """Serve until SIGTERM/SIGINT, then shut down cleanly."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         peer_server = grpc.aio.server(options=PEER_SERVER_OPTIONS)
-        add_peer_service(PeerService(self.links), peer_server)
+        worker_service = WorkerService(self.services, self.sessions, self.engine,
+                                       self.endpoints, self.ready)
+        add_peer_service(PeerService(self.links, worker_service.status), peer_server)
         worker_server = grpc.aio.server(options=GRPC_OPTIONS)
-        pb_grpc.add_WorkerServicer_to_server(
-            WorkerService(self.services, self.sessions, self.engine, self.endpoints, self.ready),
-            worker_server)
+        pb_grpc.add_WorkerServicer_to_server(worker_service, worker_server)
+        if self.metrics is not None:  # read at every scrape, on this loop
+
+            async def snapshot() -> pb.StatusReply:
+                return worker_service.status()
+
+            self.registry.register(StatusCollector(snapshot, loop))
         data_server = await self._listen(peer_server, worker_server)
         try:
             await self._connect()
@@ -199,6 +237,12 @@ class Daemon:
         await worker_server.start()
         for path in (cfg.socket, self.data_socket, self.memory.path):
             self.access.protect(path)
+        self._announce()
+        return data_server
+
+    def _announce(self) -> None:
+        """Say where this daemon listens (the log, and systemd's status line)."""
+        cfg, tls = self.cfg, self.links.auth.tls
         bulk = "bulk over TLS" if tls is not None and tls.encrypt_bulk else (
             "bulk in clear, bound to the handshake" if self.links.auth.proves else "bulk in clear")
         log.info("rank %d/%d listening for peers on %s, bulk data on port %d, %d worker(s) on "
@@ -209,7 +253,9 @@ class Daemon:
         if cfg.security.mode == "insecure":
             log.warning("security.mode is insecure: any process that reaches %s can join this "
                         "cluster and put values into its averages", cfg.listen_address())
-        return data_server
+        log.debug("rank %d: running config: %s", self.rank, cfg.model_dump_json())
+        self.notifier.status(f"rank {self.rank}/{cfg.size}: listening on "
+                             f"{cfg.listen_address()}; connecting to {cfg.size - 1} peer(s)")
 
     async def _connect(self) -> None:
         """Handshake with every peer (or stop trying at SIGTERM); then ready for workers."""
@@ -227,10 +273,60 @@ class Daemon:
         gc.freeze()
         self.ready.set()
         log.info("rank %d: all %d peers connected; ready", self.rank, self.cfg.size - 1)
+        self.notifier.ready(self._status())
+
+    def _status(self) -> str:
+        """The ``STATUS=`` line of a ready daemon."""
+        return (f"rank {self.rank}/{self.cfg.size}: {self.cfg.size - 1} peer(s) connected; "
+                f"serving workers on {self.cfg.socket}")
+
+    def reload(self) -> None:
+        """SIGHUP: read the config again and apply what may change while running (the log
+        level and format, default op timeout, stall warning, shutdown grace); warn about
+        changed keys that need a restart, and keep their running values. A config that does
+        not load changes nothing."""
+        ready = self.ready.is_set() and not self.stopping.is_set()
+        if ready:
+            self.notifier.reloading()
+        if self.service.reread is None:
+            status = "SIGHUP: no config to re-read (started without one); nothing changed"
+            log.warning("%s", status)
+        else:
+            try:
+                status = self._reconfigure(self.service.reread())
+            except StartupError as exc:
+                status = f"reload failed, running config kept: {exc}"
+                log.error("SIGHUP: %s", status)
+            except Exception as exc:  # a bug: say so, keep running, and answer systemd
+                status = f"reload failed, running config kept: internal error: {exc!r}"
+                log.exception("SIGHUP: %s", status)
+        if ready:
+            self.notifier.ready(f"{self._status()} ({status})")
+        else:
+            self.notifier.status(status)
+
+    def _reconfigure(self, reread: NodeConfig) -> str:
+        """Apply the reloadable changes of ``reread``; the summary of what changed."""
+        applied, ignored = split(changes(self.cfg, reread))
+        assign(self.cfg, applied)
+        timeouts = self.cfg.timeouts
+        self.engine.default_timeout = timeouts.op
+        self.engine.stall_warning = timeouts.stall_warning
+        self.services.windows.timeout = timeouts.op
+        if self.service.log is not None:
+            self.service.log.apply(self.cfg.log_level, self.cfg.log_format)
+        text = summary(self.service.path, applied, ignored)
+        log.info("SIGHUP: %s", text)
+        if ignored:
+            log.warning("SIGHUP: changed keys that need a restart were ignored (running "
+                        "values kept): %s", ", ".join(c.key for c in ignored))
+        log.debug("rank %d: running config: %s", self.rank, self.cfg.model_dump_json())
+        return text
 
     async def _shutdown(self, peer_server: grpc.aio.Server, worker_server: grpc.aio.Server,
                         data_server: asyncio.AbstractServer) -> None:
         self.stopping.set()
+        self.notifier.stopping(f"rank {self.rank}: shutting down")
         # grpc logs every stream it cuts at server stop; at shutdown that is expected, not news
         logging.getLogger("grpc._cython.cygrpc").setLevel(logging.CRITICAL)
         for task in self._tasks:
@@ -240,6 +336,8 @@ class Daemon:
                                    self.cfg.timeouts.shutdown + 10)
         except TimeoutError:
             log.warning("some ops did not finish within the shutdown grace; stopping anyway")
+        if self.timeline is not None:  # every op has ended: the file gets its closing bracket
+            self.timeline.close()
         data_server.close()
         self.memory.close()
         for channel in list(self.channels):
@@ -249,6 +347,8 @@ class Daemon:
         await self.links.close()
         await peer_server.stop(grace=0.5)
         self.sessions.drop_all()
+        if self.metrics is not None:
+            self.metrics.close()
         for path in (self.cfg.socket, self.data_socket, self.memory.path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ class Queued:
     tensor: pb.TensorRef
     timeout: float
     pending: Pending
+    #: when the op was called and when its tensor was placed and queued (``time.monotonic_ns``,
+    #: for the daemon's timeline)
+    stamps: tuple[int, int] = (0, 0)
 
 
 class Submitter(Generic[T]):
@@ -92,6 +96,7 @@ class Submitter(Generic[T]):
         input (``out_bytes``: that many bytes); ``fuse``: the request may wait in a bucket of
         compatible ones (at most ``fuse_limit`` bytes).
         """
+        called = time.monotonic_ns()
         self.check_open()
         if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
@@ -108,12 +113,14 @@ class Submitter(Generic[T]):
                            out_capacity=place.out_capacity)
         p = Pending(next(self._ids), f"{call.field} '{name}' round {round_}", place.slots, dtype,
                     shape, nbytes, place.out_offset, tensor, into, place.resident)
+        stamps = (called, time.monotonic_ns())
         if fuse and self._fusion.enabled:
             p.state = State.QUEUED
             key = (call.field, call.args.SerializeToString(deterministic=True), round_, timeout)
-            self._fusion.add(key, Queued(call, ref, timeout or 0.0, p), nbytes, fuse_limit)
+            self._fusion.add(key, Queued(call, ref, timeout or 0.0, p, stamps), nbytes,
+                             fuse_limit)
         else:
-            self._send(call, [ref], timeout or 0.0, [p])
+            self._send(call, [ref], timeout or 0.0, [p], [stamps])
         return Handle(self, p)
 
     def check_open(self) -> None:
@@ -180,14 +187,17 @@ class Submitter(Generic[T]):
         return self.arena.alloc(nbytes, what, self._reclaim)
 
     def _send(self, call: OpCall, tensors: list[pb.TensorRef], timeout: float,
-              members: list[Pending]) -> None:
+              members: list[Pending], stamps: list[tuple[int, int]]) -> None:
+        """Send one request of ``tensors`` (``stamps``: each one's call and queueing times)."""
         req = pb.SubmitRequest(request_id=members[0].request_id if len(members) == 1
-                               else next(self._ids), tensors=tensors, timeout_s=timeout)
+                               else next(self._ids), tensors=tensors, timeout_s=timeout,
+                               queued_ns=[q for q, _ in stamps], fused_ns=[f for _, f in stamps])
         getattr(req, call.field).CopyFrom(call.args)
         with self._lock:
             self._in_flight[req.request_id] = members
         for p in members:
             p.state = State.SENT
+        req.sent_ns = time.monotonic_ns()
         try:
             self._send_request(req)
         except DecentError as error:
@@ -203,7 +213,7 @@ class Submitter(Generic[T]):
                 m.pending.own_shape = True
         first = members[0]
         self._send(first.call, [m.tensor for m in members], first.timeout,
-                   [m.pending for m in members])
+                   [m.pending for m in members], [m.stamps for m in members])
 
     def flush(self) -> None:
         """Send every request still waiting in a fusion bucket now."""

@@ -73,6 +73,35 @@ class Level:
     node: bool = False
 
 
+class Phases:
+    """An op's marks (``time.monotonic_ns``, 0: not reached) while a timeline records: opened,
+    sends (first began, last returned), data (first awaited, last came), ran, done; error."""
+
+    __slots__ = ("done_ns", "error", "ran_ns", "received_ns", "recv_ns", "send_ns", "sent_ns",
+                 "started_ns")
+
+    def __init__(self) -> None:
+        self.started_ns, self.error = time.monotonic_ns(), ""
+        self.send_ns = self.sent_ns = self.recv_ns = self.received_ns = 0
+        self.ran_ns = self.done_ns = 0
+
+    def sending(self) -> None:
+        """A send begins."""
+        self.send_ns = self.send_ns or time.monotonic_ns()
+
+    def sent(self) -> None:
+        """A send returned."""
+        self.sent_ns = time.monotonic_ns()
+
+    def receiving(self) -> None:
+        """The op waits for a peer's data."""
+        self.recv_ns = self.recv_ns or time.monotonic_ns()
+
+    def received(self, _: object = None) -> None:
+        """A peer's data is there (also a future's done-callback)."""
+        self.received_ns = time.monotonic_ns()
+
+
 @dataclass
 class PartSpec:
     """One tensor of a request (a fused request has several): its wire key and arena views."""
@@ -88,6 +117,8 @@ class PartSpec:
     #: payloads may be received straight into ``out``: it lies in the sealed arena (memory a
     #: worker registered may shrink under a receive, which would break the connection)
     landable: bool = True
+    #: while a timeline records: when its client took the call, queued it and sent its request
+    submitted: tuple[int, int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -176,6 +207,8 @@ class OpContext:
         self.failure: DecentError | None = None
         self.aborted_by = -1
         self.running = False  #: set once the task has started
+        #: phase marks while a timeline records (set by the engine), else None
+        self.phases: Phases | None = None
 
     @property
     def keys(self) -> list[tuple[str, int]]:
@@ -250,9 +283,14 @@ class OpContext:
         mailbox = self.services.mailbox
         futs = [mailbox.expect_ack(dst, p.name, p.round, tag) for p in want] if ack else []
         self.unacked.add(dst)
+        phases = self.phases
+        if phases is not None:
+            phases.sending()
         await self.services.links.send_parts(dst, wire, payload, track)
         if futs:
             await asyncio.gather(*futs)
+        if phases is not None:
+            phases.sent()
         self.unacked.discard(dst)
 
     async def send_bytes(self, dst: int, tag: int, payload: memoryview,
@@ -260,18 +298,33 @@ class OpContext:
         """Send ``payload`` as the one part of tensor ``p`` (default: the op's first) with
         ``tag``; the header carries the whole tensor's meta, so mismatches show."""
         p = self.parts[0] if p is None else p
+        phases = self.phases
+        if phases is not None:
+            phases.sending()
         await self.services.links.send_data(dst, p.name, p.round, tag, self.op, p.dtype,
                                             p.shape, payload)
+        if phases is not None:
+            phases.sent()
 
     async def send_part(self, dst: int, wire: pb.Part, payload: memoryview) -> None:
         """Send one part described by the caller (window requests)."""
+        phases = self.phases
+        if phases is not None:
+            phases.sending()
         await self.services.links.send_parts(dst, [wire], [payload])
+        if phases is not None:
+            phases.sent()
 
     # ------------------------------------------------------------------ receiving
 
     def expect(self, src: int, tag: int) -> asyncio.Future[Arrival]:
         """A future for this op's first tensor with ``tag`` from ``src``, unchecked."""
-        return self.services.mailbox.expect(src, self.name, self.round, tag)
+        fut = self.services.mailbox.expect(src, self.name, self.round, tag)
+        phases = self.phases
+        if phases is not None:
+            phases.receiving()
+            fut.add_done_callback(phases.received)
+        return fut
 
     async def recv_parts(self, src: int, tag: int, ack: bool = False,
                          parts: list[PartSpec] | None = None, sized: bool = True,
@@ -299,7 +352,12 @@ class OpContext:
                 f.cancel()
             raise DecentError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} has disconnected")
         self.waiting.add(src)
+        phases = self.phases
+        if phases is not None:
+            phases.receiving()
         arrivals = list(await asyncio.gather(*futs))
+        if phases is not None:
+            phases.received()
         self.waiting.discard(src)
         for p, arrival in zip(want, arrivals, strict=True):
             problem = self.mismatch(src, arrival, p, sized, shape)

@@ -36,7 +36,7 @@ from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.links import Links, part
 from decentd.mailbox import Arrival
-from decentd.names import display_name, owner
+from decentd.names import display_name, job_of, owner
 from decentd.numerics import weighted_sum
 from decentd.tasks import TaskSet
 
@@ -233,6 +233,11 @@ class WindowStore:
         return pb.WindowInfo(meta=pb.TensorMeta(dtype=w.dtype, shape=w.shape), step=w.step,
                              versions=w.versions, steps=w.steps, served=w.served,
                              max_staleness=w.max_staleness, p=w.p)
+
+    def staleness(self) -> dict[str, int]:
+        """Each window's ``max_staleness`` here, by ``job/name@rank``."""
+        return {f"{job_of(w.name)}/{w.display}@{owner(w.name)}": w.max_staleness
+                for w in self.windows.values() if w.own is not None}
 
     @property
     def parked(self) -> int:
