@@ -521,18 +521,23 @@ def two_of_three(tmp_path: Path) -> Iterator[TwoOfThree]:
         fake.close()
 
 
+def bulk_port_as_rank_2(peer: str) -> int:
+    """Rank 0's bulk port, learned by a handshake as the (insecure) cluster's rank 2."""
+    digest = build_topology("ring", 3).digest()
+    stub = pb_grpc.PeerStub(grpc.insecure_channel(peer))
+    return int(stub.Handshake(pb.HandshakeRequest(
+        cluster_id="decent", protocol_version=pb.PROTOCOL_VERSION_CURRENT, from_rank=2,
+        to_rank=0, workers_per_node=1, topology_digest=digest,
+        machine_topology_digest=digest)).data_port)
+
+
 def test_hostile_frames_close_only_their_connection_and_ops_go_on(
         two_of_three: TwoOfThree) -> None:
     c = two_of_three
     procs = c.procs
     clients = [dt.connect(f"unix://{s}", 60, local_rank=0) for s in c.sockets]  # all up
     try:
-        digest = build_topology("ring", 3).digest()
-        stub = pb_grpc.PeerStub(grpc.insecure_channel(c.peers[0]))
-        port = stub.Handshake(pb.HandshakeRequest(
-            cluster_id="decent", protocol_version=pb.PROTOCOL_VERSION_CURRENT, from_rank=2,
-            to_rank=0, workers_per_node=1, topology_digest=digest,
-            machine_topology_digest=digest)).data_port
+        port = bulk_port_as_rank_2(c.peers[0])
         hello = frame(pb.BulkHeader(kind=pb.HELLO, cluster_id="decent", from_rank=2))
 
         def window(**fields: Any) -> pb.Part:
@@ -582,12 +587,7 @@ def test_a_peers_abort_text_reaches_the_log_escaped_and_cut(two_of_three: TwoOfT
     c = two_of_three
     clients = [dt.connect(f"unix://{s}", 60, local_rank=0) for s in c.sockets]  # all up
     try:
-        digest = build_topology("ring", 3).digest()
-        stub = pb_grpc.PeerStub(grpc.insecure_channel(c.peers[0]))
-        port = stub.Handshake(pb.HandshakeRequest(
-            cluster_id="decent", protocol_version=pb.PROTOCOL_VERSION_CURRENT, from_rank=2,
-            to_rank=0, workers_per_node=1, topology_digest=digest,
-            machine_topology_digest=digest)).data_port
+        port = bulk_port_as_rank_2(c.peers[0])
         handle = clients[0].neighbor_allreduce_async(  # waits for rank 2, which never sends
             torch.ones(4), name="victim", self_weight=0.5, src_weights={2: 0.5}, dst_weights=[],
             timeout=60)
