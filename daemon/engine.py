@@ -97,7 +97,8 @@ class PhaseObserver(OpObserver, Protocol):
     receives mark too) and a worker's tensors with their client's times (``submitted``)."""
 
     def completed(self, ctx: OpContext) -> None:
-        """``ctx`` ended and its completion went to its worker(s) (``ctx.phases.done_ns``)."""
+        """``ctx`` ended and its completion went to its worker(s) (written right after
+        ``ctx.phases.done_ns``)."""
 
 
 class Engine:
@@ -300,12 +301,13 @@ class Engine:
             result = None
         for observer in self.observers:
             observer.ended(ctx, error, time.monotonic() - began)
+        if ctx.phases is not None:  # the op's last phase ends as its completion goes out
+            ctx.phases.done_ns = time.monotonic_ns()
         try:
             done(result, error)
         except Exception:  # a bug in whoever waits: log it, keep the daemon
             log.exception("completing %s failed", ctx.label)
-        if ctx.phases is not None:  # done() wrote the completion(s): the op's last phase ends
-            ctx.phases.done_ns = time.monotonic_ns()
+        if ctx.phases is not None:  # recorded once the worker has its completion
             for tracer in self.tracers:
                 tracer.completed(ctx)
 

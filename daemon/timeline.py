@@ -25,7 +25,9 @@ phase is a complete (``"X"``) event named after it, with the op, round and bytes
 - ``received``: from the op's first wait for a peer's data to the last data there;
 - ``combined``: from the end of its last transfer to the op's result written: the combining
   that did not overlap the transfers (a lone neighbor's tensor is folded in while it arrives);
-- ``completed``: from the result to the completion written to the worker.
+- ``completed``: from the result to its completion handed to the worker (the op's keys
+  closed, its buffers released; with several workers per node, the copies of a node-level
+  result to them follow).
 
 The client's phases come with its request (``SubmitRequest.queued_ns``, ``fused_ns``,
 ``sent_ns``): ``time.monotonic_ns``, whose clock (CLOCK_MONOTONIC) every process of a host shares.

@@ -16,6 +16,7 @@ the row, ``sent`` (which overlaps receiving) in the lower band, one color per ph
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import glob
 import json
 import re
@@ -31,7 +32,7 @@ Event = dict[str, Any]
 #: one color per phase (colorblind-safe palette); a failed op's phases are hatched
 COLORS = {"queued": "#bbbbbb", "fused": "#ee7733", "sent": "#0077bb", "received": "#33bbee",
           "combined": "#009988", "completed": "#aa3377"}
-#: most rows drawn (the first ones, by rank and lane)
+#: most rows drawn (shared by the ranks: each rank's first lanes)
 MAX_ROWS = 160
 
 
@@ -129,7 +130,8 @@ class Row:
 
     pid: int
     tid: int
-    label: str
+    name: str  #: the lane's name (the op's name)
+    label: str  #: ``rank N · name``
     #: by phase (with a trailing ``!`` for a failed op's): (start us, duration us)
     bars: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
@@ -153,16 +155,18 @@ def rows(events: list[Event]) -> list[Row]:
         row = by_lane.get((pid, tid))
         if row is None:
             proc = procs.get(pid, f"node {pid - NODE_PID}" if pid >= NODE_PID else f"rank {pid}")
-            row = by_lane[(pid, tid)] = Row(pid, tid, f"{proc} · {names.get((pid, tid), tid)}")
+            name = names.get((pid, tid), str(tid))
+            row = by_lane[(pid, tid)] = Row(pid, tid, name, f"{proc} · {name}")
         key = e["name"] + ("!" if e.get("args", {}).get("error") else "")
         row.bars.setdefault(key, []).append((float(e["ts"]), float(e.get("dur", 0.0))))
     return [by_lane[k] for k in sorted(by_lane)]
 
 
 def draw(events: list[Event], out: str, title: str = "decent timeline",
-         window: tuple[float, float] | None = None) -> int:
+         window: tuple[float, float] | None = None, ops: str | None = None) -> int:
     """Draw the Gantt chart of ``events`` into the PNG ``out`` (``window``: only that span,
-    in ms from the first event); the number of rows drawn."""
+    in ms from the first event; ``ops``: only lanes whose name matches this glob); the number
+    of rows drawn."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -176,14 +180,17 @@ def draw(events: list[Event], out: str, title: str = "decent timeline",
         raise ValueError("the timeline holds no op phases")
     start = min(ts for r in lanes for bars in r.bars.values() for ts, _ in bars)
     end = max(ts + d for r in lanes for bars in r.bars.values() for ts, d in bars)
+    if ops is not None:
+        lanes = [r for r in lanes if fnmatch.fnmatchcase(r.name, ops)]
+        if not lanes:
+            raise ValueError(f"no op lane matches {ops!r}")
     if window is not None:  # only the lanes with something in it
         lo_us, hi_us = start + window[0] * 1e3, start + window[1] * 1e3
         lanes = [r for r in lanes if any(ts < hi_us and ts + d > lo_us
                                          for bars in r.bars.values() for ts, d in bars)]
         if not lanes:
             raise ValueError(f"no op phase between {window[0]} and {window[1]} ms")
-    cut = len(lanes) > MAX_ROWS
-    lanes = lanes[:MAX_ROWS]
+    lanes, cut = _cap(lanes)
     fig, ax = plt.subplots(figsize=(13, 1.6 + 0.32 * len(lanes)))
     for y, row in enumerate(lanes):
         for key, bars in row.bars.items():
@@ -196,7 +203,8 @@ def draw(events: list[Event], out: str, title: str = "decent timeline",
                            linewidth=0.4, hatch="////" if failed else None)
     total = (end - start) / 1e3
     _frame(ax, lanes, (-0.01 * total, 1.01 * total) if window is None else window)
-    ax.set_title(title + (f" (first {MAX_ROWS} lanes)" if cut else ""))
+    ax.set_title(title + (f" ({cut} more lanes not drawn: choose with --ops or --window)"
+                          if cut else ""))
     handles = [Patch(color=COLORS[p], label=p) for p in PHASES]
     handles.append(Patch(facecolor="white", edgecolor="#555555", hatch="////", label="failed"))
     ax.legend(handles=handles, ncol=len(handles),
@@ -205,6 +213,21 @@ def draw(events: list[Event], out: str, title: str = "decent timeline",
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return len(lanes)
+
+
+def _cap(lanes: list[Row]) -> tuple[list[Row], int]:
+    """At most :data:`MAX_ROWS` lanes, shared by the ranks (each keeps its first ones); and how
+    many were left out."""
+    if len(lanes) <= MAX_ROWS:
+        return lanes, 0
+    per = max(1, MAX_ROWS // len({r.pid for r in lanes}))
+    kept: list[Row] = []
+    seen: dict[int, int] = {}
+    for r in lanes:
+        seen[r.pid] = seen.get(r.pid, 0) + 1
+        if seen[r.pid] <= per:
+            kept.append(r)
+    return kept, len(lanes) - len(kept)
 
 
 def _frame(ax: Any, lanes: list[Row], span: tuple[float, float]) -> None:
@@ -230,6 +253,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                     "or chrome://tracing)")
     tl.add_argument("--window", metavar="FROM:TO", help="only this span (ms since the first "
                     "event) in the chart")
+    tl.add_argument("--ops", metavar="GLOB", help="only the lanes of ops whose name matches, "
+                    "e.g. 'grad.*'")
     return tl
 
 
@@ -251,7 +276,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   f"{args.merge}")
         if args.png:
             drawn = draw(load(files), args.png, f"decent timeline: {len(files)} file(s)",
-                         window)
+                         window, args.ops)
             print(f"drew {drawn} lanes into {args.png}")
     except (OSError, ValueError) as exc:
         print(f"decentctl timeline: {exc}")

@@ -114,6 +114,8 @@ def test_every_op_has_all_its_phases_on_every_rank_in_order(
         check_chrome_trace(events)
         assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {
             f"rank {rank}"}
+        # a call made after the previous one completed reuses its lane (no "w #2")
+        assert not [n for n in lanes(events).values() if " #" in n]
         ops = phases_by_op(events)
         for name, rounds in GOOD.items():
             for r in rounds:

@@ -75,7 +75,8 @@ class Level:
 
 class Phases:
     """An op's marks (``time.monotonic_ns``, 0: not reached) while a timeline records: opened,
-    sends (first began, last returned), data (first awaited, last came), ran, done; error."""
+    sends (first began, last returned), data (first awaited, last came), ran, done (the
+    completion handed over); error."""
 
     __slots__ = ("done_ns", "error", "ran_ns", "received_ns", "recv_ns", "send_ns", "sent_ns",
                  "started_ns")
