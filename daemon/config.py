@@ -190,6 +190,21 @@ class TimelineConfig(_Strict):
     path: str | None = None
 
 
+class FaultConfig(_Strict):
+    """What a daemon does when peers die, drop or come back (docs/faults.md)."""
+
+    #: a peer silent on every connection this long (seconds) is dead; default: 3 heartbeats
+    peer_dead_after: float | None = Field(None, gt=0, le=3600)
+    #: ``reweight``: a neighbor op completes without a dead in-neighbor, whose weight goes to
+    #: self; ``fail``: the op fails with PEER_UNAVAILABLE naming the rank
+    on_peer_loss: Literal["reweight", "fail"] = "reweight"
+    #: start once this many daemons (this one included) are up; the rest may join later
+    #: (default: all of them)
+    min_nodes: int | None = Field(None, ge=1)
+    #: the longest wait between two attempts to reach a peer that is down (seconds)
+    reconnect_max_delay: float = Field(1.0, gt=0, le=60)
+
+
 class NodeConfig(_Strict):
     """Everything one ``decentd`` needs to know."""
 
@@ -218,6 +233,7 @@ class NodeConfig(_Strict):
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     timeline: TimelineConfig = Field(default_factory=TimelineConfig)
+    faults: FaultConfig = Field(default_factory=FaultConfig)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     #: json: one JSON object per line (time, level, rank, message; job, op and peer when known)
     log_format: Literal["text", "json"] = "text"

@@ -1,7 +1,8 @@
-"""How a daemon reaches its peers at start: a gRPC handshake with each (cluster id, protocol
-version, ranks, topology, workers per node; in secret mode after a challenge-response both ways,
-:mod:`decentd.auth`), retried until the start timeout, then its bulk connection, greeted with a
-HELLO that proves the handshake's session key."""
+"""How a daemon reaches one peer (at start, and again after the link dropped): a gRPC handshake
+(cluster id, protocol version, ranks, topology, workers per node, incarnation; in secret mode
+after a challenge-response both ways, :mod:`decentd.auth`), retried until a deadline, then its
+bulk connection, greeted with a HELLO that proves the handshake's session key. Who calls it
+when is :mod:`decentd.liveness`."""
 
 from __future__ import annotations
 
@@ -28,42 +29,25 @@ from decentd.sender import Sender
 log = logging.getLogger("decentd.links")
 
 
-async def connect_all(links: Links, timeout: float) -> None:
-    """Handshake with every peer, retrying with backoff; StartupError names missing ranks."""
-    deadline = time.monotonic() + timeout
-    results = await asyncio.gather(
-        *(_connect(links, link, deadline) for link in links.links.values()),
-        return_exceptions=True,
-    )
-    fatal = [r for r in results if isinstance(r, StartupError)]
-    if fatal:
-        raise fatal[0]
-    for r in results:
-        if isinstance(r, BaseException):
-            raise StartupError(f"connecting to peers failed: {r!r}") from r
-    missing = sorted(link.rank for link in links.links.values() if not link.connected)
-    if missing:
-        where = ", ".join(f"{r} ({links.links[r].address})" for r in missing)
-        raise StartupError(
-            f"peers not reachable after {timeout:.0f}s start timeout: rank(s) {where}"
-        )
-
-
-async def _connect(links: Links, link: PeerLink, deadline: float) -> None:
+async def connect_peer(links: Links, link: PeerLink, deadline: float) -> int:
+    """Handshake with ``link``'s peer (retried until ``deadline``) and open our bulk connection
+    to it, greeted with a HELLO; the peer's incarnation. ConnectionError when it cannot be
+    reached in time; StartupError when it refuses us (another cluster, topology, secret)."""
     tls = links.auth.tls
-    link.channel = (grpc.aio.secure_channel(link.address, tls.channel_credentials(),
-                                            options=GRPC_OPTIONS) if tls is not None else
-                    grpc.aio.insecure_channel(link.address, options=GRPC_OPTIONS))
+    if link.channel is None:
+        link.channel = (grpc.aio.secure_channel(link.address, tls.channel_credentials(),
+                                                options=GRPC_OPTIONS) if tls is not None else
+                        grpc.aio.insecure_channel(link.address, options=GRPC_OPTIONS))
     answer = await _handshake(links, link, pb_grpc.PeerStub(link.channel), deadline)
     if answer is None:
-        return
+        raise ConnectionError(f"rank {link.rank} at {link.address} did not answer")
     reply, key = answer
     try:
         bulk_tls = tls.client_context() if tls is not None and tls.encrypt_bulk else None
         sock = await _open(host_of(link.address), int(reply.data_port), bulk_tls)
     except OSError as exc:
-        raise StartupError(f"rank {link.rank} at {link.address}: cannot open the bulk "
-                           f"connection to port {reply.data_port}: {exc}") from None
+        raise ConnectionError(f"rank {link.rank} at {link.address}: cannot open the bulk "
+                              f"connection to port {reply.data_port}: {exc}") from None
     link.flow.credits = int(reply.window_bytes)
     link.sender = Sender(sock, asyncio.get_running_loop(), link.rank)
     proof = links.auth.hello_proof(key or bytes(reply.bulk_key), links.rank, link.rank)
@@ -73,6 +57,7 @@ async def _connect(links: Links, link: PeerLink, deadline: float) -> None:
     link.last_heartbeat = time.monotonic()
     log.debug("connected to rank %d at %s (bulk port %d)", link.rank, link.address,
               reply.data_port)
+    return int(reply.incarnation)
 
 
 async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,
@@ -84,7 +69,8 @@ async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,
                                   protocol_version=PROTOCOL_VERSION, from_rank=links.rank,
                                   to_rank=link.rank, topology_digest=links.topology_digest,
                                   workers_per_node=links.per_node,
-                                  machine_topology_digest=links.machine_digest)
+                                  machine_topology_digest=links.machine_digest,
+                                  incarnation=links.incarnation)
     while True:
         timeout = max(0.1, min(2.0, deadline - time.monotonic()))
         try:
@@ -92,7 +78,7 @@ async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,
             reply: pb.HandshakeReply = await stub.Handshake(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             if time.monotonic() + delay >= deadline:
-                log.error("rank %d at %s: %s", link.rank, link.address, exc.code().name)
+                log.debug("rank %d at %s: %s", link.rank, link.address, exc.code().name)
                 return None
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.25)

@@ -30,6 +30,7 @@ from decentd.logs import op_fields
 from decentd.mailbox import OpKey
 from decentd.names import RESERVED, at_worker, qualify
 from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Phases, Services
+from decentd.rounds import peer_id
 
 log = logging.getLogger("decentd.engine")
 
@@ -267,6 +268,7 @@ class Engine:
             except DecentError:  # its own arguments are bad: every rank may be waiting for it
                 ctx.participants = set(range(ctx.size)) - {ctx.rank}
                 raise
+            self._place_late_peers(ctx)
             if ctx.failure is not None:  # aborted by a peer, or shut down, before it started
                 raise asyncio.CancelledError
             if ctx.op in SAME_SIZE_RESULT:  # fail (and tell the peers) before receiving
@@ -310,6 +312,18 @@ class Engine:
         if ctx.phases is not None:  # recorded once the worker has its completion
             for tracer in self.tracers:
                 tracer.completed(ctx)
+
+    def _place_late_peers(self, ctx: OpContext) -> None:
+        """The op's late peers (:mod:`decentd.rounds`) count this op's rounds as their 0, unless
+        an earlier op placed them."""
+        rounds = self.services.links.rounds
+        if not rounds.any_late:
+            return
+        for peer in ctx.participants:
+            pid = peer_id(peer, ctx.name)
+            if rounds.is_late(pid):
+                for p in ctx.parts:
+                    rounds.establish(pid, p.name, p.round)
 
     def _time_out(self, ctx: OpContext, timeout: float) -> None:
         ctx.fail(DecentError(pb.TIMEOUT, f"{ctx.label} timed out after {timeout:g}s on rank "

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+from decent_wire.errors import DecentError
+from decent_wire.v1 import decent_pb2 as pb
+
 
 class StartupError(Exception):
     """The daemon cannot start (bad config, peers missing past the start timeout, ...)."""
+
+
+class PeerLost(DecentError):
+    """A peer an op exchanges with is gone (its daemon's link dropped, or its worker left):
+    under ``faults.on_peer_loss: reweight`` a neighbor op goes on without it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(pb.PEER_UNAVAILABLE, message)

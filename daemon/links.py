@@ -21,10 +21,12 @@ from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.auth import PeerAuth, shown
 from decentd.bulk import FrameSink, Gate, Inbound
+from decentd.errors import PeerLost
 from decentd.flow import LinkFlow, Rendezvous
 from decentd.loopback import LoopbackSender
 from decentd.mailbox import OpKey
 from decentd.names import display_name, owner, readdress
+from decentd.rounds import RoundMap, peer_id
 from decentd.sender import Buffer, Outgoing, Sender
 
 log = logging.getLogger("decentd.links")
@@ -71,12 +73,14 @@ class PeerLink:
     sender: Sender | LoopbackSender | None = None
     inbound: Inbound | None = None
     connected: bool = False  #: our connection to the peer is up
-    inbound_lost: bool = False  #: the peer's connection to us was up and ended
     last_heartbeat: float = 0.0  #: when the peer was last heard from (any frame)
     heartbeat_mark: int = -1  #: bytes sent to the peer at the last heartbeat tick
     acks_early: int = 0  #: parts acknowledged before their payload had all arrived
     acks_late: int = 0  #: parts acknowledged only after: the op here started after the arrival
     aborts_received: int = 0  #: ABORT frames from the peer
+    #: bumped whenever both connections are dropped and flow control starts afresh: what was
+    #: received or lent before must not count against the new connections
+    generation: int = 0
 
     @property
     def bytes_sent(self) -> int:
@@ -108,8 +112,8 @@ def _settle(fut: asyncio.Future[None], err: BaseException | None, rank: int, nam
         fut.set_exception(DecentError(pb.ABORTED, f"op '{display_name(name)}': cancelled "
                                                   "before it was sent"))
     else:
-        fut.set_exception(DecentError(pb.PEER_UNAVAILABLE, f"op '{display_name(name)}': sending "
-                                      f"to rank {rank} failed ({type(err).__name__}: {err})"))
+        fut.set_exception(PeerLost(f"op '{display_name(name)}': sending to rank {rank} failed "
+                                   f"({type(err).__name__}: {err})"))
 
 
 class Links:
@@ -122,8 +126,11 @@ class Links:
 
     def __init__(self, rank: int, addresses: list[str], cluster_id: str, window: int,
                  topology_digest: str, per_node: int = 1, machine_digest: str = "",
-                 auth: PeerAuth | None = None, auth_timeout: float = 10.0) -> None:
+                 auth: PeerAuth | None = None, auth_timeout: float = 10.0,
+                 incarnation: int = 0) -> None:
         self.rank = rank
+        #: this daemon's start (ns since the epoch), told at every handshake
+        self.incarnation = incarnation
         self.cluster_id = cluster_id
         #: what peers prove at handshake and HELLO (:mod:`decentd.auth`)
         self.auth = auth or PeerAuth("insecure", cluster_id)
@@ -144,6 +151,8 @@ class Links:
         self._loopback = [is_loopback(a) for a in addresses]
         self.data_port = 0
         self._server: asyncio.Server | None = None
+        #: round offsets of peers that joined late (restarted, or not up at start)
+        self.rounds = RoundMap()
 
     # ------------------------------------------------------------------ addressing
 
@@ -167,6 +176,8 @@ class Links:
             q = pb.Part()
             q.CopyFrom(p)
             who = owner(p.name)
+            if self.rounds.any_late:
+                q.round = self.rounds.outgoing(peer_id(peer, p.name), p.name, int(p.round))
             if who is None:
                 q.src = self.rank
             else:
@@ -256,11 +267,10 @@ class Links:
                              f"{self.auth.mode})")
         if not conn.trusted:
             self.gate.settled(conn)
-        if link.inbound is not None:  # reconnecting is not supported: keep the first one
+        if link.inbound is not None:  # a new one comes after a handshake that drops the old
             raise ValueError(f"a second HELLO from rank {src}, which is already connected")
         conn.src = src
         link.inbound = conn
-        link.inbound_lost = False
 
     def inbound_lost(self, conn: Inbound) -> int | None:
         """A bulk connection ended: its peer's rank when it was that peer's current one."""
@@ -268,24 +278,37 @@ class Links:
         if link is None or link.inbound is not conn:
             return None
         link.inbound = None
-        link.inbound_lost = True
         return link.rank
 
-    async def heartbeat_loop(self, interval: float) -> None:
-        """Every ``interval`` seconds, send an empty frame on each bulk connection that carried
-        nothing since the last tick, so that every peer hears from us at least every two
-        intervals (its ``last_heartbeat``). Any frame counts, so busy links cost nothing, and
-        an idle one costs one small write."""
-        while True:
-            await asyncio.sleep(interval)
-            for link in self.links.values():
-                if link.sender is None or not link.connected:
-                    continue
-                # a link that is busy, or stuck behind a peer that stopped reading, gets none:
-                # heartbeats must not pile up in its queue
-                if link.sender.bytes_sent == link.heartbeat_mark and link.sender.idle:
-                    self.control(link.rank, pb.BulkHeader(kind=pb.ACK))
-                link.heartbeat_mark = link.sender.bytes_sent
+    def heartbeat(self, beat: pb.BulkHeader) -> None:
+        """One heartbeat tick: send ``beat`` on each bulk connection that carried nothing since
+        the last tick, so that every peer hears from us at least every two intervals (its
+        ``last_heartbeat``). Any frame counts, so busy links cost nothing, and an idle one
+        costs one small write."""
+        for link in self.links.values():
+            if link.sender is None or not link.connected:
+                continue
+            # a link that is busy, or stuck behind a peer that stopped reading, gets none:
+            # heartbeats must not pile up in its queue
+            if link.sender.bytes_sent == link.heartbeat_mark and link.sender.idle:
+                self.control(link.rank, beat)
+            link.heartbeat_mark = link.sender.bytes_sent
+
+    def teardown(self, machine: int) -> Sender | LoopbackSender | None:
+        """Drop both connections with daemon ``machine`` and start its flow control afresh
+        (frames still queued fail); the old sender, for the caller to close off the loop."""
+        link = self.links[machine]
+        old, link.sender = link.sender, None
+        link.connected = False
+        if old is not None:
+            old.abort()
+        inbound, link.inbound = link.inbound, None
+        if inbound is not None and inbound.transport is not None:
+            inbound.transport.abort()
+        link.flow = LinkFlow(self.window)
+        link.generation += 1
+        link.heartbeat_mark = -1
+        return old
 
     async def close(self) -> None:
         """Close every connection and channel."""
@@ -314,10 +337,8 @@ class Links:
     def _link(self, dst: int, name: str) -> PeerLink:
         link = self.link_of(dst, name)
         if link is None or link.sender is None or not link.connected:
-            raise DecentError(
-                pb.PEER_UNAVAILABLE,
-                f"op '{display_name(name)}': rank {dst} is not connected to rank {self.rank}",
-            )
+            raise PeerLost(f"op '{display_name(name)}': rank {dst} is not connected to rank "
+                           f"{self.rank}")
         return link
 
     async def _write(self, link: PeerLink, buffers: list[Buffer], name: str,
@@ -332,10 +353,11 @@ class Links:
         """
         assert link.sender is not None
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        flow = link.flow  # a link torn down meanwhile has another
 
         def done(err: BaseException | None) -> None:
             if isinstance(err, asyncio.CancelledError) and refund is not None:
-                link.flow.refund(*refund)  # skipped: the peer never saw it
+                flow.refund(*refund)  # skipped: the peer never saw it
             _settle(fut, err, link.rank, name)
 
         item = link.sender.send(buffers, done)
@@ -384,22 +406,23 @@ class Links:
         parts = self.addressed(dst, parts)
         payload = [b for b in payload if len(b)]
         size = sum(len(b) for b in payload)
-        mid = link.flow.next_id()
-        if link.flow.take(size):
+        flow = link.flow
+        mid = flow.next_id()
+        if flow.take(size):
             header = pb.BulkHeader(kind=pb.DATA, message_id=mid, payload_bytes=size, parts=parts)
-            stamped = link.flow.stamp(header)
+            stamped = flow.stamp(header)
             await self._write(link, [stamped, *payload], name, (size, int(header.credit)),
                               track, len(stamped))
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         rdv = Rendezvous(payload, name, done)
-        link.flow.rendezvous[mid] = rdv
+        flow.rendezvous[mid] = rdv
         try:
             rts = pb.BulkHeader(kind=pb.RTS, message_id=mid, payload_bytes=0, parts=parts)
-            await self._write(link, [link.flow.stamp(rts)], name)
+            await self._write(link, [flow.stamp(rts)], name)
             await asyncio.shield(done)  # the CTS queues the payload; this is its write
         except BaseException:
-            link.flow.rendezvous.pop(mid, None)
+            flow.rendezvous.pop(mid, None)
             if isinstance(rdv.queued, Outgoing) and not done.done():  # queued or going out
                 await self._abandon(done, rdv.queued, link, name)
             raise

@@ -92,6 +92,7 @@ class Message:
     credit: int  #: eager bytes to give back to the sender
     on_release: Callable[[Message], None] | None = None
     parts: int = 0  #: eager parts given back with them
+    generation: int = 0  #: of the sender's link (``PeerLink.generation``) it came over
 
 
 @dataclass(eq=False)
@@ -210,7 +211,7 @@ class Mailbox:
             self._held.setdefault((name, round_), []).append(arrival)
             fut.set_result(arrival)
             return fut
-        gone = self._gone(src, name)
+        gone = self.gone(src, name)
         if gone is not None:
             fut.set_exception(gone)
             return fut
@@ -230,7 +231,7 @@ class Mailbox:
     def expect_ack(self, dst: int, name: str, round_: int, tag: int) -> asyncio.Future[None]:
         """A future resolved when ``dst`` acknowledges our part ``(name, round, tag)``."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        gone = self._gone(dst, name)
+        gone = self.gone(dst, name)
         if gone is not None:
             fut.set_exception(gone)
         else:
@@ -246,17 +247,17 @@ class Mailbox:
         while len(self._departed) > DEPARTED_MEMORY:
             self._departed.popitem(last=False)
         for key, slot in self._slots.items():
-            if key[0] == rank and self._gone(rank, key[1]) is not None:
+            if key[0] == rank and self.gone(rank, key[1]) is not None:
                 for fut in (slot.waiter, slot.ack_waiter):
                     if fut is not None and not fut.done():
                         fut.set_exception(error)
                 slot.waiter = slot.ack_waiter = None
 
-    def worker_joined(self, job: str, rank: int) -> None:
-        """Worker ``rank`` of ``job`` registered (again)."""
-        self._departed.pop((job, rank), None)
+    def worker_joined(self, job: str, rank: int) -> bool:
+        """Worker ``rank`` of ``job`` registered (again); whether it had left."""
+        return self._departed.pop((job, rank), None) is not None
 
-    def _gone(self, peer: int, name: str) -> Exception | None:
+    def gone(self, peer: int, name: str) -> Exception | None:
         """The error for waiting on ``peer`` under key ``name`` when that worker left."""
         try:
             worker_level = bool(self._departed) and owner(name) is not None

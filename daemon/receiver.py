@@ -22,17 +22,19 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.auth import shown
 from decentd.bufpool import BufferPool
 from decentd.bulk import Inbound
+from decentd.errors import PeerLost
 from decentd.flow import LinkFlow
 from decentd.links import Links
 from decentd.mailbox import Arrival, Mailbox, Message
+from decentd.rounds import Parked
 from decentd.windows import OneSided
 from decentd.windows.store import is_one_sided
 
@@ -44,6 +46,8 @@ MAX_MESSAGE = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 #: characters of a failure's text that reach the log; of an ABORT's text that reach an op
 SHOWN, ERROR_TEXT = 300, 4096
 _ERROR_CODES = frozenset(pb.ErrorCode.values())
+#: frames whose parts name rounds (a late peer's are translated into ours)
+_PLACED_KINDS = frozenset({pb.DATA, pb.RTS, pb.ACK, pb.ABORT})
 
 
 def _contained(exc: Exception) -> ValueError:
@@ -74,18 +78,35 @@ class _Landing:
             self.active = False
 
 
+class PeerEvents(Protocol):
+    """Who is told when a peer's connection comes and goes (:mod:`decentd.liveness`)."""
+
+    def link_lost(self, src: int, reason: str) -> None:
+        """Daemon ``src``'s current connection to us ended."""
+
+    def link_bound(self, src: int) -> None:
+        """Daemon ``src`` connected to us and proved who it is (HELLO)."""
+
+    def view(self, src: int, epoch: int, live: list[int]) -> None:
+        """Daemon ``src`` told us its membership view."""
+
+
 class Receiver:
     """Where every incoming bulk connection delivers its frames (a ``bulk.FrameSink``)."""
 
     def __init__(self, links: Links, mailbox: Mailbox, pool: BufferPool, one_sided: OneSided,
-                 group_failed: Callable[[str, int, pb.Error], None]) -> None:
+                 group_failed: Callable[[str, int, pb.Error], None], peers: PeerEvents) -> None:
         self._links = links
+        self._peers = peers
         self._mailbox = mailbox
         self._pool = pool
         #: who serves each one-sided window request, by op
         self._one_sided = one_sided
         self._group_failed = group_failed
         self._landing: dict[Inbound, _Landing] = {}
+        #: whether the frame whose header just arrived on a connection had its rounds placed
+        self._placed: dict[Inbound, bool] = {}
+        links.rounds.on_placeable(self._replay, self._drop_parked)
 
     def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
         """Where a frame's payload goes: a pooled buffer of exactly its size, or the memory of
@@ -107,6 +128,9 @@ class Receiver:
         elif header.kind == pb.DATA:
             parts = self._described(conn.src, header.parts, size)
             self._flow(conn.src).accept_eager(size, conn.src, len(parts))
+            placed = self._placed[conn] = self._place(conn.src, header)
+            if not placed:  # a late peer's, before our op of it started: kept whole
+                return self._pool.get(size)
         else:
             raise ValueError(f"a payload on a frame of kind {header.kind}")
         if any(is_one_sided(p) for p in parts):
@@ -158,6 +182,8 @@ class Receiver:
     def on_progress(self, conn: Inbound, header: pb.BulkHeader, dest: np.ndarray,
                     filled: int) -> None:
         """Part of a payload arrived: a lone part's waiting op may fold it in already."""
+        if self._placed.get(conn) is False:
+            return
         parts = (self._mailbox.payload_parts(conn.src, int(header.message_id))
                  if header.kind == pb.PAYLOAD else list(header.parts))
         if parts is not None and len(parts) == 1:
@@ -176,11 +202,15 @@ class Receiver:
         if kind == pb.HELLO:
             self._links.bind_inbound(conn, int(header.from_rank), header.cluster_id,
                                      bytes(header.proof))
+            if not conn.trusted:
+                self._peers.link_bound(conn.src)
             return
         src = conn.src
         link = self._links.link(src)
         if link is None:
             raise ValueError("data before HELLO")
+        if not conn.trusted and link.inbound is not conn:
+            return  # a connection dropped with its link: what it still carried is void
         link.last_heartbeat = time.monotonic()
         if header.credit > link.flow.lent:
             raise ValueError(f"{header.credit} bytes of credit given back, {link.flow.lent} lent")
@@ -189,10 +219,22 @@ class Receiver:
         if landing is not None:
             self._mailbox.landing(landing.part, None)
         pooled = landing is None or not landing.active
-        size = int(header.payload_bytes)
+        placed = self._placed.pop(conn, None)
+        if placed is None and kind != pb.PAYLOAD:
+            placed = self._place(src, header)
+        if placed is False:
+            self._links.rounds.park(src, header, payload)
+            return
+        self._dispatch(src, header, payload, pooled)
+
+    def _dispatch(self, src: int, header: pb.BulkHeader, payload: np.ndarray | None,
+                  pooled: bool) -> None:
+        """A frame whose rounds are ours, to whoever takes it."""
+        kind, size = header.kind, int(header.payload_bytes)
+        link = self._links.link(src)
         if kind == pb.DATA:
             parts = self._described(src, header.parts, size)
-            if not size:  # no header call: its parts count now
+            if not size and link is not None:  # no header call: its parts count now
                 link.flow.accept_eager(0, src, len(parts))
             self._split(src, parts, payload, size, size, pooled, eager=True)
         elif kind == pb.PAYLOAD:
@@ -207,6 +249,34 @@ class Receiver:
         else:
             self._control(src, header)
 
+    def _place(self, src: int, header: pb.BulkHeader) -> bool:
+        """Put a late peer's rounds into ours (:mod:`decentd.rounds`); False: not yet (our op
+        of one of its names has not started)."""
+        rounds = self._links.rounds
+        if not rounds.any_late or header.kind not in _PLACED_KINDS or \
+                any(is_one_sided(p) for p in header.parts):
+            return True
+        if not rounds.placeable(src, header):
+            return False
+        rounds.translate(header)
+        return True
+
+    def _replay(self, frame: Parked) -> None:
+        """A parked frame can be placed now."""
+        self._links.rounds.translate(frame.header)
+        try:
+            self._dispatch(frame.src, frame.header, frame.payload, True)
+        except Exception as exc:  # its connection may be gone: only this frame is lost
+            log.warning("a frame from rank %d kept for a late op failed: %s", frame.src,
+                        shown(str(exc), SHOWN), extra={"peer": frame.src})
+
+    def _drop_parked(self, frame: Parked) -> None:
+        """A parked frame is given up: its buffer back to the pool, its credit to the peer."""
+        if frame.payload is not None:
+            self._pool.put(frame.payload)
+        if frame.header.kind == pb.DATA:
+            self._links.consumed(frame.src, int(frame.header.payload_bytes))
+
     def _control(self, src: int, header: pb.BulkHeader) -> None:
         """A frame without payload: RTS, CTS, ACK or ABORT."""
         kind = header.kind
@@ -219,6 +289,10 @@ class Receiver:
                 self._mailbox.announce(src, mid, header)
         elif kind == pb.CTS:
             self._links.cleared(src, int(header.message_id))
+        elif kind == pb.VIEW:
+            if len(header.view_live) > len(self._links.links) + 1:
+                raise ValueError(f"a view of {len(header.view_live)} live daemons")
+            self._peers.view(src, int(header.view_epoch), [int(r) for r in header.view_live])
         elif kind in (pb.WORKER_LEFT, pb.WORKER_JOINED):
             self._worker_news(src, header)
         elif kind == pb.ACK:
@@ -261,10 +335,11 @@ class Receiver:
             raise ValueError(f"worker news from rank {src} about another daemon's worker")
         job, rank = header.parts[0].name, int(header.parts[0].src)
         if header.kind == pb.WORKER_JOINED:
-            self._mailbox.worker_joined(job, rank)
+            if self._mailbox.worker_joined(job, rank):  # it left and came back: from round 0
+                self._links.rounds.joined([rank])
             return
-        self._mailbox.worker_left(job, rank, DecentError(
-            pb.PEER_UNAVAILABLE, f"rank {rank} left (its worker ended or closed its client)"))
+        self._mailbox.worker_left(job, rank, PeerLost(
+            f"rank {rank} left (its worker ended or closed its client)"))
 
     def _split(self, src: int, parts: Iterable[pb.Part], payload: np.ndarray | None,
                total: int, credit: int, pooled: bool, eager: bool = False) -> None:
@@ -276,8 +351,9 @@ class Receiver:
             if payload is not None and pooled:
                 self._pool.put(payload)
             raise ValueError(f"parts of {declared} bytes in a {total}-byte payload")
+        link = self._links.link(src)
         msg = Message(src, payload if pooled else None, len(plist), credit, self._released,
-                      len(plist) if eager else 0)
+                      len(plist) if eager else 0, link.generation if link is not None else 0)
         offset = 0
         for i, p in enumerate(plist):
             n = int(p.nbytes)
@@ -300,14 +376,17 @@ class Receiver:
         if msg.buf is not None:
             self._pool.put(msg.buf)
             msg.buf = None
-        self._links.consumed(msg.src, msg.credit)
         link = self._links.link(msg.src)
-        if link is not None and msg.parts:
+        if link is None or link.generation != msg.generation:
+            return  # it came over connections that are gone: nothing to give back
+        self._links.consumed(msg.src, msg.credit)
+        if msg.parts:
             link.flow.parts_consumed(msg.parts)
 
     def on_lost(self, conn: Inbound, reason: str) -> None:
         """An incoming connection ended: when it was the peer's current one, the peer is down."""
         self._mailbox.arrived(conn)
+        self._placed.pop(conn, None)
         landing = self._landing.pop(conn, None)
         partial = conn.take_partial()
         if landing is not None:
@@ -315,14 +394,5 @@ class Receiver:
         if partial is not None and (landing is None or not landing.active):
             self._pool.put(partial[1])
         src = self._links.inbound_lost(conn)
-        if src is None:
-            return
-        err = DecentError(pb.PEER_UNAVAILABLE, f"rank {src} disconnected ({reason})")
-        self._mailbox.peer_lost(src, lambda key: self._links.machine_of(key[0], key[1]) == src,
-                                err)
-        self._one_sided.peer_lost(lambda rank, name: self._links.machine_of(rank, name) == src)
-        self._flow(src).fail_rendezvous(err)
-        if reason == "stream closed":  # the peer closed its stream: an orderly stop
-            log.info("rank %d closed its connection", src, extra={"peer": src})
-        else:
-            log.warning("rank %d disconnected: %s", src, reason, extra={"peer": src})
+        if src is not None:
+            self._peers.link_lost(src, reason)

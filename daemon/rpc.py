@@ -130,6 +130,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Counters and peer health, now (on the event loop)."""
         now = time.monotonic()
         engine, pool = self._engine, self._services.pool
+        members = self._services.members
         return pb.StatusReply(
             rank=self._machine,
             size=self._services.machines,
@@ -162,6 +163,11 @@ class WorkerService(pb_grpc.WorkerServicer):
             uptime_s=now - self._started,
             security_mode=self._services.links.auth.mode,
             address=self._services.links.own.address,
+            view_epoch=members.epoch,
+            live_daemons=members.live_daemons(),
+            live_ranks=members.live_workers(),
+            incarnation=members.incarnation,
+            on_peer_loss=self._services.on_peer_loss,
             peers=[
                 pb.PeerStatus(
                     rank=link.rank,
@@ -177,6 +183,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                     writes=link.writes,
                     frames_received=link.inbound.frames_received if link.inbound else 0,
                     frames_queued=link.sender.queued if isinstance(link.sender, Sender) else 0,
+                    state=members.state(link.rank).value,
+                    incarnation=members.incarnation_of(link.rank),
+                    reconnects=members.members[link.rank].reconnects,
+                    down_reason=members.members[link.rank].reason,
                 )
                 for link in self._services.links.links.values()
             ],
@@ -237,10 +247,13 @@ class PeerService(pb_grpc.PeerServicer):
     """Other daemons: the challenge and the handshake (data and heartbeats go over the bulk
     path)."""
 
-    def __init__(self, links: Links, status: Callable[[], pb.StatusReply]) -> None:
-        """``status``: this daemon's (``WorkerService.status``) for peers that ask."""
+    def __init__(self, links: Links, status: Callable[[], pb.StatusReply],
+                 handshaken: Callable[[int, int], None]) -> None:
+        """``status``: this daemon's (``WorkerService.status``) for peers that ask;
+        ``handshaken(rank, incarnation)``: a peer passed its handshake and connects now."""
         self._links = links
         self._status = status
+        self._handshaken = handshaken
 
     async def Status(
         self, request: pb.PeerStatusRequest, context: grpc.aio.ServicerContext
@@ -304,8 +317,10 @@ class PeerService(pb_grpc.PeerServicer):
             log.error("refused handshake: %s", error.message)
             return pb.HandshakeReply(error=error, rank=links.rank)
         key = links.auth.issue_bulk_key(request.from_rank) if links.auth.mode == "mtls" else b""
+        self._handshaken(int(request.from_rank), int(request.incarnation))
         return pb.HandshakeReply(rank=links.rank, data_port=links.data_port,
-                                 window_bytes=links.window, bulk_key=key)
+                                 window_bytes=links.window, bulk_key=key,
+                                 incarnation=links.incarnation)
 
     def _certificate_error(self, request: pb.HandshakeRequest | pb.PeerStatusRequest,
                            context: grpc.aio.ServicerContext) -> pb.Error | None:

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import ssl
+import time
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -32,13 +33,14 @@ from decentd.access import LocalAccess
 from decentd.auth import PeerAuth, read_secret
 from decentd.bufpool import BufferPool
 from decentd.config import NodeConfig
-from decentd.connect import connect_all
 from decentd.engine import Engine
 from decentd.errors import StartupError
 from decentd.flow import window_per_peer
 from decentd.grpcopts import GRPC_OPTIONS, PEER_SERVER_OPTIONS
 from decentd.links import Links
+from decentd.liveness import Supervisor
 from decentd.mailbox import Mailbox
+from decentd.membership import Membership
 from decentd.metrics import MetricsServer, OpMetrics, StatusCollector
 from decentd.ops import OPS
 from decentd.ops.api import Services
@@ -80,7 +82,7 @@ def build_auth(cfg: NodeConfig, rank: int) -> PeerAuth:
     return PeerAuth("insecure", cfg.cluster_id)
 
 
-def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver]:
+def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver, Supervisor]:
     """The peer-facing layers of one daemon, wired bottom up."""
     try:
         topology = cfg.topology.build(cfg.worker_count)
@@ -95,16 +97,23 @@ def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver]:
     links = Links(rank, addresses, cfg.cluster_id,
                   window_per_peer(cfg.memory.early_arrival_bytes, len(addresses) - 1),
                   topology.digest(), cfg.workers_per_node, machine_topology.digest(),
-                  build_auth(cfg, rank), cfg.timeouts.auth)
+                  build_auth(cfg, rank), cfg.timeouts.auth, incarnation=time.time_ns())
+    members = Membership(rank, len(addresses), links.incarnation, cfg.workers_per_node)
     mailbox = Mailbox(links)
     windows = WindowStore(cfg.worker_count, links, cfg.timeouts.op,
                           cfg.memory.window_early_bytes)
     groups = GroupSums(windows, links, mailbox)
     locks = WindowLocks()
     services = Services(rank, cfg.size, cfg.workers_per_node, topology, machine_topology, links,
-                        mailbox, pool, windows, groups, locks, cfg.transport.ring_threshold_bytes)
+                        mailbox, pool, windows, groups, locks, cfg.transport.ring_threshold_bytes,
+                        members, cfg.faults.on_peer_loss)
     handlers = one_sided_handlers(windows, groups, LockService(locks, links))
-    return services, Receiver(links, mailbox, pool, handlers, groups.failed)
+    faults = cfg.faults
+    supervisor = Supervisor(links, members, mailbox, handlers.peer_lost, cfg.timeouts.heartbeat,
+                            faults.peer_dead_after or 3 * cfg.timeouts.heartbeat,
+                            faults.reconnect_max_delay)
+    receiver = Receiver(links, mailbox, pool, handlers, groups.failed, supervisor)
+    return services, receiver, supervisor
 
 
 class Daemon:
@@ -123,7 +132,7 @@ class Daemon:
         exposed = cfg.exposure_error()
         if exposed is not None:
             raise StartupError(exposed)
-        self.services, self.receiver = build_services(cfg, self.rank)
+        self.services, self.receiver, self.supervisor = build_services(cfg, self.rank)
         self.links = self.services.links
         self.registry = CollectorRegistry()
         observers = [OpMetrics(self.registry)] if cfg.metrics.port is not None else []
@@ -169,7 +178,8 @@ class Daemon:
         peer_server = grpc.aio.server(options=PEER_SERVER_OPTIONS)
         worker_service = WorkerService(self.services, self.sessions, self.engine,
                                        self.endpoints, self.ready)
-        add_peer_service(PeerService(self.links, worker_service.status), peer_server)
+        add_peer_service(PeerService(self.links, worker_service.status,
+                                     self.supervisor.handshake_from), peer_server)
         worker_server = grpc.aio.server(options=GRPC_OPTIONS)
         pb_grpc.add_WorkerServicer_to_server(worker_service, worker_server)
         if self.metrics is not None:  # read at every scrape, on this loop
@@ -183,7 +193,7 @@ class Daemon:
             await self._connect()
             self._tasks = [
                 loop.create_task(self.engine.stall_inspector()),
-                loop.create_task(self.links.heartbeat_loop(self.cfg.timeouts.heartbeat)),
+                loop.create_task(self.supervisor.watch()),
             ]
             await self.stopping.wait()
             log.info("rank %d: shutting down", self.rank)
@@ -259,7 +269,9 @@ class Daemon:
 
     async def _connect(self) -> None:
         """Handshake with every peer (or stop trying at SIGTERM); then ready for workers."""
-        connect = asyncio.ensure_future(connect_all(self.links, self.cfg.timeouts.start))
+        needed = self.cfg.faults.min_nodes or self.cfg.size
+        connect = asyncio.ensure_future(self.supervisor.start(self.cfg.timeouts.start,
+                                                              min(needed, self.cfg.size)))
         stop = asyncio.ensure_future(self.stopping.wait())
         await asyncio.wait({connect, stop}, return_when=asyncio.FIRST_COMPLETED)
         if not connect.done():
@@ -271,8 +283,14 @@ class Daemon:
         # walking it again and again on the hot path (a few % of a busy daemon's CPU)
         gc.collect()
         gc.freeze()
+        self.links.rounds.ready = True  # peers that come up from now on joined late
         self.ready.set()
-        log.info("rank %d: all %d peers connected; ready", self.rank, self.cfg.size - 1)
+        live = self.services.members.live_daemons()
+        if len(live) == self.cfg.size:
+            log.info("rank %d: all %d peers connected; ready", self.rank, self.cfg.size - 1)
+        else:
+            log.info("rank %d: %d of %d daemons up (faults.min_nodes %d): ready; the others may "
+                     "join later", self.rank, len(live), self.cfg.size, needed)
         self.notifier.ready(self._status())
 
     def _status(self) -> str:
@@ -331,6 +349,7 @@ class Daemon:
         logging.getLogger("grpc._cython.cygrpc").setLevel(logging.CRITICAL)
         for task in self._tasks:
             task.cancel()
+        await self.supervisor.close()  # peers that stop now are not reached again
         try:  # a write to a peer that stopped reading must not hold the shutdown forever
             await asyncio.wait_for(self.engine.shutdown("SIGTERM"),
                                    self.cfg.timeouts.shutdown + 10)

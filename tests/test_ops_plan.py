@@ -11,6 +11,7 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.bufpool import BufferPool
 from decentd.links import Links, is_loopback
 from decentd.mailbox import Mailbox
+from decentd.membership import Membership, PeerState
 from decentd.names import at_worker
 from decentd.ops.api import Level, OpContext, PartSpec, Services
 from decentd.ops.neighbor import NEIGHBOR_OPS, PAIR_MIN_BYTES, neighbor_plan, pair_peer
@@ -26,8 +27,11 @@ def context(kind: str, n: int, rank: int, round_: int = 0, host: str = "127.0.0.
     links = Links(rank, [f"{host}:{7000 + r}" for r in range(n)], "c", 1 << 20, topo.digest())
     mailbox = Mailbox(links)
     windows = WindowStore(n, links, 1.0, 1 << 20)
+    members = Membership(rank, n, 1)
+    for r in members.members:
+        members.set_state(r, PeerState.UP)
     services = Services(rank, n, 1, topo, topo, links, mailbox, BufferPool(0), windows,
-                        GroupSums(windows, links, mailbox), WindowLocks(), 1 << 18)
+                        GroupSums(windows, links, mailbox), WindowLocks(), 1 << 18, members)
     x = np.zeros(nbytes // 4, np.float32)
     raw = x.view(np.uint8).data
     part = PartSpec(at_worker("t", rank), "t", round_, pb.FLOAT32, x.shape, x, raw, raw)

@@ -25,6 +25,7 @@ from decent.core.connection import Connection, default_address
 from decent.core.fusion import settings_from_env
 from decent.core.handles import Handle
 from decent.core.hierarchy_ops import HierarchicalOps
+from decent.core.membership import View
 from decent.core.regions import RegionTable
 from decent.core.registrar import Registrar
 from decent.core.submitter import OpCall, Submitter
@@ -457,6 +458,10 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
     def status(self) -> pb.StatusReply:
         """The daemon's counters and peer health."""
         return self.connection.status()
+
+    def membership(self) -> View:
+        """The live ranks and the view's epoch, as this worker's daemon sees them now."""
+        return View.of(self.connection.status())
 
     def close(self) -> None:
         """Disconnect; the daemon fails this worker's in-flight ops and frees its arena.

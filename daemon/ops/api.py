@@ -24,8 +24,10 @@ from decent_wire.protocol import op_label
 from decent_wire.topology import Step, Topology
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.bufpool import BufferPool
+from decentd.errors import PeerLost
 from decentd.links import Links, part
 from decentd.mailbox import Accepts, Arrival, Key, Mailbox, Progress
+from decentd.membership import Membership
 from decentd.sender import Outgoing
 from decentd.tasks import gather_all
 from decentd.windows.groups import GroupSums
@@ -55,6 +57,8 @@ class Services:
     groups: GroupSums  #: WAGMA's group sums
     locks: WindowLocks  #: window mutexes
     ring_threshold: int  #: allreduce of a lone tensor this large runs as a ring
+    members: Membership  #: which peer daemons are up, and the view's epoch
+    on_peer_loss: str = "reweight"  #: ``faults.on_peer_loss``: reweight or fail
 
     @property
     def workers(self) -> int:
@@ -348,10 +352,11 @@ class OpContext:
             raise DecentError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} is not a peer")
         want = self.parts if parts is None else parts
         futs = [self._expect(src, tag, p, ack and sized, progress, into, direct) for p in want]
-        if link.inbound_lost and not all(f.done() for f in futs):
+        if not self.services.members.is_up(self.machine_of(src)) and \
+                not all(f.done() for f in futs):
             for f in futs:
                 f.cancel()
-            raise DecentError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} has disconnected")
+            raise PeerLost(f"{self.label}: rank {src} is not connected")
         self.waiting.add(src)
         phases = self.phases
         if phases is not None:

@@ -16,6 +16,7 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.numerics import weighted_sum
 from decentd.ops import compression
 from decentd.ops.api import Arrival, DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
+from decentd.ops.faults import unless_lost, without_gone
 from decentd.sender import Outgoing
 
 #: a tensor still arriving is folded in once at least this many more elements are usable (the
@@ -64,7 +65,7 @@ def neighbor_plan(ctx: OpContext) -> tuple[float, dict[int, float], dict[int, fl
     ctx.check_ranks(list(recv), "src_weights")
     ctx.check_ranks(list(send), "dst_weights")
     self_weight = float(args.self_weight) if has_self else step.self_weight
-    return self_weight, recv, send
+    return without_gone(ctx, self_weight, recv, send)
 
 
 def explicit_weights(ctx: OpContext) -> bool:
@@ -217,14 +218,16 @@ async def neighbor_allreduce(ctx: OpContext) -> OpResult:
     jobs = [pair_exchange(ctx, p, pair, self_weight) for p in halves if pair is not None]
     if whole:
         jobs.append(exchange_whole(ctx, whole, self_weight, recv, send))
-    await gather_all(*jobs)
-    return OpResult(sum(p.nbytes for p in ctx.parts), ctx.shape)
+    got = await gather_all(*jobs)
+    srcs = got[-1] if whole else sorted(recv)
+    return OpResult(sum(p.nbytes for p in ctx.parts), ctx.shape, srcs)
 
 
 async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: float,
-                         recv: dict[int, float], send: dict[int, float]) -> None:
+                         recv: dict[int, float], send: dict[int, float]) -> list[int]:
     """neighbor_allreduce of ``parts``: whole tensors to and from every neighbor (one message
-    per peer)."""
+    per peer); the in-neighbors that contributed (under ``reweight``, one lost while the op
+    ran is left out, its weight given to self)."""
     srcs = sorted(recv)
     fold = None
     # nothing of our own in the result and nothing to send: the neighbor's tensor is received
@@ -234,31 +237,40 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
         fold = FoldIn(ctx, parts[0], self_weight, recv[srcs[0]], list(send))
 
     async def send_to(d: int, w: float) -> None:
-        await ctx.send(d, 0, weight=w, ack=d not in recv,
-                       track=fold.sends[d] if fold is not None else None, parts=parts)
+        await unless_lost(ctx, d, ctx.send(d, 0, weight=w, ack=d not in recv,
+                                           track=fold.sends[d] if fold is not None else None,
+                                           parts=parts))
         if fold is not None:
             fold.finished.add(d)
 
     # a peer we also receive from checks our tensor against its own and we check its: a
     # disagreement fails both sides without acknowledgements; one-way edges need them
     got = await gather_all(
-        *(ctx.recv_parts(j, 0, ack=j not in send, parts=parts, progress=fold, direct=direct)
-          for j in srcs),
+        *(unless_lost(ctx, j, ctx.recv_parts(j, 0, ack=j not in send, parts=parts,
+                                             progress=fold, direct=direct)) for j in srcs),
         *(send_to(d, w) for d, w in send.items()))
+    arrived = [(j, a) for j, a in zip(srcs, got, strict=False) if a is not None]
+    if len(arrived) < len(srcs):
+        if (fold is not None and fold.done) or direct:  # part of it is in the result already
+            raise DecentError(pb.PEER_UNAVAILABLE, f"{ctx.label}: rank {srcs[0]} was lost while "
+                              "its tensor was being combined; the result cannot be reweighted")
+        self_weight += sum(recv[j] for j in srcs if all(j != k for k, _ in arrived))
+        fold = None
     for i, p in enumerate(parts):
         storage = dtypes.STORAGE[p.dtype]
         out = ctx.output(p, p.nbytes)
-        if direct and got[0][i].message is not None and got[0][i].message.buf is None \
-                and np.may_share_memory(got[0][i].data, out):  # it landed in the output
-            scale = recv[srcs[0]] * got[0][i].weight
+        first = arrived[0][1][i] if arrived else None
+        if direct and first is not None and first.message is not None \
+                and first.message.buf is None and np.may_share_memory(first.data, out):
+            scale = recv[srcs[0]] * first.weight  # it landed in the output
             if scale != 1.0:
                 weighted_sum(out, out, scale, [], p.dtype)
-        elif fold is not None and fold.done and not fold.off:  # the head is combined already
-            fold.fold(got[0][i].data, got[0][i].weight, p.x.size)
+        elif fold is not None and fold.done and not fold.off and first is not None:
+            fold.fold(first.data, first.weight, p.x.size)  # the head is combined already
         else:
-            terms = [(got[k][i].data.view(storage), recv[j] * got[k][i].weight)
-                     for k, j in enumerate(srcs)]
+            terms = [(a[i].data.view(storage), recv[j] * a[i].weight) for j, a in arrived]
             weighted_sum(out, p.x, self_weight, terms, p.dtype)
+    return [j for j, _ in arrived]
 
 
 async def compressed_neighbor_allreduce(ctx: OpContext) -> OpResult:

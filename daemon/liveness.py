@@ -1,0 +1,256 @@
+"""Keeping the links alive: heartbeats, death detection, reconnecting, and the view they give.
+
+One :class:`Supervisor` per daemon. It reaches every peer at start and again whenever a link
+drops, with backoff, for as long as the daemon runs; it declares a peer dead after
+``faults.peer_dead_after`` seconds of silence on both connections, or at once when its link
+dropped and reopening it failed. A link is up when both connections work (ours to the peer,
+and the peer's to us, proven by its HELLO).
+
+Dropping a link fails whatever waits on that peer with :class:`~decentd.errors.PeerLost` (a
+neighbor op under ``reweight`` goes on without it), drops the peer's pending messages and
+window state, and starts flow control afresh: nothing sent before the drop is applied after
+it, and nothing is resent, so every part is applied at most once. A peer that comes back with
+a new incarnation (restarted) is a new member: the old one's state is gone with its link.
+
+Every change of the live set raises the epoch and is told to the live peers (a VIEW frame),
+and every heartbeat carries the view, so the live daemons converge on one view
+(:mod:`decentd.membership`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.connect import connect_peer
+from decentd.errors import PeerLost, StartupError
+from decentd.links import Links, PeerLink
+from decentd.mailbox import Mailbox
+from decentd.membership import Membership, PeerState
+
+log = logging.getLogger("decentd.links")
+
+#: the first wait before reaching a peer again; doubled up to ``faults.reconnect_max_delay``
+FIRST_DELAY = 0.05
+#: one attempt to reach a peer gives up after this long: a refused connection fails it at once
+#: (the peer is dead), a slow handshake is retried within it
+ATTEMPT_TIMEOUT = 1.0
+
+
+class Supervisor:
+    """Connects, watches and reconnects the links of one daemon; keeps its membership view."""
+
+    def __init__(self, links: Links, members: Membership, mailbox: Mailbox,
+                 windows_lost: Callable[[Callable[[int, str], bool]], None],
+                 heartbeat: float, dead_after: float, max_delay: float) -> None:
+        self.links = links
+        self.members = members
+        self.mailbox = mailbox
+        self._windows_lost = windows_lost
+        self.heartbeat = heartbeat
+        self.dead_after = dead_after
+        self.max_delay = max_delay
+        #: a peer's reconnect task, while it is not up
+        self._reaching: dict[int, asyncio.Task[None]] = {}
+        self._kick: dict[int, asyncio.Event] = {r: asyncio.Event() for r in links.links}
+        self._heard_bytes: dict[int, int] = {}
+        #: refusals at start (another cluster, topology, secret): the daemon must not start
+        self.fatal: StartupError | None = None
+        self.changed = asyncio.Event()  #: set on every state change (start waits on it)
+        self.closing = False  #: the daemon stops: links that drop stay down
+        members.listen(lambda _rank, _state: self.changed.set())
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self, timeout: float, needed: int) -> None:
+        """Reach every peer; return once ``needed`` daemons (this one included) are up, or
+        raise StartupError naming those missing at ``timeout``."""
+        for rank in self.links.links:
+            self._reach(rank)
+        deadline = time.monotonic() + timeout
+        while len(self.members.live_daemons()) < needed:
+            if self.fatal is not None:
+                raise self.fatal
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [r for r in self.links.links if not self.members.is_up(r)]
+                where = ", ".join(f"{r} ({self.links.links[r].address})" for r in missing)
+                raise StartupError(f"peers not reachable after {timeout:.0f}s start timeout: "
+                                   f"rank(s) {where}")
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), min(left, 0.5))
+
+    def _reach(self, rank: int) -> None:
+        """Keep trying to reach ``rank`` until it is up (one task per peer)."""
+        if self.closing:
+            return
+        task = self._reaching.get(rank)
+        if task is not None and not task.done():
+            self._kick[rank].set()
+            return
+        self._reaching[rank] = asyncio.get_running_loop().create_task(self._reconnect(rank))
+
+    async def _reconnect(self, rank: int) -> None:
+        link = self.links.links[rank]
+        delay = FIRST_DELAY
+        while not link.connected and not self.closing:
+            try:
+                incarnation = await asyncio.wait_for(
+                    connect_peer(self.links, link, time.monotonic() + ATTEMPT_TIMEOUT),
+                    ATTEMPT_TIMEOUT + 1)
+            except StartupError as exc:  # refused: wrong cluster, topology, secret...
+                if not self.members.members[rank].ever_up and self.fatal is None:
+                    self.fatal = exc
+                self._failed_attempt(link, str(exc))
+                log.error("%s", exc)
+            except (ConnectionError, OSError, TimeoutError, grpc.aio.AioRpcError) as exc:
+                self._failed_attempt(link, f"unreachable ({exc or type(exc).__name__})")
+            else:
+                if self.closing:
+                    return
+                self._connected(link, incarnation)
+                return
+            kick = self._kick[rank]
+            try:
+                await asyncio.wait_for(kick.wait(), delay)
+                delay = FIRST_DELAY
+            except TimeoutError:
+                delay = min(2 * delay, self.max_delay)
+            kick.clear()
+
+    def _failed_attempt(self, link: PeerLink, reason: str) -> None:
+        """Reaching ``link``'s peer failed: a peer we had is dead now."""
+        if link.channel is not None:  # a fresh channel next time: no gRPC backoff of its own
+            asyncio.get_running_loop().create_task(link.channel.close(grace=None))
+            link.channel = None
+        if self.members.state(link.rank) is PeerState.RECONNECTING:
+            self._declare_down(link.rank, reason)
+
+    def _connected(self, link: PeerLink, incarnation: int) -> None:
+        """Our connection to ``link``'s peer is open: up once its connection to us is too."""
+        known = self.members.incarnation_of(link.rank)
+        if known and incarnation != known:
+            log.info("rank %d restarted (incarnation %d, was %d)", link.rank, incarnation, known)
+        self.members.members[link.rank].incarnation = incarnation
+        self._check_up(link.rank)
+
+    def _check_up(self, rank: int) -> None:
+        link = self.links.links[rank]
+        if link.connected and link.inbound is not None and not self.members.is_up(rank):
+            link.last_heartbeat = time.monotonic()
+            member = self.members.members[rank]
+            if member.up_incarnation != member.incarnation:  # new to us: it counts from 0
+                member.up_incarnation = member.incarnation
+                per = self.links.per_node
+                self.links.rounds.joined([-(rank + 1), *range(rank * per, (rank + 1) * per)])
+            self.members.set_state(rank, PeerState.UP, "connected")
+            log.info("rank %d is up (both connections; epoch %d, live %s)", rank,
+                     self.members.epoch, self.members.live_daemons(), extra={"peer": rank})
+            self._tell_view()
+
+    # ------------------------------------------------------------------ events (PeerEvents)
+
+    def link_bound(self, src: int) -> None:
+        """The peer's connection to us said a valid HELLO."""
+        self._check_up(src)
+
+    def link_lost(self, src: int, reason: str) -> None:
+        """The peer's connection to us ended: drop the link and reach the peer again (dead
+        at once when that fails)."""
+        if self.closing or (self.members.state(src) is PeerState.DOWN
+                            and not self.links.links[src].connected):
+            return
+        orderly = reason == "stream closed"
+        (log.info if orderly else log.warning)(
+            "rank %d: its connection to us ended (%s); reconnecting", src, reason,
+            extra={"peer": src})
+        self._drop(src, f"its connection ended ({reason})", PeerState.RECONNECTING)
+        self._reach(src)
+
+    def view(self, src: int, epoch: int, live: list[int]) -> None:
+        """A live peer's membership view."""
+        if self.members.is_up(src) and self.members.heard(epoch, live):
+            log.debug("epoch %d adopted from rank %d", epoch, src)
+
+    def handshake_from(self, src: int, incarnation: int) -> None:
+        """Daemon ``src`` handshakes with us: after a drop or a restart, or at start. What we
+        hold of its old connections goes (it is reconnecting them), and we reach it now."""
+        link = self.links.links.get(src)
+        if link is None:
+            return
+        restarted = self.members.incarnation_of(src) not in (0, incarnation)
+        if link.inbound is not None or restarted:
+            why = "it restarted" if restarted else "it reconnects"
+            self._drop(src, why, PeerState.RECONNECTING)
+        self.members.members[src].incarnation = incarnation
+        self._reach(src)
+
+    # ------------------------------------------------------------------ dropping
+
+    def _drop(self, rank: int, reason: str, state: PeerState) -> None:
+        """Tear the link to ``rank`` down and fail what waits on it."""
+        old = self.links.teardown(rank)
+        if old is not None:
+            asyncio.get_running_loop().run_in_executor(None, old.close)
+        self.members.set_state(rank, state, reason)
+        err = PeerLost(f"rank {rank} is unreachable: {reason}")
+        links = self.links
+        self.mailbox.peer_lost(rank, lambda key: links.machine_of(key[0], key[1]) == rank, err)
+        links.rounds.drop_from(rank)
+        self._windows_lost(lambda peer, name: links.machine_of(peer, name) == rank)
+        self._tell_view()
+
+    def _declare_down(self, rank: int, reason: str) -> None:
+        if self.members.state(rank) is PeerState.DOWN:
+            return
+        self._drop(rank, reason, PeerState.DOWN)
+        log.warning("rank %d is down: %s (epoch %d, live %s)", rank, reason,
+                    self.members.epoch, self.members.live_daemons(), extra={"peer": rank})
+
+    def _tell_view(self) -> None:
+        self.links.tell_all(self.view_frame())
+
+    def view_frame(self) -> pb.BulkHeader:
+        """This daemon's view as a frame (also its heartbeat)."""
+        return pb.BulkHeader(kind=pb.VIEW, view_epoch=self.members.epoch,
+                             view_live=self.members.live_daemons())
+
+    # ------------------------------------------------------------------ watching
+
+    async def watch(self) -> None:
+        """Every heartbeat: send heartbeats, and declare dead the peers silent too long."""
+        while True:
+            await asyncio.sleep(min(self.heartbeat, self.dead_after / 2))
+            self.links.heartbeat(self.view_frame())
+            self.check_silence(time.monotonic())
+
+    def check_silence(self, now: float) -> None:
+        """Declare dead every up peer we have not heard from (no frame, no byte) for
+        ``dead_after`` seconds, and every peer reconnecting that long."""
+        for rank, link in self.links.links.items():
+            state = self.members.state(rank)
+            got = link.bytes_received
+            if got != self._heard_bytes.get(rank):  # a long payload still arriving counts
+                self._heard_bytes[rank] = got
+                link.last_heartbeat = max(link.last_heartbeat, now)
+            if state is PeerState.UP and now - link.last_heartbeat > self.dead_after:
+                self._declare_down(rank, f"silent for {now - link.last_heartbeat:.1f}s")
+                self._reach(rank)
+            elif state is PeerState.RECONNECTING and \
+                    now - self.members.members[rank].since > self.dead_after:
+                self._declare_down(rank, f"not reachable for {self.dead_after:g}s")
+
+    async def close(self) -> None:
+        """Stop reconnecting (the daemon stops)."""
+        self.closing = True
+        tasks = [t for t in self._reaching.values() if not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,64 @@
+"""What ops do about peers that are gone (``faults.on_peer_loss``).
+
+A peer is gone when its daemon is not up (:mod:`decentd.membership`) or its worker left. Under
+``reweight`` (the default) a neighbor op leaves a gone in-neighbor out and gives its weight to
+self, so the row of weights stays as stochastic as it was, and does not send to a gone
+out-neighbor; a peer lost while the op runs is left out the same way, as long as nothing of
+its tensor was combined yet. Under ``fail`` the op fails with PEER_UNAVAILABLE naming the rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.errors import PeerLost
+from decentd.ops.api import DecentError, OpContext
+
+T = TypeVar("T")
+
+
+def gone(ctx: OpContext, peer: int) -> str | None:
+    """Why ``peer`` (a rank of ``ctx``'s level) cannot take part now, or None."""
+    machine = ctx.machine_of(peer)
+    members = ctx.services.members
+    if not members.is_up(machine):
+        member = members.members.get(machine)
+        why = member.reason if member is not None else "down"
+        return f"its daemon (rank {machine}) is {members.state(machine).value}: {why}"
+    if not ctx.level.node and ctx.services.mailbox.gone(peer, ctx.name) is not None:
+        return "its worker left"
+    return None
+
+
+def reweighting(ctx: OpContext) -> bool:
+    """Whether this op goes on without peers that are gone."""
+    return ctx.services.on_peer_loss == "reweight"
+
+
+def without_gone(ctx: OpContext, self_weight: float, recv: dict[int, float],
+                 send: dict[int, float]) -> tuple[float, dict[int, float], dict[int, float]]:
+    """The plan ``(self weight, {src: w}, {dst: w})`` without the peers that are gone: their
+    in-weights go to self (``reweight``), or PEER_UNAVAILABLE names them (``fail``)."""
+    lost = {j: why for j in {*recv, *send} if (why := gone(ctx, j)) is not None}
+    if not lost:
+        return self_weight, recv, send
+    if not reweighting(ctx):
+        j = min(lost)
+        raise DecentError(pb.PEER_UNAVAILABLE, f"{ctx.label}: rank {j} is gone ({lost[j]}; "
+                          "faults.on_peer_loss is fail)")
+    kept = {j: w for j, w in recv.items() if j not in lost}
+    moved = sum(w for j, w in recv.items() if j in lost)
+    return self_weight + moved, kept, {d: w for d, w in send.items() if d not in lost}
+
+
+async def unless_lost(ctx: OpContext, peer: int, aw: Awaitable[T]) -> T | None:
+    """``aw`` (an exchange with ``peer``); None when ``peer`` was lost meanwhile and the op
+    goes on without it (``reweight``)."""
+    try:
+        return await aw
+    except PeerLost:
+        if not reweighting(ctx):
+            raise
+        return None
