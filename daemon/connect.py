@@ -12,6 +12,7 @@ import logging
 import socket
 import ssl
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -29,10 +30,13 @@ from decentd.sender import Sender
 log = logging.getLogger("decentd.links")
 
 
-async def connect_peer(links: Links, link: PeerLink, deadline: float) -> int:
+async def connect_peer(links: Links, link: PeerLink, deadline: float,
+                       on_broken: Callable[[Sender, BaseException], None] | None = None
+                       ) -> pb.HandshakeReply:
     """Handshake with ``link``'s peer (retried until ``deadline``) and open our bulk connection
-    to it, greeted with a HELLO; the peer's incarnation. ConnectionError when it cannot be
-    reached in time; StartupError when it refuses us (another cluster, topology, secret)."""
+    to it, greeted with a HELLO; the peer's reply (its incarnation, whether it serves a job).
+    ConnectionError when it cannot be reached in time; StartupError when it refuses us (another
+    cluster, topology, secret). ``on_broken``: told when a write to the peer fails."""
     tls = links.auth.tls
     if link.channel is None:
         link.channel = (grpc.aio.secure_channel(link.address, tls.channel_credentials(),
@@ -49,7 +53,7 @@ async def connect_peer(links: Links, link: PeerLink, deadline: float) -> int:
         raise ConnectionError(f"rank {link.rank} at {link.address}: cannot open the bulk "
                               f"connection to port {reply.data_port}: {exc}") from None
     link.flow.credits = int(reply.window_bytes)
-    link.sender = Sender(sock, asyncio.get_running_loop(), link.rank)
+    link.sender = Sender(sock, asyncio.get_running_loop(), link.rank, on_broken)
     proof = links.auth.hello_proof(key or bytes(reply.bulk_key), links.rank, link.rank)
     link.sender.send([framing.encode(pb.BulkHeader(kind=pb.HELLO, cluster_id=links.cluster_id,
                                                    from_rank=links.rank, proof=proof))])
@@ -57,7 +61,7 @@ async def connect_peer(links: Links, link: PeerLink, deadline: float) -> int:
     link.last_heartbeat = time.monotonic()
     log.debug("connected to rank %d at %s (bulk port %d)", link.rank, link.address,
               reply.data_port)
-    return int(reply.incarnation)
+    return reply
 
 
 async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,

@@ -29,7 +29,8 @@ from decentd.hierarchy import Hierarchy, Request
 from decentd.logs import op_fields
 from decentd.mailbox import OpKey
 from decentd.names import RESERVED, at_worker, qualify
-from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Phases, Services
+from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Services
+from decentd.ops.phases import Phases
 from decentd.rounds import peer_id
 
 log = logging.getLogger("decentd.engine")
@@ -70,6 +71,8 @@ class WorkerSession:
     deliver: Callable[[pb.Completion], None] | None = None
     #: the worker's topology (``set_topology``); None: the daemon's
     topology: Topology | None = None
+    #: peers include it (a worker joining a running job is left out until it took its state)
+    joined: bool = False
 
     def complete(self, completion: pb.Completion) -> None:
         """Send a completion to the worker (dropped if it is gone); an op that succeeded while
@@ -179,7 +182,8 @@ class Engine:
                   result: OpResult | None, err: DecentError | None) -> None:
         """A worker-level op ended: its completion to its worker."""
         session.in_flight.difference_update(ctx.keys)
-        completion = pb.Completion(request_id=request_id)
+        completion = pb.Completion(request_id=request_id,
+                                   view_epoch=self.services.members.epoch)
         if err is not None:
             completion.error.CopyFrom(err.to_pb())
         elif result is not None:

@@ -75,6 +75,7 @@ class Request:
     timeout: float
     left: int = -1  #: parts not resolved yet
     error: DecentError | None = None
+    covered: list[int] = field(default_factory=list)  #: the worker ranks its result covers
 
     def __post_init__(self) -> None:
         self.left = len(self.parts)
@@ -99,6 +100,7 @@ class Launch:
     left: int = -1  #: segments not ended yet
     error: DecentError | None = None
     contexts: list[OpContext] = field(default_factory=list)
+    group: list[int] | None = None  #: the daemons its segments ran among
 
     def __post_init__(self) -> None:
         self.left = self.segments
@@ -293,6 +295,11 @@ class Hierarchy:
         """One segment ended: its result into the workers' outputs, or the launch fails (the
         segments still running stop); the members' completions once every segment ended."""
         self.running.pop(ctx, None)
+        if err is None and ctx.group is not None:
+            launch.group = launch.group or ctx.group
+            if ctx.group != launch.group:
+                err = DecentError(pb.ABORTED, f"{ctx.label}: the live daemons changed between "
+                                  f"its segments ({launch.group} -> {ctx.group}); retry it")
         if err is None and launch.error is None and bounds is not None:
             err = self._deliver_segment(launch, ctx, bounds, k)
         if err is not None and launch.error is None:
@@ -309,7 +316,8 @@ class Hierarchy:
         try:
             for g, st, b in zip(launch.gathers, launch.staged, bounds, strict=True):
                 if k < len(b):
-                    self._deliver(launch.req.op, launch.req.args, g, st.part, *b[k])
+                    self._deliver(launch.req.op, launch.req.args, g, st.part, *b[k],
+                                  len(launch.group or [0]) * self.per_node)
         except DecentError as exc:
             return exc
         except Exception as exc:  # a bug: the members fail, the daemon goes on
@@ -321,8 +329,10 @@ class Hierarchy:
         """Every segment ended: the members' completions; the staging buffers go back."""
         if launch.left:
             return
+        covered = [d * self.per_node + k for d in launch.group or () for k in range(self.per_node)]
         for g in launch.gathers:
             for member, _ in g.members.values():
+                member.covered = covered
                 self._resolve(member, launch.error)
         for st in launch.staged:
             self.services.pool.put(st.buf)
@@ -391,10 +401,10 @@ class Hierarchy:
                          staged.dtype)
 
     def _deliver(self, op: int, args: Any, g: Gather, staged: PartSpec, lo: int,
-                 hi: int) -> None:
-        """Elements ``lo:hi`` of the staged result into each local worker's output."""
-        divisor = self.services.workers if (op == pb.ALLREDUCE and
-                                            args.reduce_op == pb.AVERAGE) else 1
+                 hi: int, covered: int) -> None:
+        """Elements ``lo:hi`` of the staged result into each local worker's output (an
+        average divides by the ``covered`` workers)."""
+        divisor = covered if (op == pb.ALLREDUCE and args.reduce_op == pb.AVERAGE) else 1
         for req, p in g.members.values():
             if req.session.gone or not p.nbytes:
                 continue
@@ -411,7 +421,8 @@ class Hierarchy:
         req.left -= 1
         if req.left:
             return
-        completion = pb.Completion(request_id=req.request_id)
+        completion = pb.Completion(request_id=req.request_id,
+                                   view_epoch=self.services.members.epoch)
         if req.error is not None:
             completion.error.CopyFrom(req.error.to_pb())
         else:
@@ -419,6 +430,7 @@ class Hierarchy:
             completion.out_nbytes = sum(p.nbytes for p in req.parts)
             completion.out_meta.dtype = first.dtype
             completion.out_meta.shape.extend(first.shape)
+            completion.src_ranks.extend(req.covered)
         for p in req.parts:  # the worker's memory is not ours to hold any more
             p.release()
         req.session.complete(completion)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import grpc
 
 from decent_wire.errors import DecentError
-from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.auth import PeerAuth, shown
 from decentd.bulk import FrameSink, Gate, Inbound
@@ -217,40 +216,6 @@ class Links:
             ssl_handshake_timeout=self.gate.timeout if tls else None)
         self.data_port = int(self._server.sockets[0].getsockname()[1])
         return self.data_port
-
-    def check_handshake(self, request: pb.HandshakeRequest) -> pb.Error | None:
-        """Validate a peer's handshake; an Error to send back when it must be refused."""
-        theirs = request.from_rank
-        if request.cluster_id != self.cluster_id:
-            return pb.Error(code=pb.CLUSTER_MISMATCH, message=(
-                f"rank {theirs} is in cluster {shown(request.cluster_id)}, this daemon (rank "
-                f"{self.rank}) is in {self.cluster_id!r}"))
-        if request.protocol_version != PROTOCOL_VERSION:
-            return pb.Error(code=pb.VERSION_MISMATCH, message=(
-                f"rank {theirs} speaks protocol {request.protocol_version}, rank {self.rank} "
-                f"speaks {PROTOCOL_VERSION}"))
-        if request.to_rank != self.rank:
-            return pb.Error(code=pb.RANK_MISMATCH, message=(
-                f"rank {theirs} expected rank {request.to_rank} here, but this daemon is rank "
-                f"{self.rank}"))
-        if request.workers_per_node != self.per_node:
-            return pb.Error(code=pb.CLUSTER_MISMATCH, message=(
-                f"rank {theirs} serves {request.workers_per_node} workers per node, rank "
-                f"{self.rank} {self.per_node}: give every daemon the same workers_per_node"))
-        if request.topology_digest != self.topology_digest:
-            return pb.Error(code=pb.CLUSTER_MISMATCH, message=(
-                f"rank {theirs} runs another topology than rank {self.rank} (digest "
-                f"{request.topology_digest[:12] or 'none'} vs "
-                f"{self.topology_digest[:12] or 'none'}): give every daemon the same topology "
-                "settings (kind, scheme, options, weights)"))
-        if request.machine_topology_digest != self.machine_digest:
-            return pb.Error(code=pb.CLUSTER_MISMATCH, message=(
-                f"rank {theirs} runs another machine topology than rank {self.rank}: give "
-                "every daemon the same machine_topology settings"))
-        if theirs not in self.links:
-            return pb.Error(code=pb.RANK_MISMATCH,
-                            message=f"rank {theirs} is not a peer of rank {self.rank}")
-        return None
 
     def bind_inbound(self, conn: Inbound, src: int, cluster_id: str, proof: bytes) -> None:
         """A bulk connection said HELLO as rank ``src`` with ``proof`` (:mod:`decentd.auth`);

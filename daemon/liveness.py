@@ -33,6 +33,7 @@ from decentd.errors import PeerLost, StartupError
 from decentd.links import Links, PeerLink
 from decentd.mailbox import Mailbox
 from decentd.membership import Membership, PeerState
+from decentd.sender import Sender
 
 log = logging.getLogger("decentd.links")
 
@@ -102,9 +103,9 @@ class Supervisor:
         delay = FIRST_DELAY
         while not link.connected and not self.closing:
             try:
-                incarnation = await asyncio.wait_for(
-                    connect_peer(self.links, link, time.monotonic() + ATTEMPT_TIMEOUT),
-                    ATTEMPT_TIMEOUT + 1)
+                reply = await asyncio.wait_for(
+                    connect_peer(self.links, link, time.monotonic() + ATTEMPT_TIMEOUT,
+                                 self._sender_broken), ATTEMPT_TIMEOUT + 1)
             except StartupError as exc:  # refused: wrong cluster, topology, secret...
                 if not self.members.members[rank].ever_up and self.fatal is None:
                     self.fatal = exc
@@ -115,7 +116,7 @@ class Supervisor:
             else:
                 if self.closing:
                     return
-                self._connected(link, incarnation)
+                self._connected(link, int(reply.incarnation), reply.serving)
                 return
             kick = self._kick[rank]
             try:
@@ -126,15 +127,25 @@ class Supervisor:
             kick.clear()
 
     def _failed_attempt(self, link: PeerLink, reason: str) -> None:
-        """Reaching ``link``'s peer failed: a peer we had is dead now."""
+        """Reaching ``link``'s peer failed: a peer we had is dead now (unless it reached us
+        meanwhile: then it is alive, and we try again)."""
         if link.channel is not None:  # a fresh channel next time: no gRPC backoff of its own
             asyncio.get_running_loop().create_task(link.channel.close(grace=None))
             link.channel = None
-        if self.members.state(link.rank) is PeerState.RECONNECTING:
+        if self.members.state(link.rank) is PeerState.RECONNECTING and link.inbound is None:
             self._declare_down(link.rank, reason)
 
-    def _connected(self, link: PeerLink, incarnation: int) -> None:
-        """Our connection to ``link``'s peer is open: up once its connection to us is too."""
+    def _sender_broken(self, sender: Sender, error: BaseException) -> None:
+        """A write to a peer failed: its link drops, and we reach it again."""
+        link = self.links.links.get(sender.peer)
+        if link is not None and link.sender is sender:
+            self.link_lost(sender.peer, f"sending failed: {type(error).__name__}: {error}")
+
+    def _connected(self, link: PeerLink, incarnation: int, serving: bool) -> None:
+        """Our connection to ``link``'s peer is open: up once its connection to us is too
+        (``serving``: a job runs there, so ours joined it late)."""
+        self.members.joined_running |= serving
+        self.members.members[link.rank].serving = serving
         known = self.members.incarnation_of(link.rank)
         if known and incarnation != known:
             log.info("rank %d restarted (incarnation %d, was %d)", link.rank, incarnation, known)
@@ -149,7 +160,10 @@ class Supervisor:
             if member.up_incarnation != member.incarnation:  # new to us: it counts from 0
                 member.up_incarnation = member.incarnation
                 per = self.links.per_node
-                self.links.rounds.joined([-(rank + 1), *range(rank * per, (rank + 1) * per)])
+                workers = range(rank * per, (rank + 1) * per)
+                if self.links.rounds.ready:  # a job runs here: its workers join it later
+                    self.members.absent.update(workers)
+                self.links.rounds.joined([-(rank + 1), *workers])
             self.members.set_state(rank, PeerState.UP, "connected")
             log.info("rank %d is up (both connections; epoch %d, live %s)", rank,
                      self.members.epoch, self.members.live_daemons(), extra={"peer": rank})
@@ -169,7 +183,7 @@ class Supervisor:
             return
         orderly = reason == "stream closed"
         (log.info if orderly else log.warning)(
-            "rank %d: its connection to us ended (%s); reconnecting", src, reason,
+            "rank %d: link dropped (%s); reconnecting", src, reason,
             extra={"peer": src})
         self._drop(src, f"its connection ended ({reason})", PeerState.RECONNECTING)
         self._reach(src)
@@ -178,6 +192,17 @@ class Supervisor:
         """A live peer's membership view."""
         if self.members.is_up(src) and self.members.heard(epoch, live):
             log.debug("epoch %d adopted from rank %d", epoch, src)
+
+    def worker_news(self, job: str, rank: int, joined: bool) -> None:
+        """A worker registered (it takes part again; one that left counts from round 0) or
+        left (what waits for it fails, and reweighted ops leave it out)."""
+        if not joined:
+            self.mailbox.worker_left(job, rank, PeerLost(
+                f"rank {rank} left (its worker ended or closed its client)"))
+            return
+        self.members.absent.discard(rank)
+        if self.mailbox.worker_joined(job, rank):
+            self.links.rounds.joined([rank])
 
     def handshake_from(self, src: int, incarnation: int) -> None:
         """Daemon ``src`` handshakes with us: after a drop or a restart, or at start. What we

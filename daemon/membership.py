@@ -37,6 +37,7 @@ class Member:
     reconnects: int = 0  #: times its link was established after the first
     ever_up: bool = False
     up_incarnation: int = 0  #: the incarnation it had when it last came up
+    serving: bool = False  #: it already ran a job when we last reached it
 
 
 #: called with (daemon rank, its new state) on every change
@@ -55,6 +56,10 @@ class Membership:
         self.members = {r: Member(r) for r in range(size) if r != rank}
         self.epoch = 0
         self._highest_heard = 0
+        #: a peer already served a job when we reached it: our workers join a running job
+        self.joined_running = False
+        #: workers of late daemons that have not registered there yet (left out of ops)
+        self.absent: set[int] = set()
         self._listeners: list[Listener] = []
 
     def listen(self, listener: Listener) -> None:

@@ -30,7 +30,6 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.auth import shown
 from decentd.bufpool import BufferPool
 from decentd.bulk import Inbound
-from decentd.errors import PeerLost
 from decentd.flow import LinkFlow
 from decentd.links import Links
 from decentd.mailbox import Arrival, Mailbox, Message
@@ -89,6 +88,9 @@ class PeerEvents(Protocol):
 
     def view(self, src: int, epoch: int, live: list[int]) -> None:
         """Daemon ``src`` told us its membership view."""
+
+    def worker_news(self, job: str, rank: int, joined: bool) -> None:
+        """Worker ``rank`` of ``job`` registered (``joined``) or left."""
 
 
 class Receiver:
@@ -334,12 +336,7 @@ class Receiver:
         if len(header.parts) != 1 or header.parts[0].src // self._links.per_node != src:
             raise ValueError(f"worker news from rank {src} about another daemon's worker")
         job, rank = header.parts[0].name, int(header.parts[0].src)
-        if header.kind == pb.WORKER_JOINED:
-            if self._mailbox.worker_joined(job, rank):  # it left and came back: from round 0
-                self._links.rounds.joined([rank])
-            return
-        self._mailbox.worker_left(job, rank, PeerLost(
-            f"rank {rank} left (its worker ended or closed its client)"))
+        self._peers.worker_news(job, rank, header.kind == pb.WORKER_JOINED)
 
     def _split(self, src: int, parts: Iterable[pb.Part], payload: np.ndarray | None,
                total: int, credit: int, pooled: bool, eager: bool = False) -> None:

@@ -21,7 +21,8 @@ from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.auth import NONCE_BYTES, shown
 from decentd.cluster import cluster_status
 from decentd.engine import Engine
-from decentd.links import Links
+from decentd.handshake import check_handshake
+from decentd.links import Links, PeerLink
 from decentd.names import at_worker, qualify
 from decentd.ops.api import Services
 from decentd.sender import Sender
@@ -93,7 +94,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         await self._ready.wait()
         local = request.local_rank if request.HasField("local_rank") else None
         try:
-            session = self._sessions.register(request.pid, request.framework, request.job, local)
+            session = self._sessions.register(request.pid, request.framework, request.job, local,
+                                              self._joining())
         except DecentError as err:
             log.error("worker (pid %d) refused: %s", request.pid, err.message)
             return pb.RegisterReply(error=err.to_pb())
@@ -115,7 +117,23 @@ class WorkerService(pb_grpc.WorkerServicer):
             data_socket=e.data_socket,
             memory_socket=e.memory_socket,
             ring_threshold_bytes=e.ring_threshold,
+            rejoining=not session.joined,
         )
+
+    def _joining(self) -> bool:
+        """Whether a worker registering now joins a job already running elsewhere."""
+        return self._services.members.joined_running and self._engine.completed == 0
+
+    async def Joined(
+        self, request: pb.JoinedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Error:
+        """A worker that joined late took its state: peers include it from now on."""
+        session = self._sessions.get(request.worker_id)
+        if session is None:
+            return pb.Error(code=pb.UNKNOWN_WORKER, message=f"unknown worker "
+                                                            f"{shown(request.worker_id)}")
+        self._sessions.joined(session)
+        return pb.Error()
 
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
@@ -165,31 +183,35 @@ class WorkerService(pb_grpc.WorkerServicer):
             address=self._services.links.own.address,
             view_epoch=members.epoch,
             live_daemons=members.live_daemons(),
-            live_ranks=members.live_workers(),
+            live_ranks=[w for w in members.live_workers() if w not in members.absent],
             incarnation=members.incarnation,
             on_peer_loss=self._services.on_peer_loss,
-            peers=[
-                pb.PeerStatus(
-                    rank=link.rank,
-                    address=link.address,
-                    connected=link.connected,
-                    last_heartbeat_age_s=now - link.last_heartbeat if link.last_heartbeat else -1,
-                    bytes_sent=link.bytes_sent,
-                    bytes_received=link.bytes_received,
-                    acks_early=link.acks_early,
-                    acks_late=link.acks_late,
-                    aborts_received=link.aborts_received,
-                    frames_sent=link.frames_sent,
-                    writes=link.writes,
-                    frames_received=link.inbound.frames_received if link.inbound else 0,
-                    frames_queued=link.sender.queued if isinstance(link.sender, Sender) else 0,
-                    state=members.state(link.rank).value,
-                    incarnation=members.incarnation_of(link.rank),
-                    reconnects=members.members[link.rank].reconnects,
-                    down_reason=members.members[link.rank].reason,
-                )
-                for link in self._services.links.links.values()
-            ],
+            serving_daemons=[r for r, m in members.members.items() if m.serving],
+            peers=[self._peer_status(link, now)
+                   for link in self._services.links.links.values()],
+        )
+
+    def _peer_status(self, link: PeerLink, now: float) -> pb.PeerStatus:
+        """One peer's link and membership state."""
+        members = self._services.members
+        return pb.PeerStatus(
+            rank=link.rank,
+            address=link.address,
+            connected=link.connected,
+            last_heartbeat_age_s=now - link.last_heartbeat if link.last_heartbeat else -1,
+            bytes_sent=link.bytes_sent,
+            bytes_received=link.bytes_received,
+            acks_early=link.acks_early,
+            acks_late=link.acks_late,
+            aborts_received=link.aborts_received,
+            frames_sent=link.frames_sent,
+            writes=link.writes,
+            frames_received=link.inbound.frames_received if link.inbound else 0,
+            frames_queued=link.sender.queued if isinstance(link.sender, Sender) else 0,
+            state=members.state(link.rank).value,
+            incarnation=members.incarnation_of(link.rank),
+            reconnects=members.members[link.rank].reconnects,
+            down_reason=members.members[link.rank].reason,
         )
 
     async def Topology(
@@ -248,12 +270,14 @@ class PeerService(pb_grpc.PeerServicer):
     path)."""
 
     def __init__(self, links: Links, status: Callable[[], pb.StatusReply],
-                 handshaken: Callable[[int, int], None]) -> None:
+                 handshaken: Callable[[int, int], None], serving: Callable[[], bool]) -> None:
         """``status``: this daemon's (``WorkerService.status``) for peers that ask;
-        ``handshaken(rank, incarnation)``: a peer passed its handshake and connects now."""
+        ``handshaken(rank, incarnation)``: a peer passed its handshake and connects now;
+        ``serving``: whether a job runs here (told to peers that join)."""
         self._links = links
         self._status = status
         self._handshaken = handshaken
+        self._serving = serving
 
     async def Status(
         self, request: pb.PeerStatusRequest, context: grpc.aio.ServicerContext
@@ -312,7 +336,7 @@ class PeerService(pb_grpc.PeerServicer):
                                  message=f"rank {request.from_rank} refused: {why}")
         if links.auth.mode == "mtls":
             error = self._certificate_error(request, context)
-        error = error or links.check_handshake(request)
+        error = error or check_handshake(links, request)
         if error is not None:
             log.error("refused handshake: %s", error.message)
             return pb.HandshakeReply(error=error, rank=links.rank)
@@ -320,7 +344,7 @@ class PeerService(pb_grpc.PeerServicer):
         self._handshaken(int(request.from_rank), int(request.incarnation))
         return pb.HandshakeReply(rank=links.rank, data_port=links.data_port,
                                  window_bytes=links.window, bulk_key=key,
-                                 incarnation=links.incarnation)
+                                 incarnation=links.incarnation, serving=self._serving())
 
     def _certificate_error(self, request: pb.HandshakeRequest | pb.PeerStatusRequest,
                            context: grpc.aio.ServicerContext) -> pb.Error | None:

@@ -81,10 +81,13 @@ def sendmsg(sock: socket.socket, buffers: list[Buffer], flags: int = 0) -> int:
 class Sender:
     """The outgoing connection to one peer: frames go out whole and in order."""
 
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, peer: int) -> None:
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, peer: int,
+                 on_broken: Callable[[Sender, BaseException], None] | None = None) -> None:
+        """``on_broken(sender, error)`` runs on ``loop`` once when a write fails."""
         self.sock = sock
         self.loop = loop
         self.peer = peer
+        self._on_broken = on_broken
         self.bytes_sent = 0
         #: frames sent, and the writes (sendmsg calls) that carried them: everything queued for
         #: this peer goes out together, several frames per write
@@ -236,6 +239,9 @@ class Sender:
         """The connection failed: every queued frame fails with it (lock held)."""
         if self.error is None:
             self.error = exc
+            if self._on_broken is not None and not self._closed:
+                with contextlib.suppress(RuntimeError):  # the loop is gone
+                    self.loop.call_soon_threadsafe(self._on_broken, self, exc)
         while self._queue:
             self._done(self._queue.popleft(), exc)
 

@@ -179,7 +179,8 @@ class Daemon:
         worker_service = WorkerService(self.services, self.sessions, self.engine,
                                        self.endpoints, self.ready)
         add_peer_service(PeerService(self.links, worker_service.status,
-                                     self.supervisor.handshake_from), peer_server)
+                                     self.supervisor.handshake_from,
+                                     lambda: self.engine.completed > 0), peer_server)
         worker_server = grpc.aio.server(options=GRPC_OPTIONS)
         pb_grpc.add_WorkerServicer_to_server(worker_service, worker_server)
         if self.metrics is not None:  # read at every scrape, on this loop

@@ -64,10 +64,11 @@ class Sessions:
         return asked
 
     def register(self, pid: int, framework: str, job: str,
-                 local_rank: int | None = None) -> WorkerSession:
+                 local_rank: int | None = None, joining: bool = False) -> WorkerSession:
         """A new worker with its own arena and its rank (DecentError when its local rank is
         taken or no arena can be made); dropped if it does not attach within
-        :data:`ATTACH_TIMEOUT`."""
+        :data:`ATTACH_TIMEOUT`. ``joining``: it joins a running job, and peers include it
+        only once it says so (:meth:`joined`), after it took its state."""
         local = self._local_rank(job, local_rank)
         waiting = sum(not s.attached for s in self.by_id.values())
         if waiting >= MAX_UNATTACHED:
@@ -78,11 +79,18 @@ class Sessions:
         rank = self._machine * self._per_node + local
         session = WorkerSession(secrets.token_hex(8), pid, framework, arena, job, rank, local)
         self.by_id[session.worker_id] = session
-        self._engine.joined(session)
+        if not joining:
+            self.joined(session)
         self._tasks.spawn(self._expire_unattached(session))
         log.info("worker %s (rank %d, local rank %d, pid %d, %s, job %s) registered",
                  session.worker_id, rank, local, pid, shown(framework), shown(job))
         return session
+
+    def joined(self, session: WorkerSession) -> None:
+        """The worker takes part in the node's ops from now on (told to every peer)."""
+        if not session.joined:
+            session.joined = True
+            self._engine.joined(session)
 
     def get(self, worker_id: str) -> WorkerSession | None:
         """The worker registered under ``worker_id``, if it is still here."""

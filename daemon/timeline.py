@@ -59,7 +59,8 @@ from decentd.errors import StartupError
 from decentd.names import OWNER_SEPARATOR, SEGMENT_SEPARATOR
 
 if TYPE_CHECKING:  # only for annotations: decentctl reads timelines without the daemon's modules
-    from decentd.ops.api import OpContext, Phases
+    from decentd.ops.api import OpContext
+    from decentd.ops.phases import Phases
 
 log = logging.getLogger("decentd.timeline")
 

@@ -20,7 +20,15 @@ from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.launcher import free_ports
 
-__all__ = ["Cluster", "free_ports"]
+__all__ = ["Cluster", "delay", "free_ports", "peer_state", "until", "until_running", "until_state"]
+
+
+def delay(rank: int) -> None:
+    """Sleep as long as ``$DECENT_TEST_DELAY=RANK:SECONDS`` says for ``rank`` (a manual check
+    that multi-rank tests wait on events, not on time)."""
+    spec = os.environ.get("DECENT_TEST_DELAY", "")
+    if spec and int(float(spec.split(":")[0])) == rank:
+        time.sleep(float(spec.split(":")[1]))
 
 
 def _delayed(fn: Callable[[Client[Any]], Any]) -> Callable[[Client[Any]], Any]:
@@ -154,3 +162,27 @@ class Cluster:
                 p.kill()
                 codes.append(p.wait())
         return codes
+
+
+def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Wait for ``condition`` (polled); fail naming ``what`` when it does not come."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def peer_state(c: Cluster, i: int, peer: int) -> str:
+    """Daemon ``i``'s view of daemon ``peer``: up, reconnecting or down."""
+    return next(p.state for p in c.status(i).peers if p.rank == peer)
+
+
+def until_state(c: Cluster, i: int, peer: int, state: str) -> None:
+    """Wait until daemon ``i`` holds daemon ``peer`` in ``state``."""
+    until(lambda: peer_state(c, i, peer) == state, f"rank {i} to see rank {peer} {state}")
+
+
+def until_running(c: Cluster, i: int) -> None:
+    """Wait until daemon ``i`` runs an op."""
+    until(lambda: c.status(i).ops_in_flight > 0, f"rank {i} to run an op")

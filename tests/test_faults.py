@@ -7,34 +7,19 @@ on a fixed sleep: ``until`` polls a condition with a deadline that only bounds a
 from __future__ import annotations
 
 import signal
-import time
-from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 
 import decent.torch as dt
-from cluster import Cluster
+from cluster import Cluster, delay, until, until_running, until_state
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 
 #: a ring of 3 with uniform weights: every rank gives itself and each in-neighbor 1/3
 THIRD = np.float32(1 / 3)
-
-
-def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    """Wait for ``condition`` (polled); fail naming ``what`` when it does not come."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-def peer_state(c: Cluster, i: int, peer: int) -> str:
-    """Daemon ``i``'s view of daemon ``peer``: up, reconnecting or down."""
-    return next(p.state for p in c.status(i).peers if p.rank == peer)
 
 
 def submit_and_kill(c: Cluster, name: str, victim: int) -> list:
@@ -44,7 +29,7 @@ def submit_and_kill(c: Cluster, name: str, victim: int) -> list:
     handles = [c.clients[i].neighbor_allreduce_async(torch.full((1000,), float(i + 1)),
                                                      name=name, timeout=30) for i in survivors]
     for i in survivors:
-        until(lambda i=i: c.status(i).ops_in_flight > 0, f"rank {i} to run '{name}'")
+        until_running(c, i)
     c.procs[victim].send_signal(signal.SIGKILL)
     c.procs[victim].wait()
     return handles
@@ -72,7 +57,7 @@ def test_a_daemon_killed_mid_op_is_reweighted_out_exactly() -> None:
             assert view.daemons == (0, 1) and view.ranks == (0, 1)
             assert view.epoch >= 1
             # reaching it again was refused: down (it was left out from the drop on)
-            until(lambda i=i: peer_state(c, i, 2) == "down", f"rank {i} to call rank 2 down")
+            until_state(c, i, 2, "down")
     finally:
         c.clients = c.clients[:2]
         c.stop()
@@ -102,8 +87,11 @@ def test_a_daemon_killed_mid_op_fails_it_under_fail() -> None:
 def ring_round(clients: list, name: str, values: dict[int, float]) -> dict[int, tuple]:
     """One neighbor_allreduce of ``name`` on the given clients (rank -> its value, all at once);
     rank -> (result value, src_ranks)."""
-    handles = {c.rank: c.neighbor_allreduce_async(torch.full((8,), values[c.rank]), name=name,
-                                                  timeout=30) for c in clients}
+    handles = {}
+    for c in clients:
+        delay(c.rank)
+        handles[c.rank] = c.neighbor_allreduce_async(torch.full((8,), values[c.rank]),
+                                                     name=name, timeout=30)
     return {r: (h.wait(timeout=60)[0].item(), h.src_ranks) for r, h in handles.items()}
 
 
@@ -124,9 +112,14 @@ def test_a_restarted_node_rejoins_and_pairs_with_the_current_rounds() -> None:
         assert got[0] == (pytest.approx(2 / 3 * 1 + 1 / 3 * 2, rel=1e-6), [1])
         c.procs[2] = c.spawn(2, "ring")
         for i in (0, 1):
-            until(lambda i=i: peer_state(c, i, 2) == "up", f"rank {i} to see rank 2 up")
+            until_state(c, i, 2, "up")
         assert c.status(2).incarnation > old_incarnation
         c.clients[2] = dt.connect(f"unix://{c.sockets[2]}", 60)
+        assert c.clients[2].rejoining  # it joins a running job: left out until it says so
+        c.clients[2].connection.join()  # (its first op would; here every rank must be in)
+        for i in (0, 1):
+            until(partial(lambda k: c.clients[k].membership().ranks == (0, 1, 2), i),
+                  f"rank {i} to count rank 2's worker in")
         # survivors are at round 4 of "w", the new worker at 0: they pair, with every rank in
         got = ring_round(c.clients, "w", values)
         assert got == {0: (pytest.approx(7 / 3, rel=1e-6), [1, 2]),
@@ -139,4 +132,80 @@ def test_a_restarted_node_rejoins_and_pairs_with_the_current_rounds() -> None:
               "the three daemons to agree on one view")
         assert all(v.daemons == (0, 1, 2) for v in views)
     finally:
+        c.stop()
+
+
+def allreduce_all(clients: list, name: str, values: dict[int, float]) -> dict[int, object]:
+    """An averaging allreduce of ``name`` on the given clients at once; rank -> (value,
+    src_ranks) or the DecentError it raised."""
+    handles = {}
+    for c in clients:
+        delay(c.rank)
+        handles[c.rank] = c.allreduce_async(torch.full((4,), values[c.rank]), name=name,
+                                            timeout=30)
+    out: dict[int, object] = {}
+    for r, h in handles.items():
+        try:
+            out[r] = (h.wait(timeout=60)[0].item(), h.src_ranks)
+        except DecentError as exc:
+            out[r] = exc
+    return out
+
+
+def test_allreduce_fails_across_a_view_change_then_runs_over_the_new_view_and_the_rejoined() \
+        -> None:
+    c = Cluster(3, "ring")
+    try:
+        c.connect()
+        values = {0: 1.0, 1: 2.0, 2: 6.0}
+        assert allreduce_all(c.clients, "g", values) == {r: (3.0, [0, 1, 2]) for r in range(3)}
+        # ranks 0 and 1 start round 1 of "g"; rank 2 dies before it takes part
+        handles = [c.clients[i].allreduce_async(torch.full((4,), values[i]), name="g",
+                                                timeout=30) for i in (0, 1)]
+        for i in (0, 1):
+            until_running(c, i)
+        c.procs[2].send_signal(signal.SIGKILL)
+        c.procs[2].wait()
+        c.clients[2].close()
+        for h in handles:  # nobody gets a partial average
+            with pytest.raises(DecentError) as info:
+                h.wait(timeout=60)
+            assert info.value.code == pb.PEER_UNAVAILABLE and "rank 2" in info.value.message
+        # the next round runs over the live view, and says which ranks it covers
+        assert allreduce_all(c.clients[:2], "g", values) == {0: (1.5, [0, 1]), 1: (1.5, [0, 1])}
+        c.procs[2] = c.spawn(2, "ring")
+        for i in (0, 1):
+            until_state(c, i, 2, "up")
+        c.clients[2] = dt.connect(f"unix://{c.sockets[2]}", 60)
+        c.clients[2].connection.join()
+        for i in (0, 1):
+            until(partial(lambda k: c.clients[k].membership().ranks == (0, 1, 2), i),
+                  f"rank {i} to count rank 2's worker in")
+        # ranks 0 and 1 are at round 3 of "g", the rejoined worker at round 0: they pair
+        assert allreduce_all(c.clients, "g", values) == {r: (3.0, [0, 1, 2]) for r in range(3)}
+    finally:
+        c.stop()
+
+
+def test_a_collective_needs_a_majority_of_the_daemons() -> None:
+    c = Cluster(4, "ring")
+    try:
+        c.connect()
+        for victim in (2, 3):
+            c.procs[victim].send_signal(signal.SIGKILL)
+            c.procs[victim].wait()
+            c.clients[victim].close()
+        for i in (0, 1):
+            until(partial(lambda k: c.clients[k].membership().daemons == (0, 1), i),
+                  f"rank {i} to see ranks 2 and 3 gone")
+        got = allreduce_all(c.clients[:2], "half", {0: 1.0, 1: 2.0})
+        for r in (0, 1):  # two of four: the other half might be averaging too
+            error = got[r]
+            assert isinstance(error, DecentError) and error.code == pb.PEER_UNAVAILABLE
+            assert "majority" in error.message
+        # neighbor ops go on without them (reweighted)
+        avg = ring_round(c.clients[:2], "n", {0: 1.0, 1: 2.0})
+        assert avg[0][1] == [1] and avg[1][1] == [0]
+    finally:
+        c.clients = c.clients[:2]
         c.stop()

@@ -100,7 +100,7 @@ class Daemon0:
                          memory={"early_arrival_bytes": window})
         self.services: Services
         self.receiver: Receiver
-        self.services, self.receiver = build_services(cfg, 0)
+        self.services, self.receiver, _ = build_services(cfg, 0)
         self.mailbox = self.services.mailbox
         self.pool = self.services.pool
         self.windows: WindowStore = self.services.windows

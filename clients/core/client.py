@@ -28,6 +28,7 @@ from decent.core.hierarchy_ops import HierarchicalOps
 from decent.core.membership import View
 from decent.core.regions import RegionTable
 from decent.core.registrar import Registrar
+from decent.core.rejoin import REJOIN_PREFIX
 from decent.core.submitter import OpCall, Submitter
 from decent.core.topology_ops import TopologyOps
 from decent.core.windows import WindowOps, WindowTable
@@ -142,6 +143,8 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
 
     def _call(self, call: OpCall, tensor: T | None, name: str | None, timeout: float | None,
               **options: Any) -> Handle[T]:
+        if self.connection.joining and not (name or "").startswith(REJOIN_PREFIX):
+            self.connection.join()  # the first op of training: peers include this rank now
         return self._submitter.submit(call, tensor, name, timeout, **options)
 
     # ------------------------------------------------------------------ neighbor ops
@@ -462,6 +465,16 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
     def membership(self) -> View:
         """The live ranks and the view's epoch, as this worker's daemon sees them now."""
         return View.of(self.connection.status())
+
+    @property
+    def view_epoch(self) -> int:
+        """The daemon's membership epoch as of the last completed op (cheap: no call)."""
+        return self._submitter.view_epoch
+
+    @property
+    def rejoining(self) -> bool:
+        """Whether this worker joins a running job (its daemon restarted or came late)."""
+        return self.connection.registration.rejoining
 
     def close(self) -> None:
         """Disconnect; the daemon fails this worker's in-flight ops and frees its arena.

@@ -75,6 +75,8 @@ class Registration:
     arena_bytes: int
     data_socket: str
     memory_socket: str
+    #: the daemon joined a job already running (restarted or late): take the state first
+    rejoining: bool = False
 
 
 class Connection:
@@ -109,7 +111,9 @@ class Connection:
             max(1, int(reply.local_size)), int(reply.machine_rank),
             max(1, int(reply.machine_size)), reply.cluster_id, reply.topology,
             reply.machine_topology, reply.default_timeout_s, int(reply.ring_threshold_bytes),
-            int(reply.arena_bytes), reply.data_socket, reply.memory_socket)
+            int(reply.arena_bytes), reply.data_socket, reply.memory_socket, reply.rejoining)
+        #: joining a running job: peers leave this worker out until :meth:`join`
+        self.joining = reply.rejoining
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
@@ -222,6 +226,14 @@ class Connection:
             raise DecentError(pb.ARENA_ERROR, f"the daemon sent {len(fds)} descriptors for "
                                               "the arena, not 1")
         return fds[0]
+
+    def join(self) -> None:
+        """Tell the daemon this worker (of a job it joined late) takes part from now on."""
+        self.joining = False
+        error: pb.Error = self._stub.Joined(pb.JoinedRequest(
+            worker_id=self.registration.worker_id), timeout=MEMORY_CALL_TIMEOUT)
+        if error.code != pb.OK:
+            raise DecentError.from_pb(error)
 
     def status(self) -> pb.StatusReply:
         """The daemon's counters and peer health."""

@@ -84,6 +84,8 @@ class Submitter(Generic[T]):
         self._fusion: Fusion[Queued] = Fusion(fusion_threshold, cycle_time, self._send_bucket)
         self.closed = False
         self.lost: DecentError | None = None
+        #: the highest membership epoch a completion carried (a change: ranks came or went)
+        self.view_epoch = 0
 
     # ------------------------------------------------------------------ submission
 
@@ -227,6 +229,7 @@ class Submitter(Generic[T]):
             members = self._in_flight.pop(completion.request_id, None)
         if members is None:
             return
+        self.view_epoch = max(self.view_epoch, int(completion.view_epoch))
         error = None if completion.error.code == pb.OK else DecentError.from_pb(completion.error)
         for p in members:
             self._settle(p, completion, error)

@@ -13,6 +13,8 @@ current parameters start in a forward pre-hook and overlap forward and backward.
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -25,9 +27,13 @@ from decent.core.algorithms import (
     consensus_distance,
     make_algorithm,
 )
+from decent.core.rejoin import JoinWatch, own_donor
+from decent.torch import rejoin
 from decent.torch import state as state_format
 from decent.torch.client import TorchClient, default_client
 from decent.torch.flat import flatten_parameters
+
+log = logging.getLogger("decent.optim")
 
 
 def _default_client() -> TorchClient:
@@ -67,7 +73,7 @@ class DecentralizedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
                  algorithm: str = "dsgd", client: TorchClient | None = None,
-                 flatten: bool = True, **options: Any) -> None:
+                 flatten: bool = True, rejoin: bool = True, **options: Any) -> None:
         self.optimizer = optimizer
         self.client = client if client is not None else _default_client()
         #: the algorithm's per-parameter state (trackers, public copies, ...)
@@ -85,6 +91,11 @@ class DecentralizedOptimizer:
         self._started = False
         self._hook = model.register_forward_pre_hook(self._before_forward) \
             if model is not None else None
+        #: ranks that joined late and get this rank's state (the donor's sends, in flight)
+        self._joins = JoinWatch(self.client.rank, self.client.local_size, self.client.membership)
+        self._sending: list[threading.Thread] = []
+        if rejoin and self.client.rejoining:
+            self._take_state()
 
     # ------------------------------------------------------------------ what torch expects
 
@@ -145,6 +156,7 @@ class DecentralizedOptimizer:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One local update by the wrapped optimizer, then the algorithm's combine."""
         loss = None
+        self._serve_joiners()
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -169,6 +181,32 @@ class DecentralizedOptimizer:
         self.algorithm.advance()
         self._started = False
         return loss
+
+    def _take_state(self) -> None:
+        """This rank joined a running job: the parameters and the optimizer's state from its
+        donor (:mod:`decent.core.rejoin`), before the first step."""
+        donor = own_donor(self.client.membership(), self.client.local_size)
+        if donor is None or donor == self.client.rank:
+            return
+        params, state = rejoin.receive(self.client, donor)
+        mine = self._params()
+        if [tuple(p.shape) for p in params] != [tuple(p.shape) for p in mine]:
+            raise AlgorithmError(f"rank {donor} sent parameters of shapes "
+                                 f"{[tuple(p.shape) for p in params]}, this model has "
+                                 f"{[tuple(p.shape) for p in mine]}")
+        with torch.no_grad():
+            for p, value in zip(mine, params, strict=True):
+                p.copy_(value)
+        self.load_state_dict(state)
+        log.info("rank %d took the training state of rank %d", self.client.rank, donor)
+
+    def _serve_joiners(self) -> None:
+        """Send this rank's state to the ranks that joined since the last step, when it is
+        their donor (in the background: training goes on)."""
+        self._sending = [t for t in self._sending if t.is_alive()]
+        for to in self._joins.to_serve(self.client.view_epoch):
+            meta, tensors = rejoin.snapshot(self._params(), self.state_dict())
+            self._sending.append(rejoin.send_in_background(self.client, to, meta, tensors))
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus, under ``"decent"``, the algorithm's name,

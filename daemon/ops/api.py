@@ -28,6 +28,7 @@ from decentd.errors import PeerLost
 from decentd.links import Links, part
 from decentd.mailbox import Accepts, Arrival, Key, Mailbox, Progress
 from decentd.membership import Membership
+from decentd.ops.phases import Phases
 from decentd.sender import Outgoing
 from decentd.tasks import gather_all
 from decentd.windows.groups import GroupSums
@@ -75,36 +76,6 @@ class Level:
     size: int
     topology: Topology
     node: bool = False
-
-
-class Phases:
-    """An op's marks (``time.monotonic_ns``, 0: not reached) while a timeline records: opened,
-    sends (first began, last returned), data (first awaited, last came), ran, done (the
-    completion handed over); error."""
-
-    __slots__ = ("done_ns", "error", "ran_ns", "received_ns", "recv_ns", "send_ns", "sent_ns",
-                 "started_ns")
-
-    def __init__(self) -> None:
-        self.started_ns, self.error = time.monotonic_ns(), ""
-        self.send_ns = self.sent_ns = self.recv_ns = self.received_ns = 0
-        self.ran_ns = self.done_ns = 0
-
-    def sending(self) -> None:
-        """A send begins."""
-        self.send_ns = self.send_ns or time.monotonic_ns()
-
-    def sent(self) -> None:
-        """A send returned."""
-        self.sent_ns = time.monotonic_ns()
-
-    def receiving(self) -> None:
-        """The op waits for a peer's data."""
-        self.recv_ns = self.recv_ns or time.monotonic_ns()
-
-    def received(self, _: object = None) -> None:
-        """A peer's data is there (also a future's done-callback)."""
-        self.received_ns = time.monotonic_ns()
 
 
 @dataclass
@@ -214,6 +185,11 @@ class OpContext:
         self.running = False  #: set once the task has started
         #: phase marks while a timeline records (set by the engine), else None
         self.phases: Phases | None = None
+        #: a collective's ranks (the live ones when it was planned), ascending; None: not one
+        self.group: list[int] | None = None
+        #: a collective's view (its live ranks and their incarnations): travels with what it
+        #: sends, and a peer that planned with another view fails the op with MISMATCH
+        self.view_name = ""
 
     @property
     def keys(self) -> list[tuple[str, int]]:
@@ -264,9 +240,9 @@ class OpContext:
         """This op's tensors (or ``parts`` of them) as the parts of one message."""
         wire = [part(p.name, p.round, tag, self.op, p.dtype, p.shape, p.nbytes, weight)
                 for p in (self.parts if parts is None else parts)]
-        if self.on_topology:
+        if self.on_topology or self.view_name:
             for w in wire:
-                w.topology = self.topology_name
+                w.topology = self.topology_name if self.on_topology else self.view_name
         return wire
 
     async def send(self, dst: int, tag: int, weight: float = 1.0, ack: bool = False,
@@ -420,6 +396,10 @@ class OpContext:
             problem = (f"rank {self.rank} runs it on topology {self.topology_name} but rank "
                        f"{src} on {arrival.topology} (set_topology at another point of their "
                        "sequences of ops?)")
+        elif self.view_name and arrival.topology and arrival.topology != self.view_name:
+            problem = (f"rank {self.rank} ran it over live ranks {self.view_name} but rank {src} "
+                       f"over {arrival.topology}: the membership changed during the op; "
+                       "retry it in the new view")
         elif arrival.op != self.op:
             problem = (f"rank {self.rank} submitted {op_label(self.op)} but rank {src} "
                        f"submitted {op_label(arrival.op)}")

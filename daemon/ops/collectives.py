@@ -13,11 +13,13 @@ from decent_wire.graphs import hops
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.numerics import ACCUM, INTEGER, divide, from_accum, to_accum
 from decentd.ops.api import DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
+from decentd.ops.faults import live_group
 
 
 async def _allreduce_direct(ctx: OpContext) -> int:
     """Everyone sends its tensors to everyone; each rank sums all n in rank order, per tensor."""
-    others = [r for r in range(ctx.size) if r != ctx.rank]
+    group = live_group(ctx)
+    others = [r for r in group if r != ctx.rank]
     got = await gather_all(*(ctx.recv_parts(r, 0) for r in others),
                            *(ctx.send(r, 0) for r in others))
     total = 0
@@ -25,8 +27,8 @@ async def _allreduce_direct(ctx: OpContext) -> int:
         storage = dtypes.STORAGE[p.dtype]
         parts = {r: got[k][i].data.view(storage) for k, r in enumerate(others)}
         parts[ctx.rank] = p.x
-        acc = to_accum(parts[0], p.dtype)
-        for r in range(1, ctx.size):
+        acc = to_accum(parts[group[0]], p.dtype)
+        for r in group[1:]:
             acc += to_accum(parts[r], p.dtype)
         total += _finish_allreduce(ctx, p, acc)
     return total
@@ -34,7 +36,7 @@ async def _allreduce_direct(ctx: OpContext) -> int:
 
 def _finish_allreduce(ctx: OpContext, p: PartSpec, acc: np.ndarray) -> int:
     """Write a sum (or average) in the accumulation dtype to part ``p``'s output."""
-    divisor = ctx.size if ctx.args.reduce_op == pb.AVERAGE else 1
+    divisor = len(live_group(ctx)) if ctx.args.reduce_op == pb.AVERAGE else 1
     out = ctx.output(p, p.nbytes)
     if acc.dtype == out.dtype and p.dtype not in INTEGER:
         if divisor == 1:
@@ -55,8 +57,9 @@ async def _allreduce_ring(ctx: OpContext) -> int:
     copy comes from the daemon's buffer pool, so a training step allocates nothing new.
     """
     p = ctx.parts[0]
-    n, r = ctx.size, ctx.rank
-    right, left = (r + 1) % n, (r - 1) % n
+    group = live_group(ctx)
+    n, r = len(group), group.index(ctx.rank)
+    right, left = group[(r + 1) % n], group[(r - 1) % n]
     accum = ACCUM[p.dtype]
     pool = ctx.services.pool
     block = pool.get(p.x.size * accum.itemsize)
@@ -78,8 +81,8 @@ async def _allreduce_ring(ctx: OpContext) -> int:
             got = arrival.data.view(work.dtype)
             if got.size != into.size:
                 raise DecentError(pb.MISMATCH, f"tensor '{ctx.display}' round {ctx.round}: rank "
-                              f"{left} sent a ring chunk of {got.size} elements, rank {r} "
-                              f"expected {into.size}")
+                              f"{left} sent a ring chunk of {got.size} elements, rank "
+                              f"{ctx.rank} expected {into.size}")
             if add:
                 into += got
             else:
@@ -101,14 +104,15 @@ async def _send_chunk(ctx: OpContext, dst: int, tag: int, chunk: np.ndarray) -> 
 
 
 async def allreduce(ctx: OpContext) -> OpResult:
-    """Sum or average over all ranks (ring for large tensors, direct exchange for small)."""
-    if ctx.size == 1:
+    """Sum or average over the live ranks (ring for large tensors, direct exchange for small);
+    the result names the ranks it covers."""
+    if len(live_group(ctx)) == 1:
         total = sum(_finish_allreduce(ctx, p, to_accum(p.x, p.dtype)) for p in ctx.parts)
     elif _uses_ring(ctx):
         total = await _allreduce_ring(ctx)
     else:
         total = await _allreduce_direct(ctx)
-    return OpResult(total, ctx.shape)
+    return OpResult(total, ctx.shape, live_group(ctx))
 
 
 def _uses_ring(ctx: OpContext) -> bool:
@@ -116,7 +120,7 @@ def _uses_ring(ctx: OpContext) -> bool:
     if len(ctx.parts) != 1:
         return False
     p = ctx.parts[0]
-    return p.nbytes >= ctx.services.ring_threshold and p.x.size >= ctx.size
+    return p.nbytes >= ctx.services.ring_threshold and p.x.size >= len(live_group(ctx))
 
 
 def _root(ctx: OpContext) -> int:
@@ -128,10 +132,10 @@ def _root(ctx: OpContext) -> int:
 
 
 async def broadcast(ctx: OpContext) -> OpResult:
-    """Every rank gets ``root``'s tensors."""
+    """Every live rank gets ``root``'s tensors."""
     root = _root(ctx)  # the tag is the root, so ranks that disagree on it notice
     if ctx.rank == root:
-        others = [r for r in range(ctx.size) if r != root]
+        others = [r for r in live_group(ctx) if r != root]
         await gather_all(*(ctx.send(r, root, ack=True) for r in others))
         values = [p.x for p in ctx.parts]
     else:  # a lone tensor is received straight into the output
@@ -144,19 +148,21 @@ async def broadcast(ctx: OpContext) -> OpResult:
         if not np.may_share_memory(out, v):
             out[...] = v
         total += p.nbytes
-    return OpResult(total, ctx.shape)
+    return OpResult(total, ctx.shape, live_group(ctx))
 
 
 async def barrier(ctx: OpContext) -> OpResult:
-    """Dissemination barrier: ceil(log2 n) rounds, in round k send to r+2^k, hear from r-2^k."""
-    n, r = ctx.size, ctx.rank
+    """Dissemination barrier over the live ranks: ceil(log2 n) rounds, in round k send to
+    r+2^k, hear from r-2^k (positions among them)."""
+    group = live_group(ctx)
+    n, r = len(group), group.index(ctx.rank)
     empty = memoryview(b"")
     for k, hop in enumerate(hops(n)):
         await gather_all(
-            ctx.recv((r - hop) % n, k),
-            ctx.send_bytes((r + hop) % n, k, empty),
+            ctx.recv(group[(r - hop) % n], k),
+            ctx.send_bytes(group[(r + hop) % n], k, empty),
         )
-    return OpResult(0, ())
+    return OpResult(0, (), group)
 
 
 async def allgather(ctx: OpContext) -> OpResult:
@@ -190,26 +196,38 @@ def _others(ctx: OpContext) -> set[int]:
     return set(range(ctx.size)) - {ctx.rank}
 
 
+def _live_others(ctx: OpContext) -> set[int]:
+    return set(live_group(ctx)) - {ctx.rank}
+
+
 def _allreduce_peers(ctx: OpContext) -> set[int]:
-    if ctx.size > 1 and _uses_ring(ctx):
-        return {(ctx.rank + 1) % ctx.size, (ctx.rank - 1) % ctx.size}
-    return _others(ctx)
+    group = live_group(ctx)
+    if len(group) > 1 and _uses_ring(ctx):
+        n, r = len(group), group.index(ctx.rank)
+        return {group[(r + 1) % n], group[(r - 1) % n]}
+    return _live_others(ctx)
 
 
 def _allreduce_tags(ctx: OpContext) -> set[int]:
-    if ctx.size > 1 and _uses_ring(ctx):
-        return set(range(1, 2 * ctx.size - 1))
+    n = len(live_group(ctx))
+    if n > 1 and _uses_ring(ctx):
+        return set(range(1, 2 * n - 1))
     return {0}
 
 
 def _broadcast_peers(ctx: OpContext) -> set[int]:
     root = _root(ctx)
-    return _others(ctx) if ctx.rank == root else {root}
+    group = live_group(ctx)
+    if root not in group:
+        raise DecentError(pb.PEER_UNAVAILABLE, f"{ctx.label}: root {root} is not live (live "
+                          f"ranks: {group})")
+    return _live_others(ctx) if ctx.rank == root else {root}
 
 
 def _barrier_peers(ctx: OpContext) -> set[int]:
-    n, r = ctx.size, ctx.rank
-    return {(r + h) % n for h in hops(n)} | {(r - h) % n for h in hops(n)}
+    group = live_group(ctx)
+    n, r = len(group), group.index(ctx.rank)
+    return {group[(r + h) % n] for h in hops(n)} | {group[(r - h) % n] for h in hops(n)}
 
 
 COLLECTIVE_OPS: dict[int, OpSpec] = {
@@ -219,6 +237,7 @@ COLLECTIVE_OPS: dict[int, OpSpec] = {
                  "everywhere?"),
     pb.BROADCAST: OpSpec(broadcast, _broadcast_peers, lambda ctx: {_root(ctx)}, fusable=True,
                          tag_hint="different broadcast roots"),
-    pb.BARRIER: OpSpec(barrier, _barrier_peers, lambda ctx: set(range(len(hops(ctx.size))))),
+    pb.BARRIER: OpSpec(barrier, _barrier_peers,
+                       lambda ctx: set(range(len(hops(len(live_group(ctx))))))),
     pb.ALLGATHER: OpSpec(allgather, _others, lambda _ctx: {0}, rows=_allgather_rows),
 }

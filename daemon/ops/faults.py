@@ -27,7 +27,14 @@ def gone(ctx: OpContext, peer: int) -> str | None:
         member = members.members.get(machine)
         why = member.reason if member is not None else "down"
         return f"its daemon (rank {machine}) is {members.state(machine).value}: {why}"
-    if not ctx.level.node and ctx.services.mailbox.gone(peer, ctx.name) is not None:
+    if ctx.level.node:
+        per = ctx.services.per_node
+        if all(w in members.absent for w in range(peer * per, (peer + 1) * per)):
+            return "it rejoined and its workers have not registered yet"
+        return None
+    if peer in members.absent:
+        return "its node rejoined and its worker has not registered yet"
+    if ctx.services.mailbox.gone(peer, ctx.name) is not None:
         return "its worker left"
     return None
 
@@ -62,3 +69,21 @@ async def unless_lost(ctx: OpContext, peer: int, aw: Awaitable[T]) -> T | None:
         if not reweighting(ctx):
             raise
         return None
+
+
+def live_group(ctx: OpContext) -> list[int]:
+    """The ranks a collective runs among: the live ones of its level, planned once per op.
+    PEER_UNAVAILABLE without a quorum (a strict majority of the daemons), so that the two
+    sides of a partition cannot both complete one."""
+    if ctx.group is not None:
+        return ctx.group
+    members = ctx.services.members
+    if not members.has_quorum():
+        raise DecentError(pb.PEER_UNAVAILABLE, f"{ctx.label}: only daemons "
+                          f"{members.live_daemons()} of {members.size} are live; a collective "
+                          "needs a majority of them (two sides of a partition must not both "
+                          "complete one)")
+    ranks = [r for r in range(ctx.size) if r == ctx.rank or gone(ctx, r) is None]
+    ctx.group = ranks
+    ctx.view_name = f"{','.join(map(str, ranks))}#{members.digest()[:8]}"
+    return ranks

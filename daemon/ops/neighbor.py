@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from typing import Any
 
 import numpy as np
 
@@ -215,7 +216,8 @@ async def neighbor_allreduce(ctx: OpContext) -> OpResult:
     pair = pair_peer(ctx, self_weight, recv, send)
     halves = [p for p in ctx.parts if p.nbytes >= PAIR_MIN_BYTES] if pair is not None else []
     whole = [p for p in ctx.parts if all(p is not h for h in halves)]
-    jobs = [pair_exchange(ctx, p, pair, self_weight) for p in halves if pair is not None]
+    jobs: list[Awaitable[Any]] = [pair_exchange(ctx, p, pair, self_weight) for p in halves
+                                  if pair is not None]
     if whole:
         jobs.append(exchange_whole(ctx, whole, self_weight, recv, send))
     got = await gather_all(*jobs)

@@ -1,0 +1,120 @@
+"""A node restarted mid-training takes the model and optimizer state from a live rank and trains
+on with the others, its rounds realigned with theirs (issue 26, docs/faults.md)."""
+
+from __future__ import annotations
+
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+import decent.torch as dt
+from cluster import Cluster, delay, until_state
+
+X = torch.linspace(-1, 1, 32).reshape(8, 4)
+
+
+class Trainer:
+    """One rank's model and decentralized optimizer (SGD with momentum, D-SGD)."""
+
+    def __init__(self, client: Any, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.client = client
+        self.model = torch.nn.Linear(4, 1)
+        self.opt = dt.DecentralizedOptimizer(
+            torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9), self.model,
+            algorithm="dsgd", client=client)
+        self.y = torch.full((8, 1), float(client.rank))
+        #: (parameters, momentum buffers) before each step
+        self.before: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def step(self) -> None:
+        delay(self.client.rank)
+        params = [p.detach().clone() for p in self.model.parameters()]
+        momentum = [self.opt.state[p]["momentum_buffer"].clone()
+                    for p in self.model.parameters() if p in self.opt.state]
+        self.before.append((params, momentum))
+        self.opt.zero_grad()
+        torch.nn.functional.mse_loss(self.model(X), self.y).backward()
+        self.opt.step()
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+
+
+def steps(trainers: list[Trainer], n: int) -> None:
+    """``n`` steps on every trainer at once (one thread each)."""
+    def run(t: Trainer) -> None:
+        for _ in range(n):
+            t.step()
+    with ThreadPoolExecutor(len(trainers)) as pool:
+        for f in [pool.submit(run, t) for t in trainers]:
+            f.result(timeout=120)
+
+
+def test_a_restarted_node_takes_the_state_of_a_live_rank_and_trains_on() -> None:
+    c = Cluster(3, "ring")
+    try:
+        c.connect()
+        trainers = [Trainer(c.clients[r], seed=r) for r in range(3)]
+        steps(trainers, 3)
+        c.procs[2].send_signal(signal.SIGKILL)
+        c.procs[2].wait()
+        c.clients[2].close()
+        steps(trainers[:2], 2)  # without rank 2: reweighted
+        c.procs[2] = c.spawn(2, "ring")
+        for i in (0, 1):
+            until_state(c, i, 2, "up")
+        with ThreadPoolExecutor(3) as pool:
+            # the new worker takes its state while the survivors train on (they leave it out
+            # until it has); its donor (rank 0) sends at a step boundary
+            def join() -> Trainer:
+                return Trainer(dt.connect(f"unix://{c.sockets[2]}", 60), seed=99)
+
+            joiner = pool.submit(join)
+
+            def train_on() -> None:
+                while not joiner.done():
+                    steps(trainers[:2], 1)
+
+            survivors = pool.submit(train_on)
+            trainers[2] = joiner.result(timeout=120)
+            survivors.result(timeout=120)
+        rejoined = trainers[2]
+        assert rejoined.client.rejoining
+        taken = [p.detach() for p in rejoined.model.parameters()]
+        # exactly rank 0's parameters and momentum as they were before one of its steps
+        match = [k for k, (params, _) in enumerate(trainers[0].before)
+                 if all(torch.equal(a, b) for a, b in zip(params, taken, strict=True))]
+        assert match, "the rejoined rank's parameters are none of its donor's"
+        momentum = [rejoined.opt.state[p]["momentum_buffer"] for p in rejoined.model.parameters()]
+        donor_momentum = trainers[0].before[match[-1]][1]
+        assert all(torch.equal(a, b) for a, b in zip(donor_momentum, momentum, strict=True))
+        # the step counters too: as many steps as the donor had made
+        assert rejoined.opt.algorithm.counters()["iteration"] == match[-1]
+        # its rounds restarted at 0 and pair with the survivors': they train on together (the
+        # survivors' steps that started before it joined leave it out, so they may take a step
+        # more; whoever stops leaves, which ends the others' step under way)
+        with ThreadPoolExecutor(3) as pool:
+            def joiner_steps() -> None:
+                for _ in range(6):
+                    rejoined.step()
+                rejoined.client.close()
+
+            joined = pool.submit(joiner_steps)
+
+            def survivor(t: Trainer) -> None:  # its leaving ends the other's step under way
+                while not joined.done():
+                    t.step()
+                t.client.close()
+
+            ends = [pool.submit(survivor, t) for t in trainers[:2]]
+            joined.result(timeout=120)
+            for f in ends:
+                f.result(timeout=120)
+        mean = sum(t.flat() for t in trainers) / 3
+        distance = [float((t.flat() - mean).norm()) for t in trainers]
+        assert distance[2] <= 1.5 * max(distance[:2]) + 1e-6, distance
+    finally:
+        c.stop()
