@@ -15,8 +15,8 @@ from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 
 #: seconds for the whole round (each peer gets 5)
 CLUSTER_TIMEOUT = 20.0
-COLUMNS = ("rank", "address", "version", "uptime (s)", "workers", "in flight", "sent (B)",
-           "received (B)", "heartbeat age (s)", "security")
+COLUMNS = ("rank", "address", "version", "uptime (s)", "epoch", "live", "workers", "in flight",
+           "sent (B)", "received (B)", "heartbeat age (s)", "security")
 
 
 def row(s: pb.StatusReply) -> dict[str, object]:
@@ -24,7 +24,8 @@ def row(s: pb.StatusReply) -> dict[str, object]:
     ages = [p.last_heartbeat_age_s for p in s.peers if p.last_heartbeat_age_s >= 0]
     line: dict[str, object] = {
         "rank": s.rank, "address": s.address, "version": s.version,
-        "uptime (s)": round(s.uptime_s, 1), "workers": s.workers,
+        "uptime (s)": round(s.uptime_s, 1), "epoch": s.view_epoch,
+        "live": ",".join(str(r) for r in s.live_daemons), "workers": s.workers,
         "in flight": s.ops_in_flight, "sent (B)": sum(p.bytes_sent for p in s.peers),
         "received (B)": sum(p.bytes_received for p in s.peers),
         "heartbeat age (s)": round(max(ages), 2) if ages else None,
@@ -50,7 +51,9 @@ def cluster_status(address: str, console: Console, as_json: bool) -> int:
                           "raw": [MessageToDict(s) for s in reply.cluster]}, indent=1))
     else:
         table = Table(*COLUMNS, "error", title=f"cluster {reply.cluster_id!r}: "
-                      f"{len(lines)} daemons")
+                      f"{len(lines)} daemons; rank {reply.rank}'s view: epoch "
+                      f"{reply.view_epoch}, live daemons {list(reply.live_daemons)}, live "
+                      f"ranks {list(reply.live_ranks)}")
         for line in lines:
             table.add_row(*(escape("" if line.get(c) is None else str(line.get(c)))
                             for c in (*COLUMNS, "error")))

@@ -30,19 +30,20 @@ from decentd.sender import Sender
 log = logging.getLogger("decentd.links")
 
 
-async def connect_peer(links: Links, link: PeerLink, deadline: float,
+async def connect_peer(links: Links, link: PeerLink, deadline: float, was_down: bool = False,
                        on_broken: Callable[[Sender, BaseException], None] | None = None
                        ) -> pb.HandshakeReply:
     """Handshake with ``link``'s peer (retried until ``deadline``) and open our bulk connection
     to it, greeted with a HELLO; the peer's reply (its incarnation, whether it serves a job).
     ConnectionError when it cannot be reached in time; StartupError when it refuses us (another
-    cluster, topology, secret). ``on_broken``: told when a write to the peer fails."""
+    cluster, topology, secret). ``was_down``: we declared the peer down since it was last up;
+    ``on_broken``: told when a write to the peer fails."""
     tls = links.auth.tls
     if link.channel is None:
         link.channel = (grpc.aio.secure_channel(link.address, tls.channel_credentials(),
                                                 options=GRPC_OPTIONS) if tls is not None else
                         grpc.aio.insecure_channel(link.address, options=GRPC_OPTIONS))
-    answer = await _handshake(links, link, pb_grpc.PeerStub(link.channel), deadline)
+    answer = await _handshake(links, link, pb_grpc.PeerStub(link.channel), deadline, was_down)
     if answer is None:
         raise ConnectionError(f"rank {link.rank} at {link.address} did not answer")
     reply, key = answer
@@ -65,7 +66,7 @@ async def connect_peer(links: Links, link: PeerLink, deadline: float,
 
 
 async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,
-                     deadline: float) -> tuple[pb.HandshakeReply, bytes] | None:
+                     deadline: float, was_down: bool) -> tuple[pb.HandshakeReply, bytes] | None:
     """The peer's handshake reply and the session key of secret mode (empty otherwise),
     retried until ``deadline`` (None: not reachable)."""
     delay = 0.05
@@ -74,14 +75,15 @@ async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,
                                   to_rank=link.rank, topology_digest=links.topology_digest,
                                   workers_per_node=links.per_node,
                                   machine_topology_digest=links.machine_digest,
-                                  incarnation=links.incarnation)
+                                  incarnation=links.incarnation, was_down=was_down)
     while True:
         timeout = max(0.1, min(2.0, deadline - time.monotonic()))
         try:
             key = await _prove(links, link, stub, request, timeout)
             reply: pb.HandshakeReply = await stub.Handshake(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            if time.monotonic() + delay >= deadline:
+            # refused (nobody listens: the caller tries again later) or out of time
+            if exc.code() == grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay >= deadline:
                 log.debug("rank %d at %s: %s", link.rank, link.address, exc.code().name)
                 return None
             await asyncio.sleep(delay)

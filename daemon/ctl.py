@@ -52,10 +52,15 @@ def status(address: str, console: Console) -> int:
     console.print(f"pid {s.pid}  rss {s.rss_bytes / 2**20:.1f} MiB  receive buffers "
                   f"{s.pool_bytes / 2**20:.1f} MiB (peak in use {s.pool_peak_bytes / 2**20:.1f} "
                   f"MiB)  registered worker memory {s.registered_bytes / 2**20:.1f} MiB")
-    table = Table("peer", "address", "connected", "heartbeat age (s)", "sent (B)", "received (B)")
+    console.print(f"membership: epoch {s.view_epoch}, live daemons {list(s.live_daemons)}, "
+                  f"live ranks {list(s.live_ranks)} (on peer loss: {s.on_peer_loss})")
+    table = Table("peer", "address", "state", "heartbeat age (s)", "sent (B)", "received (B)",
+                  "reconnects")
     for p in s.peers:
-        table.add_row(str(p.rank), p.address, "yes" if p.connected else "[red]no[/red]",
-                      f"{p.last_heartbeat_age_s:.1f}", str(p.bytes_sent), str(p.bytes_received))
+        state = p.state if p.state == "up" else f"[red]{escape(p.state)}[/red]: " \
+            f"{escape(p.down_reason)}"
+        table.add_row(str(p.rank), p.address, state, f"{p.last_heartbeat_age_s:.1f}",
+                      str(p.bytes_sent), str(p.bytes_received), str(p.reconnects))
     console.print(table)
     workers = Table("worker rank", "local rank", "pid", "framework", "job", "in flight",
                     title=f"local workers ({s.workers_per_node} per node)")

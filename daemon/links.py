@@ -12,7 +12,7 @@ import asyncio
 import ipaddress
 import logging
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -80,6 +80,11 @@ class PeerLink:
     #: bumped whenever both connections are dropped and flow control starts afresh: what was
     #: received or lent before must not count against the new connections
     generation: int = 0
+    #: while the link is being reopened: resolved True when it is up again, False when the
+    #: peer is declared down (sends wait for it; None: no reconnect under way)
+    back: asyncio.Future[bool] | None = None
+    #: ABORT and SKIP frames for the peer held while the link is reopened (sent once it is up)
+    held: list[pb.BulkHeader] = field(default_factory=list)
 
     @property
     def bytes_sent(self) -> int:
@@ -275,6 +280,35 @@ class Links:
         link.heartbeat_mark = -1
         return old
 
+    def reopening(self, machine: int) -> None:
+        """The link to ``machine`` is being reopened: sends to it wait, ABORT and SKIP frames
+        are held."""
+        link = self.links[machine]
+        if link.back is None:
+            link.back = asyncio.get_running_loop().create_future()
+
+    def reopened(self, machine: int, flush: bool) -> None:
+        """The link is up again: what waited goes on, and the held frames go out (``flush``),
+        or are dropped (the peer restarted, or both sides counted it out)."""
+        link = self.links[machine]
+        held, link.held = link.held, []
+        if flush:
+            for header in held:
+                self.control(machine, header)
+        self._settle_back(link, True)
+
+    def given_up(self, machine: int) -> None:
+        """The peer is down: sends that waited for the link fail; held frames are dropped."""
+        link = self.links[machine]
+        link.held = []
+        self._settle_back(link, False)
+
+    @staticmethod
+    def _settle_back(link: PeerLink, up: bool) -> None:
+        back, link.back = link.back, None
+        if back is not None and not back.done():
+            back.set_result(up)
+
     async def close(self) -> None:
         """Close every connection and channel."""
         loop = asyncio.get_running_loop()
@@ -299,8 +333,13 @@ class Links:
 
     # ------------------------------------------------------------------ sending
 
-    def _link(self, dst: int, name: str) -> PeerLink:
+    async def _link(self, dst: int, name: str) -> PeerLink:
+        """The link to ``dst``, waiting while it is reopened; PeerLost once it is down."""
         link = self.link_of(dst, name)
+        if link is not None and not link.connected and link.back is not None and \
+                not await asyncio.shield(link.back):
+            raise PeerLost(f"op '{display_name(name)}': rank {dst} went down while the op "
+                           "waited for its link to come back")
         if link is None or link.sender is None or not link.connected:
             raise PeerLost(f"op '{display_name(name)}': rank {dst} is not connected to rank "
                            f"{self.rank}")
@@ -367,7 +406,7 @@ class Links:
         otherwise after the receiver's CTS.
         """
         name = parts[0].name
-        link = self._link(dst, name)
+        link = await self._link(dst, name)
         parts = self.addressed(dst, parts)
         payload = [b for b in payload if len(b)]
         size = sum(len(b) for b in payload)
@@ -416,11 +455,21 @@ class Links:
             dst, [part(name, round_, tag, op, dtype, shape, len(payload), weight)], [payload])
 
     def control(self, dst: int, header: pb.BulkHeader) -> None:
-        """Send a payload-free frame to daemon ``dst`` (best effort: a dead peer is ignored)."""
+        """Send a payload-free frame to daemon ``dst`` (best effort: a dead peer is ignored;
+        an ABORT or SKIP waits while the link is reopened)."""
         link = self.link(dst)
-        if link is None or link.sender is None or not link.connected:
+        if link is None:
+            return
+        if link.sender is None or not link.connected:
+            if link.back is not None and header.kind in (pb.ABORT, pb.SKIP):
+                link.held.append(header)
             return
         link.sender.send([link.flow.stamp(header)])
+
+    def send_skip(self, dst: int, keys: list[OpKey]) -> None:
+        """Tell peer ``dst`` that our op of ``keys`` ran without it (its link dropped)."""
+        self._to_peer(dst, [pb.Part(name=name, round=round_) for name, round_ in keys],
+                      pb.BulkHeader(kind=pb.SKIP))
 
     def tell_all(self, header: pb.BulkHeader) -> None:
         """Send a payload-free frame to every daemon, this one included (best effort)."""

@@ -61,6 +61,8 @@ class Supervisor:
         self._reaching: dict[int, asyncio.Task[None]] = {}
         self._kick: dict[int, asyncio.Event] = {r: asyncio.Event() for r in links.links}
         self._heard_bytes: dict[int, int] = {}
+        #: the wait before reaching a peer whose link keeps dropping soon after it came up
+        self._drop_delay: dict[int, float] = {}
         #: refusals at start (another cluster, topology, secret): the daemon must not start
         self.fatal: StartupError | None = None
         self.changed = asyncio.Event()  #: set on every state change (start waits on it)
@@ -88,23 +90,28 @@ class Supervisor:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), min(left, 0.5))
 
-    def _reach(self, rank: int) -> None:
-        """Keep trying to reach ``rank`` until it is up (one task per peer)."""
+    def _reach(self, rank: int, wait: float = 0.0) -> None:
+        """Keep trying to reach ``rank`` until it is up (one task per peer), the first time
+        after ``wait`` seconds."""
         if self.closing:
             return
         task = self._reaching.get(rank)
         if task is not None and not task.done():
             self._kick[rank].set()
             return
-        self._reaching[rank] = asyncio.get_running_loop().create_task(self._reconnect(rank))
+        self._reaching[rank] = asyncio.get_running_loop().create_task(
+            self._reconnect(rank, wait))
 
-    async def _reconnect(self, rank: int) -> None:
+    async def _reconnect(self, rank: int, wait: float) -> None:
         link = self.links.links[rank]
+        if wait:
+            await asyncio.sleep(wait)
         delay = FIRST_DELAY
         while not link.connected and not self.closing:
             try:
                 reply = await asyncio.wait_for(
                     connect_peer(self.links, link, time.monotonic() + ATTEMPT_TIMEOUT,
+                                 self.members.members[rank].declared_down,
                                  self._sender_broken), ATTEMPT_TIMEOUT + 1)
             except StartupError as exc:  # refused: wrong cluster, topology, secret...
                 if not self.members.members[rank].ever_up and self.fatal is None:
@@ -116,7 +123,7 @@ class Supervisor:
             else:
                 if self.closing:
                     return
-                self._connected(link, int(reply.incarnation), reply.serving)
+                self._connected(link, reply)
                 return
             kick = self._kick[rank]
             try:
@@ -141,11 +148,14 @@ class Supervisor:
         if link is not None and link.sender is sender:
             self.link_lost(sender.peer, f"sending failed: {type(error).__name__}: {error}")
 
-    def _connected(self, link: PeerLink, incarnation: int, serving: bool) -> None:
+    def _connected(self, link: PeerLink, reply: pb.HandshakeReply) -> None:
         """Our connection to ``link``'s peer is open: up once its connection to us is too
-        (``serving``: a job runs there, so ours joined it late)."""
-        self.members.joined_running |= serving
-        self.members.members[link.rank].serving = serving
+        (its reply: its incarnation, whether a job runs there, whether it counted us out)."""
+        incarnation = int(reply.incarnation)
+        member = self.members.members[link.rank]
+        self.members.joined_running |= reply.serving
+        member.serving = reply.serving
+        member.peer_declared_down |= reply.was_down
         known = self.members.incarnation_of(link.rank)
         if known and incarnation != known:
             log.info("rank %d restarted (incarnation %d, was %d)", link.rank, incarnation, known)
@@ -157,13 +167,19 @@ class Supervisor:
         if link.connected and link.inbound is not None and not self.members.is_up(rank):
             link.last_heartbeat = time.monotonic()
             member = self.members.members[rank]
-            if member.up_incarnation != member.incarnation:  # new to us: it counts from 0
-                member.up_incarnation = member.incarnation
-                per = self.links.per_node
-                workers = range(rank * per, (rank + 1) * per)
-                if self.links.rounds.ready:  # a job runs here: its workers join it later
-                    self.members.absent.update(workers)
+            restarted = member.up_incarnation != member.incarnation
+            # counted out on either side meanwhile: both ran rounds alone, so its rounds are
+            # placed afresh like a restarted peer's (decentd.rounds)
+            fresh = restarted or member.declared_down or member.peer_declared_down
+            member.up_incarnation = member.incarnation
+            member.declared_down = member.peer_declared_down = False
+            per = self.links.per_node
+            workers = range(rank * per, (rank + 1) * per)
+            if restarted and self.links.rounds.ready:  # its workers join the job later
+                self.members.absent.update(workers)
+            if fresh:
                 self.links.rounds.joined([-(rank + 1), *workers])
+            self.links.reopened(rank, flush=not fresh)
             self.members.set_state(rank, PeerState.UP, "connected")
             log.info("rank %d is up (both connections; epoch %d, live %s)", rank,
                      self.members.epoch, self.members.live_daemons(), extra={"peer": rank})
@@ -185,8 +201,14 @@ class Supervisor:
         (log.info if orderly else log.warning)(
             "rank %d: link dropped (%s); reconnecting", src, reason,
             extra={"peer": src})
+        up_for = time.monotonic() - self.members.members[src].since
         self._drop(src, f"its connection ended ({reason})", PeerState.RECONNECTING)
-        self._reach(src)
+        # a link that drops again and again right after it came up (a peer that keeps sending
+        # what we refuse) is reopened with backoff, not in a tight loop
+        delay = 0.0 if up_for >= 1.0 else min(2 * self._drop_delay.get(src, FIRST_DELAY / 2),
+                                               self.max_delay)
+        self._drop_delay[src] = delay
+        self._reach(src, delay)
 
     def view(self, src: int, epoch: int, live: list[int]) -> None:
         """A live peer's membership view."""
@@ -204,24 +226,33 @@ class Supervisor:
         if self.mailbox.worker_joined(job, rank):
             self.links.rounds.joined([rank])
 
-    def handshake_from(self, src: int, incarnation: int) -> None:
+    def handshake_from(self, src: int, incarnation: int, was_down: bool) -> bool:
         """Daemon ``src`` handshakes with us: after a drop or a restart, or at start. What we
-        hold of its old connections goes (it is reconnecting them), and we reach it now."""
+        hold of its old connections goes (it is reconnecting them), and we reach it now.
+        ``was_down``: it counted us out meanwhile. Whether we counted it out."""
         link = self.links.links.get(src)
         if link is None:
-            return
+            return False
+        member = self.members.members[src]
+        member.peer_declared_down |= was_down
         restarted = self.members.incarnation_of(src) not in (0, incarnation)
         if link.inbound is not None or restarted:
             why = "it restarted" if restarted else "it reconnects"
             self._drop(src, why, PeerState.RECONNECTING)
         self.members.members[src].incarnation = incarnation
         self._reach(src)
+        return member.declared_down
 
     # ------------------------------------------------------------------ dropping
 
     def _drop(self, rank: int, reason: str, state: PeerState) -> None:
-        """Tear the link to ``rank`` down and fail what waits on it."""
+        """Tear the link to ``rank`` down and fail what waits on it (what starts while it is
+        reopened waits, until the peer is up again or declared down)."""
         old = self.links.teardown(rank)
+        if state is PeerState.RECONNECTING:
+            self.links.reopening(rank)
+        else:
+            self.links.given_up(rank)
         if old is not None:
             asyncio.get_running_loop().run_in_executor(None, old.close)
         self.members.set_state(rank, state, reason)
@@ -235,6 +266,7 @@ class Supervisor:
     def _declare_down(self, rank: int, reason: str) -> None:
         if self.members.state(rank) is PeerState.DOWN:
             return
+        self.members.members[rank].declared_down = True
         self._drop(rank, reason, PeerState.DOWN)
         log.warning("rank %d is down: %s (epoch %d, live %s)", rank, reason,
                     self.members.epoch, self.members.live_daemons(), extra={"peer": rank})

@@ -24,8 +24,9 @@ from typing import Protocol
 import numpy as np
 
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.absences import Absences
+from decentd.arrivals import Arrival
 from decentd.flow import Announced, MessageId
-from decentd.names import job_of, owner
 
 #: (peer, name, round, tag): one part of one op, from (or to) one peer (a worker rank, or a
 #: daemon rank for node-level keys: see :mod:`decentd.names`)
@@ -41,8 +42,6 @@ Progress = Callable[[np.ndarray, int, float, pb.Part], None]
 CLOSED_MEMORY = 65536
 #: aborts kept for ops that have not started here yet
 EARLY_ABORT_MEMORY = 4096
-#: workers remembered as gone (what waits for them fails at once)
-DEPARTED_MEMORY = 4096
 
 
 def accepts_of(part: pb.Part) -> Accepts:
@@ -83,49 +82,6 @@ class Landing(Protocol):
 
 
 @dataclass(eq=False)
-class Message:
-    """A received payload shared by its parts; ``on_release`` runs when the last is released."""
-
-    src: int
-    buf: np.ndarray | None
-    refs: int
-    credit: int  #: eager bytes to give back to the sender
-    on_release: Callable[[Message], None] | None = None
-    parts: int = 0  #: eager parts given back with them
-    generation: int = 0  #: of the sender's link (``PeerLink.generation``) it came over
-
-
-@dataclass(eq=False)
-class Arrival:
-    """One part (a tensor) of a message from a peer."""
-
-    src: int
-    op: int
-    dtype: int
-    shape: tuple[int, ...]
-    weight: float  #: the sender's dst weight
-    data: np.ndarray  #: uint8, exactly this part's bytes
-    message: Message | None = None
-    released: bool = False
-    acked: bool = False  #: the sender was told at header time that this part matched
-    step: int = 0  #: window ops: the writer's step
-    p: float = 0.0  #: window writes: the writer's associated p times its weight
-    topology: str = ""  #: neighbor ops: the name of the topology the sender's op used
-
-    def release(self) -> None:
-        """Done with the bytes (idempotent): the message is released with its last part."""
-        if self.released:
-            return
-        self.released = True
-        msg = self.message
-        if msg is None:
-            return
-        msg.refs -= 1
-        if msg.refs == 0 and msg.on_release is not None:
-            msg.on_release(msg)
-
-
-@dataclass(eq=False)
 class Slot:
     """Everything about one key."""
 
@@ -159,9 +115,8 @@ class Mailbox:
         self.announced = Announced()
         self._announced, self._cleared = self.announced.waiting, self.announced.cleared
         self._discard = self.announced.discard
-        #: (job, worker rank) of workers that left, and the error that waiting for them gets
-        self._departed: collections.OrderedDict[tuple[str, int], Exception] = (
-            collections.OrderedDict())
+        #: workers that left and rounds peers ran without us: nothing waits for them
+        self.absences = Absences()
         #: bytes of parts that arrived before their op asked for them
         self.early_bytes = 0
 
@@ -211,7 +166,7 @@ class Mailbox:
             self._held.setdefault((name, round_), []).append(arrival)
             fut.set_result(arrival)
             return fut
-        gone = self.gone(src, name)
+        gone = self.absences.gone(src, name, round_)
         if gone is not None:
             fut.set_exception(gone)
             return fut
@@ -231,7 +186,7 @@ class Mailbox:
     def expect_ack(self, dst: int, name: str, round_: int, tag: int) -> asyncio.Future[None]:
         """A future resolved when ``dst`` acknowledges our part ``(name, round, tag)``."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        gone = self.gone(dst, name)
+        gone = self.absences.gone(dst, name, round_)
         if gone is not None:
             fut.set_exception(gone)
         else:
@@ -243,27 +198,37 @@ class Mailbox:
     def worker_left(self, job: str, rank: int, error: Exception) -> None:
         """Worker ``rank`` of ``job`` is gone: whatever waits for it fails with ``error``, now
         and until it is back."""
-        self._departed[(job, rank)] = error
-        while len(self._departed) > DEPARTED_MEMORY:
-            self._departed.popitem(last=False)
+        self.absences.left(job, rank, error)
         for key, slot in self._slots.items():
-            if key[0] == rank and self.gone(rank, key[1]) is not None:
-                for fut in (slot.waiter, slot.ack_waiter):
-                    if fut is not None and not fut.done():
-                        fut.set_exception(error)
-                slot.waiter = slot.ack_waiter = None
+            if key[0] == rank and self.absences.departed(rank, key[1]) is not None:
+                self._fail_waiters(slot, error)
 
     def worker_joined(self, job: str, rank: int) -> bool:
         """Worker ``rank`` of ``job`` registered (again); whether it had left."""
-        return self._departed.pop((job, rank), None) is not None
+        return self.absences.joined(job, rank)
 
     def gone(self, peer: int, name: str) -> Exception | None:
-        """The error for waiting on ``peer`` under key ``name`` when that worker left."""
-        try:
-            worker_level = bool(self._departed) and owner(name) is not None
-        except ValueError:  # no owner: nobody to have left
-            return None
-        return self._departed.get((job_of(name), peer)) if worker_level else None
+        """The error for waiting on worker ``peer`` under key ``name`` when it left."""
+        return self.absences.departed(peer, name)
+
+    def skipped(self, parts: Iterable[pb.Part], error: Callable[[pb.Part], Exception]) -> None:
+        """Their senders ran these rounds without us (their link to us dropped meanwhile):
+        what waits on them there fails with ``error(part)``, now or when it starts."""
+        for p in parts:
+            src, key = int(p.src), (p.name, int(p.round))
+            if key in self._closed:
+                continue
+            self.absences.skipped(src, p.name, int(p.round), error(p))
+            for slot_key in self._by_op.get(key, ()):
+                if slot_key[0] == src:
+                    self._fail_waiters(self._slots[slot_key], error(p))
+
+    @staticmethod
+    def _fail_waiters(slot: Slot, error: Exception) -> None:
+        for fut in (slot.waiter, slot.ack_waiter):
+            if fut is not None and not fut.done():
+                fut.set_exception(error)
+        slot.waiter = slot.ack_waiter = None
 
     def close(self, keys: Iterable[OpKey]) -> None:
         """The op of these keys ended: drop its slots and what they hold; later arrivals for

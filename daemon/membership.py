@@ -38,6 +38,8 @@ class Member:
     ever_up: bool = False
     up_incarnation: int = 0  #: the incarnation it had when it last came up
     serving: bool = False  #: it already ran a job when we last reached it
+    declared_down: bool = False  #: we declared it down since it was last up
+    peer_declared_down: bool = False  #: it declared us down since it was last up
 
 
 #: called with (daemon rank, its new state) on every change

@@ -27,12 +27,14 @@ from typing import Protocol
 import numpy as np
 
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.arrivals import Arrival, Message
 from decentd.auth import shown
 from decentd.bufpool import BufferPool
 from decentd.bulk import Inbound
+from decentd.errors import PeerLost
 from decentd.flow import LinkFlow
 from decentd.links import Links
-from decentd.mailbox import Arrival, Mailbox, Message
+from decentd.mailbox import Mailbox
 from decentd.rounds import Parked
 from decentd.windows import OneSided
 from decentd.windows.store import is_one_sided
@@ -46,7 +48,7 @@ MAX_MESSAGE = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 SHOWN, ERROR_TEXT = 300, 4096
 _ERROR_CODES = frozenset(pb.ErrorCode.values())
 #: frames whose parts name rounds (a late peer's are translated into ours)
-_PLACED_KINDS = frozenset({pb.DATA, pb.RTS, pb.ACK, pb.ABORT})
+_PLACED_KINDS = frozenset({pb.DATA, pb.RTS, pb.ACK, pb.ABORT, pb.SKIP})
 
 
 def _contained(exc: Exception) -> ValueError:
@@ -291,6 +293,9 @@ class Receiver:
                 self._mailbox.announce(src, mid, header)
         elif kind == pb.CTS:
             self._links.cleared(src, int(header.message_id))
+        elif kind == pb.SKIP:
+            self._mailbox.skipped(self._checked(src, header.parts), lambda p: PeerLost(
+                f"rank {p.src} ran round {p.round} without this rank (their link dropped)"))
         elif kind == pb.VIEW:
             if len(header.view_live) > len(self._links.links) + 1:
                 raise ValueError(f"a view of {len(header.view_live)} live daemons")

@@ -270,9 +270,11 @@ class PeerService(pb_grpc.PeerServicer):
     path)."""
 
     def __init__(self, links: Links, status: Callable[[], pb.StatusReply],
-                 handshaken: Callable[[int, int], None], serving: Callable[[], bool]) -> None:
+                 handshaken: Callable[[int, int, bool], bool],
+                 serving: Callable[[], bool]) -> None:
         """``status``: this daemon's (``WorkerService.status``) for peers that ask;
-        ``handshaken(rank, incarnation)``: a peer passed its handshake and connects now;
+        ``handshaken(rank, incarnation, was_down) -> we counted it out``: a peer passed its
+        handshake and connects now;
         ``serving``: whether a job runs here (told to peers that join)."""
         self._links = links
         self._status = status
@@ -341,10 +343,12 @@ class PeerService(pb_grpc.PeerServicer):
             log.error("refused handshake: %s", error.message)
             return pb.HandshakeReply(error=error, rank=links.rank)
         key = links.auth.issue_bulk_key(request.from_rank) if links.auth.mode == "mtls" else b""
-        self._handshaken(int(request.from_rank), int(request.incarnation))
+        counted_out = self._handshaken(int(request.from_rank), int(request.incarnation),
+                                       request.was_down)
         return pb.HandshakeReply(rank=links.rank, data_port=links.data_port,
                                  window_bytes=links.window, bulk_key=key,
-                                 incarnation=links.incarnation, serving=self._serving())
+                                 incarnation=links.incarnation, serving=self._serving(),
+                                 was_down=counted_out)
 
     def _certificate_error(self, request: pb.HandshakeRequest | pb.PeerStatusRequest,
                            context: grpc.aio.ServicerContext) -> pb.Error | None:

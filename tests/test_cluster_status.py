@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from cluster import Cluster
+from cluster import Cluster, until
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.auth import PeerAuth, new_nonce, read_secret, write_secret
@@ -38,11 +38,13 @@ def test_every_daemon_is_one_line_and_a_dead_one_says_why(tmp_path: Path) -> Non
     try:
         c.connect(job="status")
         code, lines = cluster_json(c.sockets[1])
+        first = lines
         assert code == 0, lines
         assert [line["rank"] for line in lines] == [0, 1, 2]
         assert [line["address"] for line in lines] == c.peers
         assert all(line["security"] == "secret" and line["workers"] == 1 and line["version"]
                    and "error" not in line for line in lines), lines
+        assert all(line["live"] == "0,1,2" for line in lines), lines  # issue 26: the view
         table = decentctl("status", "--cluster", "--daemon", f"unix://{c.sockets[0]}")
         assert table.returncode == 0 and all(p in table.stdout for p in c.peers), table.stdout
 
@@ -54,6 +56,15 @@ def test_every_daemon_is_one_line_and_a_dead_one_says_why(tmp_path: Path) -> Non
         assert [line["rank"] for line in lines] == [0, 1, 2]
         assert "error" in lines[2] and "PEER_UNAVAILABLE" in lines[2]["error"], lines[2]
         assert "error" not in lines[0] and "error" not in lines[1]
+        # the survivors' view leaves rank 2 out, at a later epoch than before
+        until(lambda: [ln.get("live") for ln in cluster_json(c.sockets[0])[1][:2]] ==
+              ["0,1", "0,1"], "the survivors to leave rank 2 out of their view")
+        lines = cluster_json(c.sockets[0])[1]
+        assert all(int(lines[i]["epoch"]) > int(first[i]["epoch"]) for i in (0, 1))
+        table = decentctl("status", "--cluster", "--daemon", f"unix://{c.sockets[0]}")
+        assert "live daemons [0, 1]" in table.stdout.replace("\n", " "), table.stdout
+        one = decentctl("status", "--daemon", f"unix://{c.sockets[0]}")
+        assert "live daemons [0, 1]" in one.stdout and "down" in one.stdout, one.stdout
     finally:
         c.stop()
 

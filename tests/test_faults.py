@@ -6,8 +6,13 @@ on a fixed sleep: ``until`` polls a condition with a deadline that only bounds a
 
 from __future__ import annotations
 
+import re
 import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,7 +78,10 @@ def test_a_daemon_killed_mid_op_fails_it_under_fail() -> None:
                 h.wait(timeout=60)
             assert info.value.code == pb.PEER_UNAVAILABLE
             assert "rank 2" in info.value.message and "'doomed'" in info.value.message
-        # later ops that need rank 2 fail at once, naming it; those that do not still run
+        # once it is down, later ops that need rank 2 fail at once, naming it; those that do
+        # not still run
+        for i in (0, 1):
+            until_state(c, i, 2, "down")
         with pytest.raises(DecentError, match=r"PEER_UNAVAILABLE.*rank 2 is gone.*fail"):
             c.clients[0].neighbor_allreduce(torch.ones(2), name="needs2", timeout=30)
         got = [c.clients[i].neighbor_allreduce(torch.ones(2), name="alive", self_weight=0.5,
@@ -171,6 +179,8 @@ def test_allreduce_fails_across_a_view_change_then_runs_over_the_new_view_and_th
             with pytest.raises(DecentError) as info:
                 h.wait(timeout=60)
             assert info.value.code == pb.PEER_UNAVAILABLE and "rank 2" in info.value.message
+        for i in (0, 1):  # until then it might come back (a dropped link): collectives wait
+            until_state(c, i, 2, "down")
         # the next round runs over the live view, and says which ranks it covers
         assert allreduce_all(c.clients[:2], "g", values) == {0: (1.5, [0, 1]), 1: (1.5, [0, 1])}
         c.procs[2] = c.spawn(2, "ring")
@@ -208,4 +218,85 @@ def test_a_collective_needs_a_majority_of_the_daemons() -> None:
         assert avg[0][1] == [1] and avg[1][1] == [0]
     finally:
         c.clients = c.clients[:2]
+        c.stop()
+
+
+WORKER_THAT_DIES = """
+import os, sys, torch
+import decent.torch as dt
+c = dt.connect(sys.argv[1], 60)
+c.neighbor_allreduce(torch.full((8,), 4.0), name="w", timeout=30)
+os._exit(1)  # dies between ops: no close, no goodbye
+"""
+
+
+@pytest.mark.parametrize("policy", ["reweight", "fail"])
+def test_a_worker_that_dies_between_ops_is_left_out_at_once(policy: str, tmp_path: Path) -> None:
+    c = Cluster(3, "ring", "--set", f"faults.on_peer_loss={policy}")
+    script = tmp_path / "dies.py"
+    script.write_text(WORKER_THAT_DIES)
+    try:
+        c.clients = [dt.connect(f"unix://{c.sockets[i]}", 60) for i in (0, 1)]
+        worker = subprocess.Popen([sys.executable, str(script), f"unix://{c.sockets[2]}"])
+        first = ring_round(c.clients, "w", {0: 1.0, 1: 2.0})  # round 0, with rank 2
+        assert first[0] == (pytest.approx(7 / 3, rel=1e-6), [1, 2])
+        assert worker.wait(timeout=60) == 1
+        # round 1: its daemon is up, its worker is gone; the 60 s op timeout is not waited
+        handles = [c.clients[i].neighbor_allreduce_async(torch.full((8,), float(i + 1)),
+                                                         name="w", timeout=60) for i in (0, 1)]
+        for i, h in enumerate(handles):
+            if policy == "reweight":
+                assert h.wait(timeout=20)[0].item() == pytest.approx(
+                    [4 / 3, 5 / 3][i], rel=1e-6)
+                assert h.src_ranks == [1 - i]
+            else:
+                with pytest.raises(DecentError, match=r"PEER_UNAVAILABLE.*rank 2.*(left|gone)"):
+                    h.wait(timeout=20)
+    finally:
+        c.stop()
+
+
+def bulk_port(c: Cluster, i: int) -> int:
+    """The port daemon ``i`` takes its peers' bulk connections on (from its log)."""
+    found = re.search(r"bulk data on port (\d+)", c.log(i))
+    assert found, c.log(i)
+    return int(found.group(1))
+
+
+def test_a_reset_link_reconnects_and_every_part_is_applied_at_most_once() -> None:
+    c = Cluster(2, "ring")
+    try:
+        c.connect()
+        port = bulk_port(c, 1)
+        results: dict[int, list[tuple[float, list[int]]]] = {0: [], 1: []}
+        rounds = 60
+
+        def run(rank: int) -> None:
+            for r in range(rounds):
+                h = c.clients[rank].neighbor_allreduce_async(
+                    torch.full((64,), float((rank + 1) * (r + 1))), name="w", timeout=30)
+                results[rank].append((h.wait(timeout=60)[0].item(), h.src_ranks))
+
+        with ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(run, r) for r in (0, 1)]
+            until(lambda: len(results[0]) >= rounds // 4, "a quarter of the rounds")
+            # destroy daemon 0's bulk connection to daemon 1 (daemon 1 gets a reset)
+            killed = subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", str(port)],
+                                    capture_output=True, text=True)
+            assert killed.returncode == 0, killed.stderr
+            for f in runs:
+                f.result(timeout=120)
+        for rank in (0, 1):
+            for r, (value, srcs) in enumerate(results[rank]):
+                mean, own = 1.5 * (r + 1), float((rank + 1) * (r + 1))
+                # the peer's part counted once (the average) or, lost with the link, not at all
+                assert (value, srcs) in ((pytest.approx(mean), [1 - rank]),
+                                         (pytest.approx(own), [])), (rank, r, value, srcs)
+        assert "link dropped" in c.log(0) + c.log(1)
+        for i in (0, 1):
+            until_state(c, i, 1 - i, "up")
+        assert sum(p.reconnects for i in (0, 1) for p in c.status(i).peers) >= 1
+        last = ring_round(c.clients, "w", {0: 1.0, 1: 3.0})  # after it: whole averages again
+        assert last == {0: (2.0, [1]), 1: (2.0, [0])}
+    finally:
         c.stop()

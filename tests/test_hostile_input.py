@@ -31,11 +31,12 @@ from decent_wire.topology import build_topology
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd import flow
+from decentd.arrivals import Arrival
 from decentd.bulk import Inbound
 from decentd.config import NodeConfig
 from decentd.launcher import free_ports
 from decentd.links import part
-from decentd.mailbox import Arrival, Key
+from decentd.mailbox import Key
 from decentd.names import at_worker
 from decentd.ops.api import Services
 from decentd.receiver import Receiver

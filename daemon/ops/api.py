@@ -23,11 +23,12 @@ from decent_wire.errors import DecentError
 from decent_wire.protocol import op_label
 from decent_wire.topology import Step, Topology
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.arrivals import Arrival
 from decentd.bufpool import BufferPool
 from decentd.errors import PeerLost
 from decentd.links import Links, part
-from decentd.mailbox import Accepts, Arrival, Key, Mailbox, Progress
-from decentd.membership import Membership
+from decentd.mailbox import Accepts, Key, Mailbox, Progress
+from decentd.membership import Membership, PeerState
 from decentd.ops.phases import Phases
 from decentd.sender import Outgoing
 from decentd.tasks import gather_all
@@ -190,6 +191,8 @@ class OpContext:
         #: a collective's view (its live ranks and their incarnations): travels with what it
         #: sends, and a peer that planned with another view fails the op with MISMATCH
         self.view_name = ""
+        #: peers lost while the op ran and left out (reweight): told so (SKIP) when it ends
+        self.left_out: set[int] = set()
 
     @property
     def keys(self) -> list[tuple[str, int]]:
@@ -328,7 +331,7 @@ class OpContext:
             raise DecentError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} is not a peer")
         want = self.parts if parts is None else parts
         futs = [self._expect(src, tag, p, ack and sized, progress, into, direct) for p in want]
-        if not self.services.members.is_up(self.machine_of(src)) and \
+        if self.services.members.state(self.machine_of(src)) is PeerState.DOWN and \
                 not all(f.done() for f in futs):
             for f in futs:
                 f.cancel()

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.errors import PeerLost
+from decentd.membership import PeerState
 from decentd.ops.api import DecentError, OpContext
 
 T = TypeVar("T")
@@ -23,10 +24,10 @@ def gone(ctx: OpContext, peer: int) -> str | None:
     """Why ``peer`` (a rank of ``ctx``'s level) cannot take part now, or None."""
     machine = ctx.machine_of(peer)
     members = ctx.services.members
-    if not members.is_up(machine):
+    if members.state(machine) is PeerState.DOWN:  # reconnecting: the op waits for it
         member = members.members.get(machine)
         why = member.reason if member is not None else "down"
-        return f"its daemon (rank {machine}) is {members.state(machine).value}: {why}"
+        return f"its daemon (rank {machine}) is down: {why}"
     if ctx.level.node:
         per = ctx.services.per_node
         if all(w in members.absent for w in range(peer * per, (peer + 1) * per)):
@@ -62,12 +63,14 @@ def without_gone(ctx: OpContext, self_weight: float, recv: dict[int, float],
 
 async def unless_lost(ctx: OpContext, peer: int, aw: Awaitable[T]) -> T | None:
     """``aw`` (an exchange with ``peer``); None when ``peer`` was lost meanwhile and the op
-    goes on without it (``reweight``)."""
+    goes on without it (``reweight``): the peer is told once the link is back (SKIP), in case
+    its op of this round still waits for us."""
     try:
         return await aw
     except PeerLost:
         if not reweighting(ctx):
             raise
+        ctx.left_out.add(peer)
         return None
 
 

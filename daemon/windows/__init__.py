@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.mailbox import Arrival
+from decentd.arrivals import Arrival
 from decentd.windows.groups import GroupSums
 from decentd.windows.locks import LockService
 from decentd.windows.store import WindowStore, check_part

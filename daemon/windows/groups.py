@@ -16,9 +16,10 @@ from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.graphs import butterfly_group
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.arrivals import Arrival
 from decentd.auth import shown
 from decentd.links import Links, part
-from decentd.mailbox import Arrival, Mailbox
+from decentd.mailbox import Mailbox
 from decentd.names import display_name, owner
 from decentd.numerics import weighted_sum
 from decentd.tasks import TaskSet, gather_all

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.arrivals import Arrival
 from decentd.links import Links, part
-from decentd.mailbox import Arrival
 from decentd.tasks import TaskSet
 
 log = logging.getLogger("decentd.windows")

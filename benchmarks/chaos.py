@@ -1,0 +1,662 @@
+"""Chaos: D-SGD training on 8 network namespaces while a node dies and comes back, and a link flaps.
+
+Needs root (it creates network namespaces)::
+
+    .venv/bin/python benchmarks/chaos.py [--nodes 8] [--steps 300] [--out benchmarks/results]
+    .venv/bin/python benchmarks/chaos.py --cleanup     # leftovers of a killed run
+
+The network is :class:`benchmarks.netns_dsgd.Network` (``--nodes`` namespaces ``dchs<pid>-<i>`` on
+a bridge, each link limited to ``--rate`` both ways with ``tc tbf``). In it, one ``decentd`` per
+namespace (topology ``exponential``, ``faults.on_peer_loss: reweight``, ``timeouts.heartbeat``
+``--heartbeat``, ``faults.peer_dead_after`` ``--dead-after``, secret mode) and one worker each,
+which trains ``examples/train_digits.py``'s CNN on its own shard of digits with
+``DecentralizedOptimizer(SGD(lr, momentum 0.9), model, algorithm="dsgd")`` for ``--steps``
+steps, each step's compute padded to ``--pad-ms`` (so that a restart, which takes seconds, fits in
+the run, and the 2 cores shared by 16 processes do not pace it). Four runs, each from a cold start:
+
+1. ``baseline``: no fault.
+2. ``kill``: when rank ``--kill-rank`` has logged step ``--kill-at``, its daemon and worker get
+   SIGKILL; when rank 0 has logged step ``--restart-at``, its daemon starts again with the same
+   config and a new worker, whose optimizer takes the model and optimizer state from a donor in
+   its constructor and trains from the donor's step counter to ``--steps``. A worker that is done
+   closes its client (the others leave it out).
+3. ``flap``: when rank ``--flap-rank`` has logged step ``--flap-at``, its veth goes down for
+   ``--flap-s`` seconds (``ip -n <ns> link set veth0 down``, then up).
+4. ``gloo``: data-parallel SGD with gloo ``all_reduce`` of the gradients in the same namespaces,
+   with the same kill: how long until the job is dead, and what a restart would cost (this run's
+   cold start of the gloo workers plus half a checkpoint interval of steps, ``--checkpoint-every``).
+
+Measured: survivors' time to detect the death (daemon log line "rank N is down"; and the first
+step whose average left the rank out, from the ops' ``src_ranks``), in seconds and heartbeats
+(target: at most 2); steps the survivors lost (target 0); their step time before, during the
+outage and after the rejoin; the rejoining node's time to be in sync (its first step averaged with
+neighbors, and its first snapshot whose distance to the mean is within the others'); the final
+mean test accuracy against the baseline (target: within 0.5 points). Consensus distance (mean
+over ranks of ``||x_i - mean||^2``, every ``--snapshot-every`` steps) and step time over time are
+plotted with the events. Writes ``chaos.json``, ``chaos.md`` and ``chaos.png`` into ``--out``.
+Exit 0 when the run completes (a missed target says MISSED), 1 when it crashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import datetime
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python benchmarks/chaos.py` puts only benchmarks/ on it
+    sys.path.insert(0, str(REPO))
+
+from rich.console import Console  # noqa: E402
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # noqa: E402
+
+from benchmarks.chaos_run import Job, daemon_events, load_records  # noqa: E402
+from benchmarks.netns_dsgd import (  # noqa: E402
+    BenchError,
+    Cleanup,
+    Network,
+    Runner,
+    decent_source,
+    delete_namespace,
+    leftover_namespaces,
+    leftover_procs,
+    signals_raise,
+    skip_reason,
+    tear_down,
+)
+
+RESULTS = REPO / "benchmarks" / "results"
+PREFIX = "dchs"
+SCENARIOS = ("baseline", "kill", "flap", "gloo")
+console = Console(stderr=True)
+
+
+# ------------------------------------------------------------------------------ running
+
+
+def drive(job: Job, a: argparse.Namespace, tick: Any, say: Any) -> None:
+    """What the scenario does to its running job, at the steps the workers log, until the end."""
+    if job.name in ("kill", "gloo"):
+        job.wait_step(a.kill_rank, a.kill_at, tick)
+        job.kill(a.kill_rank)
+        say(f"{job.name}: killed rank {a.kill_rank}'s daemon and worker at its step {a.kill_at}")
+    if job.name == "kill":
+        job.wait_step(0, a.restart_at, tick)
+        job.restart(a.kill_rank)
+        say(f"kill: restarted rank {a.kill_rank} at rank 0's step {a.restart_at}")
+    if job.name == "flap":
+        job.wait_step(a.flap_rank, a.flap_at, tick)
+        job.set_link(a.flap_rank, up=False)
+        until = time.time() + a.flap_s
+        job.wait(lambda: time.time() >= until, "the flap", a.flap_s + 60, tick=tick)
+        job.set_link(a.flap_rank, up=True)
+        say(f"flap: rank {a.flap_rank}'s link was down {a.flap_s:g} s from its step {a.flap_at}")
+    if job.name != "gloo":
+        job.finish(tick)
+        return
+    deadline = time.time() + a.gloo_timeout + 30
+    while time.time() < deadline and any(p.poll() is None for p in job.workers.values()):
+        for r, p in job.workers.items():
+            if p.poll() is not None:
+                job.events.setdefault(f"exit-{r}", time.time())
+        job.tail.poll()
+        tick()
+        time.sleep(0.01)
+    for r, p in job.workers.items():
+        if p.poll() is not None:
+            job.events.setdefault(f"exit-{r}", time.time())
+
+
+def run_scenario(runner: Runner, a: argparse.Namespace, name: str,
+                 progress: Progress) -> dict[str, Any]:
+    """One scenario from a cold start: its events, step logs, results and daemon log events."""
+    job = Job(runner, a, name, "gloo" if name == "gloo" else "dsgd")
+    task = progress.add_task(name, total=a.steps)
+
+    def tick() -> None:
+        progress.update(task, completed=job.tail.step[0])
+
+    try:
+        job.start_all()
+        drive(job, a, tick, progress.console.print)
+    finally:
+        job.stop()
+    tick()
+    return {"events": job.events, "records": load_records(job.out, job.nodes),
+            "results": job.results(), "daemon": daemon_events(job.out), "out": job.out}
+
+
+# ------------------------------------------------------------------------------ analysis
+
+
+def steps_of(recs: list[dict[str, Any]], inc: int | None = None) -> list[dict[str, Any]]:
+    """The completed steps of a rank's log (of one incarnation)."""
+    return [r for r in recs if "k" in r and "error" not in r and inc in (None, r["inc"])]
+
+
+def event_of(recs: list[dict[str, Any]], name: str, inc: int = 0) -> dict[str, Any] | None:
+    """A rank's first record of event ``name`` (of incarnation ``inc``)."""
+    return next((r for r in recs if r.get("event") == name and r["inc"] == inc), None)
+
+
+def med(values: list[float]) -> float | None:
+    """The median, or None of nothing."""
+    return statistics.median(values) if values else None
+
+
+def since(t: float | None, t0: float) -> float | None:
+    """``t - t0``, or None."""
+    return None if t is None else t - t0
+
+
+def first_t(items: list[dict[str, Any]]) -> float | None:
+    """The earliest ``t`` among ``items``, or None."""
+    return min((i["t"] for i in items), default=None)
+
+
+def step_series(recs: list[list[dict[str, Any]]], ranks: list[int],
+                t0: float) -> list[dict[str, float]]:
+    """Per step: the median over ``ranks`` of its end (s after ``t0``) and duration (ms)."""
+    by_k: dict[int, list[tuple[float, float]]] = {}
+    for r in ranks:
+        for s in steps_of(recs[r]):
+            by_k.setdefault(s["k"], []).append((s["t"], s["dur"]))
+    return [{"k": k, "t": statistics.median(t for t, _ in v) - t0,
+             "ms": 1e3 * statistics.median(d for _, d in v)} for k, v in sorted(by_k.items())]
+
+
+def consensus_series(run: dict[str, Any], every: int, t0: float) -> list[dict[str, Any]]:
+    """At rank 0's every ``every``-th step: each rank's squared distance to the mean of the
+    ranks' parameters then, their mean, and when (s after ``t0``). A rank's snapshot is its one
+    nearest in time, within half a step (a rejoined rank snapshots every step: its step
+    counter is not the others')."""
+    import numpy as np
+
+    recs = run["records"]
+    snaps = [[(s["t"], s["k"]) for s in steps_of(rr)
+              if (run["out"] / f"x-{r}-{s['k']}.npy").exists()] for r, rr in enumerate(recs)]
+    mine = steps_of(recs[0], 0)
+    half = 0.5 * statistics.median(s["dur"] for s in mine)
+    out = []
+    for tk, k in ((s["t"], s["k"]) for s in mine if s["k"] % every == 0):
+        xs = {}
+        for r, avail in enumerate(snaps):
+            t, kr = min(avail, key=lambda x: abs(x[0] - tk), default=(float("inf"), 0))
+            if abs(t - tk) <= half:
+                xs[r] = np.load(run["out"] / f"x-{r}-{kr}.npy").astype(np.float64)
+        if len(xs) < 2:
+            continue
+        mean = np.mean(list(xs.values()), axis=0)
+        dist = {str(r): float(((x - mean) ** 2).sum()) for r, x in xs.items()}
+        out.append({"k": k, "t": tk - t0, "dist": dist, "mean": statistics.mean(dist.values())})
+    return out
+
+
+def window(recs: list[list[dict[str, Any]]], ranks: list[int], lo: float, hi: float,
+           skip: int = 5) -> dict[str, Any]:
+    """Step time of ``ranks`` over the steps that ended in ``[lo, hi)`` (after step ``skip``)."""
+    durs = [1e3 * s["dur"] for r in ranks for s in steps_of(recs[r])
+            if lo <= s["t"] < hi and s["k"] > skip]
+    return {"median_ms": med(durs), "mean_ms": statistics.mean(durs) if durs else None,
+            "steps": len(durs)}
+
+
+def lost_steps(recs: list[list[dict[str, Any]]], ranks: list[int], steps: int) -> dict[str, int]:
+    """Per rank: failed steps plus steps 1..``steps`` it never completed."""
+    out = {}
+    for r in ranks:
+        done = {s["k"] for s in steps_of(recs[r])}
+        errors = sum("error" in x for x in recs[r])
+        out[str(r)] = errors + sum(k not in done for k in range(1, steps + 1))
+    return out
+
+
+def final_accuracy(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each rank's final test accuracy (its last incarnation's) and their mean."""
+    last: dict[int, dict[str, Any]] = {}
+    for res in sorted(results, key=lambda x: x["inc"]):
+        last[res["rank"]] = res
+    accs = [last[r]["accuracy"] for r in sorted(last) if last[r]["accuracy"] is not None]
+    return {"per_rank": accs, "mean": statistics.mean(accs) if accs else None}
+
+
+def common(run: dict[str, Any], a: argparse.Namespace, ranks: list[int]) -> dict[str, Any]:
+    """What every D-SGD scenario reports: start-up, series, lost steps, finish, accuracy."""
+    recs, ev = run["records"], run["events"]
+    starts = [e["t"] for r in recs if (e := event_of(r, "start"))]
+    t0 = min(starts)
+    finished = {str(r): max((s["k"] for s in steps_of(recs[r])), default=0) == a.steps
+                for r in range(len(recs))}
+    return {"t0": t0, "cold_start_s": max(starts) - ev["spawn"],
+            "events_s": {k: v - t0 for k, v in ev.items()},
+            "series": {"step_ms": step_series(recs, ranks, t0),
+                       "consensus": consensus_series(run, a.snapshot_every, t0)},
+            "lost_steps": lost_steps(recs, ranks, a.steps), "finished": finished,
+            "accuracy": final_accuracy(run["results"]), "end_s": max(
+                s["t"] for r in recs for s in steps_of(r)) - t0}
+
+
+def listeners(recs: list[list[dict[str, Any]]], rank: int) -> list[int]:
+    """The ranks whose first step averaged with ``rank`` (its out-neighbors)."""
+    return [r for r, rr in enumerate(recs) if r != rank and steps_of(rr)
+            and rank in steps_of(rr)[0]["src"]]
+
+
+def detection(run: dict[str, Any], victim: int, t: float, hb: float) -> dict[str, Any]:
+    """How long after ``t`` the others noticed ``victim`` gone: their daemons' first "is down"
+    and "link dropped" lines, and the first step whose average left it out."""
+    devs = [e for e in run["daemon"] if e["peer"] == victim and e["daemon"] != victim
+            and e["t"] >= t - 0.002]
+    recs = run["records"]
+    left_out = [s for r in listeners(recs, victim) for s in steps_of(recs[r], 0)
+                if s["t"] >= t and victim not in s["src"]]
+    down = since(first_t([e for e in devs if e["event"] == "down"]), t)
+    op = since(first_t(left_out), t)
+    first = min((v for v in (down, op) if v is not None), default=None)
+    return {"daemon_down_s": down, "link_dropped_s": since(first_t(
+        [e for e in devs if e["event"] == "dropped"]), t), "first_op_without_s": op,
+        "detect_s": first, "detect_heartbeats": None if first is None else first / hb,
+        "down_lines": [e["message"] for e in devs if e["event"] == "down"][:3]}
+
+
+def analyze_kill(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    """The kill + restart scenario's numbers."""
+    v, recs, ev = a.kill_rank, run["records"], run["events"]
+    survivors = [r for r in range(len(recs)) if r != v]
+    out = common(run, a, survivors)
+    out["detection"] = detection(run, v, ev["kill"], a.heartbeat)
+    ready = event_of(recs[v], "ready", inc=1) or {}
+    mine = steps_of(recs[v], 1)
+    with_peers = next((s for s in mine if s["src"]), None)
+    c = ready.get("iteration")
+    donor = next((r for r in survivors for s in steps_of(recs[r])
+                  if s["k"] == (c or 0) + 1 and s["d"] == ready.get("d")), None)
+    t_sync = with_peers["t"] if with_peers else float("inf")
+    dist_ok = next((p for p in out["series"]["consensus"] if str(v) in p["dist"]
+                    and p["t"] + out["t0"] >= t_sync and p["dist"][str(v)] <= max(
+                        d for r, d in p["dist"].items() if r != str(v))), None)
+    t_dist = dist_ok["t"] + out["t0"] if dist_ok else None
+    lag = max((s["k"] for s in steps_of(recs[0]) if s["t"] <= t_sync), default=0) - (c or 0)
+    out["rejoin"] = {
+        "restart_to_state_s": since(ready.get("t"), ev["restart"]),
+        "state_transfer_s": ready.get("state_s"), "iteration": c,
+        "donor": donor, "state_equals_donor": donor is not None,
+        "restart_to_first_step_s": since(mine[0]["t"] if mine else None, ev["restart"]),
+        "restart_to_step_with_neighbors_s": since(t_sync if with_peers else None,
+                                                  ev["restart"]),
+        "restart_to_distance_in_range_s": since(t_dist, ev["restart"]),
+        "distance_in_range_at_step": dist_ok and dist_ok["k"],
+        "survivor_steps_during_restart": sum(ev["restart"] <= s["t"] < t_sync
+                                             for s in steps_of(recs[0])),
+        "counter_behind_survivors_steps": lag,
+        "steps_alone": sum(not s["src"] for s in mine)}
+    out["events_s"]["in_sync"] = t_sync - out["t0"]
+    out["step_time"] = {"before": window(recs, survivors, 0, ev["kill"]),
+                        "outage": window(recs, survivors, ev["kill"], t_sync),
+                        "after_rejoin": window(recs, survivors, t_sync, float("inf"))}
+    return out
+
+
+def analyze_flap(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    """The link flap scenario's numbers."""
+    f, recs, ev = a.flap_rank, run["records"], run["events"]
+    out = common(run, a, list(range(len(recs))))
+    out["detection"] = detection(run, f, ev["flap_down"], a.heartbeat)
+    back = [e for e in run["daemon"] if e["peer"] == f and e["daemon"] != f
+            and e["event"] == "up" and e["t"] >= ev["flap_up"]]
+    with_f = [s for r in listeners(recs, f) for s in steps_of(recs[r])
+              if s["t"] >= ev["flap_up"] and f in s["src"]]
+    alone = [s for s in steps_of(recs[f]) if not s["src"]]
+    t_back = first_t(with_f)
+    out["recovery"] = {"up_again_after_link_up_s": since(first_t(back), ev["flap_up"]),
+                       "averaged_again_after_link_up_s": since(t_back, ev["flap_up"]),
+                       "steps_flapped_rank_averaged_alone": len(alone)}
+    out["events_s"]["averaged_again"] = since(t_back, out["t0"])
+    others = [r for r in range(len(recs)) if r != f]
+    end = t_back if t_back is not None else float("inf")
+    out["step_time"] = {"before": window(recs, others, 0, ev["flap_down"]),
+                        "flap": window(recs, others, ev["flap_down"], end),
+                        "after": window(recs, others, end, float("inf"))}
+    return out
+
+
+def analyze_gloo(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    """The gloo run under the same kill: when the survivors failed, what a restart costs."""
+    v, recs, ev = a.kill_rank, run["records"], run["events"]
+    survivors = [r for r in range(len(recs)) if r != v]
+    starts = [e["t"] for r in recs if (e := event_of(r, "start"))]
+    errors = [x for r in survivors for x in recs[r] if "error" in x]
+    exits = [ev[f"exit-{r}"] for r in survivors if f"exit-{r}" in ev]
+    hung = [r for r in survivors if f"exit-{r}" not in ev]
+    step = window(recs, survivors, 0, ev["kill"])
+    cold = max(starts) - ev["spawn"]
+    dead = since(first_t(errors), ev["kill"])
+    redo = a.checkpoint_every / 2 * (step["median_ms"] or 0) / 1e3
+    return {"t0": min(starts), "cold_start_s": cold,
+            "series": {"step_ms": step_series(recs, survivors, min(starts))},
+            "events_s": {k: x - min(starts) for k, x in ev.items() if not k.startswith("exit")},
+            "first_error_s": dead, "last_error_s": since(max(
+                (x["t"] for x in errors), default=None), ev["kill"]),
+            "last_exit_s": since(max(exits), ev["kill"]) if exits else None,
+            "survivors_failed": sum(any("error" in x for x in recs[r]) for r in survivors),
+            "survivors_hung": hung, "error_sample": errors[0]["error"] if errors else None,
+            "step_time_before": step, "restart_cost": {
+                "declared_dead_s": dead, "cold_start_s": cold, "redo_s": redo,
+                "redo_steps": a.checkpoint_every / 2, "total_s": (dead or 0) + cold + redo}}
+
+
+def verdicts(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each target: what it measures, the value, the target and whether it is met."""
+    sc = res["scenarios"]
+    kill, base = sc["kill"], sc["baseline"]
+    hb = kill["detection"]["detect_heartbeats"]
+    lost = sum(kill["lost_steps"].values())
+    rej = kill["rejoin"]
+    acc = {k: sc[k]["accuracy"]["mean"] - base["accuracy"]["mean"] for k in ("kill", "flap")}
+    return {
+        "detect": {"what": "survivors detect the death (heartbeats)", "value": hb,
+                   "target": "<= 2", "met": hb is not None and hb <= 2},
+        "lost": {"what": "steps the survivors lost", "value": lost, "target": "0",
+                 "met": lost == 0},
+        "finished": {"what": "every rank finished all steps (kill)",
+                     "value": all(kill["finished"].values()), "target": "true",
+                     "met": all(kill["finished"].values())},
+        "rejoin": {"what": "rejoined state == donor's, counter == donor's",
+                   "value": f"rank {rej['donor']} at step {rej['iteration']}",
+                   "target": "exact", "met": rej["state_equals_donor"]},
+        "acc_kill": {"what": "kill+restart: mean accuracy - baseline (points)",
+                     "value": acc["kill"], "target": ">= -0.5", "met": acc["kill"] >= -0.5},
+        "acc_flap": {"what": "flap: mean accuracy - baseline (points)", "value": acc["flap"],
+                     "target": ">= -0.5", "met": acc["flap"] >= -0.5},
+    }
+
+
+ANALYSES = {"kill": analyze_kill, "flap": analyze_flap, "gloo": analyze_gloo}
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    """Build the network, run every scenario, tear everything down; the result dict (or
+    ``{"skipped": reason}``). BenchError when a step fails (after cleaning up)."""
+    reason = skip_reason()
+    if reason:
+        return {"skipped": reason}
+    started, prefix = time.perf_counter(), f"{PREFIX}{os.getpid()}"
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
+    cleanup = Cleanup()
+    atexit.register(cleanup.run)
+    ok, runs = False, dict[str, dict[str, Any]]()
+    res: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "config": {k: v for k, v in vars(a).items() if k not in ("out", "cleanup")},
+        "faults": {"on_peer_loss": "reweight", "peer_dead_after": a.dead_after,
+                   "heartbeat": a.heartbeat, "topology": "exponential"},
+        "cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg()),
+        "decent_source": decent_source(), "run_dir": str(run_dir)}
+    try:
+        with signals_raise(), Progress(TextColumn("{task.description:>9}"), BarColumn(),
+                                       MofNCompleteColumn(), TextColumn("steps of rank 0"),
+                                       console=console) as progress:
+            net = Network(prefix, a.nodes, a.rate, cleanup)
+            net.up()
+            runner = Runner(net, run_dir, cleanup)
+            for name in SCENARIOS:
+                runs[name] = run_scenario(runner, a, name, progress)
+        res["scenarios"] = {"baseline": common(runs["baseline"], a, list(range(a.nodes)))}
+        res["scenarios"].update({k: f(runs[k], a) for k, f in ANALYSES.items()})
+        res["verdicts"] = verdicts(res)
+        ok = True
+    finally:
+        left = tear_down(cleanup, run_dir, ok and not a.keep_logs)
+    res["leftover_processes"], res["leftover_namespaces"] = left, leftover_namespaces(prefix)
+    res["loadavg_end"], res["total_s"] = list(os.getloadavg()), time.perf_counter() - started
+    return res
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def fmt(v: Any, unit: str = "", nd: int = 2) -> str:
+    """A value for the tables: numbers rounded, None as a dash."""
+    if v is None:
+        return "-"
+    return f"{v:.{nd}f}{unit}" if isinstance(v, float) else f"{v}{unit}"
+
+
+def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
+    """The measured numbers, as (what, value) rows."""
+    sc = res["scenarios"]
+    k, f, g, b = sc["kill"], sc["flap"], sc["gloo"], sc["baseline"]
+    d, rj, st = k["detection"], k["rejoin"], k["step_time"]
+    fd, fs, rc = f["detection"], f["step_time"], g["restart_cost"]
+    return [
+        ("kill: death detected (first survivor daemon's 'is down')",
+         f"{fmt(d['daemon_down_s'], ' s', 3)} = {fmt(d['detect_heartbeats'], ' heartbeats')}"),
+        ("kill: first link dropped / first step averaged without it",
+         f"{fmt(d['link_dropped_s'], ' s', 3)} / {fmt(d['first_op_without_s'], ' s', 3)}"),
+        ("kill: steps the survivors lost", fmt(sum(k["lost_steps"].values()))),
+        ("kill: survivors' step time before / outage / after rejoin (median)",
+         " / ".join(fmt(st[w]["median_ms"], " ms", 0) for w in ("before", "outage",
+                                                               "after_rejoin"))),
+        ("kill: restart -> state taken / first step / first step with neighbors",
+         " / ".join(fmt(rj[x], " s", 1) for x in ("restart_to_state_s", "restart_to_first_step_s",
+                                                 "restart_to_step_with_neighbors_s"))),
+        ("kill: restart -> distance to the mean within the survivors' range",
+         f"{fmt(rj['restart_to_distance_in_range_s'], ' s', 1)} (step "
+         f"{fmt(rj['distance_in_range_at_step'])})"),
+        ("kill: rejoined with the state of", f"rank {rj['donor']} at step {rj['iteration']} "
+         f"(exact: {rj['state_equals_donor']}; {rj['survivor_steps_during_restart']} survivor "
+         "steps during the restart)"),
+        ("mean test accuracy: baseline / kill+restart / flap", " / ".join(
+            fmt(sc[x]["accuracy"]["mean"], "%") for x in ("baseline", "kill", "flap"))),
+        ("flap: others' daemons say 'is down' after the link went down",
+         f"{fmt(fd['daemon_down_s'], ' s', 2)} = {fmt(fd['detect_heartbeats'], ' heartbeats')}"),
+        ("flap: averaged with it again after the link came up / its steps alone",
+         f"{fmt(f['recovery']['averaged_again_after_link_up_s'], ' s', 2)} / "
+         f"{f['recovery']['steps_flapped_rank_averaged_alone']}"),
+        ("flap: step time before / during / after (median)", " / ".join(
+            fmt(fs[w]["median_ms"], " ms", 0) for w in ("before", "flap", "after"))),
+        ("flap: steps lost", fmt(sum(f["lost_steps"].values()))),
+        ("gloo: first / last survivor error after the kill; hung",
+         f"{fmt(g['first_error_s'], ' s', 2)} / {fmt(g['last_error_s'], ' s', 2)}; "
+         f"{len(g['survivors_hung'])} of {len(b['finished']) - 1}"),
+        ("gloo: restart = declared dead + cold start + redo (half a checkpoint interval)",
+         f"{fmt(rc['declared_dead_s'], ' s', 1)} + {fmt(rc['cold_start_s'], ' s', 1)} + "
+         f"{fmt(rc['redo_s'], ' s', 1)} = {fmt(rc['total_s'], ' s', 1)} (all ranks stopped)"),
+        ("cold start of all workers (decent: + daemons) / gloo step time",
+         f"{fmt(b['cold_start_s'], ' s', 1)} / "
+         f"{fmt(g['step_time_before']['median_ms'], ' ms', 0)}"),
+    ]
+
+
+def header(res: dict[str, Any]) -> str:
+    """One paragraph: the setting."""
+    c = res["config"]
+    return (f"{res['date']}, {c['nodes']} network namespaces at {c['rate']} (tc tbf), digits CNN, "
+            f"D-SGD on the exponential graph (SGD lr {c['lr']}, momentum 0.9, batch {c['batch']})"
+            f", {c['steps']} steps, each step's compute padded to {c['pad_ms']:g} ms; "
+            f"timeouts.heartbeat {c['heartbeat']} s, faults.peer_dead_after {c['dead_after']} s, "
+            f"on_peer_loss reweight. Kill rank {c['kill_rank']} at its step {c['kill_at']}, "
+            f"restart at rank 0's step {c['restart_at']}; flap rank {c['flap_rank']} for "
+            f"{c['flap_s']:g} s at its step {c['flap_at']}. {res['cpus']} CPUs, "
+            f"{res['total_s']:.0f} s in all.")
+
+
+def write_markdown(res: dict[str, Any], path: Path) -> None:
+    """``chaos.md``: the setting, the numbers, the targets."""
+    lines = ["# Chaos: D-SGD through a node kill + restart and a link flap", "",
+             header(res), "", "| what | measured |", "|:---|:---|"]
+    lines += [f"| {w} | {v} |" for w, v in rows(res)]
+    lines += ["", "| target | measured | target | |", "|:---|:---|:---|:---|"]
+    for v in res["verdicts"].values():
+        lines.append(f"| {v['what']} | {fmt(v['value'])} | {v['target']} | "
+                     f"{'met' if v['met'] else 'MISSED'} |")
+    lines += ["", "![chaos](chaos.png)", ""]
+    path.write_text("\n".join(lines))
+
+
+def print_report(res: dict[str, Any]) -> None:
+    """The numbers and the targets as rich tables."""
+    from rich.table import Table
+
+    out = Console(width=None if sys.stdout.isatty() else 140)
+    t = Table(title="chaos", caption=header(res))
+    t.add_column("what")
+    t.add_column("measured")
+    for w, v in rows(res):
+        t.add_row(w, v)
+    out.print(t)
+    for v in res["verdicts"].values():
+        mark = "[green]met[/]" if v["met"] else "[red]MISSED[/]"
+        out.print(f"{v['what']}: {fmt(v['value'])} (target {v['target']}) {mark}")
+
+
+EVENT_STYLE = {"kill": ("kill", "red", "-"), "restart": ("restart", "orange", "-"),
+               "in_sync": ("rejoined, in sync", "green", "-"),
+               "flap_down": ("flap: link down", "purple", "--"),
+               "flap_up": ("flap: link up", "purple", ":")}
+
+
+def write_png(res: dict[str, Any], path: Path) -> None:
+    """Consensus distance and step time over time, the events as vertical lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sc = res["scenarios"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True)
+    colors = {"baseline": "gray", "kill": "tab:blue", "flap": "tab:purple", "gloo": "tab:brown"}
+    for name in ("baseline", "kill", "flap"):
+        cons = sc[name]["series"]["consensus"]
+        top.plot([p["t"] for p in cons], [p["mean"] for p in cons], color=colors[name],
+                 label=f"{name}: mean over ranks")
+    victim = str(res["config"]["kill_rank"])
+    mine = [p for p in sc["kill"]["series"]["consensus"] if victim in p["dist"]]
+    top.plot([p["t"] for p in mine], [p["dist"][victim] for p in mine], "x", color="tab:blue",
+             label=f"kill: rank {victim}")
+    top.set_yscale("log")
+    top.set_ylabel("consensus distance ||x_i - mean||^2")
+    for name in ("baseline", "kill", "flap", "gloo"):
+        ser = sc[name]["series"]["step_ms"]
+        bottom.plot([p["t"] for p in ser], [p["ms"] for p in ser], color=colors[name], lw=0.8,
+                    label=f"{name} (median over the "
+                    f"{'survivors' if name in ('kill', 'gloo') else 'ranks'})")
+    bottom.set_ylabel("step time (ms)")
+    bottom.set_xlabel("seconds since the run's first step (each run its own start)")
+    for name in ("kill", "flap"):
+        for key, when in sc[name]["events_s"].items():
+            if key in EVENT_STYLE and when is not None:
+                label, color, ls = EVENT_STYLE[key]
+                for ax in (top, bottom):
+                    ax.axvline(when, color=color, ls=ls, lw=1, label=label if ax is top else None)
+    top.legend(fontsize=7, ncol=2)
+    bottom.legend(fontsize=7)
+    top.set_title(f"{res['config']['nodes']} nodes, D-SGD: kill + restart of rank {victim}, "
+                  f"flap of rank {res['config']['flap_rank']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cleanup_leftovers() -> list[str]:
+    """Delete ``dchs*`` namespaces and run directories whose run is no longer alive."""
+    def alive(name: str) -> bool:
+        m = re.match(rf"{PREFIX}(\d+)-", name)
+        if not m or int(m.group(1)) == os.getpid():
+            return False
+        try:
+            return Path(__file__).name.encode() in Path(f"/proc/{m.group(1)}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+    names = [n for n in leftover_namespaces(PREFIX) if not alive(n)]
+    for ns in sorted(names, key=lambda n: n.endswith("-sw")):  # node namespaces first
+        delete_namespace(ns)
+    dirs = [d for d in Path("/tmp").glob(f"{PREFIX}*-*") if d.is_dir() and not alive(d.name)]
+    for d in dirs:
+        for pid in leftover_procs(str(d)):
+            os.kill(pid, 9)
+        shutil.rmtree(d, ignore_errors=True)
+    return names + [str(d) for d in dirs]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line."""
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    add = p.add_argument
+    add("--nodes", type=int, default=8)
+    add("--steps", type=int, default=300, help="training steps per run")
+    add("--rate", default="1gbit", help="tc tbf rate per link and direction")
+    add("--pad-ms", type=float, default=100.0, help="each step's compute padded to this")
+    add("--batch", type=int, default=32)
+    add("--lr", type=float, default=0.05)
+    add("--seed", type=int, default=0)
+    add("--heartbeat", type=float, default=0.5, help="timeouts.heartbeat (s)")
+    add("--dead-after", type=float, default=1.5, help="faults.peer_dead_after (s)")
+    add("--kill-rank", type=int, default=3)
+    add("--kill-at", type=int, default=100, help="the killed rank's step")
+    add("--restart-at", type=int, default=200, help="rank 0's step")
+    add("--flap-rank", type=int, default=5)
+    add("--flap-at", type=int, default=150, help="the flapped rank's step")
+    add("--flap-s", type=float, default=5.0, help="seconds the link stays down")
+    add("--snapshot-every", type=int, default=10, help="parameters saved every this many steps")
+    add("--gloo-timeout", type=float, default=60.0, help="the gloo group's timeout (s)")
+    add("--checkpoint-every", type=int, default=100,
+        help="the checkpoint interval a gloo restart is costed with (half of it is redone)")
+    add("--out", type=Path, default=RESULTS, help="where chaos.json, .md and .png go")
+    add("--keep-logs", action="store_true", help="keep the run directory (logs, snapshots)")
+    add("--cleanup", action="store_true", help=f"delete leftovers ({PREFIX}*) of dead runs, exit")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse settings the scenarios cannot run."""
+    if not 0 < a.kill_rank < a.nodes or not 0 <= a.flap_rank < a.nodes or a.nodes < 3:
+        p.error("--nodes >= 3, 0 < --kill-rank < --nodes (rank 0 is the donor and the gloo "
+                "store), 0 <= --flap-rank < --nodes")
+    if not 0 < a.kill_at < a.restart_at < a.steps or not 0 < a.flap_at < a.steps:
+        p.error("0 < --kill-at < --restart-at < --steps and 0 < --flap-at < --steps")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (exit 0 when it completes, 1 when it crashes), or the cleanup."""
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.cleanup:
+        reason = skip_reason()
+        removed = [] if reason else cleanup_leftovers()
+        print(reason or f"removed {len(removed)}: {' '.join(removed) or '-'}")
+        return 0
+    check_args(p, a)
+    try:
+        res = run(a)
+    except BenchError as exc:
+        print(f"failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: processes stopped and namespaces deleted", file=sys.stderr)
+        return 130
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "chaos.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    if "skipped" in res:
+        print(res["skipped"])
+        return 0
+    print_report(res)
+    write_markdown(res, a.out / "chaos.md")
+    write_png(res, a.out / "chaos.png")
+    console.print(f"wrote {a.out}/chaos.json, chaos.md and chaos.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
