@@ -44,8 +44,6 @@ import atexit
 import datetime
 import json
 import os
-import re
-import shutil
 import statistics
 import sys
 import tempfile
@@ -60,80 +58,22 @@ if str(REPO) not in sys.path:  # `python benchmarks/chaos.py` puts only benchmar
 from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # noqa: E402
 
-from benchmarks.chaos_run import Job, daemon_events, load_records  # noqa: E402
+from benchmarks.chaos_run import PREFIX, cleanup_leftovers, run_scenario  # noqa: E402
 from benchmarks.netns_dsgd import (  # noqa: E402
     BenchError,
     Cleanup,
     Network,
     Runner,
     decent_source,
-    delete_namespace,
     leftover_namespaces,
-    leftover_procs,
     signals_raise,
     skip_reason,
     tear_down,
 )
 
 RESULTS = REPO / "benchmarks" / "results"
-PREFIX = "dchs"
 SCENARIOS = ("baseline", "kill", "flap", "gloo")
 console = Console(stderr=True)
-
-
-# ------------------------------------------------------------------------------ running
-
-
-def drive(job: Job, a: argparse.Namespace, tick: Any, say: Any) -> None:
-    """What the scenario does to its running job, at the steps the workers log, until the end."""
-    if job.name in ("kill", "gloo"):
-        job.wait_step(a.kill_rank, a.kill_at, tick)
-        job.kill(a.kill_rank)
-        say(f"{job.name}: killed rank {a.kill_rank}'s daemon and worker at its step {a.kill_at}")
-    if job.name == "kill":
-        job.wait_step(0, a.restart_at, tick)
-        job.restart(a.kill_rank)
-        say(f"kill: restarted rank {a.kill_rank} at rank 0's step {a.restart_at}")
-    if job.name == "flap":
-        job.wait_step(a.flap_rank, a.flap_at, tick)
-        job.set_link(a.flap_rank, up=False)
-        until = time.time() + a.flap_s
-        job.wait(lambda: time.time() >= until, "the flap", a.flap_s + 60, tick=tick)
-        job.set_link(a.flap_rank, up=True)
-        say(f"flap: rank {a.flap_rank}'s link was down {a.flap_s:g} s from its step {a.flap_at}")
-    if job.name != "gloo":
-        job.finish(tick)
-        return
-    deadline = time.time() + a.gloo_timeout + 30
-    while time.time() < deadline and any(p.poll() is None for p in job.workers.values()):
-        for r, p in job.workers.items():
-            if p.poll() is not None:
-                job.events.setdefault(f"exit-{r}", time.time())
-        job.tail.poll()
-        tick()
-        time.sleep(0.01)
-    for r, p in job.workers.items():
-        if p.poll() is not None:
-            job.events.setdefault(f"exit-{r}", time.time())
-
-
-def run_scenario(runner: Runner, a: argparse.Namespace, name: str,
-                 progress: Progress) -> dict[str, Any]:
-    """One scenario from a cold start: its events, step logs, results and daemon log events."""
-    job = Job(runner, a, name, "gloo" if name == "gloo" else "dsgd")
-    task = progress.add_task(name, total=a.steps)
-
-    def tick() -> None:
-        progress.update(task, completed=job.tail.step[0])
-
-    try:
-        job.start_all()
-        drive(job, a, tick, progress.console.print)
-    finally:
-        job.stop()
-    tick()
-    return {"events": job.events, "records": load_records(job.out, job.nodes),
-            "results": job.results(), "daemon": daemon_events(job.out), "out": job.out}
 
 
 # ------------------------------------------------------------------------------ analysis
@@ -208,7 +148,7 @@ def window(recs: list[list[dict[str, Any]]], ranks: list[int], lo: float, hi: fl
     durs = [1e3 * s["dur"] for r in ranks for s in steps_of(recs[r])
             if lo <= s["t"] < hi and s["k"] > skip]
     return {"median_ms": med(durs), "mean_ms": statistics.mean(durs) if durs else None,
-            "steps": len(durs)}
+            "max_ms": max(durs, default=None), "steps": len(durs)}
 
 
 def lost_steps(recs: list[list[dict[str, Any]]], ranks: list[int], steps: int) -> dict[str, int]:
@@ -242,6 +182,8 @@ def common(run: dict[str, Any], a: argparse.Namespace, ranks: list[int]) -> dict
             "series": {"step_ms": step_series(recs, ranks, t0),
                        "consensus": consensus_series(run, a.snapshot_every, t0)},
             "lost_steps": lost_steps(recs, ranks, a.steps), "finished": finished,
+            "daemon_log": {k: sum(e["event"] == k for e in run["daemon"])
+                           for k in ("stall", "timeout", "rejoin_op")},
             "accuracy": final_accuracy(run["results"]), "end_s": max(
                 s["t"] for r in recs for s in steps_of(r)) - t0}
 
@@ -255,8 +197,8 @@ def listeners(recs: list[list[dict[str, Any]]], rank: int) -> list[int]:
 def detection(run: dict[str, Any], victim: int, t: float, hb: float) -> dict[str, Any]:
     """How long after ``t`` the others noticed ``victim`` gone: their daemons' first "is down"
     and "link dropped" lines, and the first step whose average left it out."""
-    devs = [e for e in run["daemon"] if e["peer"] == victim and e["daemon"] != victim
-            and e["t"] >= t - 0.002]
+    devs = [e for e in run["daemon"] if e["n"] == victim and e["daemon"] != victim
+            and e["event"] in ("down", "dropped") and e["t"] >= t - 0.002]
     recs = run["records"]
     left_out = [s for r in listeners(recs, victim) for s in steps_of(recs[r], 0)
                 if s["t"] >= t and victim not in s["src"]]
@@ -279,8 +221,8 @@ def analyze_kill(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     mine = steps_of(recs[v], 1)
     with_peers = next((s for s in mine if s["src"]), None)
     c = ready.get("iteration")
-    donor = next((r for r in survivors for s in steps_of(recs[r])
-                  if s["k"] == (c or 0) + 1 and s["d"] == ready.get("d")), None)
+    donor = next((r for r in survivors for s in recs[r]  # a failed step's state counts too
+                  if s.get("k") == (c or 0) + 1 and s.get("d") == ready.get("d")), None)
     t_sync = with_peers["t"] if with_peers else float("inf")
     dist_ok = next((p for p in out["series"]["consensus"] if str(v) in p["dist"]
                     and p["t"] + out["t0"] >= t_sync and p["dist"][str(v)] <= max(
@@ -312,7 +254,7 @@ def analyze_flap(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     f, recs, ev = a.flap_rank, run["records"], run["events"]
     out = common(run, a, list(range(len(recs))))
     out["detection"] = detection(run, f, ev["flap_down"], a.heartbeat)
-    back = [e for e in run["daemon"] if e["peer"] == f and e["daemon"] != f
+    back = [e for e in run["daemon"] if e["n"] == f and e["daemon"] != f
             and e["event"] == "up" and e["t"] >= ev["flap_up"]]
     with_f = [s for r in listeners(recs, f) for s in steps_of(recs[r])
               if s["t"] >= ev["flap_up"] and f in s["src"]]
@@ -436,43 +378,52 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     """The measured numbers, as (what, value) rows."""
     sc = res["scenarios"]
     k, f, g, b = sc["kill"], sc["flap"], sc["gloo"], sc["baseline"]
-    d, rj, st = k["detection"], k["rejoin"], k["step_time"]
-    fd, fs, rc = f["detection"], f["step_time"], g["restart_cost"]
+    d, rj, fd, rc = k["detection"], k["rejoin"], f["detection"], g["restart_cost"]
+
+    def times(st: dict[str, Any], *keys: str) -> str:
+        return " / ".join(fmt(st[w]["median_ms"], " ms", 0) for w in keys) + " (longest " + \
+            " / ".join(fmt(st[w]["max_ms"], " ms", 0) for w in keys) + ")"
+
+    def logs(x: dict[str, Any]) -> str:
+        return (f"{sum(x['lost_steps'].values())} (op timeouts logged by daemons: "
+                f"{x['daemon_log']['timeout']}, state transfers: {x['daemon_log']['rejoin_op']})")
+
     return [
-        ("kill: death detected (first survivor daemon's 'is down')",
-         f"{fmt(d['daemon_down_s'], ' s', 3)} = {fmt(d['detect_heartbeats'], ' heartbeats')}"),
-        ("kill: first link dropped / first step averaged without it",
-         f"{fmt(d['link_dropped_s'], ' s', 3)} / {fmt(d['first_op_without_s'], ' s', 3)}"),
-        ("kill: steps the survivors lost", fmt(sum(k["lost_steps"].values()))),
-        ("kill: survivors' step time before / outage / after rejoin (median)",
-         " / ".join(fmt(st[w]["median_ms"], " ms", 0) for w in ("before", "outage",
-                                                               "after_rejoin"))),
+        ("kill: survivors' daemons say 'is down' / first link dropped / first step without it",
+         " / ".join(fmt(d[x], " s", 3) for x in ("daemon_down_s", "link_dropped_s",
+                                                "first_op_without_s"))
+         + f" = {fmt(d['detect_heartbeats'])} heartbeats (the first of them)"),
+        ("kill: steps the survivors lost", logs(k)),
+        ("kill: survivors' step time before / outage / after the rejoin (median)",
+         times(k["step_time"], "before", "outage", "after_rejoin")),
         ("kill: restart -> state taken / first step / first step with neighbors",
          " / ".join(fmt(rj[x], " s", 1) for x in ("restart_to_state_s", "restart_to_first_step_s",
                                                  "restart_to_step_with_neighbors_s"))),
         ("kill: restart -> distance to the mean within the survivors' range",
-         f"{fmt(rj['restart_to_distance_in_range_s'], ' s', 1)} (step "
+         f"{fmt(rj['restart_to_distance_in_range_s'], ' s', 1)} (rank 0's step "
          f"{fmt(rj['distance_in_range_at_step'])})"),
-        ("kill: rejoined with the state of", f"rank {rj['donor']} at step {rj['iteration']} "
-         f"(exact: {rj['state_equals_donor']}; {rj['survivor_steps_during_restart']} survivor "
-         "steps during the restart)"),
+        ("kill: rejoined with the state of", f"rank {rj['donor']} at its step {rj['iteration']} "
+         f"(exact: {rj['state_equals_donor']}); survivors were {rj['survivor_steps_during_restart']}"
+         f" steps past the restart, its counter {rj['counter_behind_survivors_steps']} behind "
+         f"theirs; {rj['steps_alone']} of its steps averaged with nobody"),
         ("mean test accuracy: baseline / kill+restart / flap", " / ".join(
             fmt(sc[x]["accuracy"]["mean"], "%") for x in ("baseline", "kill", "flap"))),
-        ("flap: others' daemons say 'is down' after the link went down",
-         f"{fmt(fd['daemon_down_s'], ' s', 2)} = {fmt(fd['detect_heartbeats'], ' heartbeats')}"),
-        ("flap: averaged with it again after the link came up / its steps alone",
-         f"{fmt(f['recovery']['averaged_again_after_link_up_s'], ' s', 2)} / "
+        ("flap: others' daemons say 'is down' / first step without it (after link down)",
+         f"{fmt(fd['daemon_down_s'], ' s')} / {fmt(fd['first_op_without_s'], ' s')} = "
+         f"{fmt(fd['detect_heartbeats'])} heartbeats"),
+        ("flap: averaged with it again after link up / its steps alone",
+         f"{fmt(f['recovery']['averaged_again_after_link_up_s'], ' s')} / "
          f"{f['recovery']['steps_flapped_rank_averaged_alone']}"),
-        ("flap: step time before / during / after (median)", " / ".join(
-            fmt(fs[w]["median_ms"], " ms", 0) for w in ("before", "flap", "after"))),
-        ("flap: steps lost", fmt(sum(f["lost_steps"].values()))),
-        ("gloo: first / last survivor error after the kill; hung",
-         f"{fmt(g['first_error_s'], ' s', 2)} / {fmt(g['last_error_s'], ' s', 2)}; "
+        ("flap: others' step time before / during / after (median)",
+         times(f["step_time"], "before", "flap", "after")),
+        ("flap: steps lost (all ranks)", logs(f)),
+        ("gloo: first / last survivor error after the kill; survivors hung",
+         f"{fmt(g['first_error_s'], ' s')} / {fmt(g['last_error_s'], ' s')}; "
          f"{len(g['survivors_hung'])} of {len(b['finished']) - 1}"),
         ("gloo: restart = declared dead + cold start + redo (half a checkpoint interval)",
          f"{fmt(rc['declared_dead_s'], ' s', 1)} + {fmt(rc['cold_start_s'], ' s', 1)} + "
-         f"{fmt(rc['redo_s'], ' s', 1)} = {fmt(rc['total_s'], ' s', 1)} (all ranks stopped)"),
-        ("cold start of all workers (decent: + daemons) / gloo step time",
+         f"{fmt(rc['redo_s'], ' s', 1)} = {fmt(rc['total_s'], ' s', 1)}, every rank stopped"),
+        ("cold start (decent: daemons + workers) / gloo step time",
          f"{fmt(b['cold_start_s'], ' s', 1)} / "
          f"{fmt(g['step_time_before']['median_ms'], ' ms', 0)}"),
     ]
@@ -566,28 +517,6 @@ def write_png(res: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def cleanup_leftovers() -> list[str]:
-    """Delete ``dchs*`` namespaces and run directories whose run is no longer alive."""
-    def alive(name: str) -> bool:
-        m = re.match(rf"{PREFIX}(\d+)-", name)
-        if not m or int(m.group(1)) == os.getpid():
-            return False
-        try:
-            return Path(__file__).name.encode() in Path(f"/proc/{m.group(1)}/cmdline").read_bytes()
-        except OSError:
-            return False
-
-    names = [n for n in leftover_namespaces(PREFIX) if not alive(n)]
-    for ns in sorted(names, key=lambda n: n.endswith("-sw")):  # node namespaces first
-        delete_namespace(ns)
-    dirs = [d for d in Path("/tmp").glob(f"{PREFIX}*-*") if d.is_dir() and not alive(d.name)]
-    for d in dirs:
-        for pid in leftover_procs(str(d)):
-            os.kill(pid, 9)
-        shutil.rmtree(d, ignore_errors=True)
-    return names + [str(d) for d in dirs]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,15 +1,15 @@
 """The processes of the chaos benchmark (:mod:`benchmarks.chaos`).
 
 Worker side (``python benchmarks/chaos_run.py --worker dsgd|gloo ...``, one per namespace): train
-``examples/train_digits.py``'s CNN on this rank's shard of digits and append one JSON line per step
-to ``steps-<rank>.jsonl`` in the scenario's directory (wall time at the step's end, its duration,
-the loss, the ranks the step's average came from, the membership epoch, a digest of the
-parameters before the step) and, every ``--snapshot-every`` steps, the flattened parameters
-(``x-<rank>-<step>.npy``); a ``result-<rank>.json`` at the end (test accuracy, failed steps).
+``examples/train_digits.py``'s CNN on this rank's shard and append one JSON line per step to
+``steps-<rank>.jsonl`` (wall time at the step's end, duration, loss, the ranks its average came
+from, the membership epoch, a digest of the parameters before the step); every
+``--snapshot-every`` steps (a restarted worker: every step) the flattened parameters
+(``x-<rank>-<step>.npy``); ``result-<rank>-<inc>.json`` at the end.
 
-Parent side: :class:`Job` starts a scenario's daemons and workers in the namespaces of a
-:class:`benchmarks.netns_dsgd.Runner`, follows the workers' step logs (:class:`Tail`), kills and
-restarts a node, flaps a link, and reads the daemons' JSON logs (:func:`daemon_events`).
+Parent side: :class:`Job` starts a scenario's daemons and workers in the namespaces, follows the
+step logs (:class:`Tail`), kills and restarts a node, flaps a link (:func:`drive`), and
+:func:`daemon_events` reads what the daemons logged (JSON lines).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,14 +34,22 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/chaos_run.py` puts only benchmarks/ on it
     sys.path.insert(0, str(REPO))
 
-from benchmarks.netns_dsgd import NODE_IF, SUBNET, BenchError, Runner  # noqa: E402
+from benchmarks.netns_dsgd import (  # noqa: E402
+    NODE_IF,
+    SUBNET,
+    BenchError,
+    Runner,
+    delete_namespace,
+    leftover_namespaces,
+    leftover_procs,
+)
 from decentd.auth import write_secret  # noqa: E402
 
+PREFIX = "dchs"
 DECENT_PORT = 7700
 GLOO_PORT = 29500
 MOMENTUM = 0.9
-TEST_SIZE = 0.2
-#: a survivor gives up after this many failed steps (each is counted as lost)
+#: a worker gives up after this many failed steps (each one is counted as lost)
 MAX_FAILED = 20
 
 
@@ -50,9 +59,9 @@ MAX_FAILED = 20
 class StepLog:
     """Appends one JSON object per line, flushed at once (the parent follows the file)."""
 
-    def __init__(self, path: Path, inc: int) -> None:
-        self.f = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
-        self.inc = inc
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.f = open(a.out_dir / f"steps-{a.rank}.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.inc = a.inc
 
     def write(self, **rec: Any) -> None:
         """One record, tagged with the worker's incarnation."""
@@ -71,43 +80,52 @@ def digest(model: Any) -> str:
     return hashlib.blake2b(flat_params(model).numpy().tobytes(), digest_size=8).hexdigest()
 
 
-class Shard:
-    """This rank's minibatch of each iteration (``train_digits.batches`` epoch by epoch)."""
+class Trainer:
+    """This rank's shard, model (seeded: the same on every rank, no broadcast) and the local
+    part of a step (``train_digits``'s data, batches and model)."""
 
-    def __init__(self, a: argparse.Namespace, rank: int, size: int) -> None:
-        from examples.train_digits import load_data
+    def __init__(self, a: argparse.Namespace) -> None:
+        import torch
 
-        self.a, self.rank = a, rank
-        self.data = load_data(rank, size, a.batch, a.seed, TEST_SIZE)
-        self._epoch = -1
-        self._batches: list[Any] = []
+        from examples.train_digits import load_data, make_model
 
-    def batch(self, k: int) -> Any:
-        """The minibatch of iteration ``k``."""
+        torch.set_num_threads(1)
+        self.a, self.log = a, StepLog(a)
+        self.log.write(event="process", t=time.time())
+        self.data = load_data(a.rank, a.size, a.batch, a.seed, 0.2)
+        torch.manual_seed(a.seed)
+        self.model = make_model()
+        self._epoch, self._batches = -1, list[Any]()
+
+    def local_step(self, k: int, opt: Any) -> tuple[float, float]:
+        """Iteration ``k``'s gradients, the compute padded to ``--pad-ms``: (start, loss)."""
+        import torch.nn.functional as F
+
         from examples.train_digits import batches
 
+        t0 = time.time()
         epoch, s = divmod(k, self.data.steps_per_epoch)
         if epoch != self._epoch:
             self._epoch = epoch
-            self._batches = batches(self.data, self.a.batch, self.a.seed, self.rank, epoch)
-        return self._batches[s]
+            self._batches = batches(self.data, self.a.batch, self.a.seed, self.a.rank, epoch)
+        x, y = self._batches[s]
+        opt.zero_grad()
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        left = t0 + self.a.pad_ms / 1e3 - time.time()
+        if left > 0:
+            time.sleep(left)
+        return t0, float(loss.item())
 
-    def accuracy(self, model: Any) -> float:
-        """Test accuracy of ``model`` in percent."""
+    def accuracy(self) -> float:
+        """Test accuracy of the model in percent."""
         from examples.train_digits import accuracy
 
-        return float(accuracy(model, self.data.x_test, self.data.y_test))
-
-
-def pad(started: float, pad_ms: float) -> None:
-    """Sleep until the step's compute has taken at least ``pad_ms`` (from ``started``)."""
-    left = started + pad_ms / 1e3 - time.time()
-    if left > 0:
-        time.sleep(left)
+        return float(accuracy(self.model, self.data.x_test, self.data.y_test))
 
 
 def watch_sources(algorithm: Any) -> list[list[int]]:
-    """Record the ranks each average came from (the ops' ``src_ranks``): the returned list's
+    """Record the ranks each average came from (its ops' ``src_ranks``): the returned list's
     only item is the last step's."""
     seen: list[list[int]] = [[]]
     original = algorithm.mixed
@@ -122,36 +140,29 @@ def watch_sources(algorithm: Any) -> list[list[int]]:
     return seen
 
 
-def dsgd_train(a: argparse.Namespace, opt: Any, model: Any, shard: Shard, log: StepLog,
-               sources: list[list[int]]) -> int:
-    """Steps until the optimizer's iteration counter reaches ``a.steps``; the failed steps."""
+def dsgd_train(tr: Trainer, opt: Any) -> int:
+    """Steps until the optimizer's iteration counter reaches ``--steps``; the failed steps."""
     import numpy as np
-    import torch.nn.functional as F
 
     from decent_wire.errors import DecentError
 
-    failed = 0
+    a, failed, sources = tr.a, 0, watch_sources(opt.algorithm)
     while (k := opt.algorithm.counters()["iteration"]) < a.steps:
-        t0 = time.time()
-        x, y = shard.batch(k)
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        pad(t0, a.pad_ms)
-        before = digest(model)
+        t0, loss = tr.local_step(k, opt)
+        before = digest(tr.model)
         try:
             opt.step()
         except DecentError as exc:
             failed += 1
-            log.write(k=k + 1, t=time.time(), error=str(exc)[:400])
+            tr.log.write(k=k + 1, t=time.time(), error=str(exc)[:400], d=before)
             if failed > MAX_FAILED:
                 raise
             continue
         t1 = time.time()
-        log.write(k=k + 1, t=t1, dur=t1 - t0, loss=float(loss.item()), src=sources[0],
-                  epoch=opt.client.view_epoch, d=before)
+        tr.log.write(k=k + 1, t=t1, dur=t1 - t0, loss=loss, src=sources[0],
+                     epoch=opt.client.view_epoch, d=before)
         if (k + 1) % a.snapshot_every == 0 or a.inc:  # a rejoined rank: every step
-            np.save(a.out_dir / f"x-{a.rank}-{k + 1}.npy", flat_params(model).numpy())
+            np.save(a.out_dir / f"x-{a.rank}-{k + 1}.npy", flat_params(tr.model).numpy())
     return failed
 
 
@@ -161,31 +172,24 @@ def dsgd_worker(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import decent.torch as dt
-    from examples.train_digits import make_model
 
-    torch.set_num_threads(1)
-    log = StepLog(a.out_dir / f"steps-{a.rank}.jsonl", a.inc)
-    log.write(event="process", t=time.time())
+    tr = Trainer(a)
     client = dt.connect()
-    shard = Shard(a, client.rank, client.size)
-    torch.manual_seed(a.seed)  # the same initial model on every rank, without a broadcast
-    model = make_model()
-    local = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=MOMENTUM)
     t_opt = time.time()
-    opt = dt.DecentralizedOptimizer(local, model, algorithm="dsgd", client=client,
-                                    prefix="chaos")
+    opt = dt.DecentralizedOptimizer(
+        torch.optim.SGD(tr.model.parameters(), lr=a.lr, momentum=MOMENTUM), tr.model,
+        algorithm="dsgd", client=client, prefix="chaos")
     first = int(opt.algorithm.counters()["iteration"])
-    log.write(event="ready", t=time.time(), rejoining=client.rejoining, iteration=first,
-              d=digest(model), state_s=time.time() - t_opt)
+    tr.log.write(event="ready", t=time.time(), rejoining=client.rejoining, iteration=first,
+                 d=digest(tr.model), state_s=time.time() - t_opt)
     if not client.rejoining:
         client.barrier(name="chaos.start")
-    log.write(event="start", t=time.time())
-    failed = dsgd_train(a, opt, model, shard, log, watch_sources(opt.algorithm))
-    acc = shard.accuracy(model)
-    log.write(event="done", t=time.time())
+    tr.log.write(event="start", t=time.time())
+    failed = dsgd_train(tr, opt)
+    tr.log.write(event="done", t=time.time())
     opt.close()
     client.close()
-    return {"rank": a.rank, "inc": a.inc, "accuracy": acc, "failed_steps": failed,
+    return {"rank": a.rank, "inc": a.inc, "accuracy": tr.accuracy(), "failed_steps": failed,
             "first_iteration": first, "rejoining": bool(client.rejoining)}
 
 
@@ -194,75 +198,45 @@ def gloo_worker(a: argparse.Namespace) -> dict[str, Any]:
     step. A failed collective ends the worker (what a torch.distributed job does)."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from examples.train_digits import make_model
-
-    torch.set_num_threads(1)
-    log = StepLog(a.out_dir / f"steps-{a.rank}.jsonl", a.inc)
-    log.write(event="process", t=time.time())
+    tr = Trainer(a)
     dist.init_process_group("gloo", init_method=f"tcp://{SUBNET}.1:{GLOO_PORT}", rank=a.rank,
-                            world_size=a.size,
-                            timeout=datetime.timedelta(seconds=a.gloo_timeout))
-    shard = Shard(a, a.rank, a.size)
-    torch.manual_seed(a.seed)
-    model = make_model()
-    params = list(model.parameters())
+                            world_size=a.size, timeout=datetime.timedelta(seconds=a.gloo_timeout))
+    params = list(tr.model.parameters())
     opt = torch.optim.SGD(params, lr=a.lr, momentum=MOMENTUM)
-    log.write(event="ready", t=time.time(), rejoining=False, iteration=0)
     dist.barrier()
-    log.write(event="start", t=time.time())
+    tr.log.write(event="start", t=time.time())
     for k in range(a.steps):
-        t0 = time.time()
-        x, y = shard.batch(k)
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        pad(t0, a.pad_ms)
+        t0, loss = tr.local_step(k, opt)
         grads = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
         try:
             dist.all_reduce(grads)
         except Exception as exc:  # the job is dead: say when and why, then end
-            log.write(k=k + 1, t=time.time(), error=f"{type(exc).__name__}: {exc}"[:400])
-            return {"rank": a.rank, "inc": a.inc, "accuracy": None, "failed_steps": 1,
-                    "first_iteration": 0, "rejoining": False, "ok": False}
-        grads /= a.size
-        for p, g in zip(params, grads.split([p.numel() for p in params]), strict=True):
+            tr.log.write(k=k + 1, t=time.time(), error=f"{type(exc).__name__}: {exc}"[:400])
+            return {"rank": a.rank, "inc": a.inc, "accuracy": None, "ok": False}
+        for p, g in zip(params, (grads / a.size).split([p.numel() for p in params]), strict=True):
             p.grad.copy_(g.view_as(p))  # type: ignore[union-attr]
         opt.step()
-        t1 = time.time()
-        log.write(k=k + 1, t=t1, dur=t1 - t0, loss=float(loss.item()))
-    acc = shard.accuracy(model)
+        tr.log.write(k=k + 1, t=time.time(), dur=time.time() - t0, loss=loss)
     dist.destroy_process_group()
-    return {"rank": a.rank, "inc": a.inc, "accuracy": acc, "failed_steps": 0,
-            "first_iteration": 0, "rejoining": False}
+    return {"rank": a.rank, "inc": a.inc, "accuracy": tr.accuracy()}
 
 
 WORKERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "dsgd": dsgd_worker, "gloo": gloo_worker}
 
 
-def worker_parser() -> argparse.ArgumentParser:
-    """The worker's command line (the parent builds it: :meth:`Job.worker_argv`)."""
+def worker_main(argv: list[str] | None = None) -> int:
+    """One worker (its command line: :meth:`Job.start_worker`); exit 0 when it trained to the
+    end."""
     p = argparse.ArgumentParser(description="one chaos benchmark worker (internal)")
     p.add_argument("--worker", choices=sorted(WORKERS), required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--size", type=int, required=True)
-    p.add_argument("--inc", type=int, default=0, help="0, or 1 for a restarted worker")
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pad-ms", type=float, default=0.0)
-    p.add_argument("--snapshot-every", type=int, default=10)
-    p.add_argument("--gloo-timeout", type=float, default=60.0)
     p.add_argument("--out-dir", type=Path, required=True)
-    return p
-
-
-def worker_main(argv: list[str] | None = None) -> int:
-    """Run one worker; exit 0 when it trained to the end."""
-    a = worker_parser().parse_args(argv)
+    for name in ("rank", "size", "inc", "steps", "batch", "seed", "snapshot-every"):
+        p.add_argument(f"--{name}", type=int, required=True)
+    for name in ("lr", "pad-ms", "gloo-timeout"):
+        p.add_argument(f"--{name}", type=float, required=True)
+    a = p.parse_args(argv)
     res = WORKERS[a.worker](a)
     (a.out_dir / f"result-{a.rank}-{a.inc}.json").write_text(json.dumps(res))
     return 0 if res.get("ok", True) else 1
@@ -278,7 +252,7 @@ class Tail:
         self.paths = [out_dir / f"steps-{r}.jsonl" for r in range(nodes)]
         self._pos = [0] * nodes
         self.records: list[list[dict[str, Any]]] = [[] for _ in range(nodes)]
-        self.step = [0] * nodes  #: the last step each rank logged
+        self.step = [0] * nodes  #: the last step each rank completed
 
     def poll(self) -> None:
         """Read what the workers appended since the last call (whole lines only)."""
@@ -288,34 +262,26 @@ class Tail:
                 chunk = f.read()
                 end = chunk.rfind(b"\n") + 1
                 self._pos[r] += end
-                for line in chunk[:end].splitlines():
-                    rec = json.loads(line)
+                for rec in map(json.loads, chunk[:end].splitlines()):
                     self.records[r].append(rec)
                     if "k" in rec and "error" not in rec:
                         self.step[r] = int(rec["k"])
 
 
-def load_records(out_dir: Path, nodes: int) -> list[list[dict[str, Any]]]:
-    """Every rank's step log, whole."""
-    tail = Tail(out_dir, nodes)
-    tail.poll()
-    return tail.records
-
-
 class Job:
-    """One scenario: its daemons and workers in the namespaces, and the times of what the
-    parent did to them (``events``: name -> wall time)."""
+    """One scenario: its daemons and workers in the namespaces, and the wall times of what the
+    parent did to them (``events``)."""
 
-    def __init__(self, runner: Runner, a: argparse.Namespace, name: str, kind: str) -> None:
-        self.runner, self.a, self.name, self.kind = runner, a, name, kind
+    def __init__(self, runner: Runner, a: argparse.Namespace, name: str) -> None:
+        self.runner, self.a, self.name = runner, a, name
+        self.kind = "gloo" if name == "gloo" else "dsgd"
         self.nodes = runner.net.nodes
         self.out = runner.run_dir / name
         self.out.mkdir()
         self.tail = Tail(self.out, self.nodes)
-        self.daemons: dict[int, subprocess.Popen[bytes]] = {}
-        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}  #: "decentd-3" / "worker-3"
+        self.labels: dict[str, str] = {}  #: their logs' labels
         self.events: dict[str, float] = {}
-        self.labels: dict[str, str] = {}  #: "worker-3" -> its current log's label
         self.sockets = [self.out / f"d{i}.sock" for i in range(self.nodes)]
         self.secret = write_secret(self.out / "secret")
 
@@ -334,64 +300,53 @@ class Job:
             f"security: {{mode: secret, secret_file: {self.secret}}}\n")
         return cfg
 
+    def spawn(self, key: str, i: int, inc: int, argv: list[str],
+              env: dict[str, str] | None = None) -> None:
+        """Start ``argv`` in node ``i``'s namespace as ``key`` (its log: ``<key>-<inc>.log``)."""
+        self.labels[key] = f"{self.name}/{key}-{inc}"
+        self.procs[key] = self.runner.spawn(i, self.labels[key], argv, env)
+
     def start_daemon(self, i: int, inc: int = 0) -> None:
         """Start node ``i``'s daemon (a stale socket of a killed one is removed first)."""
         for path in (self.sockets[i], Path(f"{self.sockets[i]}.data")):
             path.unlink(missing_ok=True)
-        daemon_bin = Path(sys.executable).parent / "decentd"
-        label = self.labels[f"decentd-{i}"] = f"{self.name}/decentd-{i}-{inc}"
-        self.daemons[i] = self.runner.spawn(i, label,
-                                            [str(daemon_bin), "--config", str(self.config(i))])
+        daemon = Path(sys.executable).parent / "decentd"
+        self.spawn(f"decentd-{i}", i, inc, [str(daemon), "--config", str(self.config(i))])
+
+    def start_worker(self, i: int, inc: int = 0) -> None:
+        """Start worker ``i`` (``inc`` 1: after its node restarted)."""
+        a = self.a
+        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", self.kind,
+                "--out-dir", str(self.out)]
+        for key, value in (("rank", i), ("size", self.nodes), ("inc", inc), ("steps", a.steps),
+                           ("batch", a.batch), ("seed", a.seed), ("lr", a.lr),
+                           ("snapshot-every", a.snapshot_every), ("pad-ms", a.pad_ms),
+                           ("gloo-timeout", a.gloo_timeout)):
+            argv += [f"--{key}", str(value)]
+        env = {"DECENT_DAEMON": str(self.sockets[i]), "DECENT_RANK": str(i),
+               "DECENT_SIZE": str(self.nodes), "DECENT_JOB": f"chaos-{self.name}",
+               "GLOO_SOCKET_IFNAME": NODE_IF}
+        self.spawn(f"worker-{i}", i, inc, argv, env)
 
     def start_all(self) -> None:
-        """Every daemon (for D-SGD, up to their sockets) and then every worker."""
+        """Every daemon (D-SGD), up to their sockets, then every worker."""
         self.events["spawn"] = time.time()
         if self.kind == "dsgd":
             for i in range(self.nodes):
                 self.start_daemon(i)
-            deadline = time.monotonic() + 90
-            while not all(s.exists() for s in self.sockets):
-                self.check()
-                if time.monotonic() > deadline:
-                    raise BenchError(f"{self.name}: decentd sockets missing after 90 s")
-                time.sleep(0.05)
+            self.wait(lambda: all(s.exists() for s in self.sockets), "the daemons' sockets", 90)
         for i in range(self.nodes):
             self.start_worker(i)
 
-    def worker_argv(self, i: int, inc: int) -> list[str]:
-        """Worker ``i``'s command line."""
-        a = self.a
-        return [sys.executable, str(Path(__file__).resolve()), "--worker", self.kind,
-                "--rank", str(i), "--size", str(self.nodes), "--inc", str(inc),
-                "--steps", str(a.steps), "--batch", str(a.batch), "--lr", str(a.lr),
-                "--seed", str(a.seed), "--pad-ms", str(a.pad_ms),
-                "--snapshot-every", str(a.snapshot_every), "--gloo-timeout", str(a.gloo_timeout),
-                "--out-dir", str(self.out)]
-
-    def start_worker(self, i: int, inc: int = 0) -> None:
-        """Start worker ``i`` (``inc`` 1: after its node restarted)."""
-        env = {"DECENT_DAEMON": str(self.sockets[i]), "DECENT_RANK": str(i),
-               "DECENT_SIZE": str(self.nodes), "DECENT_JOB": f"chaos-{self.name}",
-               "GLOO_SOCKET_IFNAME": NODE_IF}
-        label = self.labels[f"worker-{i}"] = f"{self.name}/worker-{i}-{inc}"
-        self.workers[i] = self.runner.spawn(i, label, self.worker_argv(i, inc), env)
-
     def kill(self, i: int) -> None:
-        """SIGKILL node ``i``'s worker and daemon (their whole process groups)."""
+        """SIGKILL node ``i``'s worker and daemon (their process groups)."""
         self.events["kill"] = time.time()
-        for proc in (self.workers.get(i), self.daemons.get(i)):
+        for key in (f"worker-{i}", f"decentd-{i}"):
+            proc = self.procs.pop(key, None)
             if proc is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-        for proc in (self.workers.pop(i, None), self.daemons.pop(i, None)):
-            if proc is not None:
                 proc.wait()
-
-    def restart(self, i: int) -> None:
-        """Node ``i`` again: its daemon with the same config and a new worker, at once."""
-        self.events["restart"] = time.time()
-        self.start_daemon(i, inc=1)
-        self.start_worker(i, inc=1)
 
     def set_link(self, i: int, up: bool) -> None:
         """Node ``i``'s veth up or down, inside its namespace."""
@@ -399,19 +354,10 @@ class Job:
         subprocess.run(["ip", "-n", self.runner.net.ns[i], "link", "set", NODE_IF,
                         "up" if up else "down"], check=True, capture_output=True)
 
-    def check(self, allow_fail: bool = False) -> None:
-        """BenchError (with log tails) when a worker failed or a daemon ended."""
-        bad = {f"worker-{i}": p.returncode for i, p in self.workers.items()
-               if p.poll() not in (None, 0) and not allow_fail}
-        bad.update({f"decentd-{i}": p.returncode for i, p in self.daemons.items()
-                    if p.poll() is not None})
-        if bad:
-            raise BenchError(f"{self.name}: exited early: {bad}\n"
-                             + self.runner.tails([self.labels[k] for k in bad]))
-
     def wait(self, done: Callable[[], bool], what: str, timeout: float,
-             allow_fail: bool = False, tick: Callable[[], None] | None = None) -> None:
-        """Poll the step logs until ``done()``; BenchError on a failure or after ``timeout``."""
+             tick: Callable[[], None] | None = None, failing: bool = False) -> None:
+        """Poll the step logs until ``done()``; BenchError when a process ended badly (a worker
+        may when ``failing``) or after ``timeout`` s."""
         deadline = time.monotonic() + timeout
         while True:
             self.tail.poll()
@@ -419,30 +365,27 @@ class Job:
                 tick()
             if done():
                 return
-            self.check(allow_fail)
-            if time.monotonic() > deadline:
-                raise BenchError(f"{self.name}: timed out after {timeout:.0f} s waiting for "
-                                 f"{what}; steps {self.tail.step}")
+            bad = {k: p.returncode for k, p in self.procs.items() if p.poll() is not None
+                   and (k.startswith("decentd") or (p.returncode != 0 and not failing))}
+            if bad or time.monotonic() > deadline:
+                why = f"exited: {bad}" if bad else f"timed out after {timeout:.0f} s"
+                raise BenchError(f"{self.name}: waiting for {what}, {why}; steps "
+                                 f"{self.tail.step}\n" + self.runner.tails(
+                                     [self.labels[k] for k in (bad or self.procs)]))
             time.sleep(0.005)
 
-    def wait_step(self, rank: int, k: int, tick: Callable[[], None] | None = None) -> None:
-        """Until rank ``rank`` has logged step ``k``."""
-        self.wait(lambda: self.tail.step[rank] >= k, f"rank {rank} at step {k}",
-                  self.step_timeout(k), tick=tick)
+    def wait_step(self, rank: int, k: int, tick: Callable[[], None]) -> None:
+        """Until rank ``rank`` has completed step ``k``."""
+        self.wait(lambda: self.tail.step[rank] >= k, f"rank {rank}'s step {k}",
+                  180 + k * (self.a.pad_ms / 1e3 + 1.0), tick)
 
-    def step_timeout(self, steps: int) -> float:
-        """A generous bound for ``steps`` steps (plus start-up)."""
-        return 180 + steps * (self.a.pad_ms / 1e3 + 1.0)
-
-    def finish(self, tick: Callable[[], None] | None = None) -> None:
-        """Wait for every worker to exit 0, then stop the daemons."""
-        self.wait(lambda: all(p.poll() == 0 for p in self.workers.values()), "the workers",
-                  self.step_timeout(self.a.steps), tick=tick)
-        self.stop()
+    def workers_done(self) -> bool:
+        """Whether every worker has exited."""
+        return all(p.poll() is not None for k, p in self.procs.items() if k.startswith("w"))
 
     def stop(self) -> None:
         """Stop whatever of this job still runs."""
-        self.runner.cleanup.stop_procs([*self.workers.values(), *self.daemons.values()])
+        self.runner.cleanup.stop_procs(list(self.procs.values()))
         self.tail.poll()
 
     def results(self) -> list[dict[str, Any]]:
@@ -450,33 +393,109 @@ class Job:
         return [json.loads(p.read_text()) for p in sorted(self.out.glob("result-*.json"))]
 
 
-def parse_time(text: str) -> float:
-    """Seconds since the epoch of a daemon log's ``2026-11-23T11:25:01.123Z``."""
-    when = datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ")
-    return when.replace(tzinfo=datetime.UTC).timestamp()
+def drive(job: Job, a: argparse.Namespace, tick: Callable[[], None],
+          say: Callable[[str], None]) -> None:
+    """What the scenario does to its job, at the steps the workers log, until it ends."""
+    if job.name in ("kill", "gloo"):
+        job.wait_step(a.kill_rank, a.kill_at, tick)
+        job.kill(a.kill_rank)
+        say(f"{job.name}: killed rank {a.kill_rank}'s daemon and worker at its step {a.kill_at}")
+    if job.name == "kill":
+        job.wait_step(0, a.restart_at, tick)
+        job.events["restart"] = time.time()
+        job.start_daemon(a.kill_rank, inc=1)
+        job.start_worker(a.kill_rank, inc=1)
+        say(f"kill: restarted rank {a.kill_rank} at rank 0's step {a.restart_at}")
+    if job.name == "flap":
+        job.wait_step(a.flap_rank, a.flap_at, tick)
+        job.set_link(a.flap_rank, up=False)
+        until = time.time() + a.flap_s
+        job.wait(lambda: time.time() >= until, "the flap", a.flap_s + 60, tick)
+        job.set_link(a.flap_rank, up=True)
+        say(f"flap: rank {a.flap_rank}'s link was down {a.flap_s:g} s from its step {a.flap_at}")
+    if job.name != "gloo":
+        job.wait(lambda: job.workers_done() and all(
+            p.returncode == 0 for k, p in job.procs.items() if k.startswith("w")),
+            "the workers", 180 + a.steps * (a.pad_ms / 1e3 + 1.0), tick)
+        return
+    with contextlib.suppress(BenchError):  # survivors that hang are what is measured
+        job.wait(lambda: any_exit(job) and job.workers_done(), "the survivors to fail",
+                 a.gloo_timeout + 30, tick, failing=True)
+    any_exit(job)
 
 
+def any_exit(job: Job) -> bool:
+    """Note when each worker was first seen exited (``exit-<rank>`` events); True."""
+    for key, p in job.procs.items():
+        if key.startswith("w") and p.poll() is not None:
+            job.events.setdefault(f"exit-{key.split('-')[1]}", time.time())
+    return True
+
+
+def run_scenario(runner: Runner, a: argparse.Namespace, name: str,
+                 progress: Any) -> dict[str, Any]:
+    """One scenario from a cold start: events, step logs, results, the daemons' log events."""
+    job = Job(runner, a, name)
+    task = progress.add_task(name, total=a.steps)
+
+    def tick() -> None:
+        progress.update(task, completed=job.tail.step[0])
+
+    try:
+        job.start_all()
+        drive(job, a, tick, progress.console.print)
+    finally:
+        job.stop()
+    tick()
+    return {"events": job.events, "records": job.tail.records, "results": job.results(),
+            "daemon": daemon_events(job.out), "out": job.out}
+
+
+def cleanup_leftovers() -> list[str]:
+    """Delete ``dchs*`` namespaces and run directories whose run is no longer alive."""
+    def alive(name: str) -> bool:
+        m = re.match(rf"{PREFIX}(\d+)-", name)
+        if not m or int(m.group(1)) == os.getpid():
+            return False
+        with contextlib.suppress(OSError):
+            return b"chaos.py" in Path(f"/proc/{m.group(1)}/cmdline").read_bytes()
+        return False
+
+    names = [n for n in leftover_namespaces(PREFIX) if not alive(n)]
+    for ns in sorted(names, key=lambda n: n.endswith("-sw")):  # node namespaces first
+        delete_namespace(ns)
+    dirs = [d for d in Path("/tmp").glob(f"{PREFIX}*-*") if d.is_dir() and not alive(d.name)]
+    for d in dirs:
+        for pid in leftover_procs(str(d)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(d, ignore_errors=True)
+    return names + [str(d) for d in dirs]
+
+
+#: what the daemons log about peers and ops: event -> pattern (its number: a rank or a round)
 LOG_EVENTS = {"down": r"rank (\d+) is down", "dropped": r"rank (\d+): link dropped",
-              "up": r"rank (\d+) is up", "restarted": r"rank (\d+) restarted"}
+              "up": r"rank (\d+) is up", "restarted": r"rank (\d+) restarted",
+              "timeout": r".*timed out after (\d+)s", "stall": r"stall: .* round (\d+)",
+              "rejoin_op": r".*'decent\.rejoin\.size' round (\d+)"}
 
 
 def daemon_events(out_dir: Path) -> list[dict[str, Any]]:
-    """What the daemons logged about their peers: ``{"t", "daemon", "event", "peer",
-    "message"}``, in time order (from every daemon log of the scenario, JSON lines)."""
+    """``{"t", "daemon", "event", "n", "message"}`` for every daemon log line of the scenario
+    that :data:`LOG_EVENTS` matches (the first pattern that does), in time order."""
     found = []
     for path in sorted(out_dir.glob("decentd-*.log")):
-        daemon = int(path.name.split("-")[1])
         for line in path.read_text(errors="replace").splitlines():
-            try:
+            with contextlib.suppress(ValueError):
                 rec = json.loads(line)
-            except ValueError:
-                continue
-            for event, pattern in LOG_EVENTS.items():
-                m = re.match(pattern, str(rec.get("message", "")))
-                if m and "time" in rec:
-                    found.append({"t": parse_time(rec["time"]), "daemon": daemon,
-                                  "event": event, "peer": int(m.group(1)),
-                                  "message": rec["message"][:300]})
+                msg = str(rec["message"])
+                when = datetime.datetime.strptime(rec["time"], "%Y-%m-%dT%H:%M:%S.%fZ")
+                for event, pattern in LOG_EVENTS.items():
+                    if m := re.match(pattern, msg):
+                        found.append({"t": when.replace(tzinfo=datetime.UTC).timestamp(),
+                                      "daemon": int(path.name.split("-")[1]), "event": event,
+                                      "n": int(m.group(1)), "message": msg[:300]})
+                        break
     return sorted(found, key=lambda e: e["t"])
 
 

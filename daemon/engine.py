@@ -297,7 +297,7 @@ class Engine:
             error = DecentError(pb.INTERNAL, f"{ctx.label}: internal error: {exc!r}")
         else:
             self.completed += 1
-            for peer in ctx.left_out:  # in case its op of these rounds still waits for us
+            for peer in ctx.left_out & ctx.participants:  # its op may still wait for us
                 self.services.links.send_skip(peer, ctx.keys)
         finally:
             for key in ctx.keys:

@@ -175,8 +175,8 @@ class Supervisor:
             member.declared_down = member.peer_declared_down = False
             per = self.links.per_node
             workers = range(rank * per, (rank + 1) * per)
-            if restarted and self.links.rounds.ready:  # its workers join the job later
-                self.members.absent.update(workers)
+            if restarted and self.links.rounds.ready and not member.serving:
+                self.members.absent.update(workers)  # new to the job: its workers join later
             if fresh:
                 self.links.rounds.joined([-(rank + 1), *workers])
             self.links.reopened(rank, flush=not fresh)

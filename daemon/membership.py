@@ -84,6 +84,10 @@ class Membership:
         return sorted([self.rank, *(r for r, m in self.members.items()
                                     if m.state is PeerState.UP)])
 
+    def worker_gone(self, worker: int) -> bool:
+        """Whether worker ``worker``'s daemon is down or it has not joined yet."""
+        return self.state(worker // self.per_node) is PeerState.DOWN or worker in self.absent
+
     def live_workers(self) -> list[int]:
         """The worker ranks of the live daemons, ascending."""
         return [d * self.per_node + k for d in self.live_daemons() for k in range(self.per_node)]

@@ -102,7 +102,7 @@ def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver, Supe
     mailbox = Mailbox(links)
     windows = WindowStore(cfg.worker_count, links, cfg.timeouts.op,
                           cfg.memory.window_early_bytes)
-    groups = GroupSums(windows, links, mailbox)
+    groups = GroupSums(windows, links, mailbox, lambda w: not members.worker_gone(w))
     locks = WindowLocks()
     services = Services(rank, cfg.size, cfg.workers_per_node, topology, machine_topology, links,
                         mailbox, pool, windows, groups, locks, cfg.transport.ring_threshold_bytes,

@@ -52,7 +52,10 @@ class Cluster:
     #: every cluster started in this test session (a session fixture kills what tests left)
     started: ClassVar[list[Cluster]] = []
 
-    def __init__(self, n: int, topology: str = "ring", *extra: str, per_node: int = 1) -> None:
+    def __init__(self, n: int, topology: str = "ring", *extra: str, per_node: int = 1,
+                 later: tuple[int, ...] = ()) -> None:
+        """``later``: daemons not started now (:meth:`spawn` them; until then their place in
+        ``procs`` holds a process that has exited)."""
         self.n = n
         self.per_node = per_node
         self.dir = tempfile.mkdtemp(prefix="decent-test-")
@@ -61,7 +64,8 @@ class Cluster:
         self.logs = [os.path.join(self.dir, f"rank{i}.log") for i in range(n)]
         self.procs: list[subprocess.Popen[bytes]] = []
         for i in range(n):
-            self.procs.append(self.spawn(i, topology, *extra))
+            self.procs.append(subprocess.Popen(["true"]) if i in later
+                              else self.spawn(i, topology, *extra))
         self.clients: list[Client[Any]] = []
         Cluster.started.append(self)
 

@@ -8,7 +8,9 @@ import numpy as np
 import torch
 from test_neighbor_allreduce import expected_matrix
 
+from cluster import Cluster
 from conftest import ClusterFactory
+from decent_wire.errors import DecentError
 
 
 def test_many_concurrent_named_ops(cluster: ClusterFactory) -> None:
@@ -88,3 +90,44 @@ def test_more_in_flight_than_the_arena_holds(cluster: ClusterFactory) -> None:
         for t in range(k):
             want = (i - 1) % 4 + i + (i + 1) % 4 + t  # mean of 3*j + t over the 3 ranks
             assert abs(got[i][t] - want) <= 1e-5 * want, (i, t, got[i][t])
+
+
+def test_a_full_arena_with_opposite_orders_fails_naming_the_arena() -> None:
+    # two ranks submit x, y and y, x; each arena (1 MiB) holds one 600 KiB tensor: each rank's
+    # second op waits for room that only the peer's second op would free. It cannot finish;
+    # the errors say why (the arena) instead of only blaming the peer, and nothing else breaks
+    c = Cluster(2, "ring", "--set", "memory.arena_bytes=1048576")
+    try:
+        c.connect()
+        numel = 600 * 1024 // 4
+
+        def work(cl):  # type: ignore[no-untyped-def]
+            outcomes = []
+            for name in (["x", "y"] if cl.rank == 0 else ["y", "x"]):
+                try:
+                    h = cl.neighbor_allreduce_async(torch.full((numel,), 1.0), name=name,
+                                                    timeout=3)
+                    outcomes.append(h)
+                except DecentError as exc:
+                    outcomes.append(exc)
+            for i, h in enumerate(outcomes):
+                if not isinstance(h, DecentError):
+                    try:
+                        h.wait(timeout=60)
+                        outcomes[i] = None
+                    except DecentError as exc:
+                        outcomes[i] = exc
+            return outcomes
+
+        got = c.run(work)
+        errors = [e for rank in got for e in rank if e is not None]
+        assert errors, got
+        for e in errors:
+            assert (e.code_name == "ARENA_ERROR" and "memory.arena_bytes" in e.message) or \
+                (e.code_name in ("TIMEOUT", "ABORTED") and "full arena" in e.message), e
+        # the daemons and both workers go on: the same ops in the same order work
+        ok = c.run(lambda cl: float(cl.neighbor_allreduce(
+            torch.full((numel,), float(cl.rank)), name="z")[0]))
+        assert ok == [0.5, 0.5]
+    finally:
+        c.stop()

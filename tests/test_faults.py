@@ -300,3 +300,32 @@ def test_a_reset_link_reconnects_and_every_part_is_applied_at_most_once() -> Non
         assert last == {0: (2.0, [1]), 1: (2.0, [0])}
     finally:
         c.stop()
+
+
+def test_a_node_missing_at_start_joins_later_under_min_nodes() -> None:
+    c = Cluster(3, "ring", "--set", "faults.min_nodes=2", later=(2,))
+    try:
+        c.clients = [dt.connect(f"unix://{c.sockets[i]}", 60) for i in (0, 1)]
+        assert not any(cl.rejoining for cl in c.clients)
+        for _ in range(3):  # rounds 0..2 of "w" without rank 2, which never came
+            got = ring_round(c.clients, "w", {0: 1.0, 1: 2.0})
+            assert got[0] == (pytest.approx(2 / 3 * 1 + 1 / 3 * 2, rel=1e-6), [1])
+        assert "2 of 3 daemons up (faults.min_nodes 2)" in c.log(0)
+        c.procs[2] = c.spawn(2, "ring", "--set", "faults.min_nodes=2")
+        for i in (0, 1):
+            until_state(c, i, 2, "up")
+        c.clients.append(dt.connect(f"unix://{c.sockets[2]}", 60))
+        assert c.clients[2].rejoining  # a job runs: it takes part once it says so
+        c.clients[2].connection.join()
+        for i in (0, 1):
+            until(partial(lambda k: c.clients[k].membership().ranks == (0, 1, 2), i),
+                  f"rank {i} to count rank 2's worker in")
+        # the late worker's round 0 is the others' round 3: one whole average
+        got = ring_round(c.clients, "w", {0: 1.0, 1: 2.0, 2: 4.0})
+        assert got == {0: (pytest.approx(7 / 3, rel=1e-6), [1, 2]),
+                       1: (pytest.approx(7 / 3, rel=1e-6), [0, 2]),
+                       2: (pytest.approx(7 / 3, rel=1e-6), [0, 1])}
+        assert allreduce_all(c.clients, "all", {0: 1.0, 1: 2.0, 2: 6.0}) == \
+            {r: (3.0, [0, 1, 2]) for r in range(3)}
+    finally:
+        c.stop()

@@ -72,9 +72,17 @@ class ClientArena:
                     continue
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise DecentError(pb.ARENA_ERROR, f"{what}: no room in the arena for "
-                                      f"{nbytes} bytes after {timeout}s (too much in flight)")
+                    raise DecentError(pb.ARENA_ERROR, self._full(what, nbytes, timeout or 0.0))
                 self._cond.wait(left)
+
+    def _full(self, what: str, nbytes: int, waited: float) -> str:
+        """Why an allocation gave up (lock held)."""
+        held = self.nbytes - sum(free for _, free in self._free)
+        return (f"{what}: the worker's shared-memory arena ({self.nbytes} bytes) had no room "
+                f"for {nbytes} bytes for {waited:g}s: {held} bytes are held by requests in "
+                "flight or unread results. Ops that wait on each other across ranks (submitted "
+                "in different orders) cannot all fit: raise memory.arena_bytes, read results "
+                "sooner, or wait for earlier ops before submitting more")
 
     def free(self, offset: int, nbytes: int) -> None:
         """Return a slot, merging it with free neighbors."""

@@ -113,7 +113,7 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
         self._submitter = Submitter(
             codec, self.arena, self._registrar, self.connection.send,
             env_threshold if fusion_threshold is None else fusion_threshold,
-            env_cycle if cycle_time is None else cycle_time)
+            env_cycle if cycle_time is None else cycle_time, reg.default_timeout)
         try:
             self.connection.start(self._submitter.finish, self._submitter.connection_lost)
         except BaseException:

@@ -70,8 +70,11 @@ class Submitter(Generic[T]):
 
     def __init__(self, codec: TensorCodec[T], arena: ClientArena, registrar: Registrar,
                  send: Callable[[pb.SubmitRequest], None], fusion_threshold: int,
-                 cycle_time: float) -> None:
+                 cycle_time: float, arena_wait: float = 60.0) -> None:
+        """``arena_wait``: how long a request without a timeout of its own waits for room in
+        a full arena before it fails (ARENA_ERROR)."""
         self.codec = codec
+        self.arena_wait = arena_wait
         self.arena = arena
         self.registrar = registrar
         self._send_request = send
@@ -106,7 +109,8 @@ class Submitter(Generic[T]):
         dtype, shape = self.describe(tensor, name)
         nbytes = dtypes.nbytes(dtype, shape)
         out = nbytes * out_factor if out_bytes is None else out_bytes
-        place = self._place(tensor, name, nbytes, into, out if out != nbytes else None)
+        place = self._place(tensor, name, nbytes, into, out if out != nbytes else None,
+                            timeout or self.arena_wait)
         # from here on nothing can fail before the request is sent: the round is spent only now,
         # so a refused argument above does not put this name's rounds out of step with the peers
         round_ = self.next_round(name)
@@ -154,7 +158,7 @@ class Submitter(Generic[T]):
             return self._rounds.get(name, 0)
 
     def _place(self, tensor: T | None, name: str, nbytes: int, into: T | None,
-               out_bytes: int | None) -> Placement:
+               out_bytes: int | None, wait: float | None = None) -> Placement:
         """Where the input and the result (``out_bytes`` of it when it is not the input's
         size) go, and the input copied there."""
         # a shared() tensor is already in the arena: no copy in, and in place no copy out
@@ -166,12 +170,12 @@ class Submitter(Generic[T]):
         slots: list[tuple[int, int]] = []
         try:
             if resident is None:
-                slots.append((self.alloc(nbytes, f"tensor '{name}'"), nbytes))
+                slots.append((self.alloc(nbytes, f"tensor '{name}'", wait), nbytes))
             # the daemon writes a result over its input once the input is sent, so one slot
             # serves both; a resident tensor gets its own result slot unless the op is in place
             if out_bytes is not None or (resident is not None and not in_place):
                 size = nbytes if out_bytes is None else out_bytes
-                slots.append((self.alloc(size, f"tensor '{name}' output"), size))
+                slots.append((self.alloc(size, f"tensor '{name}' output", wait), size))
             if tensor is not None and nbytes and resident is None:
                 self.codec.write(tensor, self.arena.view(slots[0][0], nbytes))
         except BaseException:
@@ -184,9 +188,10 @@ class Submitter(Generic[T]):
         out_offset, out_capacity = slots[-1] if slots else (offset, nbytes)
         return Placement(slots, offset, out_offset, out_capacity, False)
 
-    def alloc(self, nbytes: int, what: str) -> int:
-        """An arena slot, reading finished results out first when the arena is full."""
-        return self.arena.alloc(nbytes, what, self._reclaim)
+    def alloc(self, nbytes: int, what: str, wait: float | None = None) -> int:
+        """An arena slot, reading finished results out first when the arena is full (waiting
+        at most ``wait`` seconds for requests in flight to free one)."""
+        return self.arena.alloc(nbytes, what, self._reclaim, wait)
 
     def _send(self, call: OpCall, tensors: list[pb.TensorRef], timeout: float,
               members: list[Pending], stamps: list[tuple[int, int]]) -> None:

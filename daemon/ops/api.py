@@ -455,7 +455,9 @@ class OpContext:
         """``rank(s) [2] to send, rank(s) [1] to take ours`` for stall and timeout messages."""
         parts = []
         if self.waiting:
-            parts.append(f"rank(s) {sorted(self.waiting)} to send their tensor")
+            parts.append(f"rank(s) {sorted(self.waiting)} to send their tensor (not submitted "
+                         "there yet? a rank behind, ops submitted in another order, or a worker "
+                         "waiting for room in a full arena)")
         if self.unacked:
             parts.append(f"rank(s) {sorted(self.unacked)} to match the tensor sent to them")
         return "; ".join(parts) or "nothing remote (local work)"

@@ -74,6 +74,25 @@ async def unless_lost(ctx: OpContext, peer: int, aw: Awaitable[T]) -> T | None:
         return None
 
 
+def reachable(ctx: OpContext, targets: dict[int, float]) -> dict[int, float]:
+    """``targets`` without the peers that are gone (``reweight``); PEER_UNAVAILABLE names
+    one under ``fail``."""
+    lost = {j: why for j in targets if (why := gone(ctx, j)) is not None}
+    if lost and not reweighting(ctx):
+        j = min(lost)
+        raise DecentError(pb.PEER_UNAVAILABLE, f"{ctx.label}: rank {j} is gone ({lost[j]}; "
+                          "faults.on_peer_loss is fail)")
+    return {j: w for j, w in targets.items() if j not in lost}
+
+
+def self_for_gone(ctx: OpContext, self_weight: float, weights: dict[int, float]
+                  ) -> tuple[float, dict[int, float]]:
+    """``self_weight`` and ``weights`` with the gone peers' weights moved to self
+    (``reweight``; PEER_UNAVAILABLE under ``fail``)."""
+    kept = reachable(ctx, weights)
+    return self_weight + sum(w for j, w in weights.items() if j not in kept), kept
+
+
 def live_group(ctx: OpContext) -> list[int]:
     """The ranks a collective runs among: the live ones of its level, planned once per op.
     PEER_UNAVAILABLE without a quorum (a strict majority of the daemons), so that the two

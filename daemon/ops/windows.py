@@ -16,6 +16,7 @@ from decent_wire.graphs import butterfly_group
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.numerics import weighted_sum
 from decentd.ops.api import Arrival, DecentError, OpContext, OpResult, OpSpec, gather_all, part
+from decentd.ops.faults import reachable, self_for_gone, unless_lost
 from decentd.windows.store import REPLY, REQUEST, Window, WindowStore
 
 
@@ -75,6 +76,7 @@ async def _exchange(ctx: OpContext, targets: dict[int, float], step: int,
     """Send this op's request to every target and wait for every answer (a write carries the
     associated ``p_own`` times its weight)."""
     p = ctx.parts[0]
+    targets = reachable(ctx, targets)
     futs = {j: ctx.expect(j, REPLY) for j in targets}
 
     async def ask(j: int, weight: float) -> None:
@@ -83,13 +85,14 @@ async def _exchange(ctx: OpContext, targets: dict[int, float], step: int,
         request.p = p_own * weight
         await ctx.send_part(j, request, payload)
 
+    async def answer(j: int) -> Arrival:
+        await ask(j, targets[j])
+        return await futs[j]
+
     ctx.waiting.update(targets)
-    await gather_all(*(ask(j, w) for j, w in targets.items()))
-    got: dict[int, Arrival] = {}
-    for j, fut in futs.items():
-        got[j] = await fut
-        ctx.waiting.discard(j)
-    return got
+    answers = await gather_all(*(unless_lost(ctx, j, answer(j)) for j in targets))
+    ctx.waiting.difference_update(targets)
+    return {j: a for j, a in zip(targets, answers, strict=True) if a is not None}
 
 
 async def win_create(ctx: OpContext) -> OpResult:
@@ -182,7 +185,7 @@ async def win_update(ctx: OpContext) -> OpResult:
     args = ctx.args
     assert isinstance(args, pb.WinUpdate)
     w, own = _local(ctx)
-    self_weight, weights = _update_weights(ctx, w)
+    self_weight, weights = self_for_gone(ctx, *_update_weights(ctx, w))
     out = ctx.output(p, p.nbytes)
     weighted_sum(out, p.x, self_weight, [(w.buffers[j], wj) for j, wj in weights.items()],
                  p.dtype)
@@ -208,14 +211,17 @@ async def win_exchange(ctx: OpContext) -> OpResult:
     w, own = _local(ctx)
     j = int(args.peer)
     ctx.check_ranks([j], "peer")
-    a = (await _exchange(ctx, {j: 0.5}, w.step, p.raw))[j]
-    answer = _answer(w, j, a, ctx.rank)
+    a = (await _exchange(ctx, {j: 0.5}, w.step, p.raw)).get(j)
     out = ctx.output(p, p.nbytes)
-    out[...] = answer
+    if a is None:  # the peer is gone (reweight): nothing to average with
+        out[...] = p.x
+        own[...] = out
+        return OpResult(p.nbytes, p.shape, [])
+    out[...] = _answer(w, j, a, ctx.rank)
     a.release()
     own[...] = out
     w.versions[j] = w.versions.get(j, 0) + 1
-    return OpResult(p.nbytes, p.shape)
+    return OpResult(p.nbytes, p.shape, [j])
 
 
 async def win_add(ctx: OpContext) -> OpResult:
@@ -253,39 +259,25 @@ async def group_allreduce(ctx: OpContext) -> OpResult:
     triggered and the sum awaited. Members that had not arrived contributed their last own copy.
     """
     p = ctx.parts[0]
-    groups = ctx.services.groups
     w, own = _local(ctx)
     size, gr = _group(ctx)
     own[...] = p.x
     w.step = gr
-    members = butterfly_group(ctx.rank, ctx.size, size, gr)
+    group = butterfly_group(ctx.rank, ctx.size, size, gr)
+    members = [m for m in group if m == ctx.rank or m in reachable(ctx, {m: 1.0})]
     out = ctx.output(p, p.nbytes)
-    if len(members) == 1:
+    got = None if len(members) == 1 else await unless_lost(
+        ctx, members[0], _group_sum(ctx, members[0], size, gr))
+    if got is None:  # alone (the others gone, or its leader lost meanwhile): its own copy
         out[...] = p.x
-        return OpResult(p.nbytes, p.shape)
-    key = (p.name, gr)
-    got = groups.result(key)
-    if got is None:
-        fut = groups.wait(key)
-        leader = members[0]
-        try:
-            if leader == ctx.rank:
-                groups.lead(p.name, gr, size, p.dtype, p.shape)
-            else:
-                trigger = part(p.name, gr, REQUEST, pb.GROUP_TRIGGER, p.dtype, p.shape, 0,
-                               float(size))
-                await ctx.send_part(leader, trigger, memoryview(b""))
-            ctx.waiting.add(leader)
-            got = await fut
-        finally:
-            groups.stop_waiting(key)
-    total, staleness = got
+        return OpResult(p.nbytes, p.shape, [ctx.rank])
+    total, staleness, count = got
     if total.dtype != dtypes.STORAGE[p.dtype] or total.nbytes != p.nbytes:
         raise DecentError(pb.MISMATCH, f"window '{w.display}': the group sum of round {gr} is "
                           f"{total.size} {total.dtype} elements, the window "
                           f"{dtypes.describe(p.dtype, p.shape)}")
     w.max_staleness = max(w.max_staleness, staleness)
-    g = len(members)
+    g = count
     assert isinstance(ctx.args, pb.GroupAllreduce)
     if ctx.args.rule == pb.GROUP_WITH_SELF:
         # the input first: the output may be the input's own slot (written as it goes)
@@ -293,6 +285,28 @@ async def group_allreduce(ctx: OpContext) -> OpResult:
     else:
         weighted_sum(out, total, 1.0 / g, [], p.dtype)
     return OpResult(p.nbytes, p.shape)
+
+
+async def _group_sum(ctx: OpContext, leader: int, size: int, gr: int
+                     ) -> tuple[np.ndarray, int, int]:
+    """This round's group sum: here already, or led here, or asked of the leader."""
+    p, groups = ctx.parts[0], ctx.services.groups
+    key = (p.name, gr)
+    got = groups.result(key)
+    if got is not None:
+        return got
+    fut = groups.wait(key, leader)
+    try:
+        if leader == ctx.rank:
+            groups.lead(p.name, gr, size, p.dtype, p.shape)
+        else:
+            trigger = part(p.name, gr, REQUEST, pb.GROUP_TRIGGER, p.dtype, p.shape, 0,
+                           float(size))
+            await ctx.send_part(leader, trigger, memoryview(b""))
+        ctx.waiting.add(leader)
+        return await fut
+    finally:
+        groups.stop_waiting(key)
 
 
 async def win_free(ctx: OpContext) -> OpResult:

@@ -29,6 +29,7 @@ class OneSided(dict[int, Handler]):
             pb.GROUP_TRIGGER: groups.on_trigger, pb.GROUP_RESULT: groups.on_result,
             pb.WIN_LOCK: locks.on_lock, pb.WIN_UNLOCK: locks.on_unlock})
         self._store = store
+        self._groups = groups
         self._locks = locks
 
     def check(self, part: pb.Part) -> None:
@@ -45,6 +46,7 @@ class OneSided(dict[int, Handler]):
         reads are dropped and their window locks released."""
         self._store.peer_lost(gone)
         self._locks.peer_lost(gone)
+        self._groups.peer_lost(gone)
 
 
 def one_sided_handlers(store: WindowStore, groups: GroupSums,

@@ -8,6 +8,7 @@ import asyncio
 import collections
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from decent_wire.graphs import butterfly_group
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.arrivals import Arrival
 from decentd.auth import shown
+from decentd.errors import PeerLost
 from decentd.links import Links, part
 from decentd.mailbox import Mailbox
 from decentd.names import display_name, owner
@@ -36,8 +38,9 @@ MAX_SUMS = 256
 
 #: a group round: (window wire name, the member's k-th call)
 GroupKey = tuple[str, int]
-#: a group sum and the most steps a member's copy in it lagged the round
-GroupSum = tuple[np.ndarray, int]
+#: a group sum, the most steps a member's copy in it lagged the round, and how many members'
+#: copies it sums (the live ones: a group shrinks when members are gone)
+GroupSum = tuple[np.ndarray, int, int]
 
 
 def _owner(name: str) -> int:
@@ -56,14 +59,19 @@ def _bounded(table: collections.OrderedDict[GroupKey, Any], limit: int) -> None:
 class GroupSums:
     """The group rounds this daemon leads or waits for."""
 
-    def __init__(self, store: WindowStore, links: Links, mailbox: Mailbox) -> None:
+    def __init__(self, store: WindowStore, links: Links, mailbox: Mailbox,
+                 live: Callable[[int], bool] = lambda _rank: True) -> None:
+        """``live(worker rank)``: whether a member takes part (the group of a round is its
+        butterfly group's live members, led by the first of them)."""
         self._store = store
+        self.live = live
         self._links = links
         self._mailbox = mailbox
         self._tasks = TaskSet()
         #: group sums that came before their member asked
         self._results: collections.OrderedDict[GroupKey, GroupSum] = collections.OrderedDict()
         self._waiters: dict[GroupKey, asyncio.Future[GroupSum]] = {}
+        self._leaders: dict[GroupKey, int] = {}  #: the leader each waiter waits for
         self._led: collections.OrderedDict[GroupKey, None] = collections.OrderedDict()
         #: group rounds whose leader failed, for members that have not asked yet
         self._failures: collections.OrderedDict[GroupKey, DecentError] = (
@@ -83,7 +91,7 @@ class GroupSums:
         """The leader's sum of a group round this rank is a member of."""
         total = arrival.data.view(dtypes.STORAGE[arrival.dtype]).copy()
         arrival.release()
-        self._arrived((name, round_), (total, arrival.step))
+        self._arrived((name, round_), (total, arrival.step, max(1, round(arrival.p))))
 
     def lead(self, name: str, round_: int, group_size: int, dtype: int,
              shape: tuple[int, ...]) -> None:
@@ -109,14 +117,15 @@ class GroupSums:
     async def _lead_round(self, name: str, round_: int, group_size: int, dtype: int,
                           shape: tuple[int, ...]) -> None:
         rank = _owner(name)
-        members = butterfly_group(rank, self._store.size, group_size, round_)
+        members = self.members(rank, group_size, round_)
         others = [m for m in members if m != rank]
         fetch = FETCH_BASE + next(self._fetches)
         try:
-            total, staleness = await self._gather(name, round_, fetch, members, dtype, shape)
+            total, staleness, count = await self._gather(name, round_, fetch, members, dtype,
+                                                         shape)
             result = part(name, round_, REQUEST, pb.GROUP_RESULT, dtype, shape, total.nbytes)
-            result.step = staleness
-            self._arrived((name, round_), (total, staleness))
+            result.step, result.p = staleness, float(count)
+            self._arrived((name, round_), (total, staleness, count))
             await gather_all(*(self._links.send_parts(m, [result], [total.view(np.uint8).data])
                                for m in others))
         except (DecentError, TimeoutError, ConnectionError) as exc:
@@ -150,17 +159,37 @@ class GroupSums:
         await asyncio.wait_for(gather_all(
             *(self._links.send_parts(m, [ask], [memoryview(b"")]) for m in others)), timeout)
         for m, fut in futs.items():
-            a = await asyncio.wait_for(fut, timeout)
+            try:
+                a = await asyncio.wait_for(fut, timeout)
+            except PeerLost:  # a member gone meanwhile: the group shrinks
+                continue
             if (a.dtype, a.shape) != (dtype, shape) or a.data.nbytes != w.nbytes:
                 raise DecentError(pb.MISMATCH, f"window '{w.display}': rank {m} holds "
                                   f"{dtypes.describe(a.dtype, a.shape)}, its group leader "
                                   f"rank {rank} {w.describe()}")
             copies[m] = (a.data.view(dtypes.STORAGE[dtype]).copy(), a.step)
             a.release()
-        ordered = [copies[m][0] for m in members]
+        ordered = [copies[m][0] for m in members if m in copies]
         total = np.empty_like(ordered[0])
         weighted_sum(total, ordered[0], 1.0, [(c, 1.0) for c in ordered[1:]], dtype)
-        return total, max(round_ - min(round_, step) for _, step in copies.values())
+        return (total, max(round_ - min(round_, step) for _, step in copies.values()),
+                len(ordered))
+
+    def members(self, rank: int, group_size: int, round_: int) -> list[int]:
+        """The live members of ``rank``'s group at ``round_`` (``rank`` always)."""
+        return [m for m in butterfly_group(rank, self._store.size, group_size, round_)
+                if m == rank or self.live(m)]
+
+    def peer_lost(self, gone: Callable[[int, str], bool]) -> None:
+        """Members waiting for a leader that is gone fail (PeerLost): they go on without it."""
+        for key, leader in list(self._leaders.items()):
+            if gone(leader, key[0]):
+                self._leaders.pop(key, None)
+                fut = self._waiters.pop(key, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(PeerLost(f"group of window '{display_name(key[0])}' "
+                                               f"round {key[1]}: its leader rank {leader} is "
+                                               "gone"))
 
     def failed(self, name: str, round_: int, error: pb.Error) -> None:
         """The leader could not sum group round ``round_``: its members' ops fail with why."""
@@ -188,15 +217,17 @@ class GroupSums:
             raise failed
         return self._results.pop(key, None)
 
-    def wait(self, key: GroupKey) -> asyncio.Future[GroupSum]:
-        """A future for the group sum of a round that is not here yet."""
+    def wait(self, key: GroupKey, leader: int) -> asyncio.Future[GroupSum]:
+        """A future for the group sum of a round that is not here yet (from ``leader``)."""
         fut: asyncio.Future[GroupSum] = asyncio.get_running_loop().create_future()
         self._waiters[key] = fut
+        self._leaders[key] = leader
         return fut
 
     def stop_waiting(self, key: GroupKey) -> None:
         """The member's op ended: a sum that comes later is kept for nobody."""
         self._waiters.pop(key, None)
+        self._leaders.pop(key, None)
 
     def forget(self, name: str) -> None:
         """Window ``name`` was freed: its group rounds may start from 1 again."""

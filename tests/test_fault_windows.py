@@ -1,0 +1,45 @@
+"""Window ops, AD-PSGD's exchange and WAGMA's groups with a dead peer (issue 26): they skip it,
+exactly, and what it wrote before it died stays whole."""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+
+from cluster import Cluster, until_state
+
+
+def test_window_ops_skip_a_dead_peer_and_groups_shrink() -> None:
+    c = Cluster(4, "ring")
+    try:
+        c.connect()
+        # every rank's window holds rank + 1; buffers start as copies (ring: in-neighbors r±1)
+        c.run(lambda cl: cl.win_create(torch.full((4,), float(cl.rank + 1)), "w"))
+        c.run(lambda cl: cl.win_put(torch.full((4,), 10.0 * (cl.rank + 1)), "w"))
+        c.procs[3].send_signal(signal.SIGKILL)
+        c.procs[3].wait()
+        c.clients[3].close()
+        survivors = c.clients[:3]
+        for i in range(3):
+            until_state(c, i, 3, "down")
+        s0, s2 = survivors[0], survivors[2]
+        # rank 0's buffers: rank 1's put (20) and rank 3's (40), written whole before it died;
+        # win_update on the topology's weights (1/3 each) gives rank 3's third to self
+        out = s0.win_update("w")
+        assert torch.equal(out, torch.full((4,), 2 / 3 * 1 + 1 / 3 * 20, dtype=out.dtype))
+        # rank 2 puts to its out-neighbors 1 and 3: rank 3 is skipped, rank 1 gets it
+        s2.win_put(torch.full((4,), 7.0), "w")
+        got = survivors[1].win_update("w", self_weight=0.0, neighbor_weights={2: 1.0})
+        assert torch.equal(got, torch.full((4,), 7.0))
+        # AD-PSGD's exchange with the dead peer keeps the own tensor (nobody to average with)
+        h = s0.win_exchange_async(torch.full((4,), 5.0), "w", peer=3)
+        assert torch.equal(h.wait(), torch.full((4,), 5.0)) and h.src_ranks == []
+        # WAGMA: the group of 4 shrinks to the 3 live members, led by the first of them
+        groups = [cl.group_allreduce_async(torch.full((4,), float(cl.rank)), "w", group_size=4)
+                  for cl in survivors]
+        want = torch.full((4,), (0.0 + 1.0 + 2.0) / 3)
+        assert all(torch.equal(g.wait(timeout=60), want) for g in groups)
+    finally:
+        c.clients = c.clients[:3]
+        c.stop()
