@@ -56,20 +56,11 @@ if str(REPO) not in sys.path:  # `python benchmarks/chaos.py` puts only benchmar
     sys.path.insert(0, str(REPO))
 
 from rich.console import Console  # noqa: E402
+from rich.markdown import Markdown  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # noqa: E402
 
 from benchmarks.chaos_run import PREFIX, cleanup_leftovers, run_scenario  # noqa: E402
-from benchmarks.netns_dsgd import (  # noqa: E402
-    BenchError,
-    Cleanup,
-    Network,
-    Runner,
-    decent_source,
-    leftover_namespaces,
-    signals_raise,
-    skip_reason,
-    tear_down,
-)
+import benchmarks.netns_dsgd as nd  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SCENARIOS = ("baseline", "kill", "flap", "gloo")
@@ -302,25 +293,20 @@ def verdicts(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     sc = res["scenarios"]
     kill, base = sc["kill"], sc["baseline"]
     hb = kill["detection"]["detect_heartbeats"]
-    lost = sum(kill["lost_steps"].values())
-    rej = kill["rejoin"]
+    lost, rej = sum(kill["lost_steps"].values()), kill["rejoin"]
     acc = {k: sc[k]["accuracy"]["mean"] - base["accuracy"]["mean"] for k in ("kill", "flap")}
-    return {
-        "detect": {"what": "survivors detect the death (heartbeats)", "value": hb,
-                   "target": "<= 2", "met": hb is not None and hb <= 2},
-        "lost": {"what": "steps the survivors lost", "value": lost, "target": "0",
-                 "met": lost == 0},
-        "finished": {"what": "every rank finished all steps (kill)",
-                     "value": all(kill["finished"].values()), "target": "true",
-                     "met": all(kill["finished"].values())},
-        "rejoin": {"what": "rejoined state == donor's, counter == donor's",
-                   "value": f"rank {rej['donor']} at step {rej['iteration']}",
-                   "target": "exact", "met": rej["state_equals_donor"]},
-        "acc_kill": {"what": "kill+restart: mean accuracy - baseline (points)",
-                     "value": acc["kill"], "target": ">= -0.5", "met": acc["kill"] >= -0.5},
-        "acc_flap": {"what": "flap: mean accuracy - baseline (points)", "value": acc["flap"],
-                     "target": ">= -0.5", "met": acc["flap"] >= -0.5},
-    }
+    done = all(kill["finished"].values())
+    table = [
+        ("detect", "survivors detect the death (heartbeats)", hb, "<= 2", (hb or 9) <= 2),
+        ("lost", "steps the survivors lost", lost, "0", lost == 0),
+        ("finished", "every rank finished all steps (kill)", done, "true", done),
+        ("rejoin", "rejoined state == a donor's at the counter it took",
+         f"rank {rej['donor']} at step {rej['iteration']}", "exact", rej["state_equals_donor"]),
+        ("acc_kill", "kill+restart: mean accuracy - baseline (points)", acc["kill"], ">= -0.5",
+         acc["kill"] >= -0.5),
+        ("acc_flap", "flap: mean accuracy - baseline (points)", acc["flap"], ">= -0.5",
+         acc["flap"] >= -0.5)]
+    return {k: {"what": w, "value": v, "target": t, "met": bool(m)} for k, w, v, t, m in table}
 
 
 ANALYSES = {"kill": analyze_kill, "flap": analyze_flap, "gloo": analyze_gloo}
@@ -329,12 +315,12 @@ ANALYSES = {"kill": analyze_kill, "flap": analyze_flap, "gloo": analyze_gloo}
 def run(a: argparse.Namespace) -> dict[str, Any]:
     """Build the network, run every scenario, tear everything down; the result dict (or
     ``{"skipped": reason}``). BenchError when a step fails (after cleaning up)."""
-    reason = skip_reason()
+    reason = nd.skip_reason()
     if reason:
         return {"skipped": reason}
     started, prefix = time.perf_counter(), f"{PREFIX}{os.getpid()}"
     run_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
-    cleanup = Cleanup()
+    cleanup = nd.Cleanup()
     atexit.register(cleanup.run)
     ok, runs = False, dict[str, dict[str, Any]]()
     res: dict[str, Any] = {
@@ -343,14 +329,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "faults": {"on_peer_loss": "reweight", "peer_dead_after": a.dead_after,
                    "heartbeat": a.heartbeat, "topology": "exponential"},
         "cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg()),
-        "decent_source": decent_source(), "run_dir": str(run_dir)}
+        "decent_source": nd.decent_source(), "run_dir": str(run_dir)}
     try:
-        with signals_raise(), Progress(TextColumn("{task.description:>9}"), BarColumn(),
+        with nd.signals_raise(), Progress(TextColumn("{task.description:>9}"), BarColumn(),
                                        MofNCompleteColumn(), TextColumn("steps of rank 0"),
                                        console=console) as progress:
-            net = Network(prefix, a.nodes, a.rate, cleanup)
+            net = nd.Network(prefix, a.nodes, a.rate, cleanup)
             net.up()
-            runner = Runner(net, run_dir, cleanup)
+            runner = nd.Runner(net, run_dir, cleanup)
             for name in SCENARIOS:
                 runs[name] = run_scenario(runner, a, name, progress)
         res["scenarios"] = {"baseline": common(runs["baseline"], a, list(range(a.nodes)))}
@@ -358,8 +344,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         res["verdicts"] = verdicts(res)
         ok = True
     finally:
-        left = tear_down(cleanup, run_dir, ok and not a.keep_logs)
-    res["leftover_processes"], res["leftover_namespaces"] = left, leftover_namespaces(prefix)
+        left = nd.tear_down(cleanup, run_dir, ok and not a.keep_logs)
+    res["leftover_processes"], res["leftover_namespaces"] = left, nd.leftover_namespaces(prefix)
     res["loadavg_end"], res["total_s"] = list(os.getloadavg()), time.perf_counter() - started
     return res
 
@@ -403,8 +389,8 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
          f"{fmt(rj['restart_to_distance_in_range_s'], ' s', 1)} (rank 0's step "
          f"{fmt(rj['distance_in_range_at_step'])})"),
         ("kill: rejoined with the state of", f"rank {rj['donor']} at its step {rj['iteration']} "
-         f"(exact: {rj['state_equals_donor']}); survivors were {rj['survivor_steps_during_restart']}"
-         f" steps past the restart, its counter {rj['counter_behind_survivors_steps']} behind "
+         f"(exact: {rj['state_equals_donor']}); survivors were "
+         f"{rj['survivor_steps_during_restart']} steps past the restart, its counter {rj['counter_behind_survivors_steps']} behind "
          f"theirs; {rj['steps_alone']} of its steps averaged with nobody"),
         ("mean test accuracy: baseline / kill+restart / flap", " / ".join(
             fmt(sc[x]["accuracy"]["mean"], "%") for x in ("baseline", "kill", "flap"))),
@@ -442,33 +428,15 @@ def header(res: dict[str, Any]) -> str:
             f"{res['total_s']:.0f} s in all.")
 
 
-def write_markdown(res: dict[str, Any], path: Path) -> None:
+def markdown(res: dict[str, Any]) -> str:
     """``chaos.md``: the setting, the numbers, the targets."""
     lines = ["# Chaos: D-SGD through a node kill + restart and a link flap", "",
              header(res), "", "| what | measured |", "|:---|:---|"]
     lines += [f"| {w} | {v} |" for w, v in rows(res)]
     lines += ["", "| target | measured | target | |", "|:---|:---|:---|:---|"]
-    for v in res["verdicts"].values():
-        lines.append(f"| {v['what']} | {fmt(v['value'])} | {v['target']} | "
-                     f"{'met' if v['met'] else 'MISSED'} |")
-    lines += ["", "![chaos](chaos.png)", ""]
-    path.write_text("\n".join(lines))
-
-
-def print_report(res: dict[str, Any]) -> None:
-    """The numbers and the targets as rich tables."""
-    from rich.table import Table
-
-    out = Console(width=None if sys.stdout.isatty() else 140)
-    t = Table(title="chaos", caption=header(res))
-    t.add_column("what")
-    t.add_column("measured")
-    for w, v in rows(res):
-        t.add_row(w, v)
-    out.print(t)
-    for v in res["verdicts"].values():
-        mark = "[green]met[/]" if v["met"] else "[red]MISSED[/]"
-        out.print(f"{v['what']}: {fmt(v['value'])} (target {v['target']}) {mark}")
+    lines += [f"| {v['what']} | {fmt(v['value'])} | {v['target']} | "
+              f"{'met' if v['met'] else 'MISSED'} |" for v in res["verdicts"].values()]
+    return "\n".join([*lines, "", "![chaos](chaos.png)", ""])
 
 
 EVENT_STYLE = {"kill": ("kill", "red", "-"), "restart": ("restart", "orange", "-"),
@@ -519,32 +487,36 @@ def write_png(res: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+#: the command line: name, type, default, help
+OPTIONS: list[tuple[str, Any, Any, str]] = [
+    ("nodes", int, 8, "network namespaces, each with one daemon and one worker"),
+    ("steps", int, 300, "training steps per run"),
+    ("rate", str, "1gbit", "tc tbf rate per link and direction"),
+    ("pad-ms", float, 100.0, "each step's compute is padded to this"),
+    ("batch", int, 32, "minibatch per worker"), ("lr", float, 0.05, "SGD learning rate"),
+    ("seed", int, 0, "split, shards, initial model"),
+    ("heartbeat", float, 0.5, "timeouts.heartbeat (s)"),
+    ("dead-after", float, 1.5, "faults.peer_dead_after (s)"),
+    ("kill-rank", int, 3, "the node killed and restarted"),
+    ("kill-at", int, 100, "... at this step of its own"),
+    ("restart-at", int, 200, "... and restarted at this step of rank 0"),
+    ("flap-rank", int, 5, "the node whose link flaps"),
+    ("flap-at", int, 150, "... at this step of its own"),
+    ("flap-s", float, 5.0, "... for this many seconds"),
+    ("snapshot-every", int, 10, "parameters saved every this many steps"),
+    ("gloo-timeout", float, 60.0, "the gloo group's timeout (s)"),
+    ("checkpoint-every", int, 100, "the checkpoint interval a gloo restart is costed with"),
+    ("out", Path, RESULTS, "where chaos.json, .md and .png go")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    add = p.add_argument
-    add("--nodes", type=int, default=8)
-    add("--steps", type=int, default=300, help="training steps per run")
-    add("--rate", default="1gbit", help="tc tbf rate per link and direction")
-    add("--pad-ms", type=float, default=100.0, help="each step's compute padded to this")
-    add("--batch", type=int, default=32)
-    add("--lr", type=float, default=0.05)
-    add("--seed", type=int, default=0)
-    add("--heartbeat", type=float, default=0.5, help="timeouts.heartbeat (s)")
-    add("--dead-after", type=float, default=1.5, help="faults.peer_dead_after (s)")
-    add("--kill-rank", type=int, default=3)
-    add("--kill-at", type=int, default=100, help="the killed rank's step")
-    add("--restart-at", type=int, default=200, help="rank 0's step")
-    add("--flap-rank", type=int, default=5)
-    add("--flap-at", type=int, default=150, help="the flapped rank's step")
-    add("--flap-s", type=float, default=5.0, help="seconds the link stays down")
-    add("--snapshot-every", type=int, default=10, help="parameters saved every this many steps")
-    add("--gloo-timeout", type=float, default=60.0, help="the gloo group's timeout (s)")
-    add("--checkpoint-every", type=int, default=100,
-        help="the checkpoint interval a gloo restart is costed with (half of it is redone)")
-    add("--out", type=Path, default=RESULTS, help="where chaos.json, .md and .png go")
-    add("--keep-logs", action="store_true", help="keep the run directory (logs, snapshots)")
-    add("--cleanup", action="store_true", help=f"delete leftovers ({PREFIX}*) of dead runs, exit")
+    for name, kind, default, text in OPTIONS:
+        p.add_argument(f"--{name}", type=kind, default=default, help=f"{text} ({default})")
+    p.add_argument("--keep-logs", action="store_true", help="keep the run directory")
+    p.add_argument("--cleanup", action="store_true",
+                   help=f"delete leftovers ({PREFIX}*) of dead runs and exit")
     return p
 
 
@@ -562,14 +534,14 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     if a.cleanup:
-        reason = skip_reason()
+        reason = nd.skip_reason()
         removed = [] if reason else cleanup_leftovers()
         print(reason or f"removed {len(removed)}: {' '.join(removed) or '-'}")
         return 0
     check_args(p, a)
     try:
         res = run(a)
-    except BenchError as exc:
+    except nd.BenchError as exc:
         print(f"failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -580,8 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     if "skipped" in res:
         print(res["skipped"])
         return 0
-    print_report(res)
-    write_markdown(res, a.out / "chaos.md")
+    text = markdown(res)
+    Console(width=None if sys.stdout.isatty() else 140).print(Markdown(text))
+    (a.out / "chaos.md").write_text(text)
     write_png(res, a.out / "chaos.png")
     console.print(f"wrote {a.out}/chaos.json, chaos.md and chaos.png")
     return 0

@@ -36,10 +36,13 @@ def test_window_ops_skip_a_dead_peer_and_groups_shrink() -> None:
         h = s0.win_exchange_async(torch.full((4,), 5.0), "w", peer=3)
         assert torch.equal(h.wait(), torch.full((4,), 5.0)) and h.src_ranks == []
         # WAGMA: the group of 4 shrinks to the 3 live members, led by the first of them
-        groups = [cl.group_allreduce_async(torch.full((4,), float(cl.rank)), "w", group_size=4)
-                  for cl in survivors]
-        want = torch.full((4,), (0.0 + 1.0 + 2.0) / 3)
-        assert all(torch.equal(g.wait(timeout=60), want) for g in groups)
+        # (wait-avoiding: a member not there yet counts with its last own copy, so the first
+        # round publishes everyone's tensor and the second is exact)
+        for _ in range(2):
+            groups = [cl.group_allreduce_async(torch.full((4,), float(cl.rank)), "w",
+                                               group_size=4) for cl in survivors]
+            got = [g.wait(timeout=60) for g in groups]
+        assert all(torch.equal(g, torch.full((4,), (0.0 + 1.0 + 2.0) / 3)) for g in got), got
     finally:
         c.clients = c.clients[:3]
         c.stop()
