@@ -1,40 +1,29 @@
-"""Chaos: D-SGD training on 8 network namespaces while a node dies and comes back, and a link flaps.
-
-Needs root (it creates network namespaces)::
+"""Chaos: D-SGD on 8 network namespaces while a node dies and comes back, and a link flaps.
 
     .venv/bin/python benchmarks/chaos.py [--nodes 8] [--steps 300] [--out benchmarks/results]
-    .venv/bin/python benchmarks/chaos.py --cleanup     # leftovers of a killed run
+    .venv/bin/python benchmarks/chaos.py --cleanup     # leftovers of a killed run (as root)
 
-The network is :class:`benchmarks.netns_dsgd.Network` (``--nodes`` namespaces ``dchs<pid>-<i>`` on
-a bridge, each link limited to ``--rate`` both ways with ``tc tbf``). In it, one ``decentd`` per
-namespace (topology ``exponential``, ``faults.on_peer_loss: reweight``, ``timeouts.heartbeat``
-``--heartbeat``, ``faults.peer_dead_after`` ``--dead-after``, secret mode) and one worker each,
-which trains ``examples/train_digits.py``'s CNN on its own shard of digits with
-``DecentralizedOptimizer(SGD(lr, momentum 0.9), model, algorithm="dsgd")`` for ``--steps``
-steps, each step's compute padded to ``--pad-ms`` (so that a restart, which takes seconds, fits in
-the run, and the 2 cores shared by 16 processes do not pace it). Four runs, each from a cold start:
+:class:`benchmarks.netns_dsgd.Network`'s namespaces (``dchs<pid>-<i>``, links at ``--rate`` both
+ways with ``tc tbf``), one ``decentd`` each (topology ``exponential``, ``on_peer_loss: reweight``,
+``timeouts.heartbeat`` ``--heartbeat``, ``faults.peer_dead_after`` ``--dead-after``) and one
+worker each (:mod:`benchmarks.chaos_run`): ``examples/train_digits.py``'s CNN on its own shard,
+``DecentralizedOptimizer(SGD(lr, momentum 0.9), model, algorithm="dsgd")``, ``--steps`` steps
+whose compute is padded to ``--pad-ms`` (a restart takes seconds; 16 processes share 2 cores).
+Four runs, each from a cold start: ``baseline``; ``kill`` (rank ``--kill-rank``'s daemon and
+worker get SIGKILL at its step ``--kill-at``, and start again, same config, at rank 0's step
+``--restart-at``: the new worker's optimizer takes a donor's state and step counter); ``flap``
+(rank ``--flap-rank``'s veth down for ``--flap-s`` s at its step ``--flap-at``); ``gloo``
+(data-parallel SGD, gloo ``all_reduce`` of the gradients, the same kill).
 
-1. ``baseline``: no fault.
-2. ``kill``: when rank ``--kill-rank`` has logged step ``--kill-at``, its daemon and worker get
-   SIGKILL; when rank 0 has logged step ``--restart-at``, its daemon starts again with the same
-   config and a new worker, whose optimizer takes the model and optimizer state from a donor in
-   its constructor and trains from the donor's step counter to ``--steps``. A worker that is done
-   closes its client (the others leave it out).
-3. ``flap``: when rank ``--flap-rank`` has logged step ``--flap-at``, its veth goes down for
-   ``--flap-s`` seconds (``ip -n <ns> link set veth0 down``, then up).
-4. ``gloo``: data-parallel SGD with gloo ``all_reduce`` of the gradients in the same namespaces,
-   with the same kill: how long until the job is dead, and what a restart would cost (this run's
-   cold start of the gloo workers plus half a checkpoint interval of steps, ``--checkpoint-every``).
-
-Measured: survivors' time to detect the death (daemon log line "rank N is down"; and the first
-step whose average left the rank out, from the ops' ``src_ranks``), in seconds and heartbeats
-(target: at most 2); steps the survivors lost (target 0); their step time before, during the
-outage and after the rejoin; the rejoining node's time to be in sync (its first step averaged with
-neighbors, and its first snapshot whose distance to the mean is within the others'); the final
-mean test accuracy against the baseline (target: within 0.5 points). Consensus distance (mean
-over ranks of ``||x_i - mean||^2``, every ``--snapshot-every`` steps) and step time over time are
-plotted with the events. Writes ``chaos.json``, ``chaos.md`` and ``chaos.png`` into ``--out``.
-Exit 0 when the run completes (a missed target says MISSED), 1 when it crashes.
+Measured: the survivors' time to detect the death (their daemons' "rank N is down", the first
+step whose average left it out: the ops' ``src_ranks``) in seconds and heartbeats (target <= 2),
+the steps they lost (target 0), their step time before, during the outage and after the rejoin,
+the rejoining node's time to be in sync (its first step with neighbors; its distance to the mean
+within the others'), the mean test accuracy against the baseline (target: within 0.5 points);
+gloo: when the job is dead, and what a restart costs (this run's cold start plus half of
+``--checkpoint-every`` steps). Writes ``chaos.json``, ``.md`` and ``.png`` (consensus distance and
+step time over time, the events marked) into ``--out``. Exit 0 when the run completes (a missed
+target says MISSED), 1 when it crashes; without root it says why and exits 0.
 """
 
 from __future__ import annotations
@@ -59,8 +48,8 @@ from rich.console import Console  # noqa: E402
 from rich.markdown import Markdown  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # noqa: E402
 
-from benchmarks.chaos_run import PREFIX, cleanup_leftovers, run_scenario  # noqa: E402
 import benchmarks.netns_dsgd as nd  # noqa: E402
+from benchmarks.chaos_run import PREFIX, cleanup_leftovers, run_scenario  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SCENARIOS = ("baseline", "kill", "flap", "gloo")
@@ -78,11 +67,6 @@ def steps_of(recs: list[dict[str, Any]], inc: int | None = None) -> list[dict[st
 def event_of(recs: list[dict[str, Any]], name: str, inc: int = 0) -> dict[str, Any] | None:
     """A rank's first record of event ``name`` (of incarnation ``inc``)."""
     return next((r for r in recs if r.get("event") == name and r["inc"] == inc), None)
-
-
-def med(values: list[float]) -> float | None:
-    """The median, or None of nothing."""
-    return statistics.median(values) if values else None
 
 
 def since(t: float | None, t0: float) -> float | None:
@@ -138,7 +122,8 @@ def window(recs: list[list[dict[str, Any]]], ranks: list[int], lo: float, hi: fl
     """Step time of ``ranks`` over the steps that ended in ``[lo, hi)`` (after step ``skip``)."""
     durs = [1e3 * s["dur"] for r in ranks for s in steps_of(recs[r])
             if lo <= s["t"] < hi and s["k"] > skip]
-    return {"median_ms": med(durs), "mean_ms": statistics.mean(durs) if durs else None,
+    return {"median_ms": statistics.median(durs) if durs else None,
+            "mean_ms": statistics.mean(durs) if durs else None,
             "max_ms": max(durs, default=None), "steps": len(durs)}
 
 
@@ -175,8 +160,7 @@ def common(run: dict[str, Any], a: argparse.Namespace, ranks: list[int]) -> dict
             "lost_steps": lost_steps(recs, ranks, a.steps), "finished": finished,
             "daemon_log": {k: sum(e["event"] == k for e in run["daemon"])
                            for k in ("stall", "timeout", "rejoin_op")},
-            "accuracy": final_accuracy(run["results"]), "end_s": max(
-                s["t"] for r in recs for s in steps_of(r)) - t0}
+            "accuracy": final_accuracy(run["results"])}
 
 
 def listeners(recs: list[list[dict[str, Any]]], rank: int) -> list[int]:
@@ -332,8 +316,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "decent_source": nd.decent_source(), "run_dir": str(run_dir)}
     try:
         with nd.signals_raise(), Progress(TextColumn("{task.description:>9}"), BarColumn(),
-                                       MofNCompleteColumn(), TextColumn("steps of rank 0"),
-                                       console=console) as progress:
+                                          MofNCompleteColumn(), TextColumn("steps of rank 0"),
+                                          console=console) as progress:
             net = nd.Network(prefix, a.nodes, a.rate, cleanup)
             net.up()
             runner = nd.Runner(net, run_dir, cleanup)
@@ -345,7 +329,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         ok = True
     finally:
         left = nd.tear_down(cleanup, run_dir, ok and not a.keep_logs)
-    res["leftover_processes"], res["leftover_namespaces"] = left, nd.leftover_namespaces(prefix)
+    res["leftover_processes"] = left
+    res["leftover_namespaces"] = nd.leftover_namespaces(prefix)
     res["loadavg_end"], res["total_s"] = list(os.getloadavg()), time.perf_counter() - started
     return res
 
@@ -353,11 +338,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ output
 
 
-def fmt(v: Any, unit: str = "", nd: int = 2) -> str:
+def fmt(v: Any, unit: str = "", digits: int = 2) -> str:
     """A value for the tables: numbers rounded, None as a dash."""
     if v is None:
         return "-"
-    return f"{v:.{nd}f}{unit}" if isinstance(v, float) else f"{v}{unit}"
+    return f"{v:.{digits}f}{unit}" if isinstance(v, float) else f"{v}{unit}"
 
 
 def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
@@ -390,7 +375,8 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
          f"{fmt(rj['distance_in_range_at_step'])})"),
         ("kill: rejoined with the state of", f"rank {rj['donor']} at its step {rj['iteration']} "
          f"(exact: {rj['state_equals_donor']}); survivors were "
-         f"{rj['survivor_steps_during_restart']} steps past the restart, its counter {rj['counter_behind_survivors_steps']} behind "
+         f"{rj['survivor_steps_during_restart']} steps past the restart, its counter "
+         f"{rj['counter_behind_survivors_steps']} behind "
          f"theirs; {rj['steps_alone']} of its steps averaged with nobody"),
         ("mean test accuracy: baseline / kill+restart / flap", " / ".join(
             fmt(sc[x]["accuracy"]["mean"], "%") for x in ("baseline", "kill", "flap"))),
@@ -439,10 +425,12 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join([*lines, "", "![chaos](chaos.png)", ""])
 
 
+#: the events marked in the PNG: label, color, line style
 EVENT_STYLE = {"kill": ("kill", "red", "-"), "restart": ("restart", "orange", "-"),
-               "in_sync": ("rejoined, in sync", "green", "-"),
+               "in_sync": ("rejoined: first step with neighbors", "green", "-"),
                "flap_down": ("flap: link down", "purple", "--"),
                "flap_up": ("flap: link up", "purple", ":")}
+COLORS = {"baseline": "gray", "kill": "tab:blue", "flap": "tab:purple", "gloo": "tab:brown"}
 
 
 def write_png(res: dict[str, Any], path: Path) -> None:
@@ -452,36 +440,33 @@ def write_png(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sc = res["scenarios"]
+    sc, v = res["scenarios"], str(res["config"]["kill_rank"])
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True)
-    colors = {"baseline": "gray", "kill": "tab:blue", "flap": "tab:purple", "gloo": "tab:brown"}
-    for name in ("baseline", "kill", "flap"):
-        cons = sc[name]["series"]["consensus"]
-        top.plot([p["t"] for p in cons], [p["mean"] for p in cons], color=colors[name],
-                 label=f"{name}: mean over ranks")
-    victim = str(res["config"]["kill_rank"])
-    mine = [p for p in sc["kill"]["series"]["consensus"] if victim in p["dist"]]
-    top.plot([p["t"] for p in mine], [p["dist"][victim] for p in mine], "x", color="tab:blue",
-             label=f"kill: rank {victim}")
-    top.set_yscale("log")
-    top.set_ylabel("consensus distance ||x_i - mean||^2")
-    for name in ("baseline", "kill", "flap", "gloo"):
+    for name, color in COLORS.items():
+        if name != "gloo":
+            cons = sc[name]["series"]["consensus"]
+            top.plot([p["t"] for p in cons], [p["mean"] for p in cons], color=color,
+                     label=f"{name}: mean over the ranks")
         ser = sc[name]["series"]["step_ms"]
-        bottom.plot([p["t"] for p in ser], [p["ms"] for p in ser], color=colors[name], lw=0.8,
-                    label=f"{name} (median over the "
-                    f"{'survivors' if name in ('kill', 'gloo') else 'ranks'})")
-    bottom.set_ylabel("step time (ms)")
-    bottom.set_xlabel("seconds since the run's first step (each run its own start)")
-    for name in ("kill", "flap"):
-        for key, when in sc[name]["events_s"].items():
+        bottom.plot([p["t"] for p in ser], [p["ms"] for p in ser], color=color, lw=0.8,
+                    label=name)
+    mine = [p for p in sc["kill"]["series"]["consensus"] if v in p["dist"]]
+    top.plot([p["t"] for p in mine], [p["dist"][v] for p in mine], "x", color=COLORS["kill"],
+             label=f"kill: rank {v}")
+    events = [*sc["kill"]["events_s"].items(), *sc["flap"]["events_s"].items()]
+    for ax, text in ((top, "consensus distance ||x_i - mean||^2"),
+                     (bottom, "step time (ms), median over the live ranks")):
+        ax.set_ylabel(text)
+        for key, when in events:
             if key in EVENT_STYLE and when is not None:
                 label, color, ls = EVENT_STYLE[key]
-                for ax in (top, bottom):
-                    ax.axvline(when, color=color, ls=ls, lw=1, label=label if ax is top else None)
+                ax.axvline(when, color=color, ls=ls, lw=1, label=label if ax is top else None)
+    top.set_yscale("log")
     top.legend(fontsize=7, ncol=2)
     bottom.legend(fontsize=7)
-    top.set_title(f"{res['config']['nodes']} nodes, D-SGD: kill + restart of rank {victim}, "
-                  f"flap of rank {res['config']['flap_rank']}")
+    bottom.set_xlabel("seconds since the run's first step (each run from its own start)")
+    top.set_title(f"{res['config']['nodes']} nodes, D-SGD: rank {v} killed and restarted; "
+                  f"rank {res['config']['flap_rank']}'s link flapped")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

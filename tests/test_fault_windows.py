@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import signal
 
+import numpy as np
+import pytest
 import torch
 
 from cluster import Cluster, until_state
+from decent_wire.topology import build_topology
 
 
 def test_window_ops_skip_a_dead_peer_and_groups_shrink() -> None:
@@ -43,6 +46,33 @@ def test_window_ops_skip_a_dead_peer_and_groups_shrink() -> None:
                                                group_size=4) for cl in survivors]
             got = [g.wait(timeout=60) for g in groups]
         assert all(torch.equal(g, torch.full((4,), (0.0 + 1.0 + 2.0) / 3)) for g in got), got
+    finally:
+        c.clients = c.clients[:3]
+        c.stop()
+
+
+def test_a_dynamic_schedule_runs_over_the_live_ranks() -> None:
+    # one-peer exponential over 4; rank 3 dies: the survivors pair by their positions among
+    # the live ranks (the schedule over 3), so each round every survivor has its partner
+    c = Cluster(4, "one-peer-exponential")
+    try:
+        c.connect()
+        c.procs[3].send_signal(signal.SIGKILL)
+        c.procs[3].wait()
+        c.clients[3].close()
+        survivors = c.clients[:3]
+        for i in range(3):
+            until_state(c, i, 3, "down")
+        sub = build_topology("one-peer-exponential", 3)
+        x = np.array([1.0, 2.0, 4.0])
+        for r in range(4):
+            handles = [cl.neighbor_allreduce_async(torch.full((2,), x[cl.rank]), name="d")
+                       for cl in survivors]
+            got = [(h.wait(timeout=60)[0].item(), h.src_ranks) for h in handles]
+            w = sub.matrix(r)
+            for i in range(3):
+                assert got[i][0] == pytest.approx(float(w[i] @ x), rel=1e-12)
+                assert got[i][1] == list(sub.step(i, r).src_weights)
     finally:
         c.clients = c.clients[:3]
         c.stop()

@@ -193,6 +193,8 @@ class OpContext:
         self.view_name = ""
         #: peers lost while the op ran and left out (reweight): told so (SKIP) when it ends
         self.left_out: set[int] = set()
+        #: ``@<live ranks>`` when a dynamic schedule runs over the live ranks only
+        self.live_schedule = ""
 
     @property
     def keys(self) -> list[tuple[str, int]]:
@@ -211,8 +213,9 @@ class OpContext:
 
     @property
     def topology_name(self) -> str:
-        """``ring#1a2b3c4d``: the topology's kind and digest, for messages and mismatches."""
-        return f"{self.topology.kind}#{self.topology.digest()[:8]}"
+        """``ring#1a2b3c4d``: the topology's kind and digest, for messages and mismatches
+        (``@0,1,2``: a dynamic schedule over these live ranks only)."""
+        return f"{self.topology.kind}#{self.topology.digest()[:8]}{self.live_schedule}"
 
     def same_host(self, peer: int) -> bool:
         """Whether ``peer``'s daemon is this one or on this host (both addressed on loopback)."""

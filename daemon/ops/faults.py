@@ -9,9 +9,12 @@ its tensor was combined yet. Under ``fail`` the op fails with PEER_UNAVAILABLE n
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Awaitable
 from typing import TypeVar
 
+from decent_wire.topology import Step, Topology, from_spec
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.errors import PeerLost
 from decentd.membership import PeerState
@@ -38,6 +41,31 @@ def gone(ctx: OpContext, peer: int) -> str | None:
     if ctx.services.mailbox.gone(peer, ctx.name) is not None:
         return "its worker left"
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule_over(spec_json: str, size: int) -> Topology:
+    """The dynamic topology of ``spec_json`` over ``size`` ranks."""
+    return from_spec(json.loads(spec_json), size)
+
+
+def live_step(ctx: OpContext) -> Step:
+    """The topology's step at this op's round; a dynamic schedule (one-peer exponential,
+    random matching) with ranks gone runs over the live ranks only, by their position among
+    them, so every survivor with the same view derives the same pairs and nobody is left
+    without a partner (its name carries the live ranks: views that differ fail the op with
+    MISMATCH, not a wait)."""
+    topo = ctx.topology
+    if not topo.dynamic or not reweighting(ctx) or topo.spec.get("weights"):
+        return ctx.topology_step()
+    live = [r for r in range(ctx.size) if r == ctx.rank or gone(ctx, r) is None]
+    if len(live) == ctx.size:
+        return ctx.topology_step()
+    ctx.live_schedule = "@" + ",".join(map(str, live))
+    step = _schedule_over(topo.spec_json(), len(live)).step(live.index(ctx.rank), ctx.round)
+    return Step(self_weight=step.self_weight,
+                src_weights={live[j]: w for j, w in step.src_weights.items()},
+                dst_ranks=tuple(live[d] for d in step.dst_ranks))
 
 
 def reweighting(ctx: OpContext) -> bool:

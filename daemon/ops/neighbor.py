@@ -17,7 +17,7 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.numerics import weighted_sum
 from decentd.ops import compression
 from decentd.ops.api import Arrival, DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
-from decentd.ops.faults import unless_lost, without_gone
+from decentd.ops.faults import live_step, unless_lost, without_gone
 from decentd.sender import Outgoing
 
 #: a tensor still arriving is folded in once at least this many more elements are usable (the
@@ -40,7 +40,7 @@ def neighbor_plan(ctx: OpContext) -> tuple[float, dict[int, float], dict[int, fl
     assert isinstance(args, pb.NeighborAllreduce | pb.CompressedNeighborAllreduce)
     has_self, has_src = args.HasField("self_weight"), args.HasField("src_weights")
     ctx.on_topology = not args.HasField("dst_weights")
-    step = ctx.topology_step()
+    step = live_step(ctx)
     if has_src and not has_self:
         raise DecentError(pb.INVALID_ARGUMENT,
                           f"{ctx.label}: src_weights given without self_weight; pass both")
@@ -150,7 +150,7 @@ def pair_peer(ctx: OpContext, self_weight: float, recv: dict[int, float],
     link is, and halves move the same bytes with a wait between the rounds (measured on the
     1 Gbit/s netns benchmark: the pair step took 265-275 ms by halves, 230-246 ms whole).
     """
-    if len(recv) != 1 or set(send) != set(recv) or explicit_weights(ctx):
+    if len(recv) != 1 or set(send) != set(recv) or explicit_weights(ctx) or ctx.live_schedule:
         return None
     (j,) = recv
     if not ctx.same_host(j):
