@@ -49,34 +49,20 @@ from rich.markdown import Markdown  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # noqa: E402
 
 import benchmarks.netns_dsgd as nd  # noqa: E402
-from benchmarks.chaos_run import PREFIX, cleanup_leftovers, run_scenario  # noqa: E402
+from benchmarks.chaos_run import (  # noqa: E402
+    PREFIX,
+    cleanup_leftovers,
+    event_of,
+    first_t,
+    run_scenario,
+    since,
+    steps_of,
+)
 
 RESULTS = REPO / "benchmarks" / "results"
 SCENARIOS = ("baseline", "kill", "flap", "gloo")
 console = Console(stderr=True)
 
-
-# ------------------------------------------------------------------------------ analysis
-
-
-def steps_of(recs: list[dict[str, Any]], inc: int | None = None) -> list[dict[str, Any]]:
-    """The completed steps of a rank's log (of one incarnation)."""
-    return [r for r in recs if "k" in r and "error" not in r and inc in (None, r["inc"])]
-
-
-def event_of(recs: list[dict[str, Any]], name: str, inc: int = 0) -> dict[str, Any] | None:
-    """A rank's first record of event ``name`` (of incarnation ``inc``)."""
-    return next((r for r in recs if r.get("event") == name and r["inc"] == inc), None)
-
-
-def since(t: float | None, t0: float) -> float | None:
-    """``t - t0``, or None."""
-    return None if t is None else t - t0
-
-
-def first_t(items: list[dict[str, Any]]) -> float | None:
-    """The earliest ``t`` among ``items``, or None."""
-    return min((i["t"] for i in items), default=None)
 
 
 def step_series(recs: list[list[dict[str, Any]]], ranks: list[int],
@@ -297,11 +283,8 @@ ANALYSES = {"kill": analyze_kill, "flap": analyze_flap, "gloo": analyze_gloo}
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    """Build the network, run every scenario, tear everything down; the result dict (or
-    ``{"skipped": reason}``). BenchError when a step fails (after cleaning up)."""
-    reason = nd.skip_reason()
-    if reason:
-        return {"skipped": reason}
+    """Build the network, run every scenario, tear everything down; the result dict.
+    BenchError when a step fails (after cleaning up)."""
     started, prefix = time.perf_counter(), f"{PREFIX}{os.getpid()}"
     run_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
     cleanup = nd.Cleanup()
@@ -335,8 +318,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-# ------------------------------------------------------------------------------ output
-
 
 def fmt(v: Any, unit: str = "", digits: int = 2) -> str:
     """A value for the tables: numbers rounded, None as a dash."""
@@ -349,56 +330,56 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     """The measured numbers, as (what, value) rows."""
     sc = res["scenarios"]
     k, f, g, b = sc["kill"], sc["flap"], sc["gloo"], sc["baseline"]
-    d, rj, fd, rc = k["detection"], k["rejoin"], f["detection"], g["restart_cost"]
+    rj, rc = k["rejoin"], g["restart_cost"]
 
-    def times(st: dict[str, Any], *keys: str) -> str:
-        return " / ".join(fmt(st[w]["median_ms"], " ms", 0) for w in keys) + " (longest " + \
-            " / ".join(fmt(st[w]["max_ms"], " ms", 0) for w in keys) + ")"
+    def join(d: dict[str, Any], keys: str, unit: str = " s", digits: int = 2) -> str:
+        return " / ".join(fmt(d[x], unit, digits) for x in keys.split())
 
-    def logs(x: dict[str, Any]) -> str:
+    def times(st: dict[str, Any]) -> str:
+        return (" / ".join(fmt(w["median_ms"], " ms", 0) for w in st.values()) + " (longest "
+                + " / ".join(fmt(w["max_ms"], " ms", 0) for w in st.values()) + ")")
+
+    def lost(x: dict[str, Any]) -> str:
         return (f"{sum(x['lost_steps'].values())} (op timeouts logged by daemons: "
                 f"{x['daemon_log']['timeout']}, state transfers: {x['daemon_log']['rejoin_op']})")
 
+    def detect(d: dict[str, Any]) -> str:
+        return (join(d, "daemon_down_s link_dropped_s first_op_without_s", " s", 3)
+                + f"; the first: {fmt(d['detect_heartbeats'])} heartbeats")
+
     return [
-        ("kill: survivors' daemons say 'is down' / first link dropped / first step without it",
-         " / ".join(fmt(d[x], " s", 3) for x in ("daemon_down_s", "link_dropped_s",
-                                                "first_op_without_s"))
-         + f" = {fmt(d['detect_heartbeats'])} heartbeats (the first of them)"),
-        ("kill: steps the survivors lost", logs(k)),
+        ("kill: survivors' daemons say 'is down' / link dropped / first step without it",
+         detect(k["detection"])),
+        ("kill: steps the survivors lost", lost(k)),
         ("kill: survivors' step time before / outage / after the rejoin (median)",
-         times(k["step_time"], "before", "outage", "after_rejoin")),
-        ("kill: restart -> state taken / first step / first step with neighbors",
-         " / ".join(fmt(rj[x], " s", 1) for x in ("restart_to_state_s", "restart_to_first_step_s",
-                                                 "restart_to_step_with_neighbors_s"))),
-        ("kill: restart -> distance to the mean within the survivors' range",
-         f"{fmt(rj['restart_to_distance_in_range_s'], ' s', 1)} (rank 0's step "
-         f"{fmt(rj['distance_in_range_at_step'])})"),
+         times(k["step_time"])),
+        ("kill: restart -> state taken / first step / first step with neighbors / distance to "
+         "the mean within the survivors'", join(rj, "restart_to_state_s restart_to_first_step_s "
+                                                "restart_to_step_with_neighbors_s "
+                                                "restart_to_distance_in_range_s", " s", 1)),
         ("kill: rejoined with the state of", f"rank {rj['donor']} at its step {rj['iteration']} "
          f"(exact: {rj['state_equals_donor']}); survivors were "
          f"{rj['survivor_steps_during_restart']} steps past the restart, its counter "
-         f"{rj['counter_behind_survivors_steps']} behind "
-         f"theirs; {rj['steps_alone']} of its steps averaged with nobody"),
+         f"{rj['counter_behind_survivors_steps']} behind theirs; {rj['steps_alone']} of its "
+         "steps averaged with nobody"),
         ("mean test accuracy: baseline / kill+restart / flap", " / ".join(
             fmt(sc[x]["accuracy"]["mean"], "%") for x in ("baseline", "kill", "flap"))),
-        ("flap: others' daemons say 'is down' / first step without it (after link down)",
-         f"{fmt(fd['daemon_down_s'], ' s')} / {fmt(fd['first_op_without_s'], ' s')} = "
-         f"{fmt(fd['detect_heartbeats'])} heartbeats"),
-        ("flap: averaged with it again after link up / its steps alone",
-         f"{fmt(f['recovery']['averaged_again_after_link_up_s'], ' s')} / "
-         f"{f['recovery']['steps_flapped_rank_averaged_alone']}"),
-        ("flap: others' step time before / during / after (median)",
-         times(f["step_time"], "before", "flap", "after")),
-        ("flap: steps lost (all ranks)", logs(f)),
+        ("flap: the others' daemons say 'is down' / link dropped / first step without it",
+         detect(f["detection"])),
+        ("flap: link up -> it is up again / averaged with it again; its steps alone",
+         join(f["recovery"], "up_again_after_link_up_s averaged_again_after_link_up_s")
+         + f"; {f['recovery']['steps_flapped_rank_averaged_alone']}"),
+        ("flap: the others' step time before / during / after (median)", times(f["step_time"])),
+        ("flap: steps lost (all ranks)", lost(f)),
         ("gloo: first / last survivor error after the kill; survivors hung",
-         f"{fmt(g['first_error_s'], ' s')} / {fmt(g['last_error_s'], ' s')}; "
-         f"{len(g['survivors_hung'])} of {len(b['finished']) - 1}"),
+         join(g, "first_error_s last_error_s") + f"; {len(g['survivors_hung'])} of "
+         f"{len(b['finished']) - 1}"),
         ("gloo: restart = declared dead + cold start + redo (half a checkpoint interval)",
-         f"{fmt(rc['declared_dead_s'], ' s', 1)} + {fmt(rc['cold_start_s'], ' s', 1)} + "
-         f"{fmt(rc['redo_s'], ' s', 1)} = {fmt(rc['total_s'], ' s', 1)}, every rank stopped"),
+         join(rc, "declared_dead_s cold_start_s redo_s", " s", 1).replace("/", "+")
+         + f" = {fmt(rc['total_s'], ' s', 1)}, every rank stopped"),
         ("cold start (decent: daemons + workers) / gloo step time",
          f"{fmt(b['cold_start_s'], ' s', 1)} / "
-         f"{fmt(g['step_time_before']['median_ms'], ' ms', 0)}"),
-    ]
+         f"{fmt(g['step_time_before']['median_ms'], ' ms', 0)}")]
 
 
 def header(res: dict[str, Any]) -> str:
@@ -474,20 +455,17 @@ def write_png(res: dict[str, Any], path: Path) -> None:
 
 #: the command line: name, type, default, help
 OPTIONS: list[tuple[str, Any, Any, str]] = [
-    ("nodes", int, 8, "network namespaces, each with one daemon and one worker"),
-    ("steps", int, 300, "training steps per run"),
+    ("nodes", int, 8, "network namespaces, one daemon and worker each"),
+    ("steps", int, 300, "training steps per run"), ("lr", float, 0.05, "SGD learning rate"),
     ("rate", str, "1gbit", "tc tbf rate per link and direction"),
     ("pad-ms", float, 100.0, "each step's compute is padded to this"),
-    ("batch", int, 32, "minibatch per worker"), ("lr", float, 0.05, "SGD learning rate"),
-    ("seed", int, 0, "split, shards, initial model"),
+    ("batch", int, 32, "minibatch per worker"), ("seed", int, 0, "split, shards, model"),
     ("heartbeat", float, 0.5, "timeouts.heartbeat (s)"),
     ("dead-after", float, 1.5, "faults.peer_dead_after (s)"),
-    ("kill-rank", int, 3, "the node killed and restarted"),
-    ("kill-at", int, 100, "... at this step of its own"),
-    ("restart-at", int, 200, "... and restarted at this step of rank 0"),
-    ("flap-rank", int, 5, "the node whose link flaps"),
-    ("flap-at", int, 150, "... at this step of its own"),
-    ("flap-s", float, 5.0, "... for this many seconds"),
+    ("kill-rank", int, 3, "the node killed"), ("kill-at", int, 100, "at its step"),
+    ("restart-at", int, 200, "the step of rank 0 at which it restarts"),
+    ("flap-rank", int, 5, "the node whose link flaps"), ("flap-at", int, 150, "at its step"),
+    ("flap-s", float, 5.0, "seconds the link stays down"),
     ("snapshot-every", int, 10, "parameters saved every this many steps"),
     ("gloo-timeout", float, 60.0, "the gloo group's timeout (s)"),
     ("checkpoint-every", int, 100, "the checkpoint interval a gloo restart is costed with"),
@@ -505,38 +483,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """Refuse settings the scenarios cannot run."""
-    if not 0 < a.kill_rank < a.nodes or not 0 <= a.flap_rank < a.nodes or a.nodes < 3:
-        p.error("--nodes >= 3, 0 < --kill-rank < --nodes (rank 0 is the donor and the gloo "
-                "store), 0 <= --flap-rank < --nodes")
-    if not 0 < a.kill_at < a.restart_at < a.steps or not 0 < a.flap_at < a.steps:
-        p.error("0 < --kill-at < --restart-at < --steps and 0 < --flap-at < --steps")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (exit 0 when it completes, 1 when it crashes), or the cleanup."""
     p = build_parser()
     a = p.parse_args(argv)
-    if a.cleanup:
-        reason = nd.skip_reason()
-        removed = [] if reason else cleanup_leftovers()
-        print(reason or f"removed {len(removed)}: {' '.join(removed) or '-'}")
+    if not (0 < a.kill_rank < a.nodes and 0 <= a.flap_rank < a.nodes
+            and 0 < a.kill_at < a.restart_at < a.steps and 0 < a.flap_at < a.steps):
+        p.error("need 0 < --kill-rank < --nodes (rank 0 is the donor and gloo's store), "
+                "0 <= --flap-rank < --nodes, 0 < --kill-at < --restart-at < --steps, "
+                "0 < --flap-at < --steps")
+    reason = nd.skip_reason()
+    if reason or a.cleanup:
+        print(reason or f"removed: {' '.join(cleanup_leftovers()) or '-'}")
         return 0
-    check_args(p, a)
     try:
         res = run(a)
     except nd.BenchError as exc:
         print(f"failed: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted: processes stopped and namespaces deleted", file=sys.stderr)
-        return 130
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "chaos.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-    if "skipped" in res:
-        print(res["skipped"])
-        return 0
     text = markdown(res)
     Console(width=None if sys.stdout.isatty() else 140).print(Markdown(text))
     (a.out / "chaos.md").write_text(text)

@@ -1,15 +1,11 @@
 """The processes of the chaos benchmark (:mod:`benchmarks.chaos`).
 
-Worker side (``python benchmarks/chaos_run.py --worker dsgd|gloo ...``, one per namespace): train
-``examples/train_digits.py``'s CNN on this rank's shard and append one JSON line per step to
-``steps-<rank>.jsonl`` (wall time at the step's end, duration, loss, the ranks its average came
-from, the membership epoch, a digest of the parameters before the step); every
-``--snapshot-every`` steps (a restarted worker: every step) the flattened parameters
-(``x-<rank>-<step>.npy``); ``result-<rank>-<inc>.json`` at the end.
-
-Parent side: :class:`Job` starts a scenario's daemons and workers in the namespaces, follows the
-step logs (:class:`Tail`), kills and restarts a node, flaps a link (:func:`drive`), and
-:func:`daemon_events` reads what the daemons logged (JSON lines).
+Workers (one per namespace) train ``examples/train_digits.py``'s CNN on their shard and append a
+JSON line per step to ``steps-<rank>.jsonl`` (end time, duration, loss, the ranks the average came
+from, membership epoch, a digest of the parameters before the step), the parameters every
+``snapshot_every`` steps (a restarted worker: every step) to ``x-<rank>-<step>.npy``, and
+``result-<rank>-<inc>.json``. The parent's :class:`Job` starts daemons and workers, follows the
+step logs, kills, restarts and flaps (:func:`drive`); :func:`daemon_events` reads the daemons' logs.
 """
 
 from __future__ import annotations
@@ -34,15 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/chaos_run.py` puts only benchmarks/ on it
     sys.path.insert(0, str(REPO))
 
-from benchmarks.netns_dsgd import (  # noqa: E402
-    NODE_IF,
-    SUBNET,
-    BenchError,
-    Runner,
-    delete_namespace,
-    leftover_namespaces,
-    leftover_procs,
-)
+import benchmarks.netns_dsgd as nd  # noqa: E402
 from decentd.auth import write_secret  # noqa: E402
 
 PREFIX = "dchs"
@@ -200,7 +188,7 @@ def gloo_worker(a: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     tr = Trainer(a)
-    dist.init_process_group("gloo", init_method=f"tcp://{SUBNET}.1:{GLOO_PORT}", rank=a.rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{nd.SUBNET}.1:{GLOO_PORT}", rank=a.rank,
                             world_size=a.size, timeout=datetime.timedelta(seconds=a.gloo_timeout))
     params = list(tr.model.parameters())
     opt = torch.optim.SGD(params, lr=a.lr, momentum=MOMENTUM)
@@ -226,17 +214,12 @@ WORKERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "dsgd": dsgd_worker, "gloo": gloo_worker}
 
 
-def worker_main(argv: list[str] | None = None) -> int:
-    """One worker (its command line: :meth:`Job.start_worker`); exit 0 when it trained to the
-    end."""
-    p = argparse.ArgumentParser(description="one chaos benchmark worker (internal)")
-    p.add_argument("--worker", choices=sorted(WORKERS), required=True)
-    p.add_argument("--out-dir", type=Path, required=True)
-    for name in ("rank", "size", "inc", "steps", "batch", "seed", "snapshot-every"):
-        p.add_argument(f"--{name}", type=int, required=True)
-    for name in ("lr", "pad-ms", "gloo-timeout"):
-        p.add_argument(f"--{name}", type=float, required=True)
-    a = p.parse_args(argv)
+def worker_main(argv: list[str]) -> int:
+    """One worker: ``chaos_run.py <the job's worker.json> <rank> <incarnation>`` (see
+    :class:`Job`); exit 0 when it trained to the end."""
+    a = argparse.Namespace(**json.loads(Path(argv[0]).read_text()), rank=int(argv[1]),
+                           inc=int(argv[2]))
+    a.out_dir = Path(a.out_dir)
     res = WORKERS[a.worker](a)
     (a.out_dir / f"result-{a.rank}-{a.inc}.json").write_text(json.dumps(res))
     return 0 if res.get("ok", True) else 1
@@ -268,11 +251,31 @@ class Tail:
                         self.step[r] = int(rec["k"])
 
 
+def steps_of(recs: list[dict[str, Any]], inc: int | None = None) -> list[dict[str, Any]]:
+    """The completed steps of a rank's log (of one incarnation)."""
+    return [r for r in recs if "k" in r and "error" not in r and inc in (None, r["inc"])]
+
+
+def event_of(recs: list[dict[str, Any]], name: str, inc: int = 0) -> dict[str, Any] | None:
+    """A rank's first record of event ``name`` (of incarnation ``inc``)."""
+    return next((r for r in recs if r.get("event") == name and r["inc"] == inc), None)
+
+
+def since(t: float | None, t0: float) -> float | None:
+    """``t - t0``, or None."""
+    return None if t is None else t - t0
+
+
+def first_t(items: list[dict[str, Any]]) -> float | None:
+    """The earliest ``t`` among ``items``, or None."""
+    return min((i["t"] for i in items), default=None)
+
+
 class Job:
     """One scenario: its daemons and workers in the namespaces, and the wall times of what the
     parent did to them (``events``)."""
 
-    def __init__(self, runner: Runner, a: argparse.Namespace, name: str) -> None:
+    def __init__(self, runner: nd.Runner, a: argparse.Namespace, name: str) -> None:
         self.runner, self.a, self.name = runner, a, name
         self.kind = "gloo" if name == "gloo" else "dsgd"
         self.nodes = runner.net.nodes
@@ -284,6 +287,10 @@ class Job:
         self.events: dict[str, float] = {}
         self.sockets = [self.out / f"d{i}.sock" for i in range(self.nodes)]
         self.secret = write_secret(self.out / "secret")
+        (self.out / "worker.json").write_text(json.dumps({
+            "worker": self.kind, "out_dir": str(self.out), "size": self.nodes, **{
+                k: getattr(a, k) for k in ("steps", "batch", "seed", "lr", "snapshot_every",
+                                           "pad_ms", "gloo_timeout")}}))
 
     def config(self, i: int) -> Path:
         """Node ``i``'s ``node.yaml`` (the same file when it restarts)."""
@@ -315,18 +322,11 @@ class Job:
 
     def start_worker(self, i: int, inc: int = 0) -> None:
         """Start worker ``i`` (``inc`` 1: after its node restarted)."""
-        a = self.a
-        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", self.kind,
-                "--out-dir", str(self.out)]
-        for key, value in (("rank", i), ("size", self.nodes), ("inc", inc), ("steps", a.steps),
-                           ("batch", a.batch), ("seed", a.seed), ("lr", a.lr),
-                           ("snapshot-every", a.snapshot_every), ("pad-ms", a.pad_ms),
-                           ("gloo-timeout", a.gloo_timeout)):
-            argv += [f"--{key}", str(value)]
         env = {"DECENT_DAEMON": str(self.sockets[i]), "DECENT_RANK": str(i),
                "DECENT_SIZE": str(self.nodes), "DECENT_JOB": f"chaos-{self.name}",
-               "GLOO_SOCKET_IFNAME": NODE_IF}
-        self.spawn(f"worker-{i}", i, inc, argv, env)
+               "GLOO_SOCKET_IFNAME": nd.NODE_IF}
+        self.spawn(f"worker-{i}", i, inc, [sys.executable, str(Path(__file__).resolve()),
+                                            str(self.out / "worker.json"), str(i), str(inc)], env)
 
     def start_all(self) -> None:
         """Every daemon (D-SGD), up to their sockets, then every worker."""
@@ -351,12 +351,12 @@ class Job:
     def set_link(self, i: int, up: bool) -> None:
         """Node ``i``'s veth up or down, inside its namespace."""
         self.events["flap_up" if up else "flap_down"] = time.time()
-        subprocess.run(["ip", "-n", self.runner.net.ns[i], "link", "set", NODE_IF,
+        subprocess.run(["ip", "-n", self.runner.net.ns[i], "link", "set", nd.NODE_IF,
                         "up" if up else "down"], check=True, capture_output=True)
 
     def wait(self, done: Callable[[], bool], what: str, timeout: float,
              tick: Callable[[], None] | None = None, failing: bool = False) -> None:
-        """Poll the step logs until ``done()``; BenchError when a process ended badly (a worker
+        """Poll the step logs until ``done()``; nd.BenchError when a process ended badly (a worker
         may when ``failing``) or after ``timeout`` s."""
         deadline = time.monotonic() + timeout
         while True:
@@ -369,7 +369,7 @@ class Job:
                    and (k.startswith("decentd") or (p.returncode != 0 and not failing))}
             if bad or time.monotonic() > deadline:
                 why = f"exited: {bad}" if bad else f"timed out after {timeout:.0f} s"
-                raise BenchError(f"{self.name}: waiting for {what}, {why}; steps "
+                raise nd.BenchError(f"{self.name}: waiting for {what}, {why}; steps "
                                  f"{self.tail.step}\n" + self.runner.tails(
                                      [self.labels[k] for k in (bad or self.procs)]))
             time.sleep(0.005)
@@ -418,7 +418,7 @@ def drive(job: Job, a: argparse.Namespace, tick: Callable[[], None],
             p.returncode == 0 for k, p in job.procs.items() if k.startswith("w")),
             "the workers", 180 + a.steps * (a.pad_ms / 1e3 + 1.0), tick)
         return
-    with contextlib.suppress(BenchError):  # survivors that hang are what is measured
+    with contextlib.suppress(nd.BenchError):  # survivors that hang are what is measured
         job.wait(lambda: any_exit(job) and job.workers_done(), "the survivors to fail",
                  a.gloo_timeout + 30, tick, failing=True)
     any_exit(job)
@@ -432,7 +432,7 @@ def any_exit(job: Job) -> bool:
     return True
 
 
-def run_scenario(runner: Runner, a: argparse.Namespace, name: str,
+def run_scenario(runner: nd.Runner, a: argparse.Namespace, name: str,
                  progress: Any) -> dict[str, Any]:
     """One scenario from a cold start: events, step logs, results, the daemons' log events."""
     job = Job(runner, a, name)
@@ -461,12 +461,12 @@ def cleanup_leftovers() -> list[str]:
             return b"chaos.py" in Path(f"/proc/{m.group(1)}/cmdline").read_bytes()
         return False
 
-    names = [n for n in leftover_namespaces(PREFIX) if not alive(n)]
+    names = [n for n in nd.leftover_namespaces(PREFIX) if not alive(n)]
     for ns in sorted(names, key=lambda n: n.endswith("-sw")):  # node namespaces first
-        delete_namespace(ns)
+        nd.delete_namespace(ns)
     dirs = [d for d in Path("/tmp").glob(f"{PREFIX}*-*") if d.is_dir() and not alive(d.name)]
     for d in dirs:
-        for pid in leftover_procs(str(d)):
+        for pid in nd.leftover_procs(str(d)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(d, ignore_errors=True)
@@ -500,4 +500,4 @@ def daemon_events(out_dir: Path) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main())
+    sys.exit(worker_main(sys.argv[1:]))
