@@ -48,16 +48,8 @@ from rich.console import Console  # noqa: E402
 from rich.markdown import Markdown  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # noqa: E402
 
+import benchmarks.chaos_run as cr  # noqa: E402
 import benchmarks.netns_dsgd as nd  # noqa: E402
-from benchmarks.chaos_run import (  # noqa: E402
-    PREFIX,
-    cleanup_leftovers,
-    event_of,
-    first_t,
-    run_scenario,
-    since,
-    steps_of,
-)
 
 RESULTS = REPO / "benchmarks" / "results"
 SCENARIOS = ("baseline", "kill", "flap", "gloo")
@@ -70,7 +62,7 @@ def step_series(recs: list[list[dict[str, Any]]], ranks: list[int],
     """Per step: the median over ``ranks`` of its end (s after ``t0``) and duration (ms)."""
     by_k: dict[int, list[tuple[float, float]]] = {}
     for r in ranks:
-        for s in steps_of(recs[r]):
+        for s in cr.steps_of(recs[r]):
             by_k.setdefault(s["k"], []).append((s["t"], s["dur"]))
     return [{"k": k, "t": statistics.median(t for t, _ in v) - t0,
              "ms": 1e3 * statistics.median(d for _, d in v)} for k, v in sorted(by_k.items())]
@@ -84,9 +76,9 @@ def consensus_series(run: dict[str, Any], every: int, t0: float) -> list[dict[st
     import numpy as np
 
     recs = run["records"]
-    snaps = [[(s["t"], s["k"]) for s in steps_of(rr)
+    snaps = [[(s["t"], s["k"]) for s in cr.steps_of(rr)
               if (run["out"] / f"x-{r}-{s['k']}.npy").exists()] for r, rr in enumerate(recs)]
-    mine = steps_of(recs[0], 0)
+    mine = cr.steps_of(recs[0], 0)
     half = 0.5 * statistics.median(s["dur"] for s in mine)
     out = []
     for tk, k in ((s["t"], s["k"]) for s in mine if s["k"] % every == 0):
@@ -106,7 +98,7 @@ def consensus_series(run: dict[str, Any], every: int, t0: float) -> list[dict[st
 def window(recs: list[list[dict[str, Any]]], ranks: list[int], lo: float, hi: float,
            skip: int = 5) -> dict[str, Any]:
     """Step time of ``ranks`` over the steps that ended in ``[lo, hi)`` (after step ``skip``)."""
-    durs = [1e3 * s["dur"] for r in ranks for s in steps_of(recs[r])
+    durs = [1e3 * s["dur"] for r in ranks for s in cr.steps_of(recs[r])
             if lo <= s["t"] < hi and s["k"] > skip]
     return {"median_ms": statistics.median(durs) if durs else None,
             "mean_ms": statistics.mean(durs) if durs else None,
@@ -117,7 +109,7 @@ def lost_steps(recs: list[list[dict[str, Any]]], ranks: list[int], steps: int) -
     """Per rank: failed steps plus steps 1..``steps`` it never completed."""
     out = {}
     for r in ranks:
-        done = {s["k"] for s in steps_of(recs[r])}
+        done = {s["k"] for s in cr.steps_of(recs[r])}
         errors = sum("error" in x for x in recs[r])
         out[str(r)] = errors + sum(k not in done for k in range(1, steps + 1))
     return out
@@ -135,9 +127,9 @@ def final_accuracy(results: list[dict[str, Any]]) -> dict[str, Any]:
 def common(run: dict[str, Any], a: argparse.Namespace, ranks: list[int]) -> dict[str, Any]:
     """What every D-SGD scenario reports: start-up, series, lost steps, finish, accuracy."""
     recs, ev = run["records"], run["events"]
-    starts = [e["t"] for r in recs if (e := event_of(r, "start"))]
+    starts = [e["t"] for r in recs if (e := cr.event_of(r, "start"))]
     t0 = min(starts)
-    finished = {str(r): max((s["k"] for s in steps_of(recs[r])), default=0) == a.steps
+    finished = {str(r): max((s["k"] for s in cr.steps_of(recs[r])), default=0) == a.steps
                 for r in range(len(recs))}
     return {"t0": t0, "cold_start_s": max(starts) - ev["spawn"],
             "events_s": {k: v - t0 for k, v in ev.items()},
@@ -146,13 +138,13 @@ def common(run: dict[str, Any], a: argparse.Namespace, ranks: list[int]) -> dict
             "lost_steps": lost_steps(recs, ranks, a.steps), "finished": finished,
             "daemon_log": {k: sum(e["event"] == k for e in run["daemon"])
                            for k in ("stall", "timeout", "rejoin_op")},
-            "accuracy": final_accuracy(run["results"])}
+            "accuracy": final_accuracy(run["results"]), "failed_workers": run["failed_workers"]}
 
 
 def listeners(recs: list[list[dict[str, Any]]], rank: int) -> list[int]:
     """The ranks whose first step averaged with ``rank`` (its out-neighbors)."""
-    return [r for r, rr in enumerate(recs) if r != rank and steps_of(rr)
-            and rank in steps_of(rr)[0]["src"]]
+    return [r for r, rr in enumerate(recs) if r != rank and cr.steps_of(rr)
+            and rank in cr.steps_of(rr)[0]["src"]]
 
 
 def detection(run: dict[str, Any], victim: int, t: float, hb: float) -> dict[str, Any]:
@@ -161,12 +153,12 @@ def detection(run: dict[str, Any], victim: int, t: float, hb: float) -> dict[str
     devs = [e for e in run["daemon"] if e["n"] == victim and e["daemon"] != victim
             and e["event"] in ("down", "dropped") and e["t"] >= t - 0.002]
     recs = run["records"]
-    left_out = [s for r in listeners(recs, victim) for s in steps_of(recs[r], 0)
+    left_out = [s for r in listeners(recs, victim) for s in cr.steps_of(recs[r], 0)
                 if s["t"] >= t and victim not in s["src"]]
-    down = since(first_t([e for e in devs if e["event"] == "down"]), t)
-    op = since(first_t(left_out), t)
+    down = cr.since(cr.first_t([e for e in devs if e["event"] == "down"]), t)
+    op = cr.since(cr.first_t(left_out), t)
     first = min((v for v in (down, op) if v is not None), default=None)
-    return {"daemon_down_s": down, "link_dropped_s": since(first_t(
+    return {"daemon_down_s": down, "link_dropped_s": cr.since(cr.first_t(
         [e for e in devs if e["event"] == "dropped"]), t), "first_op_without_s": op,
         "detect_s": first, "detect_heartbeats": None if first is None else first / hb,
         "down_lines": [e["message"] for e in devs if e["event"] == "down"][:3]}
@@ -178,8 +170,8 @@ def analyze_kill(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     survivors = [r for r in range(len(recs)) if r != v]
     out = common(run, a, survivors)
     out["detection"] = detection(run, v, ev["kill"], a.heartbeat)
-    ready = event_of(recs[v], "ready", inc=1) or {}
-    mine = steps_of(recs[v], 1)
+    ready = cr.event_of(recs[v], "ready", inc=1) or {}
+    mine = cr.steps_of(recs[v], 1)
     with_peers = next((s for s in mine if s["src"]), None)
     c = ready.get("iteration")
     donor = next((r for r in survivors for s in recs[r]  # a failed step's state counts too
@@ -189,21 +181,21 @@ def analyze_kill(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
                     and p["t"] + out["t0"] >= t_sync and p["dist"][str(v)] <= max(
                         d for r, d in p["dist"].items() if r != str(v))), None)
     t_dist = dist_ok["t"] + out["t0"] if dist_ok else None
-    lag = max((s["k"] for s in steps_of(recs[0]) if s["t"] <= t_sync), default=0) - (c or 0)
+    lag = max((s["k"] for s in cr.steps_of(recs[0]) if s["t"] <= t_sync), default=0) - (c or 0)
     out["rejoin"] = {
-        "restart_to_state_s": since(ready.get("t"), ev["restart"]),
+        "restart_to_state_s": cr.since(ready.get("t"), ev["restart"]),
         "state_transfer_s": ready.get("state_s"), "iteration": c,
         "donor": donor, "state_equals_donor": donor is not None,
-        "restart_to_first_step_s": since(mine[0]["t"] if mine else None, ev["restart"]),
-        "restart_to_step_with_neighbors_s": since(t_sync if with_peers else None,
+        "restart_to_first_step_s": cr.since(mine[0]["t"] if mine else None, ev["restart"]),
+        "restart_to_step_with_neighbors_s": cr.since(t_sync if with_peers else None,
                                                   ev["restart"]),
-        "restart_to_distance_in_range_s": since(t_dist, ev["restart"]),
+        "restart_to_distance_in_range_s": cr.since(t_dist, ev["restart"]),
         "distance_in_range_at_step": dist_ok and dist_ok["k"],
         "survivor_steps_during_restart": sum(ev["restart"] <= s["t"] < t_sync
-                                             for s in steps_of(recs[0])),
+                                             for s in cr.steps_of(recs[0])),
         "counter_behind_survivors_steps": lag,
         "steps_alone": sum(not s["src"] for s in mine)}
-    out["events_s"]["in_sync"] = t_sync - out["t0"]
+    out["events_s"]["in_sync"] = cr.since(t_sync if with_peers else None, out["t0"])
     out["step_time"] = {"before": window(recs, survivors, 0, ev["kill"]),
                         "outage": window(recs, survivors, ev["kill"], t_sync),
                         "after_rejoin": window(recs, survivors, t_sync, float("inf"))}
@@ -217,14 +209,14 @@ def analyze_flap(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     out["detection"] = detection(run, f, ev["flap_down"], a.heartbeat)
     back = [e for e in run["daemon"] if e["n"] == f and e["daemon"] != f
             and e["event"] == "up" and e["t"] >= ev["flap_up"]]
-    with_f = [s for r in listeners(recs, f) for s in steps_of(recs[r])
+    with_f = [s for r in listeners(recs, f) for s in cr.steps_of(recs[r])
               if s["t"] >= ev["flap_up"] and f in s["src"]]
-    alone = [s for s in steps_of(recs[f]) if not s["src"]]
-    t_back = first_t(with_f)
-    out["recovery"] = {"up_again_after_link_up_s": since(first_t(back), ev["flap_up"]),
-                       "averaged_again_after_link_up_s": since(t_back, ev["flap_up"]),
+    alone = [s for s in cr.steps_of(recs[f]) if not s["src"]]
+    t_back = cr.first_t(with_f)
+    out["recovery"] = {"up_again_after_link_up_s": cr.since(cr.first_t(back), ev["flap_up"]),
+                       "averaged_again_after_link_up_s": cr.since(t_back, ev["flap_up"]),
                        "steps_flapped_rank_averaged_alone": len(alone)}
-    out["events_s"]["averaged_again"] = since(t_back, out["t0"])
+    out["events_s"]["averaged_again"] = cr.since(t_back, out["t0"])
     others = [r for r in range(len(recs)) if r != f]
     end = t_back if t_back is not None else float("inf")
     out["step_time"] = {"before": window(recs, others, 0, ev["flap_down"]),
@@ -237,20 +229,20 @@ def analyze_gloo(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     """The gloo run under the same kill: when the survivors failed, what a restart costs."""
     v, recs, ev = a.kill_rank, run["records"], run["events"]
     survivors = [r for r in range(len(recs)) if r != v]
-    starts = [e["t"] for r in recs if (e := event_of(r, "start"))]
+    starts = [e["t"] for r in recs if (e := cr.event_of(r, "start"))]
     errors = [x for r in survivors for x in recs[r] if "error" in x]
     exits = [ev[f"exit-{r}"] for r in survivors if f"exit-{r}" in ev]
     hung = [r for r in survivors if f"exit-{r}" not in ev]
     step = window(recs, survivors, 0, ev["kill"])
     cold = max(starts) - ev["spawn"]
-    dead = since(first_t(errors), ev["kill"])
+    dead = cr.since(cr.first_t(errors), ev["kill"])
     redo = a.checkpoint_every / 2 * (step["median_ms"] or 0) / 1e3
     return {"t0": min(starts), "cold_start_s": cold,
             "series": {"step_ms": step_series(recs, survivors, min(starts))},
             "events_s": {k: x - min(starts) for k, x in ev.items() if not k.startswith("exit")},
-            "first_error_s": dead, "last_error_s": since(max(
+            "first_error_s": dead, "last_error_s": cr.since(max(
                 (x["t"] for x in errors), default=None), ev["kill"]),
-            "last_exit_s": since(max(exits), ev["kill"]) if exits else None,
+            "last_exit_s": cr.since(max(exits), ev["kill"]) if exits else None,
             "survivors_failed": sum(any("error" in x for x in recs[r]) for r in survivors),
             "survivors_hung": hung, "error_sample": errors[0]["error"] if errors else None,
             "step_time_before": step, "restart_cost": {
@@ -285,7 +277,7 @@ ANALYSES = {"kill": analyze_kill, "flap": analyze_flap, "gloo": analyze_gloo}
 def run(a: argparse.Namespace) -> dict[str, Any]:
     """Build the network, run every scenario, tear everything down; the result dict.
     BenchError when a step fails (after cleaning up)."""
-    started, prefix = time.perf_counter(), f"{PREFIX}{os.getpid()}"
+    started, prefix = time.perf_counter(), f"{cr.PREFIX}{os.getpid()}"
     run_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
     cleanup = nd.Cleanup()
     atexit.register(cleanup.run)
@@ -305,7 +297,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             net.up()
             runner = nd.Runner(net, run_dir, cleanup)
             for name in SCENARIOS:
-                runs[name] = run_scenario(runner, a, name, progress)
+                runs[name] = cr.run_scenario(runner, a, name, progress)
         res["scenarios"] = {"baseline": common(runs["baseline"], a, list(range(a.nodes)))}
         res["scenarios"].update({k: f(runs[k], a) for k, f in ANALYSES.items()})
         res["verdicts"] = verdicts(res)
@@ -371,6 +363,9 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
          + f"; {f['recovery']['steps_flapped_rank_averaged_alone']}"),
         ("flap: the others' step time before / during / after (median)", times(f["step_time"])),
         ("flap: steps lost (all ranks)", lost(f)),
+        ("workers that failed (kill, flap)", "; ".join(
+            f"{w}: {t.splitlines()[-1][:160]}" for x in (k, f)
+            for w, t in x["failed_workers"].items()) or "none"),
         ("gloo: first / last survivor error after the kill; survivors hung",
          join(g, "first_error_s last_error_s") + f"; {len(g['survivors_hung'])} of "
          f"{len(b['finished']) - 1}"),
@@ -445,7 +440,7 @@ def write_png(res: dict[str, Any], path: Path) -> None:
     top.set_yscale("log")
     top.legend(fontsize=7, ncol=2)
     bottom.legend(fontsize=7)
-    bottom.set_xlabel("seconds since the run's first step (each run from its own start)")
+    bottom.set_xlabel("seconds cr.since the run's first step (each run from its own start)")
     top.set_title(f"{res['config']['nodes']} nodes, D-SGD: rank {v} killed and restarted; "
                   f"rank {res['config']['flap_rank']}'s link flapped")
     fig.tight_layout()
@@ -479,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=kind, default=default, help=f"{text} ({default})")
     p.add_argument("--keep-logs", action="store_true", help="keep the run directory")
     p.add_argument("--cleanup", action="store_true",
-                   help=f"delete leftovers ({PREFIX}*) of dead runs and exit")
+                   help=f"delete leftovers ({cr.PREFIX}*) of dead runs and exit")
     return p
 
 
@@ -494,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                 "0 < --flap-at < --steps")
     reason = nd.skip_reason()
     if reason or a.cleanup:
-        print(reason or f"removed: {' '.join(cleanup_leftovers()) or '-'}")
+        print(reason or f"removed: {' '.join(cr.cleanup_leftovers()) or '-'}")
         return 0
     try:
         res = run(a)

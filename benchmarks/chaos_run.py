@@ -339,9 +339,10 @@ class Job:
             self.start_worker(i)
 
     def kill(self, i: int) -> None:
-        """SIGKILL node ``i``'s worker and daemon (their process groups)."""
+        """SIGKILL node ``i``'s daemon and worker (their process groups; the daemon first, as
+        when the node dies: it cannot tell its peers that its worker left)."""
         self.events["kill"] = time.time()
-        for key in (f"worker-{i}", f"decentd-{i}"):
+        for key in (f"decentd-{i}", f"worker-{i}"):
             proc = self.procs.pop(key, None)
             if proc is not None:
                 with contextlib.suppress(ProcessLookupError):
@@ -413,10 +414,9 @@ def drive(job: Job, a: argparse.Namespace, tick: Callable[[], None],
         job.wait(lambda: time.time() >= until, "the flap", a.flap_s + 60, tick)
         job.set_link(a.flap_rank, up=True)
         say(f"flap: rank {a.flap_rank}'s link was down {a.flap_s:g} s from its step {a.flap_at}")
-    if job.name != "gloo":
-        job.wait(lambda: job.workers_done() and all(
-            p.returncode == 0 for k, p in job.procs.items() if k.startswith("w")),
-            "the workers", 180 + a.steps * (a.pad_ms / 1e3 + 1.0), tick)
+    if job.name != "gloo":  # a worker that fails is measured (its steps are lost)
+        job.wait(job.workers_done, "the workers", 180 + a.steps * (a.pad_ms / 1e3 + 1.0), tick,
+                 failing=True)
         return
     with contextlib.suppress(nd.BenchError):  # survivors that hang are what is measured
         job.wait(lambda: any_exit(job) and job.workers_done(), "the survivors to fail",
@@ -447,8 +447,10 @@ def run_scenario(runner: nd.Runner, a: argparse.Namespace, name: str,
     finally:
         job.stop()
     tick()
+    failed = {job.labels[k]: nd.tail(runner.run_dir / f"{job.labels[k]}.log", 2).strip()
+              for k, p in job.procs.items() if k[0] == "w" and p.returncode}
     return {"events": job.events, "records": job.tail.records, "results": job.results(),
-            "daemon": daemon_events(job.out), "out": job.out}
+            "daemon": daemon_events(job.out), "out": job.out, "failed_workers": failed}
 
 
 def cleanup_leftovers() -> list[str]:
