@@ -30,6 +30,7 @@ MULTI = "tests/test_multiworker.py::test_"
 SHRINK_TESTS = ("tests/test_worker_memory.py::"
                 "test_a_worker_that_shrinks_registered_memory_fails_its_ops_and_nothing_else")
 SENDS, RECEIVES = SHRINK_TESTS + "[sends]", SHRINK_TESTS + "[receives]"
+FAULTS = "tests/test_faults.py::test_"
 
 #: (file, snippet, replacement, tests, what the change breaks)
 MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
@@ -151,6 +152,35 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("daemon/metrics.py", '"OK" if error is None else pb.ErrorCode.Name(error.code)', '"OK"',
      ["tests/test_metrics.py::test_failed_ops_are_counted_by_their_error"],
      "failed ops are counted as OK"),
+    # issue 26: faults
+    ("daemon/rounds.py",
+     "        if not self.ready:\n            return\n        for peer in peers:",
+     "        if True:\n            return\n        for peer in peers:",
+     [FAULTS + "a_restarted_node_rejoins_and_pairs_with_the_current_rounds"],
+     "a late peer's rounds are not mapped onto ours"),
+    ("daemon/rounds.py",
+     "            if peer in self._late and (peer, p.name) not in self._offsets:\n"
+     "                return False", "            pass",
+     [FAULTS + "a_node_missing_at_start_joins_later_under_min_nodes"],
+     "a late peer's frame is placed before its offset is known"),
+    ("daemon/ops/faults.py", "    return self_weight + moved, kept,",
+     "    return self_weight, kept,",
+     [FAULTS + "a_daemon_killed_mid_op_is_reweighted_out_exactly"],
+     "a dead in-neighbor's weight is not given to self"),
+    ("daemon/ops/faults.py", "    if not members.has_quorum():", "    if False:",
+     [FAULTS + "a_collective_needs_a_majority_of_the_daemons"],
+     "a collective runs without a majority of the daemons"),
+    ("daemon/ops/faults.py", "    ctx.live_schedule = \"@\" + \",\".join(map(str, live))\n",
+     "    return ctx.topology_step()\n",
+     ["tests/test_fault_windows.py::test_a_dynamic_schedule_runs_over_the_live_ranks"],
+     "a dynamic schedule keeps pairing survivors with dead ranks"),
+    ("daemon/windows/groups.py", "                if m == rank or self.live(m)]",
+     "                ]",
+     ["tests/test_fault_windows.py::test_window_ops_skip_a_dead_peer_and_groups_shrink"],
+     "a WAGMA group keeps its dead members"),
+    ("clients/torch/optim.py", "        if rejoin and self.client.rejoining:\n            "
+     "self._take_state()", "        pass",
+     ["tests/test_rejoin.py"], "a restarted rank starts from its own state"),
 ]
 
 

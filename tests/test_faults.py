@@ -183,6 +183,18 @@ def test_allreduce_fails_across_a_view_change_then_runs_over_the_new_view_and_th
             until_state(c, i, 2, "down")
         # the next round runs over the live view, and says which ranks it covers
         assert allreduce_all(c.clients[:2], "g", values) == {0: (1.5, [0, 1]), 1: (1.5, [0, 1])}
+        # broadcast and barrier too; a broadcast from the dead root fails, naming it
+        bcast = [c.clients[i].broadcast_async(torch.full((2,), float(i)), root=1, name="b")
+                 for i in (0, 1)]
+        assert [(h.wait(timeout=60)[0].item(), h.src_ranks) for h in bcast] == \
+            [(1.0, [0, 1])] * 2
+        with ThreadPoolExecutor(2) as pool:  # a barrier of the two live ranks returns
+            list(pool.map(lambda i: c.clients[i].barrier(name="bar", timeout=30), (0, 1)))
+        dead_root = [c.clients[i].broadcast_async(torch.zeros(2), root=2, name="b2")
+                     for i in (0, 1)]
+        for h in dead_root:
+            with pytest.raises(DecentError, match=r"PEER_UNAVAILABLE.*root 2 is not live"):
+                h.wait(timeout=60)
         c.procs[2] = c.spawn(2, "ring")
         for i in (0, 1):
             until_state(c, i, 2, "up")
