@@ -1,7 +1,7 @@
 # The two commands of the README: `make run` (set up, then the main job) and `make test`.
 VENV := .venv/bin
 
-.PHONY: setup run test lint bench convergence stragglers mutation imports fuzz clean
+.PHONY: setup run test lint bench convergence stragglers chaos mutation imports fuzz clean
 
 setup:
 	@bash scripts/setup.sh
@@ -60,6 +60,12 @@ convergence: setup
 ## D-SGD, AD-PSGD, WAGMA; throughput, time per epoch, accuracy (benchmarks/results/stragglers.*)
 stragglers: setup
 	$(VENV)/python benchmarks/stragglers.py
+
+## 8 nodes in network namespaces (root) train D-SGD while one is killed and restarted and a link
+## flaps, and gloo under the same kill: detection, lost steps, step time, rejoin, accuracy
+## (benchmarks/results/chaos.json, .md and .png; ~4 min)
+chaos: setup
+	$(VENV)/python benchmarks/chaos.py
 
 clean:
 	rm -rf .venv build *.egg-info wire/v1/*_pb2*.py wire/v1/*_pb2*.pyi

@@ -386,8 +386,9 @@ def header(res: dict[str, Any]) -> str:
             f"timeouts.heartbeat {c['heartbeat']} s, faults.peer_dead_after {c['dead_after']} s, "
             f"on_peer_loss reweight. Kill rank {c['kill_rank']} at its step {c['kill_at']}, "
             f"restart at rank 0's step {c['restart_at']}; flap rank {c['flap_rank']} for "
-            f"{c['flap_s']:g} s at its step {c['flap_at']}. {res['cpus']} CPUs, "
-            f"{res['total_s']:.0f} s in all.")
+            f"{c['flap_s']:g} s at its step {c['flap_at']}; timeouts.op {c['op_timeout']:g} s. "
+            f"{res['cpus']} CPUs, load average {res['loadavg_start'][0]:.1f} at start and "
+            f"{res['loadavg_end'][0]:.1f} at the end, {res['total_s']:.0f} s in all.")
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -457,6 +458,7 @@ OPTIONS: list[tuple[str, Any, Any, str]] = [
     ("batch", int, 32, "minibatch per worker"), ("seed", int, 0, "split, shards, model"),
     ("heartbeat", float, 0.5, "timeouts.heartbeat (s)"),
     ("dead-after", float, 1.5, "faults.peer_dead_after (s)"),
+    ("op-timeout", float, 60.0, "timeouts.op (s): how long an op waits (the default)"),
     ("kill-rank", int, 3, "the node killed"), ("kill-at", int, 100, "at its step"),
     ("restart-at", int, 200, "the step of rank 0 at which it restarts"),
     ("flap-rank", int, 5, "the node whose link flaps"), ("flap-at", int, 150, "at its step"),

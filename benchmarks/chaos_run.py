@@ -302,7 +302,7 @@ class Job:
             f'listen: "{peers[i]}"\nsocket: {self.sockets[i]}\n'
             "topology: {kind: exponential}\nmemory: {arena_bytes: 67108864}\n"
             "log_level: info\nlog_format: json\n"
-            f"timeouts: {{heartbeat: {a.heartbeat}}}\n"
+            f"timeouts: {{heartbeat: {a.heartbeat}, op: {a.op_timeout}}}\n"
             f"faults: {{peer_dead_after: {a.dead_after}, on_peer_loss: reweight}}\n"
             f"security: {{mode: secret, secret_file: {self.secret}}}\n")
         return cfg

@@ -143,6 +143,13 @@ class Cluster:
         with open(self.logs[i]) as f:
             return f.read()
 
+    def kill_node(self, i: int) -> None:
+        """SIGKILL daemon ``i`` and wait for it; its client (if any) is closed."""
+        self.procs[i].send_signal(signal.SIGKILL)
+        self.procs[i].wait()
+        if i < len(self.clients):
+            self.clients[i].close()
+
     def kill(self) -> None:
         """SIGKILL whatever is still running (cleanup after a failed test)."""
         for p in self.procs:

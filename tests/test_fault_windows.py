@@ -3,8 +3,6 @@ exactly, and what it wrote before it died stays whole."""
 
 from __future__ import annotations
 
-import signal
-
 import numpy as np
 import pytest
 import torch
@@ -20,9 +18,7 @@ def test_window_ops_skip_a_dead_peer_and_groups_shrink() -> None:
         # every rank's window holds rank + 1; buffers start as copies (ring: in-neighbors r±1)
         c.run(lambda cl: cl.win_create(torch.full((4,), float(cl.rank + 1)), "w"))
         c.run(lambda cl: cl.win_put(torch.full((4,), 10.0 * (cl.rank + 1)), "w"))
-        c.procs[3].send_signal(signal.SIGKILL)
-        c.procs[3].wait()
-        c.clients[3].close()
+        c.kill_node(3)
         survivors = c.clients[:3]
         for i in range(3):
             until_state(c, i, 3, "down")
@@ -57,9 +53,7 @@ def test_a_dynamic_schedule_runs_over_the_live_ranks() -> None:
     c = Cluster(4, "one-peer-exponential")
     try:
         c.connect()
-        c.procs[3].send_signal(signal.SIGKILL)
-        c.procs[3].wait()
-        c.clients[3].close()
+        c.kill_node(3)
         survivors = c.clients[:3]
         for i in range(3):
             until_state(c, i, 3, "down")

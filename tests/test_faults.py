@@ -112,9 +112,7 @@ def test_a_restarted_node_rejoins_and_pairs_with_the_current_rounds() -> None:
             got = ring_round(c.clients, "w", values)
             assert got[0] == (pytest.approx(7 / 3, rel=1e-6), [1, 2])
         old_incarnation = c.status(2).incarnation
-        c.procs[2].send_signal(signal.SIGKILL)
-        c.procs[2].wait()
-        c.clients[2].close()
+        c.kill_node(2)
         survivors = c.clients[:2]
         got = ring_round(survivors, "w", values)  # round 3 without rank 2
         assert got[0] == (pytest.approx(2 / 3 * 1 + 1 / 3 * 2, rel=1e-6), [1])
@@ -172,9 +170,7 @@ def test_allreduce_fails_across_a_view_change_then_runs_over_the_new_view_and_th
                                                 timeout=30) for i in (0, 1)]
         for i in (0, 1):
             until_running(c, i)
-        c.procs[2].send_signal(signal.SIGKILL)
-        c.procs[2].wait()
-        c.clients[2].close()
+        c.kill_node(2)
         for h in handles:  # nobody gets a partial average
             with pytest.raises(DecentError) as info:
                 h.wait(timeout=60)
@@ -214,9 +210,7 @@ def test_a_collective_needs_a_majority_of_the_daemons() -> None:
     try:
         c.connect()
         for victim in (2, 3):
-            c.procs[victim].send_signal(signal.SIGKILL)
-            c.procs[victim].wait()
-            c.clients[victim].close()
+            c.kill_node(victim)
         for i in (0, 1):
             until(partial(lambda k: c.clients[k].membership().daemons == (0, 1), i),
                   f"rank {i} to see ranks 2 and 3 gone")

@@ -3,7 +3,6 @@ on with the others, its rounds realigned with theirs (issue 26, docs/faults.md).
 
 from __future__ import annotations
 
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -59,9 +58,7 @@ def test_a_restarted_node_takes_the_state_of_a_live_rank_and_trains_on() -> None
         c.connect()
         trainers = [Trainer(c.clients[r], seed=r) for r in range(3)]
         steps(trainers, 3)
-        c.procs[2].send_signal(signal.SIGKILL)
-        c.procs[2].wait()
-        c.clients[2].close()
+        c.kill_node(2)
         steps(trainers[:2], 2)  # without rank 2: reweighted
         c.procs[2] = c.spawn(2, "ring")
         for i in (0, 1):

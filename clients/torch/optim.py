@@ -12,7 +12,6 @@ current parameters start in a forward pre-hook and overlap forward and backward.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -291,25 +290,15 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0,
     tensors: list[torch.Tensor] = []
     meta = b""
     if client.rank == root:
-        skeleton = state_format.flatten(optimizer.state_dict(), tensors)
-        meta = json.dumps({"skeleton": skeleton,
-                           "tensors": [state_format.describe(t) for t in tensors]}).encode()
+        meta, tensors = state_format.encode(optimizer.state_dict())
     announced = _broadcast_bytes(client, meta, root)
     if client.rank == root:
         for i, t in enumerate(tensors):
-            client.broadcast(state_format.on_wire(t), root=root, name=f"decent.optstate.{i}")
+            client.broadcast(t, root=root, name=f"decent.optstate.{i}")
         return
     try:
-        received = json.loads(announced)
-        descriptions = received["tensors"]
-        if not isinstance(descriptions, list):
-            raise state_format.StateFormatError("no tensor list")
-        values = []
-        for i, desc in enumerate(descriptions):
-            dtype, wire = state_format.receiving(desc)
-            client.broadcast_(wire, root=root, name=f"decent.optstate.{i}")
-            values.append(state_format.from_wire(dtype, wire))
-        state = state_format.unflatten(received["skeleton"], values)
+        state = state_format.decode(announced, lambda i, wire: client.broadcast_(
+            wire, root=root, name=f"decent.optstate.{i}"))
     except (ValueError, KeyError, TypeError) as exc:
         raise AlgorithmError(f"rank {root} sent an optimizer state this rank cannot read: "
                              f"{exc}") from None

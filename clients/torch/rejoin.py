@@ -8,7 +8,6 @@ its description's size, the description (JSON), then each tensor.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Sequence
@@ -30,13 +29,9 @@ MAX_META = 256 << 20
 def snapshot(params: Sequence[torch.Tensor], optimizer_state: dict[str, Any]
              ) -> tuple[bytes, list[torch.Tensor]]:
     """The state as a JSON description and its tensors (copies: training goes on)."""
-    tensors: list[torch.Tensor] = []
-    skeleton = state_format.flatten({"params": [p.detach() for p in params],
-                                     "optimizer": optimizer_state}, tensors)
-    wire = [state_format.on_wire(t).clone() for t in tensors]
-    meta = json.dumps({"skeleton": skeleton,
-                       "tensors": [state_format.describe(t) for t in tensors]}).encode()
-    return meta, wire
+    meta, wire = state_format.encode({"params": [p.detach() for p in params],
+                                      "optimizer": optimizer_state})
+    return meta, [t.clone() for t in wire]
 
 
 def send(client: TorchClient, to: int, meta: bytes, tensors: list[torch.Tensor]) -> None:
@@ -76,15 +71,7 @@ def receive(client: TorchClient, src: int) -> tuple[list[torch.Tensor], dict[str
                              f"most {MAX_META})")
     meta = bytes(one_way(torch.zeros(size, dtype=torch.uint8), META_NAME).numpy().tobytes())
     try:
-        received = json.loads(meta)
-        descriptions = received["tensors"]
-        if not isinstance(descriptions, list):
-            raise state_format.StateFormatError("no tensor list")
-        values = []
-        for i, desc in enumerate(descriptions):
-            dtype, wire = state_format.receiving(desc)
-            values.append(state_format.from_wire(dtype, one_way(wire, f"{TENSOR_NAME}{i}")))
-        state = state_format.unflatten(received["skeleton"], values)
+        state = state_format.decode(meta, lambda i, wire: one_way(wire, f"{TENSOR_NAME}{i}"))
         params, optimizer_state = state["params"], state["optimizer"]
         if not isinstance(params, list) or not isinstance(optimizer_state, dict):
             raise state_format.StateFormatError("no params list or optimizer state")

@@ -10,8 +10,9 @@ dtypes and shapes after checking them.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -117,3 +118,27 @@ def from_wire(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
     if dtype in COMPLEX:
         return torch.view_as_complex(t.contiguous())
     return t.to(dtype) if t.dtype != dtype else t
+
+
+def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """``state`` as a JSON description (plain values, tensors by index with dtype and shape)
+    and its tensors, ready for the wire (:func:`on_wire`)."""
+    tensors: list[torch.Tensor] = []
+    skeleton = flatten(state, tensors)
+    meta = json.dumps({"skeleton": skeleton, "tensors": [describe(t) for t in tensors]})
+    return meta.encode(), [on_wire(t) for t in tensors]
+
+
+def decode(meta: bytes, fetch: Callable[[int, torch.Tensor], torch.Tensor]) -> Any:
+    """The state an :func:`encode` description announces; ``fetch(i, wire)`` fills tensor
+    ``i`` into ``wire`` (allocated after its description was checked) and returns it.
+    StateFormatError (a ValueError), KeyError or TypeError when it is not well formed."""
+    received = json.loads(meta)
+    descriptions = received["tensors"]
+    if not isinstance(descriptions, list):
+        raise StateFormatError("no tensor list")
+    values = []
+    for i, desc in enumerate(descriptions):
+        dtype, wire = receiving(desc)
+        values.append(from_wire(dtype, fetch(i, wire)))
+    return unflatten(received["skeleton"], values)
