@@ -3,26 +3,23 @@
     .venv/bin/python benchmarks/chaos.py [--nodes 8] [--steps 300] [--out benchmarks/results]
     .venv/bin/python benchmarks/chaos.py --cleanup     # leftovers of a killed run (as root)
 
-:class:`benchmarks.netns_dsgd.Network`'s namespaces (``dchs<pid>-<i>``, links at ``--rate`` both
-ways with ``tc tbf``), one ``decentd`` each (topology ``exponential``, ``on_peer_loss: reweight``,
-``timeouts.heartbeat`` ``--heartbeat``, ``faults.peer_dead_after`` ``--dead-after``) and one
-worker each (:mod:`benchmarks.chaos_run`): ``examples/train_digits.py``'s CNN on its own shard,
-``DecentralizedOptimizer(SGD(lr, momentum 0.9), model, algorithm="dsgd")``, ``--steps`` steps
-whose compute is padded to ``--pad-ms`` (a restart takes seconds; 16 processes share 2 cores).
-Four runs, each from a cold start: ``baseline``; ``kill`` (rank ``--kill-rank``'s daemon and
-worker get SIGKILL at its step ``--kill-at``, and start again, same config, at rank 0's step
-``--restart-at``: the new worker's optimizer takes a donor's state and step counter); ``flap``
-(rank ``--flap-rank``'s veth down for ``--flap-s`` s at its step ``--flap-at``); ``gloo``
-(data-parallel SGD, gloo ``all_reduce`` of the gradients, the same kill).
-
-Measured: the survivors' time to detect the death (their daemons' "rank N is down", the first
-step whose average left it out: the ops' ``src_ranks``) in seconds and heartbeats (target <= 2),
-the steps they lost (target 0), their step time before, during the outage and after the rejoin,
-the rejoining node's time to be in sync (its first step with neighbors; its distance to the mean
-within the others'), the mean test accuracy against the baseline (target: within 0.5 points);
-gloo: when the job is dead, and what a restart costs (this run's cold start plus half of
-``--checkpoint-every`` steps). Writes ``chaos.json``, ``.md`` and ``.png`` (consensus distance and
-step time over time, the events marked) into ``--out``. Exit 0 when the run completes (a missed
+In :class:`benchmarks.netns_dsgd.Network`'s namespaces (links at ``--rate`` both ways, ``tc
+tbf``), one ``decentd`` each (topology ``exponential``, ``on_peer_loss: reweight``, heartbeat
+``--heartbeat``, ``peer_dead_after`` ``--dead-after``) and one worker (:mod:`benchmarks.chaos_run`)
+training ``examples/train_digits.py``'s CNN on its shard with ``DecentralizedOptimizer(SGD(lr,
+momentum 0.9), model, algorithm="dsgd")``, ``--steps`` steps, compute padded to ``--pad-ms`` (a
+restart takes seconds; 16 processes share 2 cores). Four runs from cold starts: ``baseline``;
+``kill`` (node ``--kill-rank``'s daemon and worker SIGKILLed at its step ``--kill-at``, restarted
+with the same config at rank 0's step ``--restart-at``: its optimizer takes a donor's state);
+``flap`` (node ``--flap-rank``'s veth down ``--flap-s`` s at its step ``--flap-at``); ``gloo``
+(data-parallel SGD over gloo ``all_reduce``, the same kill). Measured: time to detect the death
+(daemons' "rank N is down"; the first step averaged without it, from ``src_ranks``) in seconds
+and heartbeats (target <= 2); steps the survivors lost (target 0); their step time before, during
+and after the outage; the rejoined node's time to be in sync (first step with neighbors; distance
+to the mean within the others'); mean test accuracy against the baseline (target: within 0.5
+points); when gloo's job is dead and what its restart costs (this run's cold start plus half of
+``--checkpoint-every`` steps). Writes ``chaos.json``, ``.md`` and ``.png`` (consensus distance
+and step time over time, events marked) into ``--out``. Exit 0 when the run completes (a missed
 target says MISSED), 1 when it crashes; without root it says why and exits 0.
 """
 
@@ -56,14 +53,13 @@ SCENARIOS = ("baseline", "kill", "flap", "gloo")
 console = Console(stderr=True)
 
 
-
 def step_series(recs: list[list[dict[str, Any]]], ranks: list[int],
                 t0: float) -> list[dict[str, float]]:
     """Per step: the median over ``ranks`` of its end (s after ``t0``) and duration (ms)."""
     by_k: dict[int, list[tuple[float, float]]] = {}
     for r in ranks:
         for s in cr.steps_of(recs[r]):
-            by_k.setdefault(s["k"], []).append((s["t"], s["dur"]))
+            by_k.setdefault(s["k"], []).append((s["t"], s["wall"]))
     return [{"k": k, "t": statistics.median(t for t, _ in v) - t0,
              "ms": 1e3 * statistics.median(d for _, d in v)} for k, v in sorted(by_k.items())]
 
@@ -98,29 +94,22 @@ def consensus_series(run: dict[str, Any], every: int, t0: float) -> list[dict[st
 def window(recs: list[list[dict[str, Any]]], ranks: list[int], lo: float, hi: float,
            skip: int = 5) -> dict[str, Any]:
     """Step time of ``ranks`` over the steps that ended in ``[lo, hi)`` (after step ``skip``)."""
-    durs = [1e3 * s["dur"] for r in ranks for s in cr.steps_of(recs[r])
+    durs = [1e3 * s["wall"] for r in ranks for s in cr.steps_of(recs[r])
             if lo <= s["t"] < hi and s["k"] > skip]
     return {"median_ms": statistics.median(durs) if durs else None,
-            "mean_ms": statistics.mean(durs) if durs else None,
             "max_ms": max(durs, default=None), "steps": len(durs)}
 
 
 def lost_steps(recs: list[list[dict[str, Any]]], ranks: list[int], steps: int) -> dict[str, int]:
     """Per rank: failed steps plus steps 1..``steps`` it never completed."""
-    out = {}
-    for r in ranks:
-        done = {s["k"] for s in cr.steps_of(recs[r])}
-        errors = sum("error" in x for x in recs[r])
-        out[str(r)] = errors + sum(k not in done for k in range(1, steps + 1))
-    return out
+    return {str(r): sum("error" in x for x in recs[r]) + len(
+        set(range(1, steps + 1)) - {s["k"] for s in cr.steps_of(recs[r])}) for r in ranks}
 
 
 def final_accuracy(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Each rank's final test accuracy (its last incarnation's) and their mean."""
-    last: dict[int, dict[str, Any]] = {}
-    for res in sorted(results, key=lambda x: x["inc"]):
-        last[res["rank"]] = res
-    accs = [last[r]["accuracy"] for r in sorted(last) if last[r]["accuracy"] is not None]
+    last = {x["rank"]: x for x in sorted(results, key=lambda x: x["inc"])}
+    accs = [x["accuracy"] for _, x in sorted(last.items()) if x["accuracy"] is not None]
     return {"per_rank": accs, "mean": statistics.mean(accs) if accs else None}
 
 
@@ -138,6 +127,8 @@ def common(run: dict[str, Any], a: argparse.Namespace, ranks: list[int]) -> dict
             "lost_steps": lost_steps(recs, ranks, a.steps), "finished": finished,
             "daemon_log": {k: sum(e["event"] == k for e in run["daemon"])
                            for k in ("stall", "timeout", "rejoin_op")},
+            "first_timeout": next((e["message"] for e in run["daemon"]
+                                   if e["event"] == "timeout"), None),
             "accuracy": final_accuracy(run["results"]), "failed_workers": run["failed_workers"]}
 
 
@@ -196,6 +187,7 @@ def analyze_kill(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         "counter_behind_survivors_steps": lag,
         "steps_alone": sum(not s["src"] for s in mine)}
     out["events_s"]["in_sync"] = cr.since(t_sync if with_peers else None, out["t0"])
+    out["events_s"]["in_range"] = cr.since(t_dist, out["t0"])
     out["step_time"] = {"before": window(recs, survivors, 0, ev["kill"]),
                         "outage": window(recs, survivors, ev["kill"], t_sync),
                         "after_rejoin": window(recs, survivors, t_sync, float("inf"))}
@@ -310,7 +302,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-
 def fmt(v: Any, unit: str = "", digits: int = 2) -> str:
     """A value for the tables: numbers rounded, None as a dash."""
     if v is None:
@@ -332,8 +323,10 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
                 + " / ".join(fmt(w["max_ms"], " ms", 0) for w in st.values()) + ")")
 
     def lost(x: dict[str, Any]) -> str:
+        first = f"; the first: {x['first_timeout'][:200]}" if x["first_timeout"] else ""
         return (f"{sum(x['lost_steps'].values())} (op timeouts logged by daemons: "
-                f"{x['daemon_log']['timeout']}, state transfers: {x['daemon_log']['rejoin_op']})")
+                f"{x['daemon_log']['timeout']}{first}; state transfers: "
+                f"{x['daemon_log']['rejoin_op']})")
 
     def detect(d: dict[str, Any]) -> str:
         return (join(d, "daemon_down_s link_dropped_s first_op_without_s", " s", 3)
@@ -405,6 +398,7 @@ def markdown(res: dict[str, Any]) -> str:
 #: the events marked in the PNG: label, color, line style
 EVENT_STYLE = {"kill": ("kill", "red", "-"), "restart": ("restart", "orange", "-"),
                "in_sync": ("rejoined: first step with neighbors", "green", "-"),
+               "in_range": ("rejoined: distance within the others'", "green", "--"),
                "flap_down": ("flap: link down", "purple", "--"),
                "flap_up": ("flap: link up", "purple", ":")}
 COLORS = {"baseline": "gray", "kill": "tab:blue", "flap": "tab:purple", "gloo": "tab:brown"}
@@ -426,22 +420,24 @@ def write_png(res: dict[str, Any], path: Path) -> None:
                      label=f"{name}: mean over the ranks")
         ser = sc[name]["series"]["step_ms"]
         bottom.plot([p["t"] for p in ser], [p["ms"] for p in ser], color=color, lw=0.8,
-                    label=name)
+                    label=name, drawstyle="steps-pre")
     mine = [p for p in sc["kill"]["series"]["consensus"] if v in p["dist"]]
     top.plot([p["t"] for p in mine], [p["dist"][v] for p in mine], "x", color=COLORS["kill"],
              label=f"kill: rank {v}")
     events = [*sc["kill"]["events_s"].items(), *sc["flap"]["events_s"].items()]
     for ax, text in ((top, "consensus distance ||x_i - mean||^2"),
-                     (bottom, "step time (ms), median over the live ranks")):
+                     (bottom, "step time (ms; end to end, waits included),\nmedian over the "
+                      "live ranks")):
         ax.set_ylabel(text)
         for key, when in events:
             if key in EVENT_STYLE and when is not None:
                 label, color, ls = EVENT_STYLE[key]
                 ax.axvline(when, color=color, ls=ls, lw=1, label=label if ax is top else None)
     top.set_yscale("log")
+    bottom.set_yscale("log")
     top.legend(fontsize=7, ncol=2)
     bottom.legend(fontsize=7)
-    bottom.set_xlabel("seconds cr.since the run's first step (each run from its own start)")
+    bottom.set_xlabel("seconds since the run's first step (each run from its own start)")
     top.set_title(f"{res['config']['nodes']} nodes, D-SGD: rank {v} killed and restarted; "
                   f"rank {res['config']['flap_rank']}'s link flapped")
     fig.tight_layout()
@@ -451,11 +447,10 @@ def write_png(res: dict[str, Any], path: Path) -> None:
 
 #: the command line: name, type, default, help
 OPTIONS: list[tuple[str, Any, Any, str]] = [
-    ("nodes", int, 8, "network namespaces, one daemon and worker each"),
-    ("steps", int, 300, "training steps per run"), ("lr", float, 0.05, "SGD learning rate"),
+    ("nodes", int, 8, "namespaces, one daemon and worker each"), ("steps", int, 300, "steps"),
     ("rate", str, "1gbit", "tc tbf rate per link and direction"),
     ("pad-ms", float, 100.0, "each step's compute is padded to this"),
-    ("batch", int, 32, "minibatch per worker"), ("seed", int, 0, "split, shards, model"),
+    ("batch", int, 32, "per worker"), ("lr", float, 0.05, "SGD"), ("seed", int, 0, "data, model"),
     ("heartbeat", float, 0.5, "timeouts.heartbeat (s)"),
     ("dead-after", float, 1.5, "faults.peer_dead_after (s)"),
     ("op-timeout", float, 60.0, "timeouts.op (s): how long an op waits (the default)"),
@@ -495,6 +490,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         res = run(a)
+    except nd.Skip as exc:
+        print(exc)
+        return 0
     except nd.BenchError as exc:
         print(f"failed: {exc}", file=sys.stderr)
         return 1

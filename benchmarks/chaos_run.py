@@ -41,8 +41,6 @@ MOMENTUM = 0.9
 MAX_FAILED = 20
 
 
-# ------------------------------------------------------------------------------ worker side
-
 
 class StepLog:
     """Appends one JSON object per line, flushed at once (the parent follows the file)."""
@@ -100,9 +98,7 @@ class Trainer:
         opt.zero_grad()
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()
-        left = t0 + self.a.pad_ms / 1e3 - time.time()
-        if left > 0:
-            time.sleep(left)
+        time.sleep(max(0.0, t0 + self.a.pad_ms / 1e3 - time.time()))
         return t0, float(loss.item())
 
     def accuracy(self) -> float:
@@ -225,8 +221,6 @@ def worker_main(argv: list[str]) -> int:
     return 0 if res.get("ok", True) else 1
 
 
-# ------------------------------------------------------------------------------ parent side
-
 
 class Tail:
     """Follows every rank's step log: the records so far, the last step per rank."""
@@ -252,8 +246,15 @@ class Tail:
 
 
 def steps_of(recs: list[dict[str, Any]], inc: int | None = None) -> list[dict[str, Any]]:
-    """The completed steps of a rank's log (of one incarnation)."""
-    return [r for r in recs if "k" in r and "error" not in r and inc in (None, r["inc"])]
+    """The completed steps of a rank's log (of one incarnation), each with ``wall``: the time
+    since its step before ended (failed attempts and waits included; a first step: its own)."""
+    out, prev = [], None
+    for r in (x for x in recs if "k" in x and "error" not in x):
+        if inc in (None, r["inc"]):
+            same = prev is not None and prev["inc"] == r["inc"]
+            out.append({**r, "wall": r["t"] - prev["t"] if same and prev else r["dur"]})
+        prev = r
+    return out
 
 
 def event_of(recs: list[dict[str, Any]], name: str, inc: int = 0) -> dict[str, Any] | None:
@@ -357,7 +358,7 @@ class Job:
 
     def wait(self, done: Callable[[], bool], what: str, timeout: float,
              tick: Callable[[], None] | None = None, failing: bool = False) -> None:
-        """Poll the step logs until ``done()``; nd.BenchError when a process ended badly (a worker
+        """Poll the step logs until ``done()``; BenchError when a process ended badly (a worker
         may when ``failing``) or after ``timeout`` s."""
         deadline = time.monotonic() + timeout
         while True:
@@ -447,6 +448,7 @@ def run_scenario(runner: nd.Runner, a: argparse.Namespace, name: str,
     finally:
         job.stop()
     tick()
+    (job.out / "events.json").write_text(json.dumps(job.events))
     failed = {job.labels[k]: nd.tail(runner.run_dir / f"{job.labels[k]}.log", 2).strip()
               for k, p in job.procs.items() if k[0] == "w" and p.returncode}
     return {"events": job.events, "records": job.tail.records, "results": job.results(),

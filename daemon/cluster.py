@@ -15,7 +15,8 @@ import grpc
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.auth import new_nonce, shown
-from decentd.links import Links, PeerLink
+from decentd.links import Links
+from decentd.peerlink import PeerLink
 
 #: seconds to wait for one peer's status
 PEER_STATUS_TIMEOUT = 5.0

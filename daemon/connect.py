@@ -24,7 +24,8 @@ from decentd.auth import new_nonce, shown
 from decentd.bulk import tune
 from decentd.errors import StartupError
 from decentd.grpcopts import GRPC_OPTIONS
-from decentd.links import Links, PeerLink, host_of
+from decentd.links import Links
+from decentd.peerlink import PeerLink, host_of
 from decentd.sender import Sender
 
 log = logging.getLogger("decentd.links")

@@ -30,9 +30,10 @@ import grpc
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.connect import connect_peer
 from decentd.errors import PeerLost, StartupError
-from decentd.links import Links, PeerLink
+from decentd.links import Links
 from decentd.mailbox import Mailbox
 from decentd.membership import Membership, PeerState
+from decentd.peerlink import PeerLink
 from decentd.sender import Sender
 
 log = logging.getLogger("decentd.links")
@@ -194,8 +195,10 @@ class Supervisor:
     def link_lost(self, src: int, reason: str) -> None:
         """The peer's connection to us ended: drop the link and reach the peer again (dead
         at once when that fails)."""
-        if self.closing or (self.members.state(src) is PeerState.DOWN
-                            and not self.links.links[src].connected):
+        if self.closing:
+            return
+        if self.members.state(src) is PeerState.DOWN and not self.links.links[src].connected:
+            self._forget(src, f"its connection ended ({reason})")  # what it left here goes
             return
         orderly = reason == "stream closed"
         (log.info if orderly else log.warning)(
@@ -256,12 +259,17 @@ class Supervisor:
         if old is not None:
             asyncio.get_running_loop().run_in_executor(None, old.close)
         self.members.set_state(rank, state, reason)
+        self._forget(rank, reason)
+        self._tell_view()
+
+    def _forget(self, rank: int, reason: str) -> None:
+        """What waits on daemon ``rank`` fails (PeerLost); its messages, parked frames,
+        parked window reads and window locks go."""
         err = PeerLost(f"rank {rank} is unreachable: {reason}")
         links = self.links
         self.mailbox.peer_lost(rank, lambda key: links.machine_of(key[0], key[1]) == rank, err)
         links.rounds.drop_from(rank)
         self._windows_lost(lambda peer, name: links.machine_of(peer, name) == rank)
-        self._tell_view()
 
     def _declare_down(self, rank: int, reason: str) -> None:
         if self.members.state(rank) is PeerState.DOWN:

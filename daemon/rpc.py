@@ -22,9 +22,10 @@ from decentd.auth import NONCE_BYTES, shown
 from decentd.cluster import cluster_status
 from decentd.engine import Engine
 from decentd.handshake import check_handshake
-from decentd.links import Links, PeerLink
+from decentd.links import Links
 from decentd.names import at_worker, qualify
 from decentd.ops.api import Services
+from decentd.peerlink import PeerLink
 from decentd.sender import Sender
 from decentd.sessions import Sessions
 from decentd.tls import peer_identity

@@ -35,10 +35,10 @@ from decentd.arrivals import Arrival
 from decentd.bulk import Inbound
 from decentd.config import NodeConfig
 from decentd.launcher import free_ports
-from decentd.links import part
 from decentd.mailbox import Key
 from decentd.names import at_worker
 from decentd.ops.api import Services
+from decentd.peerlink import part
 from decentd.receiver import Receiver
 from decentd.server import build_services
 from decentd.windows import store as window_store
@@ -512,7 +512,9 @@ def two_of_three(tmp_path: Path) -> Iterator[TwoOfThree]:
             c.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "decentd.cli", "--rank", str(i), "--peers",
                  ",".join(peers), "--socket", c.sockets[i], "--topology", "ring",
-                 "--set", "timeouts.start=30"], stdout=log, stderr=subprocess.STDOUT))
+                 # rank 2 (the fake) reaches them only when the test attacks
+                 "--set", "timeouts.start=30", "--set", "faults.min_nodes=2"],
+                stdout=log, stderr=subprocess.STDOUT))
     try:
         yield c
     finally:
@@ -536,7 +538,7 @@ def test_hostile_frames_close_only_their_connection_and_ops_go_on(
         two_of_three: TwoOfThree) -> None:
     c = two_of_three
     procs = c.procs
-    clients = [dt.connect(f"unix://{s}", 60, local_rank=0) for s in c.sockets]  # all up
+    clients = [dt.connect(f"unix://{s}", 60, local_rank=0) for s in c.sockets]
     try:
         port = bulk_port_as_rank_2(c.peers[0])
         hello = frame(pb.BulkHeader(kind=pb.HELLO, cluster_id="decent", from_rank=2))
@@ -586,7 +588,7 @@ def test_hostile_frames_close_only_their_connection_and_ops_go_on(
 
 def test_a_peers_abort_text_reaches_the_log_escaped_and_cut(two_of_three: TwoOfThree) -> None:
     c = two_of_three
-    clients = [dt.connect(f"unix://{s}", 60, local_rank=0) for s in c.sockets]  # all up
+    clients = [dt.connect(f"unix://{s}", 60, local_rank=0) for s in c.sockets]
     try:
         port = bulk_port_as_rank_2(c.peers[0])
         handle = clients[0].neighbor_allreduce_async(  # waits for rank 2, which never sends

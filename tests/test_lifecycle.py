@@ -285,7 +285,7 @@ def test_decentctl_status_and_topology() -> None:
                                c.sockets[0]], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         assert "rank 0/2" in proc.stdout and "completed 1" in proc.stdout
-        assert "127.0.0.1" in proc.stdout and "yes" in proc.stdout
+        assert "127.0.0.1" in proc.stdout and " up " in proc.stdout, proc.stdout
         assert "local workers (1 per node)" in proc.stdout
     finally:
         c.stop()

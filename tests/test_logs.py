@@ -99,9 +99,12 @@ def test_json_logs_name_the_op_and_the_peer() -> None:
 
         c.procs[1].send_signal(signal.SIGTERM)
         assert c.procs[1].wait(WAIT) == 0
-        closed = wait_for_line(c, 0, "rank 1 closed its connection")
+        closed = wait_for_line(c, 0, "rank 1: link dropped (stream closed)")
         assert {k: closed.get(k) for k in ("level", "logger", "peer")} == {
-            "level": "info", "logger": "decentd.receiver", "peer": 1}
+            "level": "info", "logger": "decentd.links", "peer": 1}
+        down = wait_for_line(c, 0, "rank 1 is down")
+        assert {k: down.get(k) for k in ("level", "logger", "peer")} == {
+            "level": "warning", "logger": "decentd.links", "peer": 1}
         assert c.stop() == [0, 0]
         for rank in (0, 1):  # nothing but JSON, from the first line to the last
             messages = [r["message"] for r in json_lines(c.log(rank), rank)]

@@ -14,8 +14,8 @@ from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.arrivals import Arrival, Message
 from decentd.flow import FlowError, LinkFlow, window_per_peer
-from decentd.links import part
 from decentd.mailbox import Key, Mailbox
+from decentd.peerlink import part
 
 OP = pb.NEIGHBOR_ALLREDUCE
 F32 = pb.FLOAT32

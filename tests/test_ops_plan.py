@@ -9,12 +9,13 @@ import pytest
 from decent_wire.topology import build_topology
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.bufpool import BufferPool
-from decentd.links import Links, is_loopback
+from decentd.links import Links
 from decentd.mailbox import Mailbox
 from decentd.membership import Membership, PeerState
 from decentd.names import at_worker
 from decentd.ops.api import Level, OpContext, PartSpec, Services
 from decentd.ops.neighbor import NEIGHBOR_OPS, PAIR_MIN_BYTES, neighbor_plan, pair_peer
+from decentd.peerlink import is_loopback
 from decentd.windows.groups import GroupSums
 from decentd.windows.locks import WindowLocks
 from decentd.windows.store import WindowStore

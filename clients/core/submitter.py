@@ -71,8 +71,8 @@ class Submitter(Generic[T]):
     def __init__(self, codec: TensorCodec[T], arena: ClientArena, registrar: Registrar,
                  send: Callable[[pb.SubmitRequest], None], fusion_threshold: int,
                  cycle_time: float, arena_wait: float = 60.0) -> None:
-        """``arena_wait``: how long a request without a timeout of its own waits for room in
-        a full arena before it fails (ARENA_ERROR)."""
+        """``arena_wait`` (the daemon's default op timeout): how long, beyond its own
+        timeout, a request waits for room in a full arena before it fails (ARENA_ERROR)."""
         self.codec = codec
         self.arena_wait = arena_wait
         self.arena = arena
@@ -109,8 +109,9 @@ class Submitter(Generic[T]):
         dtype, shape = self.describe(tensor, name)
         nbytes = dtypes.nbytes(dtype, shape)
         out = nbytes * out_factor if out_bytes is None else out_bytes
+        # the ops holding the arena end within their timeouts: wait that long, and this one's
         place = self._place(tensor, name, nbytes, into, out if out != nbytes else None,
-                            timeout or self.arena_wait)
+                            self.arena_wait + (timeout or 0.0))
         # from here on nothing can fail before the request is sent: the round is spent only now,
         # so a refused argument above does not put this name's rounds out of step with the peers
         round_ = self.next_round(name)

@@ -26,10 +26,11 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.arrivals import Arrival
 from decentd.bufpool import BufferPool
 from decentd.errors import PeerLost
-from decentd.links import Links, part
+from decentd.links import Links
 from decentd.mailbox import Accepts, Key, Mailbox, Progress
 from decentd.membership import Membership, PeerState
 from decentd.ops.phases import Phases
+from decentd.peerlink import part
 from decentd.sender import Outgoing
 from decentd.tasks import gather_all
 from decentd.windows.groups import GroupSums

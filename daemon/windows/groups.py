@@ -20,10 +20,11 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.arrivals import Arrival
 from decentd.auth import shown
 from decentd.errors import PeerLost
-from decentd.links import Links, part
+from decentd.links import Links
 from decentd.mailbox import Mailbox
 from decentd.names import display_name, owner
 from decentd.numerics import weighted_sum
+from decentd.peerlink import part
 from decentd.tasks import TaskSet, gather_all
 from decentd.windows.store import REPLY, REQUEST, WindowStore
 

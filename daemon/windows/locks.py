@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.arrivals import Arrival
-from decentd.links import Links, part
+from decentd.links import Links
+from decentd.peerlink import part
 from decentd.tasks import TaskSet
 
 log = logging.getLogger("decentd.windows")

@@ -35,9 +35,10 @@ from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.arrivals import Arrival
-from decentd.links import Links, part
+from decentd.links import Links
 from decentd.names import display_name, job_of, owner
 from decentd.numerics import weighted_sum
+from decentd.peerlink import part
 from decentd.tasks import TaskSet
 
 log = logging.getLogger("decentd.windows")
