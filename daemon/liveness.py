@@ -64,8 +64,6 @@ class Supervisor:
         self._heard_bytes: dict[int, int] = {}
         #: the wait before reaching a peer whose link keeps dropping soon after it came up
         self._drop_delay: dict[int, float] = {}
-        #: refusals at start (another cluster, topology, secret): the daemon must not start
-        self.fatal: StartupError | None = None
         self.changed = asyncio.Event()  #: set on every state change (start waits on it)
         self.closing = False  #: the daemon stops: links that drop stay down
         members.listen(lambda _rank, _state: self.changed.set())
@@ -79,12 +77,12 @@ class Supervisor:
             self._reach(rank)
         deadline = time.monotonic() + timeout
         while len(self.members.live_daemons()) < needed:
-            if self.fatal is not None:
-                raise self.fatal
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = [r for r in self.links.links if not self.members.is_up(r)]
-                where = ", ".join(f"{r} ({self.links.links[r].address})" for r in missing)
+                where = ", ".join(f"{r} ({self.links.links[r].address})" + (
+                    f" [{self.members.members[r].refusal}]" if self.members.members[r].refusal
+                    else "") for r in missing)
                 raise StartupError(f"peers not reachable after {timeout:.0f}s start timeout: "
                                    f"rank(s) {where}")
             self.changed.clear()
@@ -114,11 +112,13 @@ class Supervisor:
                     connect_peer(self.links, link, time.monotonic() + ATTEMPT_TIMEOUT,
                                  self.members.members[rank].declared_down,
                                  self._sender_broken), ATTEMPT_TIMEOUT + 1)
-            except StartupError as exc:  # refused: wrong cluster, topology, secret...
-                if not self.members.members[rank].ever_up and self.fatal is None:
-                    self.fatal = exc
+            except StartupError as exc:  # refused: another cluster, topology, secret...
+                # not fatal: a misconfigured or hostile process at a peer's address must not
+                # stop us; the real peer may still come (the start timeout names this reason)
+                if str(exc) != self.members.members[rank].refusal:
+                    log.error("%s", exc)
+                self.members.members[rank].refusal = str(exc)
                 self._failed_attempt(link, str(exc))
-                log.error("%s", exc)
             except (ConnectionError, OSError, TimeoutError, grpc.aio.AioRpcError) as exc:
                 self._failed_attempt(link, f"unreachable ({exc or type(exc).__name__})")
             else:
@@ -174,6 +174,7 @@ class Supervisor:
             fresh = restarted or member.declared_down or member.peer_declared_down
             member.up_incarnation = member.incarnation
             member.declared_down = member.peer_declared_down = False
+            member.refusal = ""
             per = self.links.per_node
             workers = range(rank * per, (rank + 1) * per)
             if restarted and self.links.rounds.ready and not member.serving:

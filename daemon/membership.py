@@ -38,6 +38,7 @@ class Member:
     ever_up: bool = False
     up_incarnation: int = 0  #: the incarnation it had when it last came up
     serving: bool = False  #: it already ran a job when we last reached it
+    refusal: str = ""  #: why its last handshake was refused (another cluster, secret, ...)
     declared_down: bool = False  #: we declared it down since it was last up
     peer_declared_down: bool = False  #: it declared us down since it was last up
 
