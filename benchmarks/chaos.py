@@ -138,14 +138,15 @@ def listeners(recs: list[list[dict[str, Any]]], rank: int) -> list[int]:
             and rank in cr.steps_of(rr)[0]["src"]]
 
 
-def detection(run: dict[str, Any], victim: int, t: float, hb: float) -> dict[str, Any]:
-    """How long after ``t`` the others noticed ``victim`` gone: their daemons' first "is down"
-    and "link dropped" lines, and the first step whose average left it out."""
+def detection(run: dict[str, Any], victim: int, t: float, until: float,
+              hb: float) -> dict[str, Any]:
+    """How long after ``t`` (and before ``until``) the others noticed ``victim`` gone: their
+    daemons' first "is down" and "link dropped" lines, the first step that left it out."""
     devs = [e for e in run["daemon"] if e["n"] == victim and e["daemon"] != victim
-            and e["event"] in ("down", "dropped") and e["t"] >= t - 0.002]
+            and e["event"] in ("down", "dropped") and t - 0.002 <= e["t"] < until]
     recs = run["records"]
     left_out = [s for r in listeners(recs, victim) for s in cr.steps_of(recs[r], 0)
-                if s["t"] >= t and victim not in s["src"]]
+                if t <= s["t"] < until and victim not in s["src"]]
     down = cr.since(cr.first_t([e for e in devs if e["event"] == "down"]), t)
     op = cr.since(cr.first_t(left_out), t)
     first = min((v for v in (down, op) if v is not None), default=None)
@@ -160,7 +161,7 @@ def analyze_kill(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     v, recs, ev = a.kill_rank, run["records"], run["events"]
     survivors = [r for r in range(len(recs)) if r != v]
     out = common(run, a, survivors)
-    out["detection"] = detection(run, v, ev["kill"], a.heartbeat)
+    out["detection"] = detection(run, v, ev["kill"], ev["restart"], a.heartbeat)
     ready = cr.event_of(recs[v], "ready", inc=1) or {}
     mine = cr.steps_of(recs[v], 1)
     with_peers = next((s for s in mine if s["src"]), None)
@@ -198,7 +199,7 @@ def analyze_flap(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     """The link flap scenario's numbers."""
     f, recs, ev = a.flap_rank, run["records"], run["events"]
     out = common(run, a, list(range(len(recs))))
-    out["detection"] = detection(run, f, ev["flap_down"], a.heartbeat)
+    out["detection"] = detection(run, f, ev["flap_down"], ev["flap_up"], a.heartbeat)
     back = [e for e in run["daemon"] if e["n"] == f and e["daemon"] != f
             and e["event"] == "up" and e["t"] >= ev["flap_up"]]
     with_f = [s for r in listeners(recs, f) for s in cr.steps_of(recs[r])
@@ -309,37 +310,40 @@ def fmt(v: Any, unit: str = "", digits: int = 2) -> str:
     return f"{v:.{digits}f}{unit}" if isinstance(v, float) else f"{v}{unit}"
 
 
+def _join(d: dict[str, Any], keys: str, unit: str = " s", digits: int = 2) -> str:
+    return " / ".join(fmt(d[x], unit, digits) for x in keys.split())
+
+
+def _times(st: dict[str, Any]) -> str:
+    return (" / ".join(fmt(w["median_ms"], " ms", 0) for w in st.values()) + " (longest "
+            + " / ".join(fmt(w["max_ms"], " ms", 0) for w in st.values()) + ")")
+
+
+def _lost(x: dict[str, Any]) -> str:
+    first = f"; the first: {x['first_timeout'][:200]}" if x["first_timeout"] else ""
+    return (f"{sum(x['lost_steps'].values())} (op timeouts logged by daemons: "
+            f"{x['daemon_log']['timeout']}{first}; state transfers: "
+            f"{x['daemon_log']['rejoin_op']})")
+
+
+def _detect(d: dict[str, Any]) -> str:
+    return (_join(d, "daemon_down_s link_dropped_s first_op_without_s", " s", 3)
+            + f"; the first: {fmt(d['detect_heartbeats'])} heartbeats")
+
+
 def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     """The measured numbers, as (what, value) rows."""
     sc = res["scenarios"]
     k, f, g, b = sc["kill"], sc["flap"], sc["gloo"], sc["baseline"]
     rj, rc = k["rejoin"], g["restart_cost"]
-
-    def join(d: dict[str, Any], keys: str, unit: str = " s", digits: int = 2) -> str:
-        return " / ".join(fmt(d[x], unit, digits) for x in keys.split())
-
-    def times(st: dict[str, Any]) -> str:
-        return (" / ".join(fmt(w["median_ms"], " ms", 0) for w in st.values()) + " (longest "
-                + " / ".join(fmt(w["max_ms"], " ms", 0) for w in st.values()) + ")")
-
-    def lost(x: dict[str, Any]) -> str:
-        first = f"; the first: {x['first_timeout'][:200]}" if x["first_timeout"] else ""
-        return (f"{sum(x['lost_steps'].values())} (op timeouts logged by daemons: "
-                f"{x['daemon_log']['timeout']}{first}; state transfers: "
-                f"{x['daemon_log']['rejoin_op']})")
-
-    def detect(d: dict[str, Any]) -> str:
-        return (join(d, "daemon_down_s link_dropped_s first_op_without_s", " s", 3)
-                + f"; the first: {fmt(d['detect_heartbeats'])} heartbeats")
-
     return [
         ("kill: survivors' daemons say 'is down' / link dropped / first step without it",
-         detect(k["detection"])),
-        ("kill: steps the survivors lost", lost(k)),
+         _detect(k["detection"])),
+        ("kill: steps the survivors lost", _lost(k)),
         ("kill: survivors' step time before / outage / after the rejoin (median)",
-         times(k["step_time"])),
+         _times(k["step_time"])),
         ("kill: restart -> state taken / first step / first step with neighbors / distance to "
-         "the mean within the survivors'", join(rj, "restart_to_state_s restart_to_first_step_s "
+         "the mean within the survivors'", _join(rj, "restart_to_state_s restart_to_first_step_s "
                                                 "restart_to_step_with_neighbors_s "
                                                 "restart_to_distance_in_range_s", " s", 1)),
         ("kill: rejoined with the state of", f"rank {rj['donor']} at its step {rj['iteration']} "
@@ -347,23 +351,24 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
          f"{rj['survivor_steps_during_restart']} steps past the restart, its counter "
          f"{rj['counter_behind_survivors_steps']} behind theirs; {rj['steps_alone']} of its "
          "steps averaged with nobody"),
-        ("mean test accuracy: baseline / kill+restart / flap", " / ".join(
-            fmt(sc[x]["accuracy"]["mean"], "%") for x in ("baseline", "kill", "flap"))),
+        ("mean (lowest rank's) test accuracy: baseline / kill+restart / flap", " / ".join(
+            f"{fmt(sc[x]['accuracy']['mean'], '%')} ({min(sc[x]['accuracy']['per_rank']):.2f}%)"
+            for x in ("baseline", "kill", "flap"))),
         ("flap: the others' daemons say 'is down' / link dropped / first step without it",
-         detect(f["detection"])),
+         _detect(f["detection"])),
         ("flap: link up -> it is up again / averaged with it again; its steps alone",
-         join(f["recovery"], "up_again_after_link_up_s averaged_again_after_link_up_s")
+         _join(f["recovery"], "up_again_after_link_up_s averaged_again_after_link_up_s")
          + f"; {f['recovery']['steps_flapped_rank_averaged_alone']}"),
-        ("flap: the others' step time before / during / after (median)", times(f["step_time"])),
-        ("flap: steps lost (all ranks)", lost(f)),
+        ("flap: the others' step time before / during / after (median)", _times(f["step_time"])),
+        ("flap: steps lost (all ranks)", _lost(f)),
         ("workers that failed (kill, flap)", "; ".join(
             f"{w}: {t.splitlines()[-1][:160]}" for x in (k, f)
             for w, t in x["failed_workers"].items()) or "none"),
         ("gloo: first / last survivor error after the kill; survivors hung",
-         join(g, "first_error_s last_error_s") + f"; {len(g['survivors_hung'])} of "
+         _join(g, "first_error_s last_error_s") + f"; {len(g['survivors_hung'])} of "
          f"{len(b['finished']) - 1}"),
         ("gloo: restart = declared dead + cold start + redo (half a checkpoint interval)",
-         join(rc, "declared_dead_s cold_start_s redo_s", " s", 1).replace("/", "+")
+         _join(rc, "declared_dead_s cold_start_s redo_s", " s", 1).replace("/", "+")
          + f" = {fmt(rc['total_s'], ' s', 1)}, every rank stopped"),
         ("cold start (decent: daemons + workers) / gloo step time",
          f"{fmt(b['cold_start_s'], ' s', 1)} / "

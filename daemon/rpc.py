@@ -188,6 +188,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             incarnation=members.incarnation,
             on_peer_loss=self._services.on_peer_loss,
             serving_daemons=[r for r, m in members.members.items() if m.serving],
+            parked_frames=self._services.links.rounds.parked,
             peers=[self._peer_status(link, now)
                    for link in self._services.links.links.values()],
         )

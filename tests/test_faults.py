@@ -52,6 +52,8 @@ def test_a_daemon_killed_mid_op_is_reweighted_out_exactly() -> None:
         np.testing.assert_allclose(got[0].numpy(), np.full(1000, want0), rtol=1e-6)
         np.testing.assert_allclose(got[1].numpy(), np.full(1000, want1), rtol=1e-6)
         assert [h.src_ranks for h in handles] == [[1], [0]]
+        for i in (0, 1):  # once it is down (not just reconnecting), ops plan without it
+            until_state(c, i, 2, "down")
         # the next ops leave rank 2 out from the start, at once
         later = [c.clients[i].neighbor_allreduce_async(torch.full((4,), float(i + 1)),
                                                        name="after", timeout=30) for i in (0, 1)]
@@ -326,8 +328,15 @@ def test_a_node_missing_at_start_joins_later_under_min_nodes() -> None:
         for i in (0, 1):
             until(partial(lambda k: c.clients[k].membership().ranks == (0, 1, 2), i),
                   f"rank {i} to count rank 2's worker in")
-        # the late worker's round 0 is the others' round 3: one whole average
-        got = ring_round(c.clients, "w", {0: 1.0, 1: 2.0, 2: 4.0})
+        # the late worker's round 0 is the others' round 3; it sends first, and its parts wait
+        # at the others' daemons until their op of "w" starts
+        late = c.clients[2].neighbor_allreduce_async(torch.full((8,), 4.0), name="w",
+                                                     timeout=30)
+        for i in (0, 1):
+            until(partial(lambda k: c.status(k).parked_frames > 0, i),
+                  f"rank 2's part to wait at daemon {i}")
+        got = ring_round(c.clients[:2], "w", {0: 1.0, 1: 2.0})
+        got[2] = (late.wait(timeout=60)[0].item(), late.src_ranks)
         assert got == {0: (pytest.approx(7 / 3, rel=1e-6), [1, 2]),
                        1: (pytest.approx(7 / 3, rel=1e-6), [0, 2]),
                        2: (pytest.approx(7 / 3, rel=1e-6), [0, 1])}
