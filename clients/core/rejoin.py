@@ -5,7 +5,8 @@ optimizer state from one live rank before its first step: its *donor*, the lowes
 daemons that already ran the job. The survivors see the join as a new daemon (or a new
 incarnation of one) in their membership view, checked whenever a completion carries a new
 epoch; the donor among them sends its state at its next step boundary, the others go on.
-Both sides pick the same donor from the same view.
+Both sides pick the same donor from the same view. The newcomer first says it is ready, and
+the donor snapshots at its next step boundary after that: the state is at most a step old.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from decent.core.membership import View
 REJOIN_PREFIX = "decent.rejoin."
 SIZE_NAME, META_NAME, TENSOR_NAME = (f"{REJOIN_PREFIX}size", f"{REJOIN_PREFIX}meta",
                                      f"{REJOIN_PREFIX}t")
+READY_NAME = f"{REJOIN_PREFIX}ready"
 
 
 def donor_among(view: View, newcomers: set[int], per_node: int) -> int | None:

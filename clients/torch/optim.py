@@ -13,6 +13,7 @@ current parameters start in a forward pre-hook and overlap forward and backward.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from decent.torch import rejoin
 from decent.torch import state as state_format
 from decent.torch.client import TorchClient, default_client
 from decent.torch.flat import flatten_parameters
+from decent.torch.rejoin import Wanted
 
 log = logging.getLogger("decent.optim")
 
@@ -93,6 +95,7 @@ class DecentralizedOptimizer:
         #: ranks that joined late and get this rank's state (the donor's sends, in flight)
         self._joins = JoinWatch(self.client.rank, self.client.local_size, self.client.membership)
         self._sending: list[threading.Thread] = []
+        self._wanted: queue.Queue[Wanted] = queue.Queue()
         if rejoin and self.client.rejoining:
             self._take_state()
 
@@ -204,8 +207,11 @@ class DecentralizedOptimizer:
         their donor (in the background: training goes on)."""
         self._sending = [t for t in self._sending if t.is_alive()]
         for to in self._joins.to_serve(self.client.view_epoch):
-            meta, tensors = rejoin.snapshot(self._params(), self.state_dict())
-            self._sending.append(rejoin.send_in_background(self.client, to, meta, tensors))
+            self._sending.append(rejoin.serve_in_background(
+                self.client, to, self._wanted, self.client.default_timeout))
+        while not self._wanted.empty():  # a newcomer is ready: the state as of now
+            _, box = self._wanted.get_nowait()
+            box.put(rejoin.snapshot(self._params(), self.state_dict()))
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus, under ``"decent"``, the algorithm's name,

@@ -9,6 +9,7 @@ its description's size, the description (JSON), then each tensor.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from decent.core.algorithms import AlgorithmError
-from decent.core.rejoin import META_NAME, SIZE_NAME, TENSOR_NAME
+from decent.core.rejoin import META_NAME, READY_NAME, SIZE_NAME, TENSOR_NAME
 from decent.torch import state as state_format
 from decent.torch.client import TorchClient
 
@@ -45,13 +46,23 @@ def send(client: TorchClient, to: int, meta: bytes, tensors: list[torch.Tensor])
         one_way(t, f"{TENSOR_NAME}{i}")
 
 
-def send_in_background(client: TorchClient, to: int, meta: bytes,
-                       tensors: list[torch.Tensor]) -> threading.Thread:
-    """:func:`send` on a thread of its own, so that the sender's training goes on (a failure
-    is logged: the joining rank times out and starts from its own state)."""
+#: (joining rank, where the training thread puts the snapshot for it)
+Wanted = tuple[int, queue.Queue[tuple[bytes, list[torch.Tensor]]]]
+
+
+def serve_in_background(client: TorchClient, to: int, wanted: queue.Queue[Wanted],
+                        patience: float) -> threading.Thread:
+    """On a thread of its own (the sender's training goes on): wait until rank ``to`` is
+    ready to take the state, ask the training thread for a snapshot at its next step
+    boundary (``wanted``), and send it; the state is then at most a step old. A failure is
+    logged: the joining rank times out and starts from its own state."""
     def run() -> None:
         try:
-            send(client, to, meta, tensors)
+            client.neighbor_allgather(torch.zeros(1), name=READY_NAME, src_ranks=[to],
+                                      dst_ranks=[])
+            box: queue.Queue[tuple[bytes, list[torch.Tensor]]] = queue.Queue(1)
+            wanted.put((to, box))
+            send(client, to, *box.get(timeout=patience))
         except Exception as exc:  # the joining rank died again, or timed out
             log.warning("sending the training state to rank %d failed: %s", to, exc)
 
@@ -65,6 +76,8 @@ def receive(client: TorchClient, src: int) -> tuple[list[torch.Tensor], dict[str
     def one_way(t: torch.Tensor, name: str) -> torch.Tensor:
         return client.neighbor_allgather(t, name=name, src_ranks=[src], dst_ranks=[])[0]
 
+    # ready: the donor snapshots its state at its next step from now, not when it saw us come
+    client.neighbor_allgather(torch.ones(1), name=READY_NAME, src_ranks=[], dst_ranks=[src])
     size = int(one_way(torch.zeros(1, dtype=torch.int64), SIZE_NAME)[0])
     if not 0 <= size <= MAX_META:
         raise AlgorithmError(f"rank {src} announced a state description of {size} bytes (at "
