@@ -173,7 +173,8 @@ def analyze_kill(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
                     and p["t"] + out["t0"] >= t_sync and p["dist"][str(v)] <= max(
                         d for r, d in p["dist"].items() if r != str(v))), None)
     t_dist = dist_ok["t"] + out["t0"] if dist_ok else None
-    lag = max((s["k"] for s in cr.steps_of(recs[0]) if s["t"] <= t_sync), default=0) - (c or 0)
+    lag = max((s["k"] for s in cr.steps_of(recs[0]) if s["t"] <= t_sync), default=0) - (c or 0) \
+        if with_peers else None
     out["rejoin"] = {
         "restart_to_state_s": cr.since(ready.get("t"), ev["restart"]),
         "state_transfer_s": ready.get("state_s"), "iteration": c,
@@ -183,8 +184,8 @@ def analyze_kill(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
                                                   ev["restart"]),
         "restart_to_distance_in_range_s": cr.since(t_dist, ev["restart"]),
         "distance_in_range_at_step": dist_ok and dist_ok["k"],
-        "survivor_steps_during_restart": sum(ev["restart"] <= s["t"] < t_sync
-                                             for s in cr.steps_of(recs[0])),
+        "survivor_steps_during_restart": sum(ev["restart"] <= s["t"] < t_sync for s in
+                                             cr.steps_of(recs[0])) if with_peers else None,
         "counter_behind_survivors_steps": lag,
         "steps_alone": sum(not s["src"] for s in mine)}
     out["events_s"]["in_sync"] = cr.since(t_sync if with_peers else None, out["t0"])
@@ -362,7 +363,7 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
         ("flap: the others' step time before / during / after (median)", _times(f["step_time"])),
         ("flap: steps lost (all ranks)", _lost(f)),
         ("workers that failed (kill, flap)", "; ".join(
-            f"{w}: {t.splitlines()[-1][:160]}" for x in (k, f)
+            f"{w}: {t.splitlines()[-1].split('| ', 1)[-1][:160].replace('|', '/')}" for x in (k, f)
             for w, t in x["failed_workers"].items()) or "none"),
         ("gloo: first / last survivor error after the kill; survivors hung",
          _join(g, "first_error_s last_error_s") + f"; {len(g['survivors_hung'])} of "

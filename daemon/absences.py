@@ -32,6 +32,11 @@ class Absences:
         """Worker ``rank`` of ``job`` registered (again); whether it had left."""
         return self._departed.pop((job, rank), None) is not None
 
+    def forget(self, rank: int) -> None:
+        """Worker ``rank`` is a new one (its daemon restarted): it has not left."""
+        for key in [k for k in self._departed if k[1] == rank]:
+            del self._departed[key]
+
     def skipped(self, peer: int, name: str, round_: int, error: Exception) -> None:
         """``peer`` ran round ``round_`` of ``name`` without us."""
         self._skipped[(peer, name, round_)] = error

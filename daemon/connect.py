@@ -32,8 +32,8 @@ log = logging.getLogger("decentd.links")
 
 
 async def connect_peer(links: Links, link: PeerLink, deadline: float, was_down: bool = False,
-                       on_broken: Callable[[Sender, BaseException], None] | None = None
-                       ) -> pb.HandshakeReply:
+                       on_broken: Callable[[Sender, BaseException], None] | None = None,
+                       serving: bool = False) -> pb.HandshakeReply:
     """Handshake with ``link``'s peer (retried until ``deadline``) and open our bulk connection
     to it, greeted with a HELLO; the peer's reply (its incarnation, whether it serves a job).
     ConnectionError when it cannot be reached in time; StartupError when it refuses us (another
@@ -44,7 +44,8 @@ async def connect_peer(links: Links, link: PeerLink, deadline: float, was_down: 
         link.channel = (grpc.aio.secure_channel(link.address, tls.channel_credentials(),
                                                 options=GRPC_OPTIONS) if tls is not None else
                         grpc.aio.insecure_channel(link.address, options=GRPC_OPTIONS))
-    answer = await _handshake(links, link, pb_grpc.PeerStub(link.channel), deadline, was_down)
+    answer = await _handshake(links, link, pb_grpc.PeerStub(link.channel), deadline, was_down,
+                              serving)
     if answer is None:
         raise ConnectionError(f"rank {link.rank} at {link.address} did not answer")
     reply, key = answer
@@ -66,8 +67,8 @@ async def connect_peer(links: Links, link: PeerLink, deadline: float, was_down: 
     return reply
 
 
-async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,
-                     deadline: float, was_down: bool) -> tuple[pb.HandshakeReply, bytes] | None:
+async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub, deadline: float,
+                     was_down: bool, serving: bool) -> tuple[pb.HandshakeReply, bytes] | None:
     """The peer's handshake reply and the session key of secret mode (empty otherwise),
     retried until ``deadline`` (None: not reachable)."""
     delay = 0.05
@@ -76,7 +77,8 @@ async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,
                                   to_rank=link.rank, topology_digest=links.topology_digest,
                                   workers_per_node=links.per_node,
                                   machine_topology_digest=links.machine_digest,
-                                  incarnation=links.incarnation, was_down=was_down)
+                                  incarnation=links.incarnation, was_down=was_down,
+                                  serving=serving)
     while True:
         timeout = max(0.1, min(2.0, deadline - time.monotonic()))
         try:

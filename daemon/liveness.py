@@ -111,7 +111,8 @@ class Supervisor:
                 reply = await asyncio.wait_for(
                     connect_peer(self.links, link, time.monotonic() + ATTEMPT_TIMEOUT,
                                  self.members.members[rank].declared_down,
-                                 self._sender_broken), ATTEMPT_TIMEOUT + 1)
+                                 self._sender_broken, self.mailbox.ran_ops),
+                    ATTEMPT_TIMEOUT + 1)
             except StartupError as exc:  # refused: another cluster, topology, secret...
                 # not fatal: a misconfigured or hostile process at a peer's address must not
                 # stop us; the real peer may still come (the start timeout names this reason)
@@ -156,7 +157,8 @@ class Supervisor:
         member = self.members.members[link.rank]
         self.members.joined_running |= reply.serving
         member.serving = reply.serving
-        member.peer_declared_down |= reply.was_down
+        if not self.members.is_up(link.rank):
+            member.peer_declared_down |= reply.was_down
         known = self.members.incarnation_of(link.rank)
         if known and incarnation != known:
             log.info("rank %d restarted (incarnation %d, was %d)", link.rank, incarnation, known)
@@ -169,6 +171,7 @@ class Supervisor:
             link.last_heartbeat = time.monotonic()
             member = self.members.members[rank]
             restarted = member.up_incarnation != member.incarnation
+            known = member.up_incarnation != 0  # it was up here before, as another process
             # counted out on either side meanwhile: both ran rounds alone, so its rounds are
             # placed afresh like a restarted peer's (decentd.rounds)
             fresh = restarted or member.declared_down or member.peer_declared_down
@@ -177,8 +180,10 @@ class Supervisor:
             member.refusal = ""
             per = self.links.per_node
             workers = range(rank * per, (rank + 1) * per)
-            if restarted and self.links.rounds.ready and not member.serving:
+            if restarted and self.links.rounds.ready and (known or not member.serving):
                 self.members.absent.update(workers)  # new to the job: its workers join later
+                for w in workers:  # not the workers that left: new ones
+                    self.mailbox.absences.forget(w)
             if fresh:
                 self.links.rounds.joined([-(rank + 1), *workers])
             self.links.reopened(rank, flush=not fresh)
@@ -230,7 +235,8 @@ class Supervisor:
         if self.mailbox.worker_joined(job, rank):
             self.links.rounds.joined([rank])
 
-    def handshake_from(self, src: int, incarnation: int, was_down: bool) -> bool:
+    def handshake_from(self, src: int, incarnation: int, was_down: bool,
+                       serving: bool = False) -> bool:
         """Daemon ``src`` handshakes with us: after a drop or a restart, or at start. What we
         hold of its old connections goes (it is reconnecting them), and we reach it now.
         ``was_down``: it counted us out meanwhile. Whether we counted it out."""
@@ -238,11 +244,13 @@ class Supervisor:
         if link is None:
             return False
         member = self.members.members[src]
-        member.peer_declared_down |= was_down
-        restarted = self.members.incarnation_of(src) not in (0, incarnation)
-        if link.inbound is not None or restarted:
-            why = "it restarted" if restarted else "it reconnects"
-            self._drop(src, why, PeerState.RECONNECTING)
+        member.serving = serving
+        if not self.members.is_up(src):  # a late copy of an old attempt's says nothing now
+            member.peer_declared_down |= was_down
+        # a restart: its old connections are dead even if we have not noticed yet (a peer
+        # that only reconnects closed them itself: we see them end)
+        if self.members.incarnation_of(src) not in (0, incarnation):
+            self._drop(src, "it restarted", PeerState.RECONNECTING)
         self.members.members[src].incarnation = incarnation
         self._reach(src)
         return member.declared_down

@@ -139,6 +139,11 @@ class Mailbox:
                 aborts.append(early)
         return aborts
 
+    @property
+    def ran_ops(self) -> bool:
+        """Whether ops of this daemon's workers have ended here (a job runs)."""
+        return bool(self._closed)
+
     def is_open(self, key: OpKey) -> bool:
         """Whether an op with this key is running here."""
         return key in self._open

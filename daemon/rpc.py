@@ -272,7 +272,7 @@ class PeerService(pb_grpc.PeerServicer):
     path)."""
 
     def __init__(self, links: Links, status: Callable[[], pb.StatusReply],
-                 handshaken: Callable[[int, int, bool], bool],
+                 handshaken: Callable[[int, int, bool, bool], bool],
                  serving: Callable[[], bool]) -> None:
         """``status``: this daemon's (``WorkerService.status``) for peers that ask;
         ``handshaken(rank, incarnation, was_down) -> we counted it out``: a peer passed its
@@ -346,7 +346,7 @@ class PeerService(pb_grpc.PeerServicer):
             return pb.HandshakeReply(error=error, rank=links.rank)
         key = links.auth.issue_bulk_key(request.from_rank) if links.auth.mode == "mtls" else b""
         counted_out = self._handshaken(int(request.from_rank), int(request.incarnation),
-                                       request.was_down)
+                                       request.was_down, request.serving)
         return pb.HandshakeReply(rank=links.rank, data_port=links.data_port,
                                  window_bytes=links.window, bulk_key=key,
                                  incarnation=links.incarnation, serving=self._serving(),
