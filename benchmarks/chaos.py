@@ -250,7 +250,8 @@ def verdicts(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     kill, base = sc["kill"], sc["baseline"]
     hb = kill["detection"]["detect_heartbeats"]
     lost, rej = sum(kill["lost_steps"].values()), kill["rejoin"]
-    acc = {k: sc[k]["accuracy"]["mean"] - base["accuracy"]["mean"] for k in ("kill", "flap")}
+    acc = {k: (sc[k]["accuracy"]["mean"] - base["accuracy"]["mean"]  # None: a worker failed
+               if sc[k]["accuracy"]["mean"] is not None else -100.0) for k in ("kill", "flap")}
     done = all(kill["finished"].values())
     table = [
         ("detect", "survivors detect the death (heartbeats)", hb, "<= 2", (hb or 9) <= 2),

@@ -30,12 +30,3 @@ class View:
         return cls(int(reply.view_epoch), tuple(int(r) for r in reply.live_ranks),
                    tuple(sorted(live)), tuple(sorted((r, known.get(r, 0)) for r in live)),
                    tuple(sorted(int(r) for r in reply.serving_daemons if int(r) in live)))
-
-    def joined_since(self, before: View | None, per_node: int) -> list[int]:
-        """The worker ranks live here that were not (or whose daemon restarted) in
-        ``before``."""
-        if before is None:
-            return []
-        old = dict(before.incarnations)
-        return [d * per_node + k for d, inc in self.incarnations
-                if old.get(d) != inc for k in range(per_node)]

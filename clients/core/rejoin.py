@@ -45,6 +45,9 @@ class JoinWatch:
         self._membership = membership
         self._view: View | None = None
         self._epoch = -1
+        #: every daemon's incarnation as last seen: one that drops out and comes back as the
+        #: same process (a flapping link) has not joined; a new process, or a new daemon, has
+        self._known: dict[int, int] = {}
 
     def to_serve(self, epoch: int) -> list[int]:
         """The worker ranks this rank must send its state to now (``epoch``: the latest one a
@@ -52,8 +55,11 @@ class JoinWatch:
         if epoch == self._epoch:
             return []
         view = self._membership()
-        before, self._view, self._epoch = self._view, view, epoch
-        joined = view.joined_since(before, self.per_node)
+        first, self._view, self._epoch = self._view is None, view, epoch
+        joined = [] if first else [
+            d * self.per_node + k for d, inc in view.incarnations
+            if self._known.get(d) != inc for k in range(self.per_node)]
+        self._known.update(view.incarnations)
         if not joined:
             return []
         newcomers = {r // self.per_node for r in joined}
