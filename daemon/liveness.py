@@ -180,10 +180,8 @@ class Supervisor:
             member.refusal = ""
             per = self.links.per_node
             workers = range(rank * per, (rank + 1) * per)
-            if restarted and self.links.rounds.ready and (known or not member.serving):
-                self.members.absent.update(workers)  # new to the job: its workers join later
-                for w in workers:  # not the workers that left: new ones
-                    self.mailbox.absences.forget(w)
+            if restarted and (known or not member.serving):
+                self._new_workers(rank)
             if fresh:
                 self.links.rounds.joined([-(rank + 1), *workers])
             self.links.reopened(rank, flush=not fresh)
@@ -251,9 +249,20 @@ class Supervisor:
         # that only reconnects closed them itself: we see them end)
         if self.members.incarnation_of(src) not in (0, incarnation):
             self._drop(src, "it restarted", PeerState.RECONNECTING)
+            self._new_workers(src)  # left out from now on, not only once it is up
         self.members.members[src].incarnation = incarnation
         self._reach(src)
         return member.declared_down
+
+    def _new_workers(self, rank: int) -> None:
+        """Daemon ``rank`` is a new process in a running job: its workers are new (not the
+        ones that left), and ops leave them out until they join."""
+        if not self.links.rounds.ready:
+            return
+        per = self.links.per_node
+        for w in range(rank * per, (rank + 1) * per):
+            self.members.absent.add(w)
+            self.mailbox.absences.forget(w)
 
     # ------------------------------------------------------------------ dropping
 
