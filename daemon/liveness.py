@@ -247,6 +247,8 @@ class Supervisor:
             member.peer_declared_down |= was_down
         # a restart: its old connections are dead even if we have not noticed yet (a peer
         # that only reconnects closed them itself: we see them end)
+        if not incarnation:  # says nothing of a restart (a tool, or an impostor)
+            return member.declared_down
         if self.members.incarnation_of(src) not in (0, incarnation):
             self._drop(src, "it restarted", PeerState.RECONNECTING)
             self._new_workers(src)  # left out from now on, not only once it is up
