@@ -28,6 +28,11 @@ if ! command -v cc >/dev/null; then
   echo "installing a C compiler"
   system_install gcc libc6-dev
 fi
+# the fault tests reset a peer link with `ss -K`; the netns tests use `ip` and `tc`
+if ! command -v ss >/dev/null || ! command -v ip >/dev/null; then
+  echo "installing iproute2 (ss, ip, tc)"
+  system_install iproute2
+fi
 headers=$("$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 if [ ! -f "$headers/Python.h" ]; then
   echo "installing the Python headers"
