@@ -101,6 +101,12 @@ class Links:
         """The link that reaches ``peer`` for key ``name``."""
         return self.link(self.machine_of(peer, name))
 
+    def unplaced(self, peer: int, parts: list[pb.Part]) -> bool:
+        """Whether any of ``parts`` names a round that late ``peer`` cannot place (our op
+        started before it came back, :mod:`decentd.rounds`)."""
+        return self.rounds.any_late and any(
+            self.rounds.unplaced(peer_id(peer, p.name), p) for p in parts)
+
     def addressed(self, peer: int, parts: list[pb.Part]) -> list[pb.Part]:
         """Copies of our ``parts`` addressed to ``peer``: under its key, from us."""
         out = []
@@ -335,6 +341,9 @@ class Links:
         """
         name = parts[0].name
         link = await self._link(dst, name)
+        if self.unplaced(dst, parts):
+            raise PeerLost(f"rank {dst} ran rounds of '{display_name(name)}' without this one "
+                           "since this op started: it knows nothing of this round")
         parts = self.addressed(dst, parts)
         payload = [b for b in payload if len(b)]
         size = sum(len(b) for b in payload)
@@ -406,7 +415,7 @@ class Links:
 
     def _to_peer(self, dst: int, parts: list[pb.Part], header: pb.BulkHeader) -> None:
         """A payload-free frame of ``parts`` (ours) to peer ``dst`` (best effort)."""
-        if not parts:
+        if not parts or self.unplaced(dst, parts):
             return
         link = self.link_of(dst, parts[0].name)
         if link is not None:

@@ -32,7 +32,7 @@ from decentd.connect import connect_peer
 from decentd.errors import PeerLost, StartupError
 from decentd.links import Links
 from decentd.mailbox import Mailbox
-from decentd.membership import Membership, PeerState
+from decentd.membership import Member, Membership, PeerState
 from decentd.peerlink import PeerLink
 from decentd.sender import Sender
 
@@ -162,8 +162,31 @@ class Supervisor:
         known = self.members.incarnation_of(link.rank)
         if known and incarnation != known:
             log.info("rank %d restarted (incarnation %d, was %d)", link.rank, incarnation, known)
-        self.members.members[link.rank].incarnation = incarnation
+        member.incarnation = incarnation
+        if not self.members.is_up(link.rank) and self._apart(member):
+            self._count_afresh(link.rank, "it counted this daemon out, or restarted")
         self._check_up(link.rank)
+
+    def _apart(self, member: Member) -> bool:
+        """Whether ``member`` and this daemon ran rounds without each other since it was last
+        up here: either counted the other out, or it is another process (a restart, or a
+        late start while a job runs here)."""
+        new_process = member.up_incarnation != member.incarnation and self.links.rounds.ready
+        return member.declared_down or member.peer_declared_down or new_process
+
+    def _count_afresh(self, rank: int, reason: str) -> None:
+        """Daemon ``rank`` and this one ran rounds without each other: what waits on it fails
+        now (it will not send those rounds), ops leave it out until it is up, and its rounds
+        are placed afresh from our first op with it after that (:mod:`decentd.rounds`; it
+        does the same with ours). Before any frame of its new rounds can arrive."""
+        member = self.members.members[rank]
+        if member.afresh:
+            return
+        member.afresh = True
+        per = self.links.per_node
+        self.links.rounds.joined([-(rank + 1), *range(rank * per, (rank + 1) * per)])
+        if self.members.state(rank) is not PeerState.DOWN:  # down: forgotten already
+            self._forget(rank, reason)
 
     def _check_up(self, rank: int) -> None:
         link = self.links.links[rank]
@@ -172,18 +195,14 @@ class Supervisor:
             member = self.members.members[rank]
             restarted = member.up_incarnation != member.incarnation
             known = member.up_incarnation != 0  # it was up here before, as another process
-            # counted out on either side meanwhile: both ran rounds alone, so its rounds are
-            # placed afresh like a restarted peer's (decentd.rounds)
-            fresh = restarted or member.declared_down or member.peer_declared_down
+            if self._apart(member):  # both ran rounds alone: placed afresh (decentd.rounds)
+                self._count_afresh(rank, "it counted this daemon out, or restarted")
+            fresh = member.afresh
             member.up_incarnation = member.incarnation
-            member.declared_down = member.peer_declared_down = False
+            member.declared_down = member.peer_declared_down = member.afresh = False
             member.refusal = ""
-            per = self.links.per_node
-            workers = range(rank * per, (rank + 1) * per)
             if restarted and (known or not member.serving):
                 self._new_workers(rank)
-            if fresh:
-                self.links.rounds.joined([-(rank + 1), *workers])
             self.links.reopened(rank, flush=not fresh)
             self.members.set_state(rank, PeerState.UP, "connected")
             log.info("rank %d is up (both connections; epoch %d, live %s)", rank,
@@ -252,7 +271,9 @@ class Supervisor:
         if self.members.incarnation_of(src) not in (0, incarnation):
             self._drop(src, "it restarted", PeerState.RECONNECTING)
             self._new_workers(src)  # left out from now on, not only once it is up
-        self.members.members[src].incarnation = incarnation
+        member.incarnation = incarnation
+        if not self.members.is_up(src) and self._apart(member):
+            self._count_afresh(src, "it counted this daemon out, or restarted")
         self._reach(src)
         return member.declared_down
 
@@ -296,6 +317,7 @@ class Supervisor:
             return
         self.members.members[rank].declared_down = True
         self._drop(rank, reason, PeerState.DOWN)
+        self._count_afresh(rank, reason)
         log.warning("rank %d is down: %s (epoch %d, live %s)", rank, reason,
                     self.members.epoch, self.members.live_daemons(), extra={"peer": rank})
 

@@ -41,6 +41,9 @@ class Member:
     refusal: str = ""  #: why its last handshake was refused (another cluster, secret, ...)
     declared_down: bool = False  #: we declared it down since it was last up
     peer_declared_down: bool = False  #: it declared us down since it was last up
+    #: it and we ran rounds without each other (either counted the other out, or it is a new
+    #: process): ops leave it out until it is up, and its rounds are then placed afresh
+    afresh: bool = False
 
 
 #: called with (daemon rank, its new state) on every change

@@ -24,6 +24,10 @@ from decentd.names import owner
 
 #: frames of late peers kept until their ops start here, at most (the oldest are dropped)
 MAX_PARKED = 4096
+#: window requests, which arrive without a local op to match them, and their answers: no
+#: round of theirs pairs with one of the target's
+ONE_SIDED = frozenset({pb.WIN_PUT, pb.WIN_ACCUMULATE, pb.WIN_GET, pb.WIN_EXCHANGE,
+                       pb.GROUP_TRIGGER, pb.GROUP_RESULT, pb.WIN_LOCK, pb.WIN_UNLOCK})
 
 
 def peer_id(rank: int, name: str) -> int:
@@ -88,6 +92,13 @@ class RoundMap:
         for frame in ready:
             if self._replay is not None:
                 self._replay(frame)
+
+    def unplaced(self, peer: int, p: pb.Part) -> bool:
+        """Whether ``peer`` is late and none of our ops of ``p``'s name has placed it yet:
+        what an op that started before it came back would send it names a round it never
+        ran (window messages pair with no round)."""
+        return peer in self._late and p.op not in ONE_SIDED and p.op != pb.WIN_REPLY and \
+            (peer, p.name) not in self._offsets
 
     def outgoing(self, peer: int, name: str, round_: int) -> int:
         """The round the late ``peer`` knows our round ``round_`` of ``name`` by."""

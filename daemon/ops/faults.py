@@ -27,10 +27,13 @@ def gone(ctx: OpContext, peer: int) -> str | None:
     """Why ``peer`` (a rank of ``ctx``'s level) cannot take part now, or None."""
     machine = ctx.machine_of(peer)
     members = ctx.services.members
+    member = members.members.get(machine)
     if members.state(machine) is PeerState.DOWN:  # reconnecting: the op waits for it
-        member = members.members.get(machine)
         why = member.reason if member is not None else "down"
         return f"its daemon (rank {machine}) is down: {why}"
+    if member is not None and member.afresh and members.state(machine) is not PeerState.UP:
+        return (f"its daemon (rank {machine}) ran rounds without this one; it takes part again "
+                "once its link is up")
     if ctx.level.node:
         per = ctx.services.per_node
         if all(w in members.absent for w in range(peer * per, (peer + 1) * per)):

@@ -39,6 +39,7 @@ from decentd.links import Links
 from decentd.names import display_name, job_of, owner
 from decentd.numerics import weighted_sum
 from decentd.peerlink import part
+from decentd.rounds import ONE_SIDED
 from decentd.tasks import TaskSet
 
 log = logging.getLogger("decentd.windows")
@@ -47,9 +48,6 @@ log = logging.getLogger("decentd.windows")
 REQUEST, REPLY = 0, 1
 #: names of freed windows remembered (writes to them fail instead of creating a buffer)
 FREED_MEMORY = 4096
-#: window requests that arrive without a local op to match them
-ONE_SIDED = frozenset({pb.WIN_PUT, pb.WIN_ACCUMULATE, pb.WIN_GET, pb.WIN_EXCHANGE,
-                       pb.GROUP_TRIGGER, pb.GROUP_RESULT, pb.WIN_LOCK, pb.WIN_UNLOCK})
 #: the requests that read a window (they wait for one not created yet)
 READS = frozenset({pb.WIN_GET, pb.WIN_EXCHANGE})
 #: window requests that carry no tensor (its description names the window's)
