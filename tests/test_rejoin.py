@@ -6,8 +6,12 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import keras
+import numpy as np
+import tensorflow as tf
 import torch
 
+import decent.tf as dtf
 import decent.torch as dt
 from cluster import Cluster, delay, until_state
 
@@ -42,9 +46,9 @@ class Trainer:
         return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
 
 
-def steps(trainers: list[Trainer], n: int) -> None:
+def steps(trainers: list[Any], n: int) -> None:
     """``n`` steps on every trainer at once (one thread each)."""
-    def run(t: Trainer) -> None:
+    def run(t: Any) -> None:
         for _ in range(n):
             t.step()
     with ThreadPoolExecutor(len(trainers)) as pool:
@@ -114,4 +118,102 @@ def test_a_restarted_node_takes_the_state_of_a_live_rank_and_trains_on() -> None
         distance = [float((t.flat() - mean).norm()) for t in trainers]
         assert distance[2] <= 1.5 * max(distance[:2]) + 1e-6, distance
     finally:
+        c.stop()
+
+
+class KerasTrainer:
+    """One rank's Keras model and decentralized optimizer (SGD with momentum, D-SGD)."""
+
+    def __init__(self, client: Any, seed: int) -> None:
+        keras.utils.set_random_seed(seed)
+        self.client = client
+        self.model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        self.opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                              algorithm="dsgd", client=client)
+        self.x = tf.constant(X.numpy())
+        self.y = tf.fill((8, 1), float(client.rank))
+        #: (variables, optimizer variables) after each step
+        self.after: list[tuple[list[np.ndarray], list[np.ndarray]]] = []
+
+    def state(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        return ([v.numpy() for v in self.model.trainable_variables],
+                [v.numpy() for v in self.opt.inner.variables])
+
+    def step(self) -> None:
+        delay(self.client.rank)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((self.model(self.x) - self.y) ** 2)
+        grads = tape.gradient(loss, self.model.trainable_variables)
+        self.opt.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
+        self.after.append(self.state())
+
+    def flat(self) -> np.ndarray:
+        return np.concatenate([v.numpy().reshape(-1) for v in self.model.trainable_variables])
+
+
+def test_a_restarted_keras_rank_takes_the_state_of_a_live_rank_and_trains_on() -> None:
+    c = Cluster(3, "ring")
+    clients: list[Any] = []
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            clients = list(pool.map(lambda s: dtf.connect(f"unix://{s}", 60), c.sockets))
+        trainers = [KerasTrainer(clients[r], seed=r) for r in range(3)]
+        steps(trainers, 3)
+        c.kill_node(2)
+        clients[2].close()
+        steps(trainers[:2], 2)
+        c.procs[2] = c.spawn(2, "ring")
+        for i in (0, 1):
+            until_state(c, i, 2, "up")
+        with ThreadPoolExecutor(3) as pool:
+            def join() -> KerasTrainer:  # building the optimizer takes the donor's state
+                t = KerasTrainer(dtf.connect(f"unix://{c.sockets[2]}", 60), seed=99)
+                t.opt.build(t.model.trainable_variables)
+                return t
+
+            joiner = pool.submit(join)
+
+            def train_on() -> None:
+                while not joiner.done():
+                    steps(trainers[:2], 1)
+
+            survivors = pool.submit(train_on)
+            trainers[2] = joiner.result(timeout=120)
+            survivors.result(timeout=120)
+        rejoined = trainers[2]
+        clients[2] = rejoined.client
+        assert rejoined.client.rejoining
+        taken, taken_opt = rejoined.state()
+        # exactly rank 0's variables and momentum as they were after one of its steps
+        match = [k for k, (values, _) in enumerate(trainers[0].after)
+                 if all(np.array_equal(a, b) for a, b in zip(values, taken, strict=True))]
+        assert match, "the rejoined rank's variables are none of its donor's"
+        donor_opt = trainers[0].after[match[-1]][1]
+        assert len(donor_opt) == len(taken_opt) >= 3  # iterations, learning rate, momenta
+        assert all(np.array_equal(a, b) for a, b in zip(donor_opt, taken_opt, strict=True))
+        assert int(rejoined.opt.iterations.numpy()) == match[-1] + 1
+        assert rejoined.opt.algorithm.counters()["iteration"] == match[-1] + 1
+        with ThreadPoolExecutor(3) as pool:
+            def joiner_steps() -> None:
+                for _ in range(6):
+                    rejoined.step()
+                rejoined.client.close()
+
+            joined = pool.submit(joiner_steps)
+
+            def survivor(t: KerasTrainer) -> None:
+                while not joined.done():
+                    t.step()
+                t.client.close()
+
+            ends = [pool.submit(survivor, t) for t in trainers[:2]]
+            joined.result(timeout=120)
+            for f in ends:
+                f.result(timeout=120)
+        mean = sum(t.flat() for t in trainers) / 3
+        distance = [float(np.linalg.norm(t.flat() - mean)) for t in trainers]
+        assert distance[2] <= 1.5 * max(distance[:2]) + 1e-6, distance
+    finally:
+        for cl in clients:
+            cl.close()
         c.stop()

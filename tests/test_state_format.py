@@ -8,20 +8,22 @@ from typing import Any
 import pytest
 import torch
 
+from decent.core import state as core_state
 from decent.torch import state as state_format
+from decent.torch.state import KIT
 
 
 def roundtrip(state: Any) -> Any:
     tensors: list[torch.Tensor] = []
-    skeleton = state_format.flatten(state, tensors)
+    skeleton = core_state.flatten(state, tensors, KIT.is_tensor)
     meta = json.loads(json.dumps({"skeleton": skeleton,
-                                  "tensors": [state_format.describe(t) for t in tensors]}))
+                                  "tensors": [KIT.describe(t) for t in tensors]}))
     received = []
     for desc, t in zip(meta["tensors"], tensors, strict=True):
-        dtype, wire = state_format.receiving(desc)
-        wire.copy_(state_format.on_wire(t))  # what the broadcast writes
-        received.append(state_format.from_wire(dtype, wire))
-    return state_format.unflatten(meta["skeleton"], received)
+        dtype, wire = KIT.receiving(desc)
+        wire.copy_(KIT.on_wire(t))  # what the broadcast writes
+        received.append(KIT.from_wire(dtype, wire))
+    return core_state.unflatten(meta["skeleton"], received)
 
 
 def test_an_adam_state_comes_back_with_its_types() -> None:
@@ -48,17 +50,17 @@ def test_an_adam_state_comes_back_with_its_types() -> None:
 
 def test_anything_but_tensors_and_plain_values_is_refused_by_the_sender() -> None:
     with pytest.raises(state_format.StateFormatError, match=r"state\['f'\] is a builtin"):
-        state_format.flatten({"f": len}, [])
+        core_state.flatten({"f": len}, [], KIT.is_tensor)
 
 
 @pytest.mark.parametrize("bad", [
     ["float32", [-1]], ["os.system", [1]], ["float32", [1 << 40]], "float32", ["float32", 3]])
 def test_a_bad_tensor_description_is_refused_before_allocating(bad: Any) -> None:
     with pytest.raises(state_format.StateFormatError):
-        state_format.receiving(bad)
+        KIT.receiving(bad)
 
 
 @pytest.mark.parametrize("bad", [{"t": 5}, {"x": []}, {"d": [[1]]}, {"l": 3}, {"t": 0, "l": []}])
 def test_a_malformed_skeleton_is_refused(bad: Any) -> None:
     with pytest.raises(state_format.StateFormatError):
-        state_format.unflatten(bad, [torch.zeros(1)])
+        core_state.unflatten(bad, [torch.zeros(1)])

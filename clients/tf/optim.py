@@ -13,17 +13,24 @@ step the algorithm runs as one ``tf.py_function`` per step (eagerly, in graph or
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from decent.core.algorithms import Algorithm, State, make_algorithm
+from decent.core.algorithms import Algorithm, AlgorithmError, State, make_algorithm
 from decent.core.client import Client
+from decent.core.rejoin import JoinWatch, own_donor
+from decent.core.transfer import StateLink, Wanted, hand_out
 from decent.tf.client import default_client
+from decent.tf.state import KIT
 
 TFClientType = Client[Any]
 
+log = logging.getLogger("decent.rejoin")
 
 
 def _default_client() -> TFClientType:
@@ -46,10 +53,16 @@ def initial_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
 
 class DecentralizedOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras optimizer so that each of its steps becomes one step of ``algorithm``
-    (options as in ``decent.torch.DecentralizedOptimizer``)."""
+    (options as in ``decent.torch.DecentralizedOptimizer``).
+
+    ``rejoin``: a rank whose node joined a running job takes the model's variables, the
+    wrapped optimizer's variables and the algorithm's state from a live rank when the
+    optimizer is built (before its first step); the live ranks send theirs at a step boundary
+    (:mod:`decent.core.rejoin`)."""
 
     def __init__(self, optimizer: keras.optimizers.Optimizer, algorithm: str = "dsgd",
-                 client: TFClientType | None = None, **options: Any) -> None:
+                 client: TFClientType | None = None, rejoin: bool = True,
+                 **options: Any) -> None:
         super().__init__(learning_rate=initial_learning_rate(optimizer),
                          name=f"decentralized_{optimizer.name}")
         self.inner = optimizer
@@ -59,11 +72,21 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         self.algorithm.check_optimizer([optimizer.get_config()])
         self._states: list[State] = []
         self._prepared = False
+        self._rejoin = rejoin
+        #: the algorithm's per-variable state taken from a donor, used when it is prepared
+        self._taken: list[State] | None = None
+        self._transfer = StateLink(self.client, KIT)
+        self._joins = JoinWatch(self.client.rank, self.client.local_size, self.client.membership)
+        self._sending: list[threading.Thread] = []
+        self._wanted: queue.Queue[Wanted[tf.Tensor]] = queue.Queue()
 
     def build(self, variables: list[Any]) -> None:
         """Build the wrapped optimizer for ``variables`` too."""
         super().build(variables)
         self.inner.build(variables)
+        if self._rejoin and self.client.rejoining:
+            with tf.init_scope():  # eagerly, even while a train step is traced
+                self._take_state(variables)
 
     def close(self) -> None:
         """Free the algorithm's windows (every rank, when training is over)."""
@@ -75,11 +98,45 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         xs, ds = list(tensors[:k]), list(tensors[k:])
         if not self._prepared:
             self.algorithm.prepare(xs)
-            self._states = [{} for _ in xs]
+            self._states = self._taken if self._taken is not None else [{} for _ in xs]
             self._prepared = True
-        new = self.algorithm.finish(xs, ds, self._states)
+        new = [tf.convert_to_tensor(n) for n in self.algorithm.finish(xs, ds, self._states)]
         self.algorithm.advance()
-        return [tf.convert_to_tensor(n) for n in new]
+        self._serve_joiners(new)
+        return new
+
+    def _training_state(self, values: list[tf.Tensor]) -> dict[str, Any]:
+        """The state after this step: the variables' new ``values``, the wrapped optimizer's
+        variables, the step count and the algorithm's counters and per-variable state."""
+        return {"variables": values,
+                "optimizer": [tf.convert_to_tensor(v) for v in self.inner.variables],
+                "iterations": int(self.iterations.numpy()) + 1,
+                "algorithm": {**self.algorithm.counters(), "state": self._states}}
+
+    def _serve_joiners(self, values: list[tf.Tensor]) -> None:
+        """Send the state to the ranks that joined since the last step, when this rank is
+        their donor (in the background: training goes on)."""
+        self._sending = [t for t in self._sending if t.is_alive()]
+        for to in self._joins.to_serve(self.client.view_epoch):
+            self._sending.append(self._transfer.serve_in_background(
+                to, self._wanted, self.client.default_timeout))
+        hand_out(self._wanted, lambda: self._transfer.snapshot(self._training_state(values)))
+
+    def _take_state(self, variables: list[Any]) -> None:
+        """This rank joined a running job: the state of its donor, before the first step."""
+        donor = own_donor(self.client.membership(), self.client.local_size)
+        if donor is None or donor == self.client.rank:
+            return
+        state = self._transfer.receive(donor)
+        algo = state.get("algorithm") if isinstance(state, dict) else None
+        if not isinstance(algo, dict) or not isinstance(algo.get("state"), list):
+            raise AlgorithmError(f"rank {donor} sent a training state without the algorithm's")
+        _assign_all(variables, state.get("variables"), donor, "model variables")
+        _assign_all(self.inner.variables, state.get("optimizer"), donor, "optimizer variables")
+        self.iterations.assign(int(state["iterations"]))
+        self.algorithm.restore(algo)
+        self._taken = [dict(s) for s in algo["state"]]
+        log.info("rank %d took the training state of rank %d", self.client.rank, donor)
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
         """The wrapped optimizer's step, then the algorithm's combine, assigned to the
@@ -101,6 +158,17 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         for v, n in zip(variables, new, strict=True):
             v.assign(n)
         self.iterations.assign_add(1)
+
+
+def _assign_all(variables: list[Any], values: Any, donor: int, what: str) -> None:
+    """Assign ``values`` (received from rank ``donor``) to ``variables``, checked first."""
+    if not isinstance(values, list) or \
+            [tuple(v.shape) for v in values] != [tuple(v.shape) for v in variables]:
+        got = [tuple(v.shape) for v in values] if isinstance(values, list) else values
+        raise AlgorithmError(f"rank {donor} sent {what} of shapes {got}, this rank has "
+                             f"{[tuple(v.shape) for v in variables]}")
+    for v, value in zip(variables, values, strict=True):
+        v.assign(tf.cast(value, v.dtype))
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

@@ -28,11 +28,12 @@ from decent.core.algorithms import (
     make_algorithm,
 )
 from decent.core.rejoin import JoinWatch, own_donor
+from decent.core.transfer import StateLink, Wanted, hand_out
 from decent.torch import rejoin
 from decent.torch import state as state_format
 from decent.torch.client import TorchClient, default_client
 from decent.torch.flat import flatten_parameters
-from decent.torch.rejoin import Wanted
+from decent.torch.state import KIT
 
 log = logging.getLogger("decent.optim")
 
@@ -95,7 +96,8 @@ class DecentralizedOptimizer:
         #: ranks that joined late and get this rank's state (the donor's sends, in flight)
         self._joins = JoinWatch(self.client.rank, self.client.local_size, self.client.membership)
         self._sending: list[threading.Thread] = []
-        self._wanted: queue.Queue[Wanted] = queue.Queue()
+        self._wanted: queue.Queue[Wanted[torch.Tensor]] = queue.Queue()
+        self._transfer = StateLink(self.client, KIT)
         if rejoin and self.client.rejoining:
             self._take_state()
 
@@ -190,7 +192,7 @@ class DecentralizedOptimizer:
         donor = own_donor(self.client.membership(), self.client.local_size)
         if donor is None or donor == self.client.rank:
             return
-        params, state = rejoin.receive(self.client, donor)
+        params, state = rejoin.receive(self._transfer, donor)
         mine = self._params()
         if [tuple(p.shape) for p in params] != [tuple(p.shape) for p in mine]:
             raise AlgorithmError(f"rank {donor} sent parameters of shapes "
@@ -207,11 +209,10 @@ class DecentralizedOptimizer:
         their donor (in the background: training goes on)."""
         self._sending = [t for t in self._sending if t.is_alive()]
         for to in self._joins.to_serve(self.client.view_epoch):
-            self._sending.append(rejoin.serve_in_background(
-                self.client, to, self._wanted, self.client.default_timeout))
-        while not self._wanted.empty():  # a newcomer is ready: the state as of now
-            _, box = self._wanted.get_nowait()
-            box.put(rejoin.snapshot(self._params(), self.state_dict()))
+            self._sending.append(self._transfer.serve_in_background(
+                to, self._wanted, self.client.default_timeout))
+        hand_out(self._wanted, lambda: rejoin.snapshot(self._transfer, self._params(),
+                                                       self.state_dict()))
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus, under ``"decent"``, the algorithm's name,
