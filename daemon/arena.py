@@ -88,6 +88,8 @@ class Arena:
         self._addresses: dict[int, int] = {}  # base -> where the region is mapped here
         self._faults_seen = sigbus.total()
         self._faulted = False
+        self._spill_bases: set[int] = set()
+        self.spills = 0  #: regions registered for a request that found the arena full
 
     def take_fd(self) -> int | None:
         """The arena's descriptor, for the worker; None once taken (the caller closes it)."""
@@ -167,10 +169,14 @@ class Arena:
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
-    def add_region(self, base: int, region: mmap.mmap) -> None:
+    def add_region(self, base: int, region: mmap.mmap, spill: bool = False) -> None:
         """Make a mapped region addressable at ``base`` (checked again: ValueError/OverflowError
-        leave it to the caller to close); it is watched for SIGBUS from now on."""
+        leave it to the caller to close); it is watched for SIGBUS from now on. ``spill``: it
+        holds a request that found the arena full (counted)."""
         self.check_region(base, len(region))
+        if spill:
+            self._spill_bases.add(base)
+            self.spills += 1
         address = address_of(region)
         sigbus.watch(address, len(region))
         i = bisect.bisect_right(self._bases, base)
@@ -184,6 +190,7 @@ class Arena:
         region = self._regions.pop(base, None)
         if region is None:
             return
+        self._spill_bases.discard(base)
         self._bases.remove(base)
         address = self._addresses.pop(base)
         if sigbus.faults(address):
@@ -199,6 +206,11 @@ class Arena:
     def region_count(self) -> int:
         """Registered regions mapped."""
         return len(self._regions)
+
+    @property
+    def spill_bytes(self) -> int:
+        """Bytes of regions mapped for requests that found the arena full."""
+        return sum(len(self._regions[b]) for b in self._spill_bases)
 
     @property
     def region_bytes(self) -> int:

@@ -176,6 +176,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             window_lock_waiters=self._services.locks.waiting,
             early_window_bytes=self._services.windows.early_bytes,
             arena_bytes=sum(w.arena.nbytes for w in self._sessions.by_id.values()),
+            arena_spills=self._sessions.spills[0],
+            arena_spill_bytes=self._sessions.spills[1],
             window_staleness=self._services.windows.staleness(),
             metrics_port=self._endpoints.metrics_port,
             version=version("decent"),

@@ -133,6 +133,13 @@ class Sessions:
         return sum(s.arena.region_count for s in self.by_id.values())
 
     @property
+    def spills(self) -> tuple[int, int]:
+        """Requests that went to memory of their own (arena full) since their workers came,
+        and the bytes of such memory mapped now, over all workers."""
+        arenas = [s.arena for s in self.by_id.values()]
+        return sum(a.spills for a in arenas), sum(a.spill_bytes for a in arenas)
+
+    @property
     def registered_bytes(self) -> int:
         """Bytes of worker memory mapped, over all workers."""
         return sum(s.arena.region_bytes for s in self.by_id.values())

@@ -279,7 +279,7 @@ class MemorySocket:
             region.close()
             return pb.Error(code=pb.UNKNOWN_WORKER, message=f"worker {req.worker_id!r} left")
         try:
-            arena.add_region(req.base, region)
+            arena.add_region(req.base, region, req.spill)
         except (ValueError, OverflowError) as exc:
             region.close()
             code = pb.RESOURCE_EXHAUSTED if isinstance(exc, OverflowError) else \

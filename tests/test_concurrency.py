@@ -5,10 +5,11 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 from test_neighbor_allreduce import expected_matrix
 
-from cluster import Cluster
+from cluster import Cluster, delay
 from conftest import ClusterFactory
 from decent_wire.errors import DecentError
 
@@ -92,10 +93,44 @@ def test_more_in_flight_than_the_arena_holds(cluster: ClusterFactory) -> None:
             assert abs(got[i][t] - want) <= 1e-5 * want, (i, t, got[i][t])
 
 
-def test_a_full_arena_with_opposite_orders_fails_naming_the_arena() -> None:
+def test_a_full_arena_with_opposite_orders_completes_in_memory_of_its_own() -> None:
     # two ranks submit x, y and y, x; each arena (1 MiB) holds one 600 KiB tensor: each rank's
-    # second op waits for room that only the peer's second op would free. It cannot finish;
-    # the errors say why (the arena) instead of only blaming the peer, and nothing else breaks
+    # second op would wait for room that only the peer's second op frees. It goes to memory of
+    # its own instead (the daemon counts it), and both ops complete exactly
+    c = Cluster(2, "ring", "--set", "memory.arena_bytes=1048576")
+    try:
+        c.connect()
+        numel = 600 * 1024 // 4
+
+        def work(cl):  # type: ignore[no-untyped-def]
+            delay(cl.rank)
+            names = ["x", "y"] if cl.rank == 0 else ["y", "x"]
+            handles = {name: cl.neighbor_allreduce_async(
+                torch.full((numel,), float(cl.rank + (10 if name == "y" else 0))), name=name,
+                timeout=30) for name in names}
+            return {name: h.wait(timeout=60) for name, h in handles.items()}
+
+        got = c.run(work)
+        for rank in (0, 1):
+            assert torch.equal(got[rank]["x"], torch.full((numel,), 0.5))
+            assert torch.equal(got[rank]["y"], torch.full((numel,), 10.5))
+        status = [c.status(i) for i in (0, 1)]
+        assert all(s.arena_spills >= 1 for s in status), status
+        assert all(s.arena_spill_bytes == 0 for s in status)  # released once read
+        # and the arena path goes on as before
+        ok = c.run(lambda cl: float(cl.neighbor_allreduce(
+            torch.full((numel,), float(cl.rank)), name="z")[0]))
+        assert ok == [0.5, 0.5]
+    finally:
+        c.stop()
+
+
+def test_without_registered_memory_a_full_arena_with_opposite_orders_fails_naming_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the same, with workers that may not hand memory to the daemon (DECENT_REGISTER=0): the
+    # second ops cannot fit, and the errors say why (the arena) instead of only blaming the
+    # peer; nothing else breaks
+    monkeypatch.setenv("DECENT_REGISTER", "0")
     c = Cluster(2, "ring", "--set", "memory.arena_bytes=1048576")
     try:
         c.connect()
@@ -125,7 +160,7 @@ def test_a_full_arena_with_opposite_orders_fails_naming_the_arena() -> None:
         for e in errors:
             assert (e.code_name == "ARENA_ERROR" and "memory.arena_bytes" in e.message) or \
                 (e.code_name in ("TIMEOUT", "ABORTED") and "full arena" in e.message), e
-        # the daemons and both workers go on: the same ops in the same order work
+        assert [c.status(i).arena_spills for i in (0, 1)] == [0, 0]
         ok = c.run(lambda cl: float(cl.neighbor_allreduce(
             torch.full((numel,), float(cl.rank)), name="z")[0]))
         assert ok == [0.5, 0.5]

@@ -61,19 +61,36 @@ class ClientArena:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                for i, (off, free) in enumerate(self._free):
-                    if free >= size:
-                        if free == size:
-                            del self._free[i]
-                        else:
-                            self._free[i] = (off + size, free - size)
-                        return off
+                off = self._take(size)
+                if off is not None:
+                    return off
                 if reclaim is not None and reclaim():
                     continue
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise DecentError(pb.ARENA_ERROR, self._full(what, nbytes, timeout or 0.0))
                 self._cond.wait(left)
+
+    def try_alloc(self, nbytes: int, reclaim: Callable[[], bool] | None = None) -> int | None:
+        """Offset of a free slot of ``nbytes`` now (after ``reclaim()``, as :meth:`alloc`), or
+        None: no waiting."""
+        size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        with self._cond:
+            while True:
+                off = self._take(size)
+                if off is not None or reclaim is None or not reclaim():
+                    return off
+
+    def _take(self, size: int) -> int | None:
+        """First fit of ``size`` aligned bytes (lock held)."""
+        for i, (off, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + size, free - size)
+                return off
+        return None
 
     def _full(self, what: str, nbytes: int, waited: float) -> str:
         """Why an allocation gave up (lock held)."""

@@ -61,13 +61,25 @@ class Registrar:
                 return None
             return self.regions.offset_of(at, nbytes)
 
-    def _register(self, address: int, size: int, alive: Any, fd: int) -> bool:
+    def spill(self, address: int, size: int, alive: Any, fd: int) -> int | None:
+        """Hand the daemon memory of a request that found the arena full
+        (:mod:`decent.core.spill`); its base, or None when the daemon cannot map it."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            if not self._register(address, size, alive, fd, spill=True):
+                return None
+            return self.regions.offset_of(address, size)
+
+    def _register(self, address: int, size: int, alive: Any, fd: int,
+                  spill: bool = False) -> bool:
         """Hand one storage to the daemon; whether it was mapped."""
         base = self.regions.reserve(size)
         released = self.regions.sweep()
         try:
             self._channel.memory_call(pb.MemoryRequest(worker_id=self._worker_id, base=base,
-                                                       nbytes=size, release=released), fd)
+                                                       nbytes=size, release=released,
+                                                       spill=spill), fd)
         except DecentError as exc:
             # the daemon may have mapped it before the answer was lost: release it too (an
             # unknown base is a no-op there)

@@ -26,6 +26,7 @@ from decent.core.codec import TensorCodec
 from decent.core.fusion import Fusion
 from decent.core.handles import FREED, Handle, Pending, State
 from decent.core.registrar import Registrar
+from decent.core.spill import SpillMemory
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
@@ -77,6 +78,7 @@ class Submitter(Generic[T]):
         self.arena_wait = arena_wait
         self.arena = arena
         self.registrar = registrar
+        self.spill = SpillMemory(registrar)
         self._send_request = send
         # reentrant: a Handle finalizer (which takes it) may run during GC while it is held
         self._lock = threading.RLock()
@@ -178,10 +180,10 @@ class Submitter(Generic[T]):
                 size = nbytes if out_bytes is None else out_bytes
                 slots.append((self.alloc(size, f"tensor '{name}' output", wait), size))
             if tensor is not None and nbytes and resident is None:
-                self.codec.write(tensor, self.arena.view(slots[0][0], nbytes))
+                self.codec.write(tensor, self.view(slots[0][0], nbytes))
         except BaseException:
             for s in slots:
-                self.arena.free(*s)
+                self.free_slot(*s)
             raise
         offset = slots[0][0] if resident is None else resident
         if resident is not None and in_place:
@@ -190,9 +192,26 @@ class Submitter(Generic[T]):
         return Placement(slots, offset, out_offset, out_capacity, False)
 
     def alloc(self, nbytes: int, what: str, wait: float | None = None) -> int:
-        """An arena slot, reading finished results out first when the arena is full (waiting
-        at most ``wait`` seconds for requests in flight to free one)."""
-        return self.arena.alloc(nbytes, what, self._reclaim, wait)
+        """A slot for a request: in the arena (reading finished results out first when it is
+        full), else memory of its own that the daemon maps (:mod:`decent.core.spill`), else
+        an arena slot once requests in flight free one (waiting at most ``wait`` seconds)."""
+        off = self.arena.try_alloc(nbytes, self._reclaim)
+        if off is None and nbytes <= self.arena.nbytes:
+            off = self.spill.take(nbytes)
+        return off if off is not None else self.arena.alloc(nbytes, what, self._reclaim, wait)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """The bytes of a request's slot."""
+        if self.spill.owns(offset):
+            return self.spill.view(offset, nbytes)
+        return self.arena.view(offset, nbytes)
+
+    def free_slot(self, offset: int, nbytes: int) -> None:
+        """Let go of a request's slot."""
+        if self.spill.owns(offset):
+            self.spill.free(offset)
+        else:
+            self.arena.free(offset, nbytes)
 
     def _send(self, call: OpCall, tensors: list[pb.TensorRef], timeout: float,
               members: list[Pending], stamps: list[tuple[int, int]]) -> None:
@@ -289,7 +308,7 @@ class Submitter(Generic[T]):
         if p.resident:
             return p.into
         nbytes, shape = p.result_layout()
-        view = self.arena.view(p.out_offset, nbytes)
+        view = self.view(p.out_offset, nbytes)
         if p.into is not None:
             return self.codec.read_into(view, p.into)
         return self.codec.read(view, p.dtype, shape, p.like)
@@ -303,7 +322,7 @@ class Submitter(Generic[T]):
             self._unread.pop(p.request_id, None)
         if not self.closed:
             for off, n in p.slots:
-                self.arena.free(off, n)
+                self.free_slot(off, n)
         p.slots = []
 
     def _reclaim(self) -> bool:
@@ -341,4 +360,5 @@ class Submitter(Generic[T]):
         client after this)."""
         self._fusion.close()
         self.closed = True
+        self.spill.close()
 
