@@ -44,11 +44,8 @@ async def connect_peer(links: Links, link: PeerLink, deadline: float, was_down: 
         link.channel = (grpc.aio.secure_channel(link.address, tls.channel_credentials(),
                                                 options=GRPC_OPTIONS) if tls is not None else
                         grpc.aio.insecure_channel(link.address, options=GRPC_OPTIONS))
-    answer = await _handshake(links, link, pb_grpc.PeerStub(link.channel), deadline, was_down,
-                              serving)
-    if answer is None:
-        raise ConnectionError(f"rank {link.rank} at {link.address} did not answer")
-    reply, key = answer
+    reply, key = await _handshake(links, link, pb_grpc.PeerStub(link.channel), deadline,
+                                  was_down, serving)
     try:
         bulk_tls = tls.client_context() if tls is not None and tls.encrypt_bulk else None
         sock = await _open(host_of(link.address), int(reply.data_port), bulk_tls)
@@ -68,9 +65,10 @@ async def connect_peer(links: Links, link: PeerLink, deadline: float, was_down: 
 
 
 async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub, deadline: float,
-                     was_down: bool, serving: bool) -> tuple[pb.HandshakeReply, bytes] | None:
+                     was_down: bool, serving: bool) -> tuple[pb.HandshakeReply, bytes]:
     """The peer's handshake reply and the session key of secret mode (empty otherwise),
-    retried until ``deadline`` (None: not reachable)."""
+    retried until ``deadline``; ConnectionError saying why it was not reached (refused, or no
+    answer in time)."""
     delay = 0.05
     request = pb.HandshakeRequest(cluster_id=links.cluster_id,
                                   protocol_version=PROTOCOL_VERSION, from_rank=links.rank,
@@ -88,7 +86,10 @@ async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub, deadl
             # refused (nobody listens: the caller tries again later) or out of time
             if exc.code() == grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay >= deadline:
                 log.debug("rank %d at %s: %s", link.rank, link.address, exc.code().name)
-                return None
+                why = ("refused or unreachable" if exc.code() == grpc.StatusCode.UNAVAILABLE
+                       else "did not answer in time")
+                raise ConnectionError(f"rank {link.rank} at {link.address} {why} "
+                                      f"({exc.code().name})") from None
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.25)
             continue

@@ -51,7 +51,8 @@ def status(address: str, console: Console) -> int:
                   f"{s.early_arrival_bytes}")
     console.print(f"pid {s.pid}  rss {s.rss_bytes / 2**20:.1f} MiB  receive buffers "
                   f"{s.pool_bytes / 2**20:.1f} MiB (peak in use {s.pool_peak_bytes / 2**20:.1f} "
-                  f"MiB)  registered worker memory {s.registered_bytes / 2**20:.1f} MiB")
+                  f"MiB)  registered worker memory {s.registered_bytes / 2**20:.1f} MiB  arena "
+                  f"spills {s.arena_spills} ({s.arena_spill_bytes / 2**20:.1f} MiB mapped)")
     console.print(f"membership: epoch {s.view_epoch}, live daemons {list(s.live_daemons)}, "
                   f"live ranks {list(s.live_ranks)} (on peer loss: {s.on_peer_loss})")
     table = Table("peer", "address", "state", "heartbeat age (s)", "sent (B)", "received (B)",

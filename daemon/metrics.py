@@ -100,6 +100,10 @@ def _daemon_gauges(status: pb.StatusReply) -> Iterator[Metric]:
         "decent_pool_peak_bytes": ("Most receive-buffer bytes in use at once",
                                    status.pool_peak_bytes),
         "decent_registered_bytes": ("Worker memory registered", status.registered_bytes),
+        "decent_arena_spills": ("Requests that found their arena full and went to memory of "
+                                "their own (since their workers came)", status.arena_spills),
+        "decent_arena_spill_bytes": ("Memory of such requests mapped now",
+                                     status.arena_spill_bytes),
         "decent_early_arrival_bytes": ("Peers' data kept for ops not started here",
                                        status.early_arrival_bytes),
         "decent_resident_bytes": ("The daemon's resident memory", status.rss_bytes),
