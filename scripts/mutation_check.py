@@ -181,6 +181,21 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("clients/torch/optim.py", "        if rejoin and self.client.rejoining:\n            "
      "self._take_state()", "        pass",
      ["tests/test_rejoin.py"], "a restarted rank starts from its own state"),
+    ("daemon/liveness.py", "        if self.members.state(rank) is not PeerState.DOWN:  # down: "
+     "forgotten already\n            self._forget(rank, reason)", "        pass",
+     [FAULTS + "daemons_silent_past_the_deadline_are_counted_out_then_pair_again"],
+     "an op that started before a counted-out peer came back waits for a round it never ran"),
+    ("daemon/liveness.py", "        self.links.rounds.joined([-(rank + 1), *range(rank * per, "
+     "(rank + 1) * per)])", "        pass",
+     [FAULTS + "daemons_silent_past_the_deadline_are_counted_out_then_pair_again"],
+     "a counted-out peer's rounds are not placed afresh"),
+    ("clients/tf/optim.py", "        if self._rejoin and self.client.rejoining:",
+     "        if False:",
+     ["tests/test_rejoin.py::test_a_restarted_keras_rank_takes_the_state_of_a_live_rank_and_"
+      "trains_on"], "a restarted Keras rank starts from its own state"),
+    ("clients/core/submitter.py", "            off = self.spill.take(nbytes)", "            pass",
+     ["tests/test_concurrency.py::test_a_full_arena_with_opposite_orders_completes_in_memory_"
+      "of_its_own"], "a request waits for room in a full arena (opposite orders deadlock)"),
 ]
 
 

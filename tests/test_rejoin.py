@@ -3,6 +3,7 @@ on with the others, its rounds realigned with theirs (issue 26, docs/faults.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -56,6 +57,52 @@ def steps(trainers: list[Any], n: int) -> None:
             f.result(timeout=120)
 
 
+def join_while_training(survivors: list[Any], join: Callable[[], Any]) -> Any:
+    """The new worker (``join()``) takes its state while the survivors train on (they leave
+    it out until it has); its donor (rank 0) sends at a step boundary. The new trainer."""
+    with ThreadPoolExecutor(3) as pool:
+        joiner = pool.submit(join)
+
+        def train_on() -> None:
+            while not joiner.done():
+                steps(survivors, 1)
+
+        trained = pool.submit(train_on)
+        new = joiner.result(timeout=120)
+        trained.result(timeout=120)
+    return new
+
+
+def train_together(survivors: list[Any], rejoined: Any) -> None:
+    """Its rounds restarted at 0 and pair with the survivors': they train on together (the
+    survivors' steps that started before it joined leave it out, so they may take a step more;
+    whoever stops leaves, which ends the others' step under way)."""
+    with ThreadPoolExecutor(3) as pool:
+        def joiner_steps() -> None:
+            for _ in range(6):
+                rejoined.step()
+            rejoined.client.close()
+
+        joined = pool.submit(joiner_steps)
+
+        def survivor(t: Any) -> None:
+            while not joined.done():
+                t.step()
+            t.client.close()
+
+        ends = [pool.submit(survivor, t) for t in survivors]
+        joined.result(timeout=120)
+        for f in ends:
+            f.result(timeout=120)
+
+
+def assert_as_close_as_the_others(flats: list[Any]) -> None:
+    """The rejoined rank (last) is as close to the mean as any other (within 1.5x)."""
+    mean = sum(flats) / len(flats)
+    distance = [float(np.linalg.norm(np.asarray(f) - np.asarray(mean))) for f in flats]
+    assert distance[-1] <= 1.5 * max(distance[:-1]) + 1e-6, distance
+
+
 def test_a_restarted_node_takes_the_state_of_a_live_rank_and_trains_on() -> None:
     c = Cluster(3, "ring")
     try:
@@ -67,21 +114,8 @@ def test_a_restarted_node_takes_the_state_of_a_live_rank_and_trains_on() -> None
         c.procs[2] = c.spawn(2, "ring")
         for i in (0, 1):
             until_state(c, i, 2, "up")
-        with ThreadPoolExecutor(3) as pool:
-            # the new worker takes its state while the survivors train on (they leave it out
-            # until it has); its donor (rank 0) sends at a step boundary
-            def join() -> Trainer:
-                return Trainer(dt.connect(f"unix://{c.sockets[2]}", 60), seed=99)
-
-            joiner = pool.submit(join)
-
-            def train_on() -> None:
-                while not joiner.done():
-                    steps(trainers[:2], 1)
-
-            survivors = pool.submit(train_on)
-            trainers[2] = joiner.result(timeout=120)
-            survivors.result(timeout=120)
+        trainers[2] = join_while_training(
+            trainers[:2], lambda: Trainer(dt.connect(f"unix://{c.sockets[2]}", 60), seed=99))
         rejoined = trainers[2]
         assert rejoined.client.rejoining
         taken = [p.detach() for p in rejoined.model.parameters()]
@@ -94,29 +128,8 @@ def test_a_restarted_node_takes_the_state_of_a_live_rank_and_trains_on() -> None
         assert all(torch.equal(a, b) for a, b in zip(donor_momentum, momentum, strict=True))
         # the step counters too: as many steps as the donor had made
         assert rejoined.opt.algorithm.counters()["iteration"] == match[-1]
-        # its rounds restarted at 0 and pair with the survivors': they train on together (the
-        # survivors' steps that started before it joined leave it out, so they may take a step
-        # more; whoever stops leaves, which ends the others' step under way)
-        with ThreadPoolExecutor(3) as pool:
-            def joiner_steps() -> None:
-                for _ in range(6):
-                    rejoined.step()
-                rejoined.client.close()
-
-            joined = pool.submit(joiner_steps)
-
-            def survivor(t: Trainer) -> None:  # its leaving ends the other's step under way
-                while not joined.done():
-                    t.step()
-                t.client.close()
-
-            ends = [pool.submit(survivor, t) for t in trainers[:2]]
-            joined.result(timeout=120)
-            for f in ends:
-                f.result(timeout=120)
-        mean = sum(t.flat() for t in trainers) / 3
-        distance = [float((t.flat() - mean).norm()) for t in trainers]
-        assert distance[2] <= 1.5 * max(distance[:2]) + 1e-6, distance
+        train_together(trainers[:2], rejoined)
+        assert_as_close_as_the_others([t.flat().numpy() for t in trainers])
     finally:
         c.stop()
 
@@ -165,21 +178,12 @@ def test_a_restarted_keras_rank_takes_the_state_of_a_live_rank_and_trains_on() -
         c.procs[2] = c.spawn(2, "ring")
         for i in (0, 1):
             until_state(c, i, 2, "up")
-        with ThreadPoolExecutor(3) as pool:
-            def join() -> KerasTrainer:  # building the optimizer takes the donor's state
-                t = KerasTrainer(dtf.connect(f"unix://{c.sockets[2]}", 60), seed=99)
-                t.opt.build(t.model.trainable_variables)
-                return t
+        def join() -> KerasTrainer:  # building the optimizer takes the donor's state
+            t = KerasTrainer(dtf.connect(f"unix://{c.sockets[2]}", 60), seed=99)
+            t.opt.build(t.model.trainable_variables)
+            return t
 
-            joiner = pool.submit(join)
-
-            def train_on() -> None:
-                while not joiner.done():
-                    steps(trainers[:2], 1)
-
-            survivors = pool.submit(train_on)
-            trainers[2] = joiner.result(timeout=120)
-            survivors.result(timeout=120)
+        trainers[2] = join_while_training(trainers[:2], join)
         rejoined = trainers[2]
         clients[2] = rejoined.client
         assert rejoined.client.rejoining
@@ -193,26 +197,8 @@ def test_a_restarted_keras_rank_takes_the_state_of_a_live_rank_and_trains_on() -
         assert all(np.array_equal(a, b) for a, b in zip(donor_opt, taken_opt, strict=True))
         assert int(rejoined.opt.iterations.numpy()) == match[-1] + 1
         assert rejoined.opt.algorithm.counters()["iteration"] == match[-1] + 1
-        with ThreadPoolExecutor(3) as pool:
-            def joiner_steps() -> None:
-                for _ in range(6):
-                    rejoined.step()
-                rejoined.client.close()
-
-            joined = pool.submit(joiner_steps)
-
-            def survivor(t: KerasTrainer) -> None:
-                while not joined.done():
-                    t.step()
-                t.client.close()
-
-            ends = [pool.submit(survivor, t) for t in trainers[:2]]
-            joined.result(timeout=120)
-            for f in ends:
-                f.result(timeout=120)
-        mean = sum(t.flat() for t in trainers) / 3
-        distance = [float(np.linalg.norm(t.flat() - mean)) for t in trainers]
-        assert distance[2] <= 1.5 * max(distance[:2]) + 1e-6, distance
+        train_together(trainers[:2], rejoined)
+        assert_as_close_as_the_others([t.flat() for t in trainers])
     finally:
         for cl in clients:
             cl.close()
