@@ -301,7 +301,9 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                 if share is not None else _why(big, op), pct)
         ratio_rows(big, "64 MiB {} / gloo allreduce", 1.0,
                    (("1b", "nar_reg", "neighbor_allreduce_ on a share_memory_() tensor"),
-                    ("1b'", "nar_", "neighbor_allreduce_ on a private tensor (copies)")))
+                    ("1b'", "nar_", "neighbor_allreduce_ on a private tensor (copies)"),
+                    ("1c", "nar", "out-of-place neighbor_allreduce(x).wait() on a private "
+                                  "tensor (the README's first call)")))
     else:
         add("1a", "peer bulk transfer (one-way 64 MiB) vs raw TCP", None, 0.70, True,
             "64 MiB not measured", pct)
@@ -312,6 +314,8 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
         ratio_rows(small, "4 KiB {} end to end / gloo allreduce", 2.0,
                    (("2", "nar_", "neighbor_allreduce_"),
                     ("2'", "ar_", "allreduce_")))
+        ratio_rows(small, "4 KiB {} end to end / gloo allreduce", 1.5,
+                   (("2c", "nar", "out-of-place neighbor_allreduce(x).wait()"),))
     else:
         add("2", "4 KiB neighbor_allreduce_ / gloo allreduce", None, 2.0, False,
             "4 KiB not measured")

@@ -175,7 +175,9 @@ def test_shared_tensors_skip_the_copies(small_window: Cluster) -> None:
         t = cl.shared(_pattern(BLOCK + 5, cl.rank))
         ptr = t.data_ptr()
         out = cl.neighbor_allreduce_(t, name="sh")  # in place: the daemon writes into t
-        copy = cl.neighbor_allreduce(t, name="sh2")  # not in place: t stays, a new tensor back
+        # not in place: t stays, a new tensor back (over arena memory of its own: a clone kept
+        # here, so that the arena space is all back below)
+        copy = cl.neighbor_allreduce(t, name="sh2").clone()
         fused = [cl.shared(torch.full((3,), float(cl.rank + i))) for i in range(5)]
         hs = [cl.neighbor_allreduce_async_(f, name=f"shf{i}") for i, f in enumerate(fused)]
         for h in hs:

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import decent.torch as dt
 from conftest import ClusterFactory
@@ -146,3 +148,56 @@ def test_the_wrapped_optimizers_state_is_its_own(cluster: ClusterFactory) -> Non
 
     for adam, extra in c.run(run):
         assert adam == {"step", "exp_avg", "exp_avg_sq"} and extra == {"x", "wx", "d"}
+
+
+class LargeAllocations(TorchDispatchMode):
+    """Records every op of this thread that makes a new tensor of ``min_numel`` elements or
+    more (a result that shares no storage with the op's inputs)."""
+
+    def __init__(self, min_numel: int) -> None:
+        super().__init__()
+        self.min_numel = min_numel
+        self.made: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        self.made += [str(func) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                      and t.numel() >= self.min_numel
+                      and t.untyped_storage().data_ptr() not in inputs]
+        return out
+
+
+@pytest.mark.parametrize(("algorithm", "per_step"), [
+    ("dsgd", 0), ("allreduce", 0), ("gradient-tracking", 6), ("extra", 12)])
+def test_the_general_path_allocates_no_model_sized_tensor_per_step(
+        cluster: ClusterFactory, algorithm: str, per_step: int) -> None:
+    # parameters that are not flattened (flatten=False: what tied weights, share_memory(),
+    # CUDA and TensorFlow get): after the first steps, an adapt-then-combine step makes no
+    # parameter-sized tensor (the optimizer writes x - d, the combine writes into the
+    # parameters); x and d of the other algorithms live in buffers kept across steps, and
+    # what their update arithmetic still makes is counted here (2 parameters of >= 2560)
+    c = cluster(2)
+
+    def work(cl: Client[torch.Tensor]) -> list[str]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 10))
+        opt = dt.DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                        momentum=0.9), model,
+                                        algorithm=algorithm, client=cl, flatten=False,
+                                        prefix=f"alloc.{algorithm}")
+        made = []
+        for k in range(4):
+            opt.zero_grad()
+            model(torch.ones(4, 256)).sum().backward()
+            watch = LargeAllocations(2560)
+            with watch:
+                opt.step()
+            if k >= 2:
+                made += watch.made
+        return made
+
+    for made in c.run(work):
+        assert len(made) == 2 * per_step, made

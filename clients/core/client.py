@@ -459,8 +459,14 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
         return list(self.topology_at(name).out_neighbors)
 
     def status(self) -> pb.StatusReply:
-        """The daemon's counters and peer health."""
-        return self.connection.status()
+        """The daemon's counters and peer health, and this worker's results that hold memory
+        (``worker_results_held``, ``worker_results_held_bytes``) or were copied out
+        (``worker_results_copied``)."""
+        reply = self.connection.status()
+        results = self._submitter.results
+        reply.worker_results_held, reply.worker_results_held_bytes = results.held
+        reply.worker_results_copied = results.copied
+        return reply
 
     def membership(self) -> View:
         """The live ranks and the view's epoch, as this worker's daemon sees them now."""

@@ -56,6 +56,10 @@ class NumpyCodec:
         """An array over ``owner``'s bytes (a view keeps it alive)."""
         return owner.view(_FROM_WIRE[dtype]).reshape(shape)
 
+    def adopts(self, like: np.ndarray | None) -> bool:
+        """Always: an array can wrap the arena."""
+        return True
+
     def attach(self, arena: ClientArena) -> None:
         """Nothing to do for host memory."""
 

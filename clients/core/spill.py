@@ -36,15 +36,15 @@ class Segment:
         self.nbytes = nbytes
         self.view = memoryview(self.map)
         self.address = int(np.frombuffer(self.view, np.uint8).ctypes.data)
-        self.open = True
+        self.registered = True
 
     def alive(self) -> bool:
-        """False once the request let go of it."""
-        return self.open
+        """False once the daemon need not map it any more."""
+        return self.registered
 
     def close(self) -> None:
         """Unmap and close (the daemon's mapping, if any, stays until it releases it)."""
-        self.open = False
+        self.registered = False
         os.close(self.fd)
         view, self.view = self.view, memoryview(b"")
         with contextlib.suppress(BufferError):  # a view still in use: unmapped once it goes
@@ -86,11 +86,19 @@ class SpillMemory:
 
     def free(self, offset: int) -> None:
         """The request let go of its segment: unmapped here, and released at the daemon."""
+        segment = self.detach(offset)
+        if segment is not None:
+            segment.close()
+
+    def detach(self, offset: int) -> Segment | None:
+        """The segment at ``offset``, released at the daemon (its request is over) but still
+        mapped here: its result lives on in it, and whoever holds it closes it."""
         with self._lock:
             segment = self._segments.pop(offset, None)
         if segment is not None:
-            segment.close()
+            segment.registered = False
             self._registrar.release_dead()
+        return segment
 
     def close(self) -> None:
         """Unmap every segment (the client closes)."""

@@ -26,6 +26,7 @@ from decent.core.codec import TensorCodec
 from decent.core.fusion import Fusion
 from decent.core.handles import FREED, Handle, Pending, State
 from decent.core.registrar import Registrar
+from decent.core.results import ResultMemory
 from decent.core.spill import SpillMemory
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
@@ -79,6 +80,7 @@ class Submitter(Generic[T]):
         self.arena = arena
         self.registrar = registrar
         self.spill = SpillMemory(registrar)
+        self.results = ResultMemory(codec, arena, self.spill, self.free_shared)
         self._send_request = send
         # reentrant: a Handle finalizer (which takes it) may run during GC while it is held
         self._lock = threading.RLock()
@@ -308,10 +310,14 @@ class Submitter(Generic[T]):
         if p.resident:
             return p.into
         nbytes, shape = p.result_layout()
-        view = self.view(p.out_offset, nbytes)
         if p.into is not None:
-            return self.codec.read_into(view, p.into)
-        return self.codec.read(view, p.dtype, shape, p.like)
+            return self.codec.read_into(self.view(p.out_offset, nbytes), p.into)
+        slot = next((s for s in p.slots if s[0] == p.out_offset), None)
+        if nbytes and slot is not None and self.codec.adopts(p.like):
+            p.slots.remove(slot)
+            return self.results.adopt(slot, nbytes, p.dtype, shape)
+        self.results.copied += 1
+        return self.codec.read(self.view(p.out_offset, nbytes), p.dtype, shape, p.like)
 
     def _free(self, p: Pending, state: State) -> None:
         """Move ``p`` to a state whose slots are free (caller holds ``p.lock``)."""

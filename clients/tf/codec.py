@@ -99,6 +99,10 @@ class TFCodec:
         raise TypeError("client.shared() is not available for TensorFlow tensors (they are "
                         "immutable); use in-place ops on a tf.Variable instead")
 
+    def adopts(self, like: TFTensor | None) -> bool:
+        """Never: a TensorFlow tensor cannot live in memory the daemon writes."""
+        return False
+
     def attach(self, arena: ClientArena) -> None:
         """Nothing to pin."""
 

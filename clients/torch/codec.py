@@ -131,6 +131,10 @@ class TorchCodec:
             return torch.empty(shape, dtype=_FROM_WIRE[dtype])
         return torch.frombuffer(owner, dtype=_FROM_WIRE[dtype]).view(shape)
 
+    def adopts(self, like: torch.Tensor | None) -> bool:
+        """A result on the host (a CUDA input's result is copied to its device)."""
+        return like is None or like.device.type == "cpu"
+
     def shared_storage(self, tensor: torch.Tensor) -> SharedStorage | None:
         """A contiguous CPU tensor's storage if it is in torch's fd-backed shared memory
         (``share_memory_()`` with the default file_descriptor strategy); None for private or

@@ -91,6 +91,8 @@ class DecentralizedOptimizer:
         self._layout: list[tuple[int, int]] = []  # (id, data_ptr) of each parameter when laid out
         self._lay_out()
         self._started = False
+        #: x_k and d_k of the general path, kept across steps
+        self._buffers = StepBuffers()
         self._hook = model.register_forward_pre_hook(self._before_forward) \
             if model is not None else None
         #: ranks that joined late and get this rank's state (the donor's sends, in flight)
@@ -176,12 +178,16 @@ class DecentralizedOptimizer:
         params = self._params()
         if self.algorithm.reduces_gradients:
             average_gradients(self.algorithm, params)
-        xs = [p.detach().clone() for p in params]
-        self.optimizer.step()
-        ds = [x - p.detach() for x, p in zip(xs, params, strict=True)]
-        new = self.algorithm.finish(xs, ds, self._states(params))
-        for p, value in zip(params, new, strict=True):
-            p.copy_(value)
+        if self.algorithm.in_place:  # x' = M (x - d): the optimizer's step wrote x - d
+            self.optimizer.step()
+            self.algorithm.finish_in_place([p.detach() for p in params])
+        else:
+            xs = self._buffers.copies(params)
+            self.optimizer.step()
+            ds = self._buffers.updates(xs, params)
+            new = self.algorithm.finish(xs, ds, self._states(params))
+            for p, value in zip(params, new, strict=True):
+                p.copy_(value)
         self.algorithm.advance()
         self._started = False
         return loss
@@ -250,6 +256,41 @@ class DecentralizedOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+class StepBuffers:
+    """``x_k`` (the parameters before the optimizer's step) and ``d_k`` (its update) in
+    tensors allocated once and reused: two sets, used in turn, since an algorithm may keep
+    the previous step's ``x`` and ``d`` in its state for one step (EXTRA, gradient tracking)."""
+
+    def __init__(self) -> None:
+        self._sets: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._turn = 0
+
+    def copies(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``x_k``: the parameters' values now (this step's set)."""
+        layout = [(p.shape, p.dtype, p.device) for p in params]
+        if not self._sets or [(b.shape, b.dtype, b.device) for b in self._sets[0][0]] != layout:
+            self._sets = [self._allocate(params), self._allocate(params)]
+        self._turn ^= 1
+        xs = self._sets[self._turn][0]
+        for b, p in zip(xs, params, strict=True):
+            b.copy_(p.detach())
+        return list(xs)
+
+    @staticmethod
+    def _allocate(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor],
+                                                           list[torch.Tensor]]:
+        xs = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+        return xs, [torch.empty_like(x) for x in xs]
+
+    def updates(self, xs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+                ) -> list[torch.Tensor]:
+        """``d_k = x_k - x_k'``: the optimizer's update, after its step."""
+        ds = self._sets[self._turn][1]
+        for d, x, p in zip(ds, xs, params, strict=True):
+            torch.sub(x, p.detach(), out=d)
+        return list(ds)
 
 
 def average_gradients(algorithm: Algorithm[torch.Tensor], params: Sequence[torch.Tensor],

@@ -1,0 +1,69 @@
+"""Out-of-place results as tensors over the memory the daemon wrote them into: nothing is copied
+out, and a fresh model-sized allocation (with its first-touch page faults) is not made per call.
+
+The slot (an arena slot, or a request's memory of its own when the arena was full) belongs to
+the result from then on and is freed when the last tensor using it is garbage-collected. Results
+the framework cannot wrap (a CUDA input's result goes back to its device; TensorFlow tensors) are
+copied out, and counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from decent.core.arena import ClientArena
+from decent.core.codec import TensorCodec
+from decent.core.spill import SpillMemory
+
+T = TypeVar("T")
+
+
+class ResultMemory(Generic[T]):
+    """The results of one client that hold memory. Thread-safe."""
+
+    def __init__(self, codec: TensorCodec[T], arena: ClientArena, spill: SpillMemory,
+                 free_arena: Callable[[int, int], None]) -> None:
+        self._codec = codec
+        self._arena = arena
+        self._spill = spill
+        self._free_arena = free_arena
+        self._lock = threading.Lock()
+        self._held = 0
+        self._live = 0
+        #: results copied out instead (devices, frameworks that cannot wrap memory)
+        self.copied = 0
+
+    def adopt(self, slot: tuple[int, int], nbytes: int, dtype: int, shape: tuple[int, ...]
+              ) -> T:
+        """The result in ``slot`` (offset, size) as a tensor that owns the slot."""
+        offset, size = slot
+        segment = self._spill.detach(offset) if self._spill.owns(offset) else None
+        if segment is not None:
+            owner = np.frombuffer(segment.view, np.uint8, count=nbytes)
+            release: Callable[[], None] = segment.close
+        else:
+            owner = np.frombuffer(self._arena.buf, np.uint8, count=nbytes, offset=offset)
+            release = functools.partial(self._free_arena, offset, size)
+        with self._lock:
+            self._held += size
+            self._live += 1
+        weakref.finalize(owner, self._released, release, size)
+        return self._codec.wrap(owner, dtype, shape)
+
+    def _released(self, release: Callable[[], None], size: int) -> None:
+        with self._lock:
+            self._held -= size
+            self._live -= 1
+        release()
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """(results alive that hold memory, their bytes)."""
+        with self._lock:
+            return self._live, self._held

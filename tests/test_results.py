@@ -1,0 +1,99 @@
+"""Out-of-place results live in the arena (issue 27): no copy out, exact, and safe to keep.
+
+A result of an out-of-place op on the host is a tensor over the arena slot the daemon wrote it
+into; the slot is freed when the last tensor using it is garbage-collected. Kept results never
+starve later ops (those go to memory of their own when the arena is full) and stay valid after
+the client closes.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from cluster import Cluster, delay
+from conftest import ClusterFactory
+
+
+def in_arena(cl, t: torch.Tensor) -> bool:  # type: ignore[no-untyped-def]
+    return cl.arena.offset_of(t.data_ptr(), t.numel() * t.element_size()) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.bfloat16])
+def test_an_out_of_place_result_is_a_tensor_over_the_arena_of_the_inputs_shape_and_dtype(
+        cluster: ClusterFactory, dtype: torch.dtype) -> None:
+    c = cluster(2)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        x = torch.full((3, 5, 7), 2.0 * (cl.rank + 1)).to(dtype)
+        out = cl.neighbor_allreduce(x, name="r")
+        return out, in_arena(cl, out), cl.status().arena_bytes
+
+    got = c.run(work)
+    for out, arena_backed, _ in got:
+        assert arena_backed
+        assert out.shape == (3, 5, 7) and out.dtype == dtype
+        assert torch.equal(out, torch.full((3, 5, 7), 3.0).to(dtype))  # (2 + 4) / 2
+
+
+def test_results_kept_past_the_arena_are_exact_and_later_ops_still_run() -> None:
+    # a 1 MiB arena; every rank keeps 8 results of 256 KiB: the arena cannot hold them, so later
+    # ops go to memory of their own; every kept result stays exact
+    c = Cluster(2, "ring", "--set", "memory.arena_bytes=1048576")
+    try:
+        c.connect()
+        numel = 256 * 1024 // 4
+
+        def work(cl):  # type: ignore[no-untyped-def]
+            delay(cl.rank)
+            kept = [cl.neighbor_allreduce(torch.full((numel,), float(10 * k + cl.rank)),
+                                          name=f"k{k}") for k in range(8)]
+            return kept, sum(in_arena(cl, t) for t in kept)
+
+        got = c.run(work)
+        for kept, arena_backed in got:
+            assert 1 <= arena_backed < 8  # some in the arena, the rest elsewhere
+            for k, t in enumerate(kept):
+                assert torch.equal(t, torch.full((numel,), 10 * k + 0.5)), k
+        assert all(c.status(i).arena_spills >= 1 for i in (0, 1))
+        del got, kept, t
+        gc.collect()
+        # the slots are free again once the results are gone
+        assert [cl.arena.free_bytes for cl in c.clients] == [cl.arena.nbytes for cl in c.clients]
+    finally:
+        c.stop()
+
+
+def test_a_result_passed_to_another_op_in_and_out_of_place(cluster: ClusterFactory) -> None:
+    c = cluster(2)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        first = cl.neighbor_allreduce(torch.arange(1000, dtype=torch.float64) * (cl.rank + 1),
+                                      name="p")  # 1.5 * arange on both ranks
+        second = cl.allreduce(first, name="q")  # out of place, from arena memory
+        cl.allreduce_(first, name="q2")  # in place on arena memory
+        return first, second
+
+    for first, second in c.run(work):
+        want = torch.arange(1000, dtype=torch.float64) * 1.5
+        assert torch.equal(second, want) and torch.equal(first, want)
+
+
+def test_a_result_outlives_its_client_and_its_daemon() -> None:
+    c = Cluster(2, "ring")
+    try:
+        c.connect()
+        got = c.run(lambda cl: cl.neighbor_allreduce(torch.full((4096,), float(cl.rank)),
+                                                     name="o"))
+        assert all(in_arena(cl, t) for cl, t in zip(c.clients, got, strict=True))
+    finally:
+        c.stop()  # the clients close, the daemons stop
+    for t in got:  # still the values, in memory that stays mapped while they use it
+        assert torch.equal(t, torch.full((4096,), 0.5))
+        t += 1  # and writable: the user's tensor
+        assert float(t.sum()) == 1.5 * 4096
+
