@@ -33,9 +33,11 @@ class TensorCodec(Protocol[T]):
     def wrap(self, owner: Any, dtype: int, shape: tuple[int, ...]) -> T:
         """A tensor over the bytes of buffer ``owner``, keeping ``owner`` alive as long as it."""
 
-    def adopts(self, like: T | None) -> bool:
-        """Whether the result of an out-of-place op on ``like`` can be a tensor over the
-        arena memory it was written to (:meth:`wrap`) instead of a copy."""
+    def result(self, owner: Any, dtype: int, shape: tuple[int, ...], like: T | None
+               ) -> T | None:
+        """The result of an out-of-place op on ``like`` as a tensor over buffer ``owner`` (the
+        memory the daemon wrote it into; kept alive as long as the tensor), or None when it
+        has to be copied out (a device tensor's result, a dtype the framework cannot wrap)."""
 
     def attach(self, arena: ClientArena) -> None:
         """Called once the arena is mapped (e.g. to pin it for GPU copies)."""

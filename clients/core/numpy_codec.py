@@ -56,9 +56,10 @@ class NumpyCodec:
         """An array over ``owner``'s bytes (a view keeps it alive)."""
         return owner.view(_FROM_WIRE[dtype]).reshape(shape)
 
-    def adopts(self, like: np.ndarray | None) -> bool:
-        """Always: an array can wrap the arena."""
-        return True
+    def result(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...],
+               like: np.ndarray | None) -> np.ndarray:
+        """An array over ``owner``."""
+        return self.wrap(owner, dtype, shape)
 
     def attach(self, arena: ClientArena) -> None:
         """Nothing to do for host memory."""

@@ -39,22 +39,25 @@ class ResultMemory(Generic[T]):
         #: results copied out instead (devices, frameworks that cannot wrap memory)
         self.copied = 0
 
-    def adopt(self, slot: tuple[int, int], nbytes: int, dtype: int, shape: tuple[int, ...]
-              ) -> T:
-        """The result in ``slot`` (offset, size) as a tensor that owns the slot."""
+    def adopt(self, slot: tuple[int, int], nbytes: int, dtype: int, shape: tuple[int, ...],
+              like: T | None) -> T | None:
+        """The result in ``slot`` (offset, size) as a tensor that owns the slot, or None (the
+        framework copies this one: the slot stays the request's)."""
         offset, size = slot
-        segment = self._spill.detach(offset) if self._spill.owns(offset) else None
-        if segment is not None:
-            owner = np.frombuffer(segment.view, np.uint8, count=nbytes)
-            release: Callable[[], None] = segment.close
-        else:
-            owner = np.frombuffer(self._arena.buf, np.uint8, count=nbytes, offset=offset)
-            release = functools.partial(self._free_arena, offset, size)
+        spilled = self._spill.owns(offset)
+        memory = self._spill.segment_view(offset) if spilled else self._arena.buf
+        owner = np.frombuffer(memory, np.uint8, count=nbytes, offset=0 if spilled else offset)
+        result = self._codec.result(owner, dtype, shape, like)
+        if result is None:
+            return None
+        segment = self._spill.detach(offset) if spilled else None
+        release: Callable[[], None] = segment.close if segment is not None else \
+            functools.partial(self._free_arena, offset, size)
         with self._lock:
             self._held += size
             self._live += 1
         weakref.finalize(owner, self._released, release, size)
-        return self._codec.wrap(owner, dtype, shape)
+        return result
 
     def _released(self, release: Callable[[], None], size: int) -> None:
         with self._lock:

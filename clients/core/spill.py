@@ -79,6 +79,11 @@ class SpillMemory:
             self._segments[base] = segment
         return base
 
+    def segment_view(self, offset: int) -> memoryview:
+        """All of the segment at ``offset``."""
+        with self._lock:
+            return self._segments[offset].view
+
     def view(self, offset: int, nbytes: int) -> memoryview:
         """Bytes ``[0, nbytes)`` of the segment at ``offset``."""
         with self._lock:

@@ -313,9 +313,11 @@ class Submitter(Generic[T]):
         if p.into is not None:
             return self.codec.read_into(self.view(p.out_offset, nbytes), p.into)
         slot = next((s for s in p.slots if s[0] == p.out_offset), None)
-        if nbytes and slot is not None and self.codec.adopts(p.like):
-            p.slots.remove(slot)
-            return self.results.adopt(slot, nbytes, p.dtype, shape)
+        if nbytes and slot is not None:
+            result = self.results.adopt(slot, nbytes, p.dtype, shape, p.like)
+            if result is not None:
+                p.slots.remove(slot)
+                return result
         self.results.copied += 1
         return self.codec.read(self.view(p.out_offset, nbytes), p.dtype, shape, p.like)
 

@@ -99,9 +99,19 @@ class TFCodec:
         raise TypeError("client.shared() is not available for TensorFlow tensors (they are "
                         "immutable); use in-place ops on a tf.Variable instead")
 
-    def adopts(self, like: TFTensor | None) -> bool:
-        """Never: a TensorFlow tensor cannot live in memory the daemon writes."""
-        return False
+    def result(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...],
+               like: TFTensor | None) -> tf.Tensor | None:
+        """A host result as a tensor over ``owner`` through DLPack (no copy: the daemon is
+        done writing it, and TensorFlow never writes a tensor). The memory is 64-byte aligned
+        (arena slots, memory of their own), as TensorFlow needs; bfloat16 (no numpy DLPack
+        export), empty results and GPU inputs' results are copied."""
+        tf_dtype = _FROM_WIRE[dtype]
+        if tf_dtype == tf.bfloat16 or not math.prod(shape) or \
+                "GPU" in (getattr(like, "device", "") or "").upper():
+            return None
+        # a view through a memoryview keeps ``owner`` itself alive (numpy would skip it)
+        typed = np.frombuffer(owner.data, tf_dtype.as_numpy_dtype).reshape(shape)
+        return tf.experimental.dlpack.from_dlpack(typed.__dlpack__())
 
     def attach(self, arena: ClientArena) -> None:
         """Nothing to pin."""

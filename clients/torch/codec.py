@@ -131,9 +131,13 @@ class TorchCodec:
             return torch.empty(shape, dtype=_FROM_WIRE[dtype])
         return torch.frombuffer(owner, dtype=_FROM_WIRE[dtype]).view(shape)
 
-    def adopts(self, like: torch.Tensor | None) -> bool:
-        """A result on the host (a CUDA input's result is copied to its device)."""
-        return like is None or like.device.type == "cpu"
+    def result(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...],
+               like: torch.Tensor | None) -> torch.Tensor | None:
+        """A tensor over ``owner`` for a host input (a CUDA input's result is copied to its
+        device)."""
+        if like is not None and like.device.type != "cpu":
+            return None
+        return self.wrap(owner, dtype, shape)
 
     def shared_storage(self, tensor: torch.Tensor) -> SharedStorage | None:
         """A contiguous CPU tensor's storage if it is in torch's fd-backed shared memory
