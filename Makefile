@@ -48,6 +48,7 @@ bench:
 	$(VENV)/python benchmarks/netns_dsgd.py --mode optimizer --json benchmarks/results/netns_dsgd_optimizer.json
 	$(VENV)/python benchmarks/netns_hier.py --json benchmarks/results/netns_hier.json --png benchmarks/results/netns_hier.png || [ $$? -eq 3 ]
 	$(VENV)/decentrun -np 2 --nodes 2 -- $(VENV)/python benchmarks/optimizer_step.py
+	$(VENV)/decentrun -np 2 --nodes 2 -- $(VENV)/python benchmarks/tf_vs_torch.py
 	$(VENV)/python benchmarks/security_cost.py --json benchmarks/results/security_cost.json --png benchmarks/results/security_cost.png || [ $$? -eq 3 ]
 	$(VENV)/python benchmarks/report.py
 

@@ -204,10 +204,10 @@ def piece_sizes(total: int, pieces: int = PIECES) -> list[int]:
 
 
 def dsgd_optimizer(client: Any, sizes: list[int], prefix: str,
-                   flatten: bool = True) -> tuple[Any, list[Any]]:
-    """D-SGD around SGD (lr :data:`OPT_LR`) on parameters of ``sizes`` elements filled with the
-    rank, with zero gradients (a step leaves the values to the average); the optimizer and the
-    parameters."""
+                   flatten: bool = True, algorithm: str = "dsgd") -> tuple[Any, list[Any]]:
+    """D-SGD (or ``algorithm``) around SGD (lr :data:`OPT_LR`) on parameters of ``sizes``
+    elements filled with the rank, with zero gradients (a step leaves the values to the
+    average); the optimizer and the parameters."""
     import torch
 
     import decent.torch as dt
@@ -215,7 +215,7 @@ def dsgd_optimizer(client: Any, sizes: list[int], prefix: str,
     params = [torch.nn.Parameter(torch.full((n,), float(client.rank))) for n in sizes]
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt = dt.DecentralizedOptimizer(torch.optim.SGD(params, lr=OPT_LR), algorithm="dsgd",
+    opt = dt.DecentralizedOptimizer(torch.optim.SGD(params, lr=OPT_LR), algorithm=algorithm,
                                     client=client, prefix=prefix, flatten=flatten)
     return opt, params
 

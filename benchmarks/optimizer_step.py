@@ -8,8 +8,10 @@ adding up to ``--mbytes`` MB, with ``algorithm="dsgd"`` on the daemons' topology
 ``opt.step()`` after a barrier, ``--steps`` times per round. The gradients are zero, so each
 step leaves every rank's values at the average its step's weights give, which is checked.
 Rounds alternate ``flatten=True`` (the parameters in one shared buffer, averaged in place by the
-daemon) and ``flatten=False`` (the general path: clone ``x``, subtract the update, the exchange
-through the arena, copy back), two rounds each. Rank 0 prints the medians (wall time and the
+daemon), ``flatten=False`` (the general path: the optimizer's step writes ``x - d`` into the
+parameters and the combine writes into them, in place through the arena) and gradient tracking
+on the general path (``x`` and ``d`` in buffers kept across steps; two exchanges per step), two
+rounds each. Rank 0 prints the medians (wall time and the
 worker's own CPU time per step; the daemon's work is the same on both paths) and writes them as
 JSON and a bar chart next to it.
 """
@@ -38,15 +40,19 @@ from benchmarks.netns_dsgd import (  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 WARMUP = 3
+#: the rounds' keys and labels
+PATHS = {"flat": "dsgd, flattened (shared buffer, in place)",
+         "general": "dsgd, general (flatten=False)",
+         "gt": "gradient tracking, general (two exchanges per step)"}
 
 
 def one_round(client: Any, flatten: bool, sizes: list[int], steps: int,
-              tag: str) -> tuple[list[float], list[float], bool]:
+              tag: str, algorithm: str = "dsgd") -> tuple[list[float], list[float], bool]:
     """Wall and worker-CPU seconds of ``steps`` timed steps; whether every result was exact."""
     import torch
 
     rank = client.rank
-    opt, params = dsgd_optimizer(client, sizes, tag, flatten)
+    opt, params = dsgd_optimizer(client, sizes, tag, flatten, algorithm)
     if opt.flattened != flatten:
         raise SystemExit(f"flatten={flatten} but the optimizer says flattened={opt.flattened}")
     walls: list[float] = []
@@ -86,12 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     client = dt.connect()
     sizes = piece_sizes(numel(a.mbytes), a.params)
-    runs: dict[str, dict[str, list[float]]] = {
-        "flat": {"wall": [], "cpu": []}, "general": {"wall": [], "cpu": []}}
+    runs: dict[str, dict[str, list[float]]] = {key: {"wall": [], "cpu": []} for key in PATHS}
     exact = True
-    for i, flatten in enumerate((True, False, False, True)):
-        walls, cpus, ok = one_round(client, flatten, sizes, a.steps, f"optstep{i}")
-        key = "flat" if flatten else "general"
+    for i, key in enumerate(("flat", "general", "gt", "gt", "general", "flat")):
+        walls, cpus, ok = one_round(client, key == "flat", sizes, a.steps, f"optstep{i}",
+                                    "gradient-tracking" if key == "gt" else "dsgd")
         runs[key]["wall"] += walls
         runs[key]["cpu"] += cpus
         exact &= ok
@@ -118,23 +123,24 @@ def report(res: dict[str, Any], path: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"DecentralizedOptimizer(SGD, dsgd).step(), {res['mbytes']:g} MB in "
+    t = Table(title=f"DecentralizedOptimizer(SGD).step(), {res['mbytes']:g} MB in "
                     f"{res['params']} parameters, {res['ranks']} ranks (median ms)")
-    for col in ("path", "step", "worker CPU"):
+    for col in ("path", "step", "/ flattened", "worker CPU"):
         t.add_column(col, justify="left" if col == "path" else "right")
-    for key, label in (("flat", "flattened (shared buffer, in place)"),
-                       ("general", "general (flatten=False)")):
-        t.add_row(label, f"{res[key]['wall_ms']:.1f}", f"{res[key]['cpu_ms']:.1f}")
+    for key, label in PATHS.items():
+        t.add_row(label, f"{res[key]['wall_ms']:.1f}",
+                  f"{res[key]['wall_ms'] / res['flat']['wall_ms']:.2f}x",
+                  f"{res[key]['cpu_ms']:.1f}")
     Console().print(t)
     print(f"results exact: {res['exact']}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    keys = ["flat", "general"]
+    keys = list(PATHS)
     xs = range(len(keys))
     ax.bar([x - 0.2 for x in xs], [res[k]["wall_ms"] for k in keys], 0.4, label="step")
     ax.bar([x + 0.2 for x in xs], [res[k]["cpu_ms"] for k in keys], 0.4, label="worker CPU")
-    ax.set_xticks(list(xs), ["flattened", "general"])
+    ax.set_xticks(list(xs), ["dsgd flattened", "dsgd general", "GT general"])
     ax.set_ylabel("ms per step (median)")
     ax.set_title(f"optimizer step, {res['mbytes']:g} MB, {res['ranks']} ranks")
     ax.legend()

@@ -390,6 +390,13 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
     # (9) what security costs (loopback, every mode in one run)
     if results is not None:
         security_rows(rows, load(results / "security_cost.json"), netns or {})
+        optimizer_rows(add, load(results / "optimizer_step.json"))
+        tf = load(results / "tf_vs_torch.json")
+        add("7t", "64 MiB neighbor_allreduce(x) of the TensorFlow client / the torch client, same "
+            "tensor, same run", None if tf is None else float(tf["ratio"]), 1.3, False,
+            "not measured (tf_vs_torch.json)" if tf is None else
+            f"{ratio_text(float(tf['ratio']))} ({tf['tf_ms']:.1f} vs {tf['torch_ms']:.1f} ms); "
+            f"from {tf.get('decent_source', '?')}")
     # (5) daemon RSS
     daemons = p2p.get("daemons") or []
     peaks = [d.get("peak", {}).get("VmRSS") for d in daemons]
@@ -492,6 +499,22 @@ def _why(entry: dict[str, Any], op: str) -> str:
     if text:
         return f"{op} FAILED: {text.splitlines()[0][:160]}"
     return f"{op} not measured"
+
+
+def optimizer_rows(add: Callable[..., None], opt: dict[str, Any] | None) -> None:
+    """Rows 3o, 3g: a general-path optimizer step against a flattened D-SGD step
+    (``optimizer_step.json``; loopback, 2 ranks)."""
+    for cid, key, what in (("3o", "general", "D-SGD"),
+                           ("3g", "gt", "gradient tracking (two exchanges per step)")):
+        if opt is None or key not in opt:
+            add(cid, f"optimizer step, general path, {what} / flattened D-SGD step", None, 1.3,
+                False, "not measured (optimizer_step.json)")
+            continue
+        v = opt[key]["wall_ms"] / opt["flat"]["wall_ms"]
+        add(cid, f"{opt['mbytes']:g} MB optimizer step, general path (flatten=False), {what} / "
+            "flattened D-SGD step", v, 1.3, False,
+            f"{ratio_text(v)} ({opt[key]['wall_ms']:.1f} vs {opt['flat']['wall_ms']:.1f} ms); "
+            f"from {opt.get('decent_source', '?')}")
 
 
 def acceptance_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -97,7 +97,38 @@ def test_optimizer_step_benchmark_quick(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["exact"] is True and res["ranks"] == 2 and res["params"] == 3
     assert res["flat"]["wall_ms"] > 0 and res["general"]["wall_ms"] > 0
+    assert res["gt"]["wall_ms"] > 0
     assert out.with_suffix(".png").stat().st_size > 5_000
+
+
+def test_tf_vs_torch_benchmark_quick(tmp_path: Path) -> None:
+    out = tmp_path / "tf_vs_torch.json"
+    proc = subprocess.run(
+        [*RUN, "-np", "2", "--", sys.executable, str(REPO / "benchmarks" / "tf_vs_torch.py"),
+         "--mbytes", "0.25", "--repeats", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["exact"] is True and res["ratio"] == res["tf_ms"] / res["torch_ms"]
+    assert out.with_suffix(".png").stat().st_size > 5_000
+
+
+def test_report_rows_for_the_optimizer_and_tf(tmp_path: Path) -> None:
+    (tmp_path / "optimizer_step.json").write_text(json.dumps({
+        "mbytes": 25, "decent_source": "abc", "flat": {"wall_ms": 20.0},
+        "general": {"wall_ms": 24.0}, "gt": {"wall_ms": 50.0}}))
+    (tmp_path / "tf_vs_torch.json").write_text(json.dumps({
+        "ratio": 1.25, "tf_ms": 50.0, "torch_ms": 40.0, "decent_source": "abc"}))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"),
+                           "--results", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in
+            (tmp_path / "REPORT.md").read_text().splitlines() if line.startswith("| ")}
+    assert "1.20x (24.0 vs 20.0 ms)" in rows["3o"] and "PASS" in rows["3o"]
+    assert "2.50x (50.0 vs 20.0 ms)" in rows["3g"] and "FAIL" in rows["3g"]
+    assert "1.25x (50.0 vs 40.0 ms)" in rows["7t"] and "PASS" in rows["7t"]
 
 
 def test_report_merges_the_benchmark_results(tmp_path: Path) -> None:
