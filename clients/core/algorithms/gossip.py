@@ -92,10 +92,17 @@ class GradientTracking(Algorithm[T]):
         wys = self.mixed("y") if "y" in self._pending else None
         wxs = self.mixed("x")
         out = []
+        # the mixed results are this rank's own new tensors: updated in place (no allocation)
         for i, (wx, d, s) in enumerate(zip(wxs, ds, states, strict=True)):
-            y = d if wys is None else wys[i] + d - s["d"]
+            if wys is None:
+                y = d
+            else:
+                y = wys[i]
+                y += d
+                y -= s["d"]
             s["y"], s["d"] = y, d
-            out.append(wx - y)
+            wx -= y
+            out.append(wx)
         return out
 
 
@@ -115,8 +122,15 @@ class Extra(Algorithm[T]):
         self.start(xs, states)
         out = []
         for x, wx, d, s in zip(xs, self.mixed("x"), ds, states, strict=True):
-            first = "x" not in s
-            new = wx - d if first else x + wx - (s["x"] + s["wx"]) * 0.5 - d + s["d"]
+            if "x" not in s:
+                new = wx - d
+            else:  # x + wx - (x_prev + wx_prev)/2 - d + d_prev, in one new tensor
+                new = s["x"] + s["wx"]
+                new *= -0.5
+                new += x
+                new += wx
+                new -= d
+                new += s["d"]
             s["x"], s["wx"], s["d"] = x, wx, d
             out.append(new)
         return out
