@@ -327,7 +327,7 @@ class Engine:
             return
         for peer in ctx.participants:
             pid = peer_id(peer, ctx.name)
-            if rounds.is_late(pid):
+            if rounds.is_late(pid, ctx.name):
                 for p in ctx.parts:
                     rounds.establish(pid, p.name, p.round)
 

@@ -249,8 +249,8 @@ class Supervisor:
                 f"rank {rank} left (its worker ended or closed its client)"))
             return
         self.members.absent.discard(rank)
-        if self.mailbox.worker_joined(job, rank):
-            self.links.rounds.joined([rank])
+        if self.mailbox.worker_joined(job, rank):  # it counts from round 0 in that job only
+            self.links.rounds.joined([rank], job)
 
     def handshake_from(self, src: int, incarnation: int, was_down: bool,
                        serving: bool = False) -> bool:

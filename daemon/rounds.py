@@ -9,6 +9,9 @@ all up when it started). A part that arrives before our first op of its name inv
 waits here, whole frame and payload, until that op starts (its offset is then known).
 
 Peers are ids of their level: a worker rank, or ``-(daemon rank + 1)`` for a node-level key.
+A peer whose daemon restarted or came late is late in every job; a worker that registered again
+in its job is late in that job only (in a later job it is a new worker, at round 0 with
+everyone).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.names import owner
+from decentd.names import job_of, owner
 
 #: frames of late peers kept until their ops start here, at most (the oldest are dropped)
 MAX_PARKED = 4096
@@ -50,7 +53,8 @@ class RoundMap:
     def __init__(self) -> None:
         #: set once the daemon is ready: peers that come up later are late
         self.ready = False
-        self._late: set[int] = set()
+        self._late: set[int] = set()  #: in every job
+        self._late_in: set[tuple[int, str]] = set()  #: (peer, job): in that job only
         self._offsets: dict[tuple[int, str], int] = {}
         self._parked: collections.deque[Parked] = collections.deque()
         self._replay: Callable[[Parked], None] | None = None
@@ -65,25 +69,30 @@ class RoundMap:
     @property
     def any_late(self) -> bool:
         """Whether any peer is late (else nothing is translated)."""
-        return bool(self._late)
+        return bool(self._late or self._late_in)
 
-    def joined(self, peers: list[int]) -> None:
-        """These peers (ids) came up after this daemon was ready: they count from 0 again."""
+    def joined(self, peers: list[int], job: str | None = None) -> None:
+        """These peers (ids) came up after this daemon was ready: they count from 0 again, in
+        ``job`` only (a worker that registered again in it), or in every job (None)."""
         if not self.ready:
             return
         for peer in peers:
-            self._late.add(peer)
-            for key in [k for k in self._offsets if k[0] == peer]:
+            if job is None:
+                self._late.add(peer)
+            else:
+                self._late_in.add((peer, job))
+            for key in [k for k in self._offsets
+                        if k[0] == peer and job in (None, job_of(k[1]))]:
                 del self._offsets[key]
 
-    def is_late(self, peer: int) -> bool:
-        """Whether ``peer`` (an id) joined late."""
-        return peer in self._late
+    def is_late(self, peer: int, name: str) -> bool:
+        """Whether ``peer`` (an id) joined late for the key ``name`` (its job's)."""
+        return peer in self._late or (peer, job_of(name)) in self._late_in
 
     def establish(self, peer: int, name: str, round_: int) -> None:
         """Our op of ``name`` at ``round_`` involves late ``peer``: its round 0 is ``round_``,
         unless an earlier op placed it; parked frames that can be placed now are replayed."""
-        if peer not in self._late or (peer, name) in self._offsets:
+        if not self.is_late(peer, name) or (peer, name) in self._offsets:
             return
         self._offsets[(peer, name)] = round_
         ready = [f for f in self._parked if self.placeable(f.src, f.header)]
@@ -97,8 +106,8 @@ class RoundMap:
         """Whether ``peer`` is late and none of our ops of ``p``'s name has placed it yet:
         what an op that started before it came back would send it names a round it never
         ran (window messages pair with no round)."""
-        return peer in self._late and p.op not in ONE_SIDED and p.op != pb.WIN_REPLY and \
-            (peer, p.name) not in self._offsets
+        return self.is_late(peer, p.name) and p.op not in ONE_SIDED and p.op != pb.WIN_REPLY \
+            and (peer, p.name) not in self._offsets
 
     def outgoing(self, peer: int, name: str, round_: int) -> int:
         """The round the late ``peer`` knows our round ``round_`` of ``name`` by."""
@@ -106,11 +115,17 @@ class RoundMap:
         return round_ if off is None else round_ - off
 
     def placeable(self, src: int, header: pb.BulkHeader) -> bool:
-        """Whether every part of ``header`` (from daemon ``src``) has a known round here."""
+        """Whether every part of ``header`` (from daemon ``src``) that pairs with a round has
+        a known round here (window messages pair with none: a late peer's answer to our
+        window request is placed at once)."""
         del src
         for p in header.parts:
+            if p.op in ONE_SIDED or p.op == pb.WIN_REPLY:
+                continue
             peer = peer_id(int(p.src), p.name)
             if peer in self._late and (peer, p.name) not in self._offsets:
+                return False
+            if (peer, job_of(p.name)) in self._late_in and (peer, p.name) not in self._offsets:
                 return False
         return True
 

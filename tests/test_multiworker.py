@@ -348,6 +348,78 @@ def test_peers_leave_out_a_worker_that_left_at_once_until_it_is_back(
         back.close()
 
 
+def _rank_three_comes_back(c: Any) -> T:
+    """Close rank 3 (on the second daemon) and register it again in its job; returns the new
+    client, once an op with rank 0 proves that both daemons heard it come back."""
+    c.clients[3].close()
+    back: T = dt.connect(f"unix://{c.sockets[1]}", 60, job=c.clients[0].job, local_rank=1)
+    assert back.rank == 3
+    c.clients[3] = back  # closed with the others when the test ends
+
+    def pair(cl: T) -> torch.Tensor | None:
+        if cl.rank not in (0, 3):
+            return None
+        other = 3 - cl.rank
+        return cl.neighbor_allreduce(torch.full((2,), float(cl.rank)), name="mw.again",
+                                     self_weight=0.5, src_weights={other: 0.5},
+                                     dst_weights={other: 1.0}, timeout=30)
+
+    got = c.run(pair)
+    assert torch.equal(got[0], torch.full((2,), 1.5)) and torch.equal(got[3], got[0])
+    return back
+
+
+def _exchanges_with_rank_three(cl: T) -> torch.Tensor | None:
+    """Ranks 0 and then 2 average with rank 3's window (across daemons, then on its own);
+    rank 2's answer: ((3 + 0) / 2 + 2) / 2."""
+    x = torch.full((4,), float(cl.rank), dtype=torch.float64)
+    cl.win_create(x.clone(), "mw.xchg")
+    got = None
+    for turn, rank in enumerate((0, 2)):
+        cl.barrier(name=f"mw.xchg.b{turn}")
+        if cl.rank == rank:
+            got = cl.win_exchange(x, "mw.xchg", peer=3, timeout=30)
+    cl.barrier(name="mw.xchg.end")
+    cl.win_free("mw.xchg")
+    return got
+
+
+def test_a_window_exchange_reaches_a_worker_that_came_back(cluster: ClusterFactory) -> None:
+    # a worker that registers again counts its rounds from 0, and its peers place its rounds
+    # afresh (decentd.rounds); its daemon's answers to window requests pair with no round, so
+    # they must not wait for one to be placed
+    c = cluster(2, "ring", 2)
+    _rank_three_comes_back(c)
+    got = c.run(_exchanges_with_rank_three)
+    assert got[2] is not None and torch.equal(got[2], torch.full((4,), 1.75, dtype=torch.float64))
+
+
+def test_a_worker_that_came_back_in_one_job_is_a_new_one_in_the_next(
+        cluster: ClusterFactory) -> None:
+    # the shared daemons go on: a later job's rank 3 is a new worker, whose rounds pair with
+    # everyone's from round 0 (none placed afresh: its first op with rank 0 is at round 1)
+    c = cluster(2, "ring", 2)
+    job = c.clients[0].job
+    _rank_three_comes_back(c)
+    c.disconnect()
+    c.connect(job=f"{job}-next")
+    partners = [{0: 1, 1: 0, 2: 3, 3: 2}, {0: 3, 3: 0, 1: 2, 2: 1}]
+
+    def pairs(cl: T) -> list[float]:
+        out = []
+        for rnd in partners:
+            other = rnd[cl.rank]
+            y = cl.neighbor_allreduce(torch.full((2,), float(cl.rank)), name="mw.pairs",
+                                      self_weight=0.5, src_weights={other: 0.5},
+                                      dst_weights={other: 1.0}, timeout=30)
+            out.append(float(y[0]))
+        return out
+
+    assert c.run(pairs) == [[(r + rnd[r]) / 2 for rnd in partners] for r in range(4)]
+    got = c.run(_exchanges_with_rank_three)
+    assert got[2] is not None and torch.equal(got[2], torch.full((4,), 1.75, dtype=torch.float64))
+
+
 def test_workers_of_one_node_that_disagree_fail_everywhere_naming_both(
         cluster: ClusterFactory) -> None:
     c = cluster(2, "ring", 2)
