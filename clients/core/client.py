@@ -4,8 +4,7 @@ Each op method builds the op's typed arguments and hands the tensor to the
 :class:`~decent.core.submitter.Submitter`, which places it in the shared-memory arena and sends a
 small request without waiting; the caller gets a :class:`~decent.core.handles.Handle`. One
 background thread reads the daemon's completion stream and wakes the handles; ``Handle.wait()``
-blocks on an event, it never polls. Framework adapters supply a
-:class:`~decent.core.codec.TensorCodec`.
+blocks on an event, it never polls. Adapters supply a :class:`~decent.core.codec.TensorCodec`.
 """
 
 from __future__ import annotations
@@ -459,14 +458,9 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
         return list(self.topology_at(name).out_neighbors)
 
     def status(self) -> pb.StatusReply:
-        """The daemon's counters and peer health, and this worker's results that hold memory
-        (``worker_results_held``, ``worker_results_held_bytes``) or were copied out
-        (``worker_results_copied``)."""
-        reply = self.connection.status()
-        results = self._submitter.results
-        reply.worker_results_held, reply.worker_results_held_bytes = results.held
-        reply.worker_results_copied = results.copied
-        return reply
+        """The daemon's counters and peer health, and this worker's results (``worker_results_*``:
+        those that hold memory, those copied out)."""
+        return self._submitter.results.reported(self.connection.status())
 
     def membership(self) -> View:
         """The live ranks and the view's epoch, as this worker's daemon sees them now."""

@@ -20,6 +20,7 @@ import numpy as np
 from decent.core.arena import ClientArena
 from decent.core.codec import TensorCodec
 from decent.core.spill import SpillMemory
+from decent_wire.v1 import decent_pb2 as pb
 
 T = TypeVar("T")
 
@@ -64,6 +65,12 @@ class ResultMemory(Generic[T]):
             self._held -= size
             self._live -= 1
         release()
+
+    def reported(self, reply: pb.StatusReply) -> pb.StatusReply:
+        """``reply`` (the daemon's status) with this worker's results filled in."""
+        reply.worker_results_held, reply.worker_results_held_bytes = self.held
+        reply.worker_results_copied = self.copied
+        return reply
 
     @property
     def held(self) -> tuple[int, int]:
