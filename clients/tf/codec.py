@@ -41,9 +41,28 @@ def unwrap(tensor: TFTensor) -> TFTensor:
     return inner if isinstance(inner, tf.Variable) else tensor
 
 
+class _Exported:
+    """A host tensor as numpy sees a DLPack producer (``numpy.from_dlpack``)."""
+
+    def __init__(self, tensor: tf.Tensor) -> None:
+        self.tensor = tensor
+
+    def __dlpack__(self, **_: Any) -> Any:
+        return tf.experimental.dlpack.to_dlpack(self.tensor)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU
+
+
 def _host(tensor: TFTensor) -> np.ndarray:
+    """The tensor's values on the host: a view of a CPU tensor's memory (through DLPack:
+    ``.numpy()`` would copy it), a copy of a GPU one's (or of a bfloat16 one: numpy has no
+    DLPack import for it)."""
     tensor = unwrap(tensor)
     value = tensor.read_value() if isinstance(tensor, tf.Variable) else tensor
+    on_host = "GPU" not in value.device.upper()
+    if on_host and value.dtype != tf.bfloat16 and value.shape.num_elements():
+        return np.from_dlpack(_Exported(value))
     return np.ascontiguousarray(value.numpy())
 
 
