@@ -396,7 +396,7 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
             "tensor, same run", None if tf is None else float(tf["ratio"]), 1.3, False,
             "not measured (tf_vs_torch.json)" if tf is None else
             f"{ratio_text(float(tf['ratio']))} ({tf['tf_ms']:.1f} vs {tf['torch_ms']:.1f} ms); "
-            f"from {tf.get('decent_source', '?')}")
+            f"from {commit_of(tf)}")
     # (5) daemon RSS
     daemons = p2p.get("daemons") or []
     peaks = [d.get("peak", {}).get("VmRSS") for d in daemons]
@@ -501,6 +501,12 @@ def _why(entry: dict[str, Any], op: str) -> str:
     return f"{op} not measured"
 
 
+def commit_of(res: dict[str, Any]) -> str:
+    """The commit a result was measured at (``decent_source``), or ``?``."""
+    src = res.get("decent_source")
+    return str(src.get("repo_commit", "?")) if isinstance(src, dict) else str(src or "?")
+
+
 def optimizer_rows(add: Callable[..., None], opt: dict[str, Any] | None) -> None:
     """Rows 3o, 3g: a general-path optimizer step against a flattened D-SGD step
     (``optimizer_step.json``; loopback, 2 ranks)."""
@@ -514,7 +520,7 @@ def optimizer_rows(add: Callable[..., None], opt: dict[str, Any] | None) -> None
         add(cid, f"{opt['mbytes']:g} MB optimizer step, general path (flatten=False), {what} / "
             "flattened D-SGD step", v, 1.3, False,
             f"{ratio_text(v)} ({opt[key]['wall_ms']:.1f} vs {opt['flat']['wall_ms']:.1f} ms); "
-            f"from {opt.get('decent_source', '?')}")
+            f"from {commit_of(opt)}")
 
 
 def acceptance_lines(rows: list[dict[str, Any]]) -> list[str]:
