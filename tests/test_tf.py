@@ -200,7 +200,8 @@ def _problem(r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             np.random.default_rng(5).normal(size=DIM) * (r + 1))
 
 
-@pytest.mark.parametrize("algorithm", ["dsgd", "gradient-tracking"])
+@pytest.mark.parametrize("algorithm", ["dsgd", "gradient-tracking", "extra", "exact-diffusion",
+                                       "decentlam"])
 def test_keras_wrapper_matches_the_torch_wrapper(tfc: Any, algorithm: str) -> None:
     c, clients = tfc
 

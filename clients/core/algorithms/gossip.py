@@ -149,12 +149,23 @@ class ExactDiffusion(Algorithm[T]):
         phis = []
         for x, d, s in zip(xs, ds, states, strict=True):
             psi = x - d
-            phis.append(psi + x - s["psi"] if "psi" in s else psi)
+            phi = psi
+            if "psi" in s:  # psi + x - psi_prev, in psi_prev's tensor (not needed after)
+                phi = s["psi"]
+                phi *= -1.0
+                phi += psi
+                phi += x
             s["psi"] = psi
+            phis.append(phi)
         wphis = self.mix("phi", phis)
         if not self.halve:
             return wphis
-        return [(p + wp) * 0.5 for p, wp in zip(phis, wphis, strict=True)]
+        out = []
+        for p, wp in zip(phis, wphis, strict=True):  # (phi + W phi) / 2 in the mixed result
+            wp += p
+            wp *= 0.5
+            out.append(wp)  # (a framework whose tensors never change gives a new one)
+        return out
 
 
 class D2(ExactDiffusion[T]):
@@ -196,12 +207,20 @@ class DecentLaM(Algorithm[T]):
         beta = float(self.options["beta"])
         psis = [x - d for x, d in zip(xs, ds, strict=True)]
         wpsis = self.mix("psi", psis)
+        # in tensors this rank owns: g in the mixed result, m in its own, x - m in psi's
         out = []
-        for x, wpsi, s in zip(xs, wpsis, states, strict=True):
-            g = x - wpsi
-            m = g if "m" not in s else s["m"] * beta + g
-            s["m"] = m
-            out.append(x - m)
+        for x, g, psi, s in zip(xs, wpsis, psis, states, strict=True):
+            g *= -1.0
+            g += x
+            if "m" in s:
+                s["m"] *= beta
+                s["m"] += g
+            else:
+                s["m"] = g
+            psi *= 0.0
+            psi += x
+            psi -= s["m"]
+            out.append(psi)  # (a framework whose tensors never change gives a new one)
         return out
 
 
