@@ -172,7 +172,7 @@ class LargeAllocations(TorchDispatchMode):
 
 @pytest.mark.parametrize(("algorithm", "per_step"), [
     ("dsgd", 0), ("allreduce", 0), ("gradient-tracking", 0), ("extra", 2),
-    ("exact-diffusion", 2), ("d2", 2), ("decentlam", 2)])
+    ("exact-diffusion", 2), ("d2", 2), ("decentlam", 2), ("choco", 6)])
 def test_the_general_path_allocates_no_model_sized_tensor_per_step(
         cluster: ClusterFactory, algorithm: str, per_step: int) -> None:
     # parameters that are not flattened (flatten=False: what tied weights, share_memory(),
@@ -181,7 +181,8 @@ def test_the_general_path_allocates_no_model_sized_tensor_per_step(
     # parameters); x and d of the other algorithms live in buffers kept across steps, and
     # what their update arithmetic still makes is counted here (2 parameters of >= 2560;
     # EXTRA, exact diffusion, D2 and DecentLaM make one per parameter: x - d or the mixed
-    # result, which they keep for the next step)
+    # result, which they keep for the next step; CHOCO three: x - d, the difference it
+    # compresses, and the new parameters)
     c = cluster(2)
 
     def work(cl: Client[torch.Tensor]) -> list[str]:

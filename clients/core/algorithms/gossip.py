@@ -270,9 +270,12 @@ class Choco(Algorithm[T]):
         for half, s, h in zip(halves, states, handles, strict=True):
             result = h.wait()  # [2, *shape]: the mix of Q's, and our own Q
             mixed, own = result[0], result[1]
-            s["xhat"] = s["xhat"] + own
-            s["s"] = s["s"] + mixed
-            out.append(half + (s["s"] - s["xhat"]) * step)
+            s["xhat"] += own  # the state's own tensors, updated in place
+            s["s"] += mixed
+            new = s["s"] - s["xhat"]
+            new *= step
+            new += half
+            out.append(new)
         return out
 
 
