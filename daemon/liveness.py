@@ -163,9 +163,13 @@ class Supervisor:
         if known and incarnation != known:
             log.info("rank %d restarted (incarnation %d, was %d)", link.rank, incarnation, known)
         member.incarnation = incarnation
-        if not self.members.is_up(link.rank) and self._apart(member):
-            self._count_afresh(link.rank, "it counted this daemon out, or restarted")
+        self._afresh_if_apart(link.rank)
         self._check_up(link.rank)
+
+    def _afresh_if_apart(self, rank: int) -> None:
+        """Count daemon ``rank`` afresh if it is not up and it and we ran rounds apart."""
+        if not self.members.is_up(rank) and self._apart(self.members.members[rank]):
+            self._count_afresh(rank, "it counted this daemon out, or restarted")
 
     def _apart(self, member: Member) -> bool:
         """Whether ``member`` and this daemon ran rounds without each other since it was last
@@ -195,8 +199,7 @@ class Supervisor:
             member = self.members.members[rank]
             restarted = member.up_incarnation != member.incarnation
             known = member.up_incarnation != 0  # it was up here before, as another process
-            if self._apart(member):  # both ran rounds alone: placed afresh (decentd.rounds)
-                self._count_afresh(rank, "it counted this daemon out, or restarted")
+            self._afresh_if_apart(rank)  # both ran rounds alone: placed afresh
             fresh = member.afresh
             member.up_incarnation = member.incarnation
             member.declared_down = member.peer_declared_down = member.afresh = False
@@ -272,8 +275,7 @@ class Supervisor:
             self._drop(src, "it restarted", PeerState.RECONNECTING)
             self._new_workers(src)  # left out from now on, not only once it is up
         member.incarnation = incarnation
-        if not self.members.is_up(src) and self._apart(member):
-            self._count_afresh(src, "it counted this daemon out, or restarted")
+        self._afresh_if_apart(src)
         self._reach(src)
         return member.declared_down
 

@@ -86,8 +86,7 @@ class SpillMemory:
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """Bytes ``[0, nbytes)`` of the segment at ``offset``."""
-        with self._lock:
-            return self._segments[offset].view[:nbytes]
+        return self.segment_view(offset)[:nbytes]
 
     def free(self, offset: int) -> None:
         """The request let go of its segment: unmapped here, and released at the daemon."""
