@@ -25,6 +25,7 @@ from decent_wire.topology import Topology, from_spec
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.arena import Arena
 from decentd.auth import shown
+from decentd.fill import FillState
 from decentd.hierarchy import Hierarchy, Request
 from decentd.logs import op_fields
 from decentd.mailbox import OpKey
@@ -45,7 +46,10 @@ SAME_SIZE_RESULT = frozenset({pb.NEIGHBOR_ALLREDUCE, pb.COMPRESSED_NEIGHBOR_ALLR
 OP_OF_FIELD: dict[str, int] = {
     f.name: pb.OpType.Value(f.name.upper())
     for f in pb.SubmitRequest.DESCRIPTOR.oneofs_by_name["op"].fields
+    if f.name != "fill"  # a note on another request, not an op
 }
+#: ops that start while their worker still copies their tensor in (SubmitRequest.filling)
+STREAMED = frozenset({pb.NEIGHBOR_ALLREDUCE})
 
 
 #: told how a started op ended: its result, or the error it failed with
@@ -73,6 +77,8 @@ class WorkerSession:
     topology: Topology | None = None
     #: peers include it (a worker joining a running job is left out until it took its state)
     joined: bool = False
+    #: inputs it is still copying in, by request id (:mod:`decentd.fill`)
+    filling: dict[int, FillState] = field(default_factory=dict)
 
     def complete(self, completion: pb.Completion) -> None:
         """Send a completion to the worker (dropped if it is gone); an op that succeeded while
@@ -119,6 +125,8 @@ class Engine:
         self.stall_warning = stall_warning
         self.running: dict[OpKey, OpContext] = {}
         self.completed = 0
+        #: inputs sent while their workers copied them in, and their bytes sent before the end
+        self.streamed = [0, 0]
         self.failed = 0
         self.closing = False
         #: allreduce, broadcast, barrier and hierarchical averaging: a node's workers combined
@@ -128,6 +136,9 @@ class Engine:
 
     def submit(self, session: WorkerSession, req: pb.SubmitRequest) -> None:
         """Validate and start one request; DecentError when it is refused outright."""
+        if req.WhichOneof("op") == "fill":
+            self._filled(session, req.request_id, req.fill.bytes)
+            return
         for observer in self.observers:
             observer.submitted(session, req)
         if self.closing:
@@ -147,6 +158,8 @@ class Engine:
                               "tensors")
         if self.tracers:
             self._stamp(req, parts)
+        if req.filling:
+            self._filling(session, req.request_id, op, parts)
         if op in self.hierarchy.ops:
             self.hierarchy.submit(Request(session, req.request_id, op, args, parts, timeout))
             return
@@ -158,6 +171,26 @@ class Engine:
         self.start(ctx, timeout, lambda result, err: self._complete(session, ctx,
                                                                     req.request_id, result, err))
         session.in_flight.update(ctx.keys)
+
+    def _filling(self, session: WorkerSession, request_id: int, op: int,
+                 parts: list[PartSpec]) -> None:
+        """A request whose tensor its worker is still copying in: sent as it is copied."""
+        if op not in STREAMED or len(parts) != 1:
+            raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{parts[0].display}': only a "
+                              "single-tensor neighbor_allreduce may be sent while it is copied "
+                              "in")
+        fill = FillState(parts[0].nbytes, asyncio.get_running_loop())
+        parts[0].fill = session.filling[request_id] = fill
+
+    @staticmethod
+    def _filled(session: WorkerSession, request_id: int, nbytes: int) -> None:
+        """A worker copied the first ``nbytes`` of a filling request's tensor in (a note on a
+        request that ended, or never was, is dropped)."""
+        fill = session.filling.get(request_id)
+        if fill is not None:
+            fill.advance(nbytes)
+            if fill.complete:
+                del session.filling[request_id]
 
     def start(self, ctx: OpContext, timeout: float, done: Done) -> None:
         """Open the op's keys and run it as a task; ``done`` is told how it ended.
@@ -182,6 +215,10 @@ class Engine:
                   result: OpResult | None, err: DecentError | None) -> None:
         """A worker-level op ended: its completion to its worker."""
         session.in_flight.difference_update(ctx.keys)
+        fill = session.filling.pop(request_id, None) or ctx.parts[0].fill
+        if fill is not None:
+            self.streamed[0] += 1
+            self.streamed[1] += fill.early
         completion = pb.Completion(request_id=request_id,
                                    view_epoch=self.services.members.epoch)
         if err is not None:
@@ -361,6 +398,8 @@ class Engine:
         """The worker went away: fail its in-flight ops (and the node's collectives that wait
         for it); their tasks, to wait for."""
         session.gone = True
+        for fill in session.filling.values():  # nothing more of them comes
+            fill.release()
         self.services.links.tell_all(pb.BulkHeader(kind=pb.WORKER_LEFT, parts=[
             pb.Part(name=session.job, src=session.rank)]))
         tasks = self.hierarchy.fail_session(session)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.fill import FillGate
 
 #: the smallest receive window a peer gets, however many peers share the early-arrival budget
 MIN_WINDOW = 1 << 20
@@ -53,6 +54,8 @@ class Rendezvous:
     done: asyncio.Future[None]
     #: the payload frame once queued (its write may be waited for, or skipped)
     queued: object | None = None
+    #: the payload is an input its worker is still copying in: it goes out as it is copied
+    gate: FillGate | None = None
 
 
 @dataclass(eq=False)

@@ -17,6 +17,7 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.auth import PeerAuth, shown
 from decentd.bulk import FrameSink, Gate, Inbound
 from decentd.errors import PeerLost
+from decentd.fill import FillGate
 from decentd.flow import LinkFlow, Rendezvous
 from decentd.loopback import LoopbackSender
 from decentd.mailbox import OpKey
@@ -281,7 +282,8 @@ class Links:
 
     async def _write(self, link: PeerLink, buffers: list[Buffer], name: str,
                      refund: tuple[int, int] | None = None,
-                     track: list[tuple[Outgoing, int]] | None = None, header: int = 0) -> None:
+                     track: list[tuple[Outgoing, int]] | None = None, header: int = 0,
+                     gate: FillGate | None = None) -> None:
         """Write one frame to ``link`` and wait until the kernel has all of it.
 
         A frame is never abandoned half-way: its payload is read straight from the worker's arena
@@ -298,7 +300,7 @@ class Links:
                 flow.refund(*refund)  # skipped: the peer never saw it
             _settle(fut, err, link.rank, name)
 
-        item = link.sender.send(buffers, done)
+        item = link.sender.send(buffers, done, None if gate is None else gate.with_head(header))
         if item is not None and track is not None:
             track.append((item, header))  # (frame, header bytes): its payload's progress
         if item is None:
@@ -332,15 +334,21 @@ class Links:
                     link.sender.abort()
 
     async def send_parts(self, dst: int, parts: list[pb.Part], payload: list[memoryview],
-                         track: list[tuple[Outgoing, int]] | None = None) -> None:
+                         track: list[tuple[Outgoing, int]] | None = None,
+                         gate: FillGate | None = None) -> None:
         """Send one message to ``dst``: ``parts`` with their bytes ``payload`` (one buffer per
         part, gathered by the kernel: nothing is copied into a message buffer).
 
         Returns once the kernel has every byte: eagerly when the receiver's window has room,
-        otherwise after the receiver's CTS.
+        otherwise after the receiver's CTS. ``gate``: the one payload is an input still being
+        copied in; a sender thread writes it as it is copied (this daemon's own workers get it
+        once it is whole).
         """
         name = parts[0].name
         link = await self._link(dst, name)
+        if gate is not None and not isinstance(link.sender, Sender):
+            await gate.fill.whole()
+            gate = None
         if self.unplaced(dst, parts):
             raise PeerLost(f"rank {dst} ran rounds of '{display_name(name)}' without this one "
                            "since this op started: it knows nothing of this round")
@@ -353,10 +361,10 @@ class Links:
             header = pb.BulkHeader(kind=pb.DATA, message_id=mid, payload_bytes=size, parts=parts)
             stamped = flow.stamp(header)
             await self._write(link, [stamped, *payload], name, (size, int(header.credit)),
-                              track, len(stamped))
+                              track, len(stamped), gate)
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        rdv = Rendezvous(payload, name, done)
+        rdv = Rendezvous(payload, name, done, gate=gate)
         flow.rendezvous[mid] = rdv
         try:
             rts = pb.BulkHeader(kind=pb.RTS, message_id=mid, payload_bytes=0, parts=parts)
@@ -379,17 +387,21 @@ class Links:
         size = sum(len(b) for b in rdv.payload)
         header = pb.BulkHeader(kind=pb.PAYLOAD, message_id=mid, payload_bytes=size)
         done, name = rdv.done, rdv.name  # not rdv: the callback must not keep its payload
-        item = link.sender.send([link.flow.stamp(header), *rdv.payload],
-                                lambda err: _settle(done, err, link.rank, name))
+        stamped = link.flow.stamp(header)
+        item = link.sender.send([stamped, *rdv.payload],
+                                lambda err: _settle(done, err, link.rank, name),
+                                None if rdv.gate is None else rdv.gate.with_head(len(stamped)))
         rdv.queued = item if item is not None else Outgoing([], None, started=True)
 
     async def send_data(
         self, dst: int, name: str, round_: int, tag: int, op: int, dtype: int,
         shape: tuple[int, ...], payload: memoryview, weight: float = 1.0,
+        gate: FillGate | None = None,
     ) -> None:
         """Send one tensor to ``dst`` (a one-part message)."""
         await self.send_parts(
-            dst, [part(name, round_, tag, op, dtype, shape, len(payload), weight)], [payload])
+            dst, [part(name, round_, tag, op, dtype, shape, len(payload), weight)], [payload],
+            gate=gate)
 
     def control(self, dst: int, header: pb.BulkHeader) -> None:
         """Send a payload-free frame to daemon ``dst`` (best effort: a dead peer is ignored;

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.bulk import FrameSink, Inbound
+from decentd.fill import FillGate
 from decentd.sender import Buffer, Outgoing
 
 log = logging.getLogger("decentd.loopback")
@@ -35,8 +36,11 @@ class LoopbackSender:
         self.send([framing.encode(hello)])
 
     def send(self, buffers: list[Buffer],
-             on_done: Callable[[BaseException | None], None] | None = None) -> Outgoing:
-        """Queue one frame; ``on_done`` runs once the receiving side has all of it."""
+             on_done: Callable[[BaseException | None], None] | None = None,
+             gate: FillGate | None = None) -> Outgoing:
+        """Queue one frame; ``on_done`` runs once the receiving side has all of it (``gate``
+        must be None: inputs reach this daemon's workers whole)."""
+        assert gate is None
         item = Outgoing(list(buffers), on_done)
         self._queue.append(item)
         if not self._draining:

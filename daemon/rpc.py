@@ -178,6 +178,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             arena_bytes=sum(w.arena.nbytes for w in self._sessions.by_id.values()),
             arena_spills=self._sessions.spills[0],
             arena_spill_bytes=self._sessions.spills[1],
+            inputs_streamed=engine.streamed[0],
+            inputs_streamed_early_bytes=engine.streamed[1],
             window_staleness=self._services.windows.staleness(),
             metrics_port=self._endpoints.metrics_port,
             version=version("decent"),

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from decentd.arena import fault_in
+from decentd.fill import FillGate
 
 #: the sender thread writes at most this much per call, and updates its progress in between
 SLICE = 1 << 20
@@ -39,6 +40,8 @@ class Outgoing:
     started: bool = False
     sent: int = 0  # bytes of the whole frame in the kernel so far (header included)
     write: int = -1  # the sender's write (sendmsg call) that took its last byte
+    #: its payload is an input still being copied in: bytes go out as they are copied
+    gate: FillGate | None = None
 
 
 def _take(buffers: list[Buffer], limit: int) -> list[Buffer]:
@@ -100,13 +103,17 @@ class Sender:
         self._queue: collections.deque[Outgoing] = collections.deque()
         self._busy = False
         self._closed = False
+        #: the gate of a frame whose input the thread is waiting for (its worker copies it in)
+        self._held: FillGate | None = None
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"decentd-send-{peer}")
         self._thread.start()
 
     def send(self, buffers: list[Buffer],
-             on_done: Callable[[BaseException | None], None] | None = None) -> Outgoing | None:
+             on_done: Callable[[BaseException | None], None] | None = None,
+             gate: FillGate | None = None) -> Outgoing | None:
         """Queue one frame (header and payload buffers); ``on_done`` runs on the event loop.
+        ``gate``: the payload is an input still being copied in (the thread writes it).
 
         Returns the queued item (to abandon it), or None when it went out at once.
         """
@@ -117,6 +124,11 @@ class Sender:
                 if on_done is not None:
                     on_done(err)
                 return None
+            if gate is not None:
+                item = Outgoing(buffers, on_done, gate=gate)
+                self._queue.append(item)
+                self._cv.notify()
+                return item
             if not self._busy and not self._queue and not self._tls:
                 head = _take(buffers, DIRECT_HEAD)  # at most 64 buffers: well within IOV_MAX
                 try:
@@ -205,13 +217,15 @@ class Sender:
         pending = list(batch)
         while pending:
             buffers = [b for item in pending for b in item.buffers]
-            sent = self._write_slice(_take(buffers, SLICE))
+            sent = self._write_slice(_take(buffers, self._ready(pending)))
             self.bytes_sent += sent
             self.writes += 1
             while pending and sent:
                 item = pending[0]
                 left = sum(len(b) for b in item.buffers)
                 step = min(sent, left)
+                if item.gate is not None and not item.gate.fill.complete:
+                    item.gate.fill.early += step
                 item.sent += step
                 item.buffers = _advance(item.buffers, step)
                 sent -= step
@@ -220,6 +234,31 @@ class Sender:
                     self.frames += 1
                     self._done(item, None)
                     pending.pop(0)
+
+    def _ready(self, pending: list[Outgoing]) -> int:
+        """How much of ``pending`` (at most a slice) may go out now: up to the first byte of
+        a gated frame that its worker has not copied in yet (waiting for one if need be)."""
+        ahead = 0
+        for item in pending:
+            left = sum(len(b) for b in item.buffers)
+            if item.gate is not None:
+                frame = item.sent + left
+                ready = item.gate.ready(item.sent, frame)
+                if ready == 0 and ahead == 0:
+                    with self._cv:
+                        self._held = item.gate
+                    try:
+                        item.gate.wait(item.sent)
+                    finally:
+                        with self._cv:
+                            self._held = None
+                    ready = item.gate.ready(item.sent, frame)
+                if ready < left:
+                    return min(SLICE, ahead + ready)
+            ahead += left
+            if ahead >= SLICE:
+                break
+        return SLICE
 
     def _write_slice(self, chunk: list[Buffer]) -> int:
         """Write ``chunk`` (gathered, or buffer by buffer over TLS); the bytes written."""
@@ -246,9 +285,13 @@ class Sender:
             self._done(self._queue.popleft(), exc)
 
     def abort(self) -> None:
-        """Break the connection now: a write blocked on a peer that stopped reading fails."""
+        """Break the connection now: a write blocked on a peer that stopped reading fails, and
+        so does a frame waiting for a worker that stopped copying its input in."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
+        with self._cv:
+            if self._held is not None:
+                self._held.fill.release()
 
     def close(self) -> None:
         """Stop after what is queued; the socket is shut down for writing."""

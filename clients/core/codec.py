@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
+
 from decent.core.arena import ClientArena
 from decent.core.regions import SharedStorage
 
@@ -26,6 +28,11 @@ class TensorCodec(Protocol[T]):
 
     def read_into(self, src: memoryview, into: T) -> T:
         """Copy ``src`` (``into``'s dtype and shape) into ``into``, finished on return."""
+
+    def host_bytes(self, tensor: T) -> np.ndarray | None:
+        """``tensor``'s bytes as a flat uint8 array over its own host memory (no copy; valid
+        while ``tensor`` lives and is not changed), or None when getting them needs a copy
+        (device tensors, non-contiguous ones, dtypes without a host view)."""
 
     def address(self, tensor: T) -> int | None:
         """The host address of ``tensor``'s bytes if they are contiguous in host memory."""

@@ -48,6 +48,10 @@ class NumpyCodec:
         into[...] = np.frombuffer(src, into.dtype).reshape(into.shape)
         return into
 
+    def host_bytes(self, tensor: np.ndarray) -> np.ndarray | None:
+        """A C-contiguous array's bytes (a view)."""
+        return tensor.reshape(-1).view(np.uint8) if tensor.flags.c_contiguous else None
+
     def address(self, tensor: np.ndarray) -> int | None:
         """Address of a C-contiguous array's bytes."""
         return int(tensor.ctypes.data) if tensor.flags.c_contiguous else None

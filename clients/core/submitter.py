@@ -10,6 +10,7 @@ and go as one request. Completions arrive on the connection's reader thread and 
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import threading
@@ -34,6 +35,13 @@ from decent_wire.v1 import decent_pb2 as pb
 
 T = TypeVar("T")
 
+#: ops whose tensor goes out while it is copied in (the daemon's ``STREAMED``)
+STREAMED = frozenset({"neighbor_allreduce"})
+#: a private tensor this large is copied in after its request, in chunks of STREAM_CHUNK bytes,
+#: each sent by the daemon as soon as it is in (smaller ones: one copy, then the request)
+STREAM_MIN_BYTES = 8 << 20
+STREAM_CHUNK = 2 << 20
+
 
 @dataclass(frozen=True)
 class OpCall:
@@ -52,6 +60,8 @@ class Placement:
     out_offset: int
     out_capacity: int
     resident: bool  #: in place on memory the daemon writes: the result needs no copy
+    #: the input still has to be copied into its slot (the caller streams it in)
+    unfilled: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,9 +123,10 @@ class Submitter(Generic[T]):
         dtype, shape = self.describe(tensor, name)
         nbytes = dtypes.nbytes(dtype, shape)
         out = nbytes * out_factor if out_bytes is None else out_bytes
+        source = self._streamable(call, tensor, nbytes)
         # the ops holding the arena end within their timeouts: wait that long, and this one's
         place = self._place(tensor, name, nbytes, into, out if out != nbytes else None,
-                            self.arena_wait + (timeout or 0.0))
+                            self.arena_wait + (timeout or 0.0), defer_copy=source is not None)
         # from here on nothing can fail before the request is sent: the round is spent only now,
         # so a refused argument above does not put this name's rounds out of step with the peers
         round_ = self.next_round(name)
@@ -125,7 +136,10 @@ class Submitter(Generic[T]):
         p = Pending(next(self._ids), f"{call.field} '{name}' round {round_}", place.slots, dtype,
                     shape, nbytes, place.out_offset, tensor, into, place.resident)
         stamps = (called, time.monotonic_ns())
-        if fuse and self._fusion.enabled:
+        if place.unfilled and source is not None:
+            self._send(call, [ref], timeout or 0.0, [p], [stamps], filling=True)
+            self._stream_in(p, source, place.offset)
+        elif fuse and self._fusion.enabled:
             p.state = State.QUEUED
             key = (call.field, call.args.SerializeToString(deterministic=True), round_, timeout)
             self._fusion.add(key, Queued(call, ref, timeout or 0.0, p, stamps), nbytes,
@@ -162,10 +176,35 @@ class Submitter(Generic[T]):
         with self._lock:
             return self._rounds.get(name, 0)
 
+    def _streamable(self, call: OpCall, tensor: T | None, nbytes: int) -> np.ndarray | None:
+        """The host bytes of a tensor large enough to go out while it is copied in (an op
+        the daemon runs that way), or None."""
+        if call.field not in STREAMED or tensor is None or nbytes < STREAM_MIN_BYTES:
+            return None
+        return self.codec.host_bytes(tensor)
+
+    def _stream_in(self, p: Pending, source: np.ndarray, offset: int) -> None:
+        """Copy a filling request's input into its slot chunk by chunk, telling the daemon
+        after each (it sends what is there). Its slot is not freed meanwhile: an early failure
+        waits on ``p.lock``."""
+        dst = np.frombuffer(self.view(offset, p.nbytes), np.uint8)
+        to, frm = dst.ctypes.data, source.ctypes.data
+        with p.lock:
+            for lo in range(0, p.nbytes, STREAM_CHUNK):
+                n = min(STREAM_CHUNK, p.nbytes - lo)
+                ctypes.memmove(to + lo, frm + lo, n)  # releases the GIL
+                try:
+                    self._send_request(pb.SubmitRequest(request_id=p.request_id,
+                                                        fill=pb.Fill(bytes=lo + n)))
+                except DecentError:
+                    return  # the channel is gone: the request fails with it
+
     def _place(self, tensor: T | None, name: str, nbytes: int, into: T | None,
-               out_bytes: int | None, wait: float | None = None) -> Placement:
+               out_bytes: int | None, wait: float | None = None,
+               defer_copy: bool = False) -> Placement:
         """Where the input and the result (``out_bytes`` of it when it is not the input's
-        size) go, and the input copied there."""
+        size) go, and the input copied there (``defer_copy``: unless it needs a slot of its
+        own; the caller copies it then)."""
         # a shared() tensor is already in the arena: no copy in, and in place no copy out
         at = None if tensor is None or not nbytes else self.codec.address(tensor)
         resident = None if at is None else self.arena.offset_of(at, nbytes)
@@ -181,7 +220,7 @@ class Submitter(Generic[T]):
             if out_bytes is not None or (resident is not None and not in_place):
                 size = nbytes if out_bytes is None else out_bytes
                 slots.append((self.alloc(size, f"tensor '{name}' output", wait), size))
-            if tensor is not None and nbytes and resident is None:
+            if tensor is not None and nbytes and resident is None and not defer_copy:
                 self.codec.write(tensor, self.view(slots[0][0], nbytes))
         except BaseException:
             for s in slots:
@@ -191,7 +230,8 @@ class Submitter(Generic[T]):
         if resident is not None and in_place:
             return Placement(slots, offset, offset, nbytes, True)
         out_offset, out_capacity = slots[-1] if slots else (offset, nbytes)
-        return Placement(slots, offset, out_offset, out_capacity, False)
+        return Placement(slots, offset, out_offset, out_capacity, False,
+                         unfilled=defer_copy and resident is None and bool(nbytes))
 
     def alloc(self, nbytes: int, what: str, wait: float | None = None) -> int:
         """A slot for a request: in the arena (reading finished results out first when it is
@@ -216,11 +256,14 @@ class Submitter(Generic[T]):
             self.arena.free(offset, nbytes)
 
     def _send(self, call: OpCall, tensors: list[pb.TensorRef], timeout: float,
-              members: list[Pending], stamps: list[tuple[int, int]]) -> None:
-        """Send one request of ``tensors`` (``stamps``: each one's call and queueing times)."""
+              members: list[Pending], stamps: list[tuple[int, int]],
+              filling: bool = False) -> None:
+        """Send one request of ``tensors`` (``stamps``: each one's call and queueing times;
+        ``filling``: its one tensor is copied in after it, see :meth:`_stream_in`)."""
         req = pb.SubmitRequest(request_id=members[0].request_id if len(members) == 1
                                else next(self._ids), tensors=tensors, timeout_s=timeout,
-                               queued_ns=[q for q, _ in stamps], fused_ns=[f for _, f in stamps])
+                               queued_ns=[q for q, _ in stamps], fused_ns=[f for _, f in stamps],
+                               filling=filling)
         getattr(req, call.field).CopyFrom(call.args)
         with self._lock:
             self._in_flight[req.request_id] = members

@@ -109,6 +109,16 @@ class TFCodec:
             return into
         return value  # a plain tensor cannot change: the result is a new one
 
+    def host_bytes(self, tensor: TFTensor) -> np.ndarray | None:
+        """A CPU tensor's bytes through DLPack (None for GPU and bfloat16 tensors)."""
+        value = unwrap(tensor)
+        if isinstance(value, tf.Variable):
+            value = value.read_value()
+        if "GPU" in value.device.upper() or value.dtype == tf.bfloat16 or \
+                not value.shape.num_elements():
+            return None
+        return np.from_dlpack(_Exported(value)).reshape(-1).view(np.uint8)
+
     def address(self, tensor: TFTensor) -> int | None:
         """None: TensorFlow does not expose its buffers, so nothing is handed over in place."""
         return None

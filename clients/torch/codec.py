@@ -119,6 +119,14 @@ class TorchCodec:
             torch.cuda.current_stream(into.device).synchronize()
         return into
 
+    def host_bytes(self, tensor: torch.Tensor) -> np.ndarray | None:
+        """A contiguous CPU tensor's bytes (a view over its storage)."""
+        src = tensor.detach()
+        if not _plain(src) or not src.numel():
+            return None
+        nbytes = src.numel() * src.element_size()
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(src.data_ptr()))
+
     def address(self, tensor: torch.Tensor) -> int | None:
         """Host address of a contiguous CPU tensor's bytes (None otherwise)."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous():

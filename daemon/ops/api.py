@@ -29,6 +29,7 @@ from decentd.errors import PeerLost
 from decentd.links import Links
 from decentd.mailbox import Accepts, Key, Mailbox, Progress
 from decentd.membership import Membership, PeerState
+from decentd.ops.parts import PartSpec
 from decentd.ops.phases import Phases
 from decentd.peerlink import part
 from decentd.sender import Outgoing
@@ -39,10 +40,6 @@ from decentd.windows.store import WindowStore
 
 __all__ = ["Arrival", "DecentError", "OpContext", "OpResult", "OpSpec", "PartSpec", "Services",
            "gather_all", "part"]
-
-_EMPTY = np.empty(0, np.uint8)
-_NO_BYTES = memoryview(b"")
-
 
 @dataclass(frozen=True)
 class Services:
@@ -78,43 +75,6 @@ class Level:
     size: int
     topology: Topology
     node: bool = False
-
-
-@dataclass
-class PartSpec:
-    """One tensor of a request (a fused request has several): its wire key and arena views."""
-
-    name: str  #: wire name (job-qualified)
-    display: str  #: the user's name
-    round: int
-    dtype: int
-    shape: tuple[int, ...]
-    x: np.ndarray  #: storage-dtype view of the input, flat
-    out: memoryview  #: this tensor's output region
-    raw: memoryview  #: the input's bytes
-    #: payloads may be received straight into ``out``: it lies in the sealed arena (memory a
-    #: worker registered may shrink under a receive, which would break the connection)
-    landable: bool = True
-    #: while a timeline records: when its client took the call, queued it and sent its request
-    submitted: tuple[int, int, int] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        """Input bytes."""
-        return int(self.x.nbytes)
-
-    def release(self) -> None:
-        """Drop the views of the worker's memory (so that it can be unmapped)."""
-        self.x, self.out, self.raw = _EMPTY, _NO_BYTES, _NO_BYTES
-
-    def output(self, nbytes: int, label: str) -> np.ndarray:
-        """The output region as a flat storage-dtype array of ``nbytes``; ARENA_ERROR when the
-        result does not fit."""
-        if nbytes > len(self.out):
-            raise DecentError(pb.ARENA_ERROR, f"{label}: result of {nbytes} bytes does not fit "
-                                              f"the {len(self.out)}-byte output region")
-        return np.frombuffer(self.out, dtypes.STORAGE[self.dtype],
-                             nbytes // dtypes.itemsize(self.dtype))
 
 
 @dataclass
@@ -265,16 +225,18 @@ class OpContext:
         want = self.parts if parts is None else parts
         payload = self.payload if parts is None else [p.raw for p in parts]
         wire = self.wire_parts(tag, weight, want)
+        gate = want[0].gate() if len(want) == 1 else None
         if data is not None:
             payload = [data]
             wire[0].nbytes = len(data)
+            gate = None
         mailbox = self.services.mailbox
         futs = [mailbox.expect_ack(dst, p.name, p.round, tag) for p in want] if ack else []
         self.unacked.add(dst)
         phases = self.phases
         if phases is not None:
             phases.sending()
-        await self.services.links.send_parts(dst, wire, payload, track)
+        await self.services.links.send_parts(dst, wire, payload, track, gate)
         if futs:
             await asyncio.gather(*futs)
         if phases is not None:
@@ -282,15 +244,19 @@ class OpContext:
         self.unacked.discard(dst)
 
     async def send_bytes(self, dst: int, tag: int, payload: memoryview,
-                         p: PartSpec | None = None) -> None:
+                         p: PartSpec | None = None, input_from: int | None = None) -> None:
         """Send ``payload`` as the one part of tensor ``p`` (default: the op's first) with
-        ``tag``; the header carries the whole tensor's meta, so mismatches show."""
+        ``tag``; the header carries the whole tensor's meta, so mismatches show.
+        ``input_from``: the payload is the input's bytes from that offset (sent as they are
+        copied in)."""
         p = self.parts[0] if p is None else p
         phases = self.phases
         if phases is not None:
             phases.sending()
         await self.services.links.send_data(dst, p.name, p.round, tag, self.op, p.dtype,
-                                            p.shape, payload)
+                                            p.shape, payload,
+                                            gate=None if input_from is None else
+                                            p.gate(input_from))
         if phases is not None:
             phases.sent()
 
@@ -472,6 +438,12 @@ class OpContext:
             p.release()
         self.by_name = {}
         self.payload = []
+
+    async def inputs_whole(self) -> None:
+        """Wait until the worker has copied every input in (at once for most ops)."""
+        for p in self.parts:
+            if p.fill is not None:
+                await p.fill.whole()
 
     def fail(self, error: DecentError) -> None:
         """Fail this op from outside (an ABORT from a peer, a timeout, shutdown).

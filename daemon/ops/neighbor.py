@@ -97,8 +97,10 @@ class FoldIn:
         self.off = False
 
     def sent(self) -> int:
-        """Input bytes known to be in the kernel for every destination."""
-        low = self.p.nbytes
+        """Input bytes known to be in the kernel for every destination (and copied in by
+        the worker)."""
+        fill = self.p.fill
+        low = self.p.nbytes if fill is None else fill.filled
         for d, items in self.sends.items():
             if d not in self.finished:
                 low = min(low, max((i.sent - h for i, h in items), default=0))
@@ -112,7 +114,7 @@ class FoldIn:
                             and part.nbytes == self.count * self.itemsize):
             self.off = True  # anything odd: leave it to the checks after the arrival
             return
-        upto = min(filled, self.sent()) // self.itemsize
+        upto = min(filled, self.sent() - self.base * self.itemsize) // self.itemsize
         if upto - self.done < FOLD_MIN:
             return
         try:
@@ -177,7 +179,8 @@ async def pair_exchange(ctx: OpContext, p: PartSpec, j: int, weight: float) -> N
     fold = FoldIn(ctx, p, weight, weight, [], base=mine[0], count=mine[1] - mine[0])
 
     def send(tag: int, data: memoryview, lo: int, hi: int) -> Awaitable[None]:
-        return ctx.send_bytes(j, tag, data[lo * isz:hi * isz], p)
+        return ctx.send_bytes(j, tag, data[lo * isz:hi * isz], p,
+                              lo * isz if data is p.raw else None)
 
     def check(arrival: Arrival, count: int) -> None:
         if arrival.data.nbytes != count * isz:
@@ -192,6 +195,7 @@ async def pair_exchange(ctx: OpContext, p: PartSpec, j: int, weight: float) -> N
             ctx.recv_parts(j, 1, parts=[p], sized=False, progress=fold),
             send(1, p.raw, *theirs))
         check(first, fold.count)
+        await ctx.inputs_whole()
         fold.fold(first.data, first.weight, fold.count)  # the rest of it
         ctx.release(first)
         (result,), _ = await gather_all(second, send(2, p.out, *mine))
@@ -235,6 +239,8 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
     # nothing of our own in the result and nothing to send: the neighbor's tensor is received
     # straight into the output and only scaled there
     direct = self_weight == 0.0 and not send and len(srcs) == 1
+    if direct:  # it lands where the worker may still be copying the input
+        await ctx.inputs_whole()
     if len(srcs) == 1 and len(parts) == 1 and not direct:
         fold = FoldIn(ctx, parts[0], self_weight, recv[srcs[0]], list(send))
 
@@ -258,6 +264,7 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
                               "its tensor was being combined; the result cannot be reweighted")
         self_weight += sum(recv[j] for j in srcs if all(j != k for k, _ in arrived))
         fold = None
+    await ctx.inputs_whole()
     for i, p in enumerate(parts):
         storage = dtypes.STORAGE[p.dtype]
         out = ctx.output(p, p.nbytes)

@@ -1,0 +1,94 @@
+"""An input that its worker is still copying into the arena while its op already runs.
+
+A worker's large private tensor reaches the daemon in chunks: the request comes first (marked
+``filling``), then ``Fill`` notes say how many of its bytes are in the arena so far. The op starts
+at once; its sender threads write each part of the input as soon as the worker has copied it
+(:class:`FillState` is what they wait on), so the copy overlaps the wire instead of preceding it.
+Whatever reads the input itself (the weighted sum) waits until it is whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+#: a worker copies gigabytes a second: this long without a byte more, it stopped (paused,
+#: dying); well within the heartbeats that a frame waiting for it holds back
+STALL = 2.0
+
+
+class FillState:
+    """How much of one input is in the arena: advanced on the event loop, waited on by the
+    event loop (:meth:`whole`) and by sender threads (:meth:`wait_past`)."""
+
+    def __init__(self, nbytes: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.nbytes = nbytes
+        self.filled = 0
+        self.released = False  #: the op ended: nothing waits any more, whole or not
+        #: bytes of it that sender threads wrote before the copy ended (written by them)
+        self.early = 0
+        self._cv = threading.Condition()
+        self._whole: asyncio.Future[None] = loop.create_future()
+
+    @property
+    def complete(self) -> bool:
+        """Every byte is in the arena."""
+        return self.filled >= self.nbytes
+
+    def advance(self, filled: int) -> None:
+        """The worker has copied the first ``filled`` bytes (event loop; never backwards)."""
+        with self._cv:
+            self.filled = max(self.filled, min(filled, self.nbytes))
+            self._cv.notify_all()
+        if self.complete and not self._whole.done():
+            self._whole.set_result(None)
+
+    def release(self) -> None:
+        """The op ended: wake every waiter (a sender still waiting gives its frame up)."""
+        with self._cv:
+            self.released = True
+            self._cv.notify_all()
+        if not self._whole.done():
+            self._whole.cancel()
+
+    async def whole(self) -> None:
+        """Wait until every byte is in the arena (CancelledError once released short)."""
+        if not self.complete:
+            await asyncio.shield(self._whole)
+
+    def wait_past(self, filled: int) -> int:
+        """Block (a sender thread) until more than ``filled`` bytes are in, or all are; the
+        bytes in now. ConnectionAbortedError once the op ended with the input still short, or
+        the worker copied nothing for :data:`STALL` seconds: a frame started on the wire can
+        then not be completed (and the frames behind it, heartbeats too, must not wait)."""
+        with self._cv:
+            moved = self._cv.wait_for(
+                lambda: self.filled > filled or self.complete or self.released, STALL)
+            if self.filled <= filled and not self.complete:
+                why = "ended" if moved else f"copied nothing for {STALL:g}s"
+                raise ConnectionAbortedError(f"the worker's op {why} before its input was all "
+                                             "copied in: the frame carrying it is cut off")
+            return self.filled
+
+
+class FillGate:
+    """The part of a frame's payload that must wait for a filling input: the payload's bytes
+    are the input's from ``base``, after ``head`` bytes of header."""
+
+    def __init__(self, fill: FillState, base: int = 0, head: int = 0) -> None:
+        self.fill, self.base, self.head = fill, base, head
+
+    def with_head(self, head: int) -> FillGate:
+        """The same gate behind a header of ``head`` bytes."""
+        return FillGate(self.fill, self.base, head)
+
+    def ready(self, frame_sent: int, frame_bytes: int) -> int:
+        """Bytes of the frame that may go out now, given ``frame_sent`` are out already."""
+        if self.fill.complete:
+            return frame_bytes - frame_sent
+        in_frame = self.head + max(0, self.fill.filled - self.base)
+        return max(0, min(frame_bytes, in_frame) - frame_sent)
+
+    def wait(self, frame_sent: int) -> None:
+        """Block until at least one more byte of the frame may go out (sender thread)."""
+        self.fill.wait_past(self.base + frame_sent - self.head)

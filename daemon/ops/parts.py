@@ -1,0 +1,60 @@
+"""One tensor of a running op: its wire key and views of the worker's memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from decent_wire import dtypes
+from decent_wire.errors import DecentError
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.fill import FillGate, FillState
+
+_EMPTY = np.empty(0, np.uint8)
+_NO_BYTES = memoryview(b"")
+
+
+@dataclass
+class PartSpec:
+    """One tensor of a request (a fused request has several): its wire key and arena views."""
+
+    name: str  #: wire name (job-qualified)
+    display: str  #: the user's name
+    round: int
+    dtype: int
+    shape: tuple[int, ...]
+    x: np.ndarray  #: storage-dtype view of the input, flat
+    out: memoryview  #: this tensor's output region
+    raw: memoryview  #: the input's bytes
+    #: payloads may be received straight into ``out``: it lies in the sealed arena (memory a
+    #: worker registered may shrink under a receive, which would break the connection)
+    landable: bool = True
+    #: while a timeline records: when its client took the call, queued it and sent its request
+    submitted: tuple[int, int, int] | None = None
+    #: the worker is still copying the input in (:mod:`decentd.fill`); None: it is whole
+    fill: FillState | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Input bytes."""
+        return int(self.x.nbytes)
+
+    def release(self) -> None:
+        """Drop the views of the worker's memory (so that it can be unmapped)."""
+        self.x, self.out, self.raw = _EMPTY, _NO_BYTES, _NO_BYTES
+        if self.fill is not None:
+            self.fill.release()
+
+    def gate(self, base: int = 0) -> FillGate | None:
+        """What a send of the input's bytes from ``base`` waits on while it is copied in."""
+        return None if self.fill is None or self.fill.complete else FillGate(self.fill, base)
+
+    def output(self, nbytes: int, label: str) -> np.ndarray:
+        """The output region as a flat storage-dtype array of ``nbytes``; ARENA_ERROR when the
+        result does not fit."""
+        if nbytes > len(self.out):
+            raise DecentError(pb.ARENA_ERROR, f"{label}: result of {nbytes} bytes does not fit "
+                                              f"the {len(self.out)}-byte output region")
+        return np.frombuffer(self.out, dtypes.STORAGE[self.dtype],
+                             nbytes // dtypes.itemsize(self.dtype))

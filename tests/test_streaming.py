@@ -1,0 +1,197 @@
+"""A large private input goes out while it is copied into the arena (issue 27, point 2).
+
+The client sends the request first and copies the tensor in chunks, telling the daemon after
+each; the daemon's sender threads write each chunk as soon as it is in. Results are exact on every
+path of neighbor_allreduce; the first chunk is on the wire before the rest is copied; a worker
+that stops copying fails its op by the timeout and the link carries the next op whole.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import torch
+
+import decent.core.submitter as submitter
+import decent.tf as dtf
+from cluster import Cluster, delay
+from conftest import ClusterFactory
+from decent_wire.errors import DecentError
+from decent_wire.v1 import decent_pb2 as pb
+
+NUMEL = 3 * submitter.STREAM_MIN_BYTES // 4 // 2  # 12 MiB of float32: six chunks
+CHUNK = submitter.STREAM_CHUNK
+
+
+def values(rank: int) -> torch.Tensor:
+    """Exact small integers, different per rank and per element."""
+    return (torch.arange(NUMEL, dtype=torch.float32) % 1000) + 1000.0 * rank
+
+
+def one_peer(rank: int, size: int) -> dict[str, Any]:
+    """Send to the next rank, receive from the previous one, half each (one in-neighbor)."""
+    return dict(self_weight=0.5, src_weights={(rank - 1) % size: 0.5},
+                dst_weights=[(rank + 1) % size])
+
+
+def one_way(rank: int, size: int) -> dict[str, Any]:
+    """Rank 0 sends to rank 1, which keeps nothing of its own (its result is rank 0's)."""
+    if rank == 0:
+        return dict(self_weight=1.0, src_weights={}, dst_weights=[1])
+    return dict(self_weight=0.0, src_weights={0: 1.0}, dst_weights=[])
+
+
+def expected(rank: int, size: int, path: str) -> torch.Tensor:
+    if path == "pair":
+        return sum(values(r) for r in range(size)) / size  # type: ignore[return-value]
+    if path == "one-peer":
+        return (values(rank) + values((rank - 1) % size)) / 2
+    return values(0)
+
+
+PATHS: dict[str, tuple[int, Callable[[int, int], dict[str, Any]] | None]] = {
+    "pair": (2, None),  # two ranks on one host, topology weights: averaged by halves
+    "one-peer": (3, one_peer),  # one in-neighbor: folded in while it arrives
+    "one-way": (2, one_way),  # rank 1 receives straight into its output
+}
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_large_private_input_is_streamed_and_the_result_is_exact(
+        cluster: ClusterFactory, path: str, in_place: bool) -> None:
+    size, weights = PATHS[path]
+    c = cluster(size)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        kw = {} if weights is None else weights(cl.rank, size)
+        before = cl.status().inputs_streamed  # the daemons may have run other tests
+        got = []
+        for _ in range(3):
+            x = values(cl.rank)
+            got.append(cl.neighbor_allreduce_(x, name="s", **kw) if in_place
+                       else cl.neighbor_allreduce(x, name="s", **kw))
+        return got, cl.status().inputs_streamed - before
+
+    for rank, (got, streamed) in enumerate(c.run(work)):
+        assert streamed == 3, rank  # every call went out while it was copied in
+        for out in got:
+            assert torch.equal(out, expected(rank, size, path)), rank
+
+
+def test_the_first_chunk_is_on_the_wire_before_the_rest_is_copied(
+        cluster: ClusterFactory) -> None:
+    # rank 0's client stops after its first chunk until its daemon has sent that chunk to rank
+    # 1: it can only get there if the daemon sends before the copy ends
+    c = cluster(2)
+    held = threading.Event()
+
+    def sent_to_peer(cl) -> int:  # type: ignore[no-untyped-def]
+        return sum(p.bytes_sent for p in cl.status().peers if p.rank == 1)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        kw = one_way(cl.rank, 2)
+        if cl.rank == 1:
+            return cl.neighbor_allreduce(values(1), name="w", **kw)
+        before = sent_to_peer(cl)
+        send = cl._submitter._send_request  # hold the copy between two chunks
+
+        def hold(req: pb.SubmitRequest) -> None:
+            if req.WhichOneof("op") == "fill" and req.fill.bytes == 2 * CHUNK:
+                deadline = time.monotonic() + 30
+                while sent_to_peer(cl) - before < CHUNK and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                held.set()
+            send(req)
+
+        cl._submitter._send_request = hold
+        try:
+            return cl.neighbor_allreduce(values(0), name="w", **kw), sent_to_peer(cl) - before
+        finally:
+            cl._submitter._send_request = send
+
+    (out0, sent), out1 = c.run(work)
+    assert held.is_set()
+    assert torch.equal(out1, values(0)) and torch.equal(out0, values(0))
+    assert c.status(0).inputs_streamed_early_bytes >= CHUNK  # cumulative, but >= this op's
+    assert sent >= NUMEL * 4
+
+
+def test_a_worker_that_stops_copying_fails_its_op_and_the_link_carries_the_next(
+        cluster: ClusterFactory) -> None:
+    # rank 0's client copies one chunk and never says more: the frame that carried it is cut
+    # off once nothing came for two seconds (the connection is reopened at once), rank 1's op
+    # fails, and the next op, once the link is back, is exact on both
+    c = cluster(2)
+    both_ended = threading.Barrier(2)
+
+    def reopened(cl) -> bool:  # type: ignore[no-untyped-def]
+        return all(p.reconnects >= 1 and p.state == "up" for p in cl.status().peers)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        kw = one_way(cl.rank, 2)
+        send = cl._submitter._send_request
+
+        def stall(req: pb.SubmitRequest) -> None:
+            if req.WhichOneof("op") != "fill" or req.fill.bytes <= CHUNK:
+                send(req)
+
+        if cl.rank == 0:
+            cl._submitter._send_request = stall
+        try:
+            cl.neighbor_allreduce(values(cl.rank), name="stalled", timeout=3, **kw)
+            first: Any = None
+        except DecentError as err:
+            first = err
+        finally:
+            cl._submitter._send_request = send
+        both_ended.wait(timeout=60)  # rank 0's op ends once its frame was cut
+        deadline = time.monotonic() + 30
+        while not reopened(cl) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        x = torch.full((1000,), float(cl.rank + 1))
+        return first, cl.neighbor_allreduce(x, name="after", timeout=30)
+
+    (err0, after0), (err1, after1) = c.run(work)
+    # rank 0 sends and keeps its own: with rank 1 out of reach it ends either way
+    assert err0 is None or err0.code in (pb.TIMEOUT, pb.PEER_UNAVAILABLE), err0
+    assert err1 is not None and "stalled" in str(err1), err1
+    assert torch.equal(after0, torch.full((1000,), 1.5))
+    assert torch.equal(after1, torch.full((1000,), 1.5))
+
+
+def test_a_tensorflow_input_is_streamed_through_dlpack() -> None:
+    c = Cluster(2, "ring")
+    clients: list[dtf.TFClient] = []
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            clients = list(pool.map(lambda s: dtf.connect(f"unix://{s}", 60), c.sockets))
+
+        def work(cl):  # type: ignore[no-untyped-def]
+            delay(cl.rank)
+            out = cl.neighbor_allreduce(tf.constant(values(cl.rank).numpy()), name="t").numpy()
+            var = tf.Variable(values(cl.rank).numpy())
+            cl.neighbor_allreduce_(var, name="v")
+            return out, var.numpy(), cl.status().inputs_streamed
+
+        with ThreadPoolExecutor(2) as pool:
+            got = [f.result(timeout=120) for f in [pool.submit(work, cl) for cl in clients]]
+        want = ((values(0) + values(1)) / 2).numpy()
+        for out, var, streamed in got:
+            assert streamed == 2
+            np.testing.assert_array_equal(out, want)
+            np.testing.assert_array_equal(var, want)
+    finally:
+        for cl in clients:
+            cl.close()
+        c.stop()
