@@ -432,6 +432,11 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
         """
         return self._submitter.shared(tensor)
 
+    def shared_or_none(self, tensor: T) -> T | None:
+        """:meth:`shared`, or None (never waiting) when that would leave less than half of the
+        arena free for requests: for buffers that are only faster in the arena."""
+        return self._submitter.shared_if_room(tensor)
+
     def flush(self) -> None:
         """Send every request still waiting in a fusion bucket now."""
         self._submitter.flush()

@@ -392,7 +392,22 @@ class Submitter(Generic[T]):
         """A copy of ``tensor`` in the arena, freed when the last tensor using it is gone."""
         dtype, shape = self.codec.describe(tensor)
         nbytes = dtypes.nbytes(dtype, shape)
-        offset = self.arena.alloc(nbytes, "shared tensor", self._reclaim)
+        return self._shared_at(self.arena.alloc(nbytes, "shared tensor", self._reclaim),
+                               tensor, dtype, shape)
+
+    def shared_if_room(self, tensor: T) -> T | None:
+        """:meth:`shared`, or None when that would leave less than half of the arena free
+        (the room requests need; nothing waits)."""
+        dtype, shape = self.codec.describe(tensor)
+        nbytes = dtypes.nbytes(dtype, shape)
+        if self.arena.free_bytes - nbytes < self.arena.nbytes // 2:
+            return None
+        offset = self.arena.try_alloc(nbytes)
+        return None if offset is None else self._shared_at(offset, tensor, dtype, shape)
+
+    def _shared_at(self, offset: int, tensor: T, dtype: int, shape: tuple[int, ...]) -> T:
+        """``tensor`` copied to arena ``offset``, as a tensor that owns the slot."""
+        nbytes = dtypes.nbytes(dtype, shape)
         owner = np.frombuffer(self.arena.buf, np.uint8, count=nbytes, offset=offset)
         # the slot lives as long as the buffer the tensor wraps
         weakref.finalize(owner, self.free_shared, offset, nbytes)

@@ -117,3 +117,27 @@ def flatten_parameters(params: Iterable[torch.Tensor],
             _share(flat)
         flats.append(flat)
     return flats
+
+
+def share_in_place(params: Iterable[torch.Tensor]) -> int:
+    """Put the private storage of each dense CPU parameter that is the whole of it into shared
+    memory in place (as ``model.share_memory()`` does; torch views follow, numpy views do not),
+    so that in-place ops have the daemon average it where it lies; the storages moved.
+
+    The general path's counterpart of :func:`flatten_parameters`: parameters keep storages of
+    their own (tied ones stay tied: they are one storage). A storage shared memory cannot hold
+    stays private, and its parameter is copied to the daemon and back as before.
+    """
+    moved = 0
+    for p in params:
+        storage = p.untyped_storage()
+        if not _dense_cpu(p) or storage.is_shared() or p.storage_offset() != 0 or \
+                storage.nbytes() != p.numel() * p.element_size() or not storage.nbytes():
+            continue
+        try:
+            storage.share_memory_()
+        except RuntimeError:
+            continue
+        moved += 1
+    return moved
+

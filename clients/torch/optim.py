@@ -32,7 +32,7 @@ from decent.core.transfer import StateLink, Wanted, hand_out
 from decent.torch import rejoin
 from decent.torch import state as state_format
 from decent.torch.client import TorchClient, default_client
-from decent.torch.flat import flatten_parameters
+from decent.torch.flat import flatten_parameters, share_in_place
 from decent.torch.state import KIT
 
 log = logging.getLogger("decent.optim")
@@ -91,8 +91,10 @@ class DecentralizedOptimizer:
         self._layout: list[tuple[int, int]] = []  # (id, data_ptr) of each parameter when laid out
         self._lay_out()
         self._started = False
-        #: x_k and d_k of the general path, kept across steps
-        self._buffers = StepBuffers()
+        #: x_k and d_k of the general path, kept across steps (in the arena when they fit, so
+        #: the algorithms' exchanges of them copy nothing to the daemon)
+        self._buffers = StepBuffers(self.client.shared_or_none)
+        self._xs: list[torch.Tensor] | None = None  #: this step's x_k, once taken
         self._hook = model.register_forward_pre_hook(self._before_forward) \
             if model is not None else None
         #: ranks that joined late and get this rank's state (the donor's sends, in flight)
@@ -131,15 +133,17 @@ class DecentralizedOptimizer:
 
     def _lay_out(self) -> None:
         """Flatten the parameters again if they are not where the last layout left them (a new
-        param group, ``model.double()``, a reassigned ``.data``)."""
-        if not self._flatten:
-            return
+        param group, ``model.double()``, a reassigned ``.data``); on the general path of an
+        in-place algorithm, put their storages in shared memory instead."""
         params = self._params()
         if _where(params) == self._layout:
             return
-        ours = {f.untyped_storage().data_ptr() for f in self._flat or []}
-        self._flat = flatten_parameters(params, ours)
-        self._layout = _where(params)  # flattening moved them
+        if self._flatten:
+            ours = {f.untyped_storage().data_ptr() for f in self._flat or []}
+            self._flat = flatten_parameters(params, ours)
+        if self._flat is None and self.algorithm.in_place:  # the general path, in place
+            share_in_place(params)
+        self._layout = _where(params)  # flattening or sharing moved them
 
     @property
     def flattened(self) -> bool:
@@ -155,7 +159,8 @@ class DecentralizedOptimizer:
     def _start(self) -> None:
         if self.algorithm.starts_early:
             params = self._params()
-            self.algorithm.start([p.detach().clone() for p in params], self._states(params))
+            self._xs = self._buffers.copies(params)
+            self.algorithm.start(self._xs, self._states(params))
         self._started = True
 
     @torch.no_grad()
@@ -182,7 +187,8 @@ class DecentralizedOptimizer:
             self.optimizer.step()
             self.algorithm.finish_in_place([p.detach() for p in params])
         else:
-            xs = self._buffers.copies(params)
+            xs = self._xs if self._xs is not None else self._buffers.copies(params)
+            self._xs = None
             self.optimizer.step()
             ds = self._buffers.updates(xs, params)
             new = self.algorithm.finish(xs, ds, self._states(params))
@@ -263,7 +269,9 @@ class StepBuffers:
     tensors allocated once and reused: two sets, used in turn, since an algorithm may keep
     the previous step's ``x`` and ``d`` in its state for one step (EXTRA, gradient tracking)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        """``shared(t)``: a copy of ``t`` in the arena, or None when it has no room."""
+        self._shared = shared
         self._sets: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._turn = 0
 
@@ -278,11 +286,18 @@ class StepBuffers:
             b.copy_(p.detach())
         return list(xs)
 
-    @staticmethod
-    def _allocate(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor],
-                                                           list[torch.Tensor]]:
-        xs = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
-        return xs, [torch.empty_like(x) for x in xs]
+    def _allocate(self, params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor],
+                                                                 list[torch.Tensor]]:
+        xs = [self._buffer(p) for p in params]
+        return xs, [self._buffer(x) for x in xs]
+
+    def _buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialized tensor like ``like``: in the arena if it is on the host and fits."""
+        empty = torch.empty_like(like, memory_format=torch.contiguous_format)
+        if like.device.type != "cpu":
+            return empty
+        shared = self._shared(empty)
+        return empty if shared is None else shared
 
     def updates(self, xs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
                 ) -> list[torch.Tensor]:

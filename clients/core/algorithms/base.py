@@ -147,7 +147,7 @@ class Algorithm(Generic[T]):
                   for t, n in zip(tensors, names, strict=True)]
         else:
             w = self._weights()
-            hs = [c.neighbor_allreduce_async_(t, name=n, fuse=False, **w) if in_place
+            hs = [c.neighbor_allreduce_async_(t, name=n, fuse=True, **w) if in_place
                   else c.neighbor_allreduce_async(t, name=n, **w)
                   for t, n in zip(tensors, names, strict=True)]
         self._pending[key] = hs
