@@ -12,9 +12,9 @@ daemon), ``flatten=False`` (the general path: the optimizer's step writes ``x - 
 parameters, whose storages it put in shared memory, and the combine writes into them in place),
 gradient tracking on the general path (``x`` and ``d`` in arena buffers kept across steps; two
 exchanges per step) and gradient tracking on one parameter of the same bytes (the flattened
-layout of the same math, which the general path is compared with), two rounds each. Rank 0 prints the medians (wall time and the
-worker's own CPU time per step; the daemon's work is the same on both paths) and writes them as
-JSON and a bar chart next to it.
+layout of the same math, which the general path is compared with), two rounds each. Rank 0
+prints the medians (wall time and the worker's own CPU time per step) and writes them as JSON and
+a bar chart next to it.
 """
 
 from __future__ import annotations

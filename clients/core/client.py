@@ -422,13 +422,10 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
     def shared(self, tensor: T) -> T:
         """A copy of ``tensor`` that lives in the shared-memory arena (CPU only).
 
-        Ops take such a tensor without copying it to the daemon, and in-place ops
-        (``neighbor_allreduce_`` and co.) have the daemon write the result straight into it: no
-        copy either way. Keep model parameters there (``p.data = client.shared(p.data)``) for the
-        cheapest steps, or in torch's shared memory (``model.share_memory()``), which in-place ops
-        register with the daemon to the same effect. Its arena space is freed when the last
-        tensor using it is gone. As with any asynchronous in-place op, do not modify it until the
-        op's handle is waited for.
+        Ops take it without a copy, and in-place ops write their result straight into it
+        (as into torch's shared memory, ``model.share_memory()``, which in-place ops register).
+        Its arena space is freed when the last tensor using it is gone. Do not modify it until
+        an asynchronous op on it is waited for.
         """
         return self._submitter.shared(tensor)
 
