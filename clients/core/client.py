@@ -422,16 +422,14 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
     def shared(self, tensor: T) -> T:
         """A copy of ``tensor`` that lives in the shared-memory arena (CPU only).
 
-        Ops take it without a copy, and in-place ops write their result straight into it
-        (as into torch's shared memory, ``model.share_memory()``, which in-place ops register).
-        Its arena space is freed when the last tensor using it is gone. Do not modify it until
-        an asynchronous op on it is waited for.
+        Ops take it without a copy, and in-place ops write their result straight into it (as
+        into ``model.share_memory()`` tensors). Its arena space is freed when the last tensor
+        using it is gone. Do not modify it until an asynchronous op on it is waited for.
         """
         return self._submitter.shared(tensor)
 
     def shared_or_none(self, tensor: T) -> T | None:
-        """:meth:`shared`, or None (never waiting) when that would leave less than half of the
-        arena free for requests: for buffers that are only faster in the arena."""
+        """:meth:`shared`, or None when that would leave less than half the arena free."""
         return self._submitter.shared_if_room(tensor)
 
     def flush(self) -> None:
