@@ -65,8 +65,10 @@ class DecentralizedOptimizer:
     ``.clone()``s or the model's state dict). When the parameters change (``model.double()``,
     ``add_param_group``), the next step lays them out again. If any parameter cannot be moved
     (not a dense contiguous CPU tensor, tied to another, or among several already in shared
-    memory, as after ``model.share_memory()``), every parameter takes the general path, which
-    copies; ``flattened`` tells which path the last step took. The path must be the same on
+    memory, as after ``model.share_memory()``), every parameter takes the general path, where
+    these algorithms put each parameter's private storage in shared memory in place
+    (:func:`decent.torch.flat.share_in_place`) and average the parameters in one fused request;
+    ``flattened`` tells which path the last step took. The path must be the same on
     every rank (the same ``flatten``, the same kind of parameters): otherwise the first exchange
     fails with a mismatch naming the tensor. On the flat path an op that fails leaves the
     parameters partly averaged (the daemon writes results as they arrive): after a DecentError,
