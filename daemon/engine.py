@@ -23,10 +23,12 @@ from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.topology import Topology, from_spec
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.agreement import WORKER_AGREED, Agreements, description
 from decentd.arena import Arena
 from decentd.auth import shown
 from decentd.fill import FillState
-from decentd.hierarchy import Hierarchy, Request
+from decentd.gathers import Request
+from decentd.hierarchy import Hierarchy
 from decentd.logs import op_fields
 from decentd.mailbox import OpKey
 from decentd.names import RESERVED, at_worker, qualify
@@ -131,6 +133,7 @@ class Engine:
         self.closing = False
         #: allreduce, broadcast, barrier and hierarchical averaging: a node's workers combined
         self.hierarchy = Hierarchy(services, ops, self.start)
+        self.agreements = Agreements(services, self.start)
 
     # ------------------------------------------------------------------ submission
 
@@ -168,9 +171,28 @@ class Engine:
         level = Level(session.rank, self.services.workers,
                       session.topology or self.services.topology)
         ctx = OpContext(self.services, op, args, parts, spec, level)
+        if op in WORKER_AGREED:  # a collective: the workers agree on it first
+            descriptions = [description(op, args, p, [session.rank]) for p in parts]
+            self.agreements.run(level, parts, descriptions, timeout, lambda err: self._agreed(
+                session, req.request_id, ctx, timeout, err))
+            return
         self.start(ctx, timeout, lambda result, err: self._complete(session, ctx,
                                                                     req.request_id, result, err))
         session.in_flight.update(ctx.keys)
+
+    def _agreed(self, session: WorkerSession, request_id: int, ctx: OpContext, timeout: float,
+                err: DecentError | None) -> None:
+        """Every worker of a collective has the same verdict: run it, or fail it with that."""
+        if err is None:
+            try:
+                self.start(ctx, timeout, lambda result, e: self._complete(session, ctx,
+                                                                          request_id, result, e))
+                session.in_flight.update(ctx.keys)
+                return
+            except DecentError as exc:
+                err = exc
+        ctx.release_views()
+        self._complete(session, ctx, request_id, None, err)
 
     def _filling(self, session: WorkerSession, request_id: int, op: int,
                  parts: list[PartSpec]) -> None:

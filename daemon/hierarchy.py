@@ -24,8 +24,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +32,8 @@ from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.protocol import op_label
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.agreement import NODE_AGREED, Agreements, description
+from decentd.gathers import Gather, Launch, Request, Staged, Worker, segment_bounds
 from decentd.mailbox import OpKey
 from decentd.names import at_node, segment
 from decentd.numerics import ACCUM, from_accum, to_accum, weighted_sum
@@ -43,84 +44,10 @@ log = logging.getLogger("decentd.hierarchy")
 #: the wire dtype of each accumulation dtype (node sums travel in it)
 ACCUM_WIRE = {np.dtype(np.float32): pb.FLOAT32, np.dtype(np.float64): pb.FLOAT64,
               np.dtype(np.int64): pb.INT64}
-#: staged tensors run among the daemons in segments of at most this many bytes
-SEGMENT_BYTES = 1 << 20
 NODE_LEVEL = (pb.ALLREDUCE, pb.BROADCAST, pb.BARRIER, pb.HIERARCHICAL_NEIGHBOR_ALLREDUCE)
 
 Done = Callable[[OpResult | None, DecentError | None], None]
 Start = Callable[[OpContext, float, Done], None]
-
-
-class Worker(Protocol):
-    """What a gather needs of a local worker's session."""
-
-    rank: int
-    local_rank: int
-    job: str
-    gone: bool
-
-    def complete(self, completion: pb.Completion) -> None:
-        """Send a completion to the worker."""
-
-
-@dataclass(eq=False)
-class Request:
-    """One worker's request of a node-level op (its parts' names job-qualified, no owner)."""
-
-    session: Worker
-    request_id: int
-    op: int
-    args: Any
-    parts: list[PartSpec]
-    timeout: float
-    left: int = -1  #: parts not resolved yet
-    error: DecentError | None = None
-    covered: list[int] = field(default_factory=list)  #: the worker ranks its result covers
-
-    def __post_init__(self) -> None:
-        self.left = len(self.parts)
-
-
-@dataclass(eq=False)
-class Staged:
-    """A node's tensor of one gather, in a pooled buffer."""
-
-    part: PartSpec
-    buf: np.ndarray  #: the pool's buffer (given back when the op ends)
-
-
-@dataclass(eq=False)
-class Launch:
-    """The ready gathers of one request, running among the daemons segment by segment."""
-
-    req: Request
-    gathers: list[Gather]
-    staged: list[Staged]
-    segments: int  #: segment count (the longest gather's)
-    left: int = -1  #: segments not ended yet
-    error: DecentError | None = None
-    contexts: list[OpContext] = field(default_factory=list)
-    group: list[int] | None = None  #: the daemons its segments ran among
-
-    def __post_init__(self) -> None:
-        self.left = self.segments
-
-
-def segment_bounds(elements: int, itemsize: int) -> list[tuple[int, int]]:
-    """The element ranges a staged tensor of ``elements`` runs in (one range when it is small;
-    at least one, empty for an empty tensor)."""
-    step = max(1, SEGMENT_BYTES // itemsize)
-    return [(lo, min(lo + step, elements)) for lo in range(0, elements, step)] or [(0, 0)]
-
-
-@dataclass(eq=False)
-class Gather:
-    """One tensor ``(name, round)`` of a node-level op, from each local worker."""
-
-    key: OpKey
-    members: dict[int, tuple[Request, PartSpec]] = field(default_factory=dict)
-    timer: asyncio.TimerHandle | None = None
-    launched: OpContext | None = None
 
 
 class Hierarchy:
@@ -130,6 +57,7 @@ class Hierarchy:
         self.services = services
         self.per_node = services.per_node
         self._start = start
+        self.agreements = Agreements(services, start)
         self._spec = dict(ops)
         #: the ops run here, by the op workers submit
         self.ops: dict[int, OpSpec] = {op: ops[op] for op in NODE_LEVEL[:3]}
@@ -148,10 +76,9 @@ class Hierarchy:
         every worker's (DecentError when the request itself is refused)."""
         if req.op == pb.BROADCAST:
             root = int(req.args.root)
-            if not 0 <= root < self.services.workers:
-                raise DecentError(pb.INVALID_ARGUMENT, f"{op_label(req.op)} "
-                                  f"'{req.parts[0].display}': root {root} is not a rank "
-                                  f"(0..{self.services.workers - 1})")
+            if not 0 <= root < self.services.workers:  # the other ranks fail with it too
+                req.refused = DecentError(pb.INVALID_ARGUMENT, f"root {root} is not a rank "
+                                          f"(0..{self.services.workers - 1})")
         local = req.session.local_rank
         for p in req.parts:
             g = self.gathers.get((p.name, p.round))
@@ -211,11 +138,15 @@ class Hierarchy:
                                   f"for rank(s) {missing} on the same node to submit it"))
 
     def _fail(self, g: Gather, err: DecentError) -> None:
-        """A gather that will never run: every member fails, the daemons are told."""
+        """A gather that will never run: every member fails, the daemons are told (through
+        the agreement for a collective, so that all fail alike)."""
         self.gathers.pop(g.key, None)
         if g.timer is not None:
             g.timer.cancel()
         req, _ = next(iter(g.members.values()))
+        if req.op in NODE_AGREED:
+            self._agree(req, [g], err)
+            return
         ctx = self._context(req, [g])
         try:
             peers = ctx.spec.peers(ctx)
@@ -230,12 +161,43 @@ class Hierarchy:
     # ------------------------------------------------------------------ running among daemons
 
     def _launch(self, req: Request, ready: list[Gather]) -> None:
-        """Run the ready gathers' op among the daemons: the one local worker's tensors as they
-        are, else staged in pooled buffers, segment by segment."""
+        """The ready gathers: a collective agrees among the daemons first
+        (:mod:`decentd.agreement`), then runs."""
         for g in ready:
             self.gathers.pop(g.key, None)
             if g.timer is not None:
                 g.timer.cancel()
+        if req.op not in NODE_AGREED:
+            self._run_launch(req, ready)
+            return
+        self._agree(req, ready, next((m.refused for g in ready for m, _ in g.members.values()
+                                      if m.refused is not None), None))
+
+    def _agree(self, req: Request, ready: list[Gather], refused: DecentError | None) -> None:
+        """The daemons agree on the gathers' collective (``refused``: why this node cannot run
+        it), then run it or fail it alike (:meth:`_agreed`)."""
+        s = self.services
+        members = [next(iter(g.members.values())) for g in ready]
+        ranks = [s.machine * self.per_node + k for k in range(self.per_node)]
+        descriptions = [description(req.op, req.args, p, ranks, refused) for _, p in members]
+        parts = [dataclasses.replace(p, name=at_node(p.name)) for _, p in members]
+        level = Level(s.machine, s.machines, s.machine_topology, node=True)
+        timeout = min(m.timeout for g in ready for m, _ in g.members.values())
+        self.agreements.run(level, parts, descriptions, timeout,
+                            lambda err: self._agreed(req, ready, err))
+
+    def _agreed(self, req: Request, ready: list[Gather], err: DecentError | None) -> None:
+        """Every daemon has the same verdict: run the op, or fail every member with it."""
+        if err is None:
+            self._run_launch(req, ready)
+            return
+        for g in ready:
+            for member, _ in g.members.values():
+                self._resolve(member, err)
+
+    def _run_launch(self, req: Request, ready: list[Gather]) -> None:
+        """Run the ready gathers' op among the daemons: the one local worker's tensors as they
+        are, else staged in pooled buffers, segment by segment."""
         if self.per_node == 1:
             ctx = self._context(req, ready)
             for g in ready:

@@ -63,6 +63,12 @@ def segment(key: str, index: int) -> str:
     return f"{base}{SEGMENT_SEPARATOR}{index}{sep}{who}"
 
 
+def agreement(key: str) -> str:
+    """The key under which a collective's participants agree on ``key`` before it runs."""
+    base, sep, who = key.rpartition(OWNER_SEPARATOR)
+    return f"{base}{SEGMENT_SEPARATOR}agree{sep}{who}"
+
+
 def readdress(key: str, rank: int) -> str:
     """The same key owned by worker ``rank`` (a node-level key stays as it is)."""
     base, _, who = key.rpartition(OWNER_SEPARATOR)

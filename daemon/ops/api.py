@@ -84,6 +84,9 @@ class OpResult:
     out_nbytes: int
     shape: tuple[int, ...]
     src_ranks: list[int] = field(default_factory=list)
+    #: an agreement's verdict against running its collective (the agreement itself ended well:
+    #: every participant draws the same one, so nobody is told to abort)
+    verdict: DecentError | None = None
 
 
 OpFn = Callable[["OpContext"], Awaitable[OpResult]]
