@@ -190,3 +190,53 @@ def test_a_gradient_twice_before_step_is_refused(cluster: ClusterFactory) -> Non
     opt.synchronize()
     with pytest.raises(dt.AlgorithmError, match="Adasum is not supported"):
         dt.DistributedOptimizer(torch.optim.SGD([x], lr=1.0), client=cl, op=dt.Adasum)
+
+
+def test_two_ops_of_one_name_in_flight_are_a_value_error_as_in_horovod() -> None:
+    # decent.torch used as hvd: Horovod refuses a second op of a name still in flight; a Client
+    # runs it as the name's next round (README "Coming from BlueFog or Horovod")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster import Cluster, delay
+    from decent.core.shortcuts import DefaultClient
+
+    c = Cluster(2, "ring")
+    hvds: list[DefaultClient[torch.Tensor, Any]] = []
+    try:
+        hvds = [DefaultClient("decent.torch", lambda a: dt.connect(a, 60)) for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda i: hvds[i].init(f"unix://{c.sockets[i]}"), range(2)))
+
+        def work(i: int) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
+            hvd = hvds[i]
+            delay(i)
+            first = hvd.allreduce_async(torch.full((3,), float(i)), name="dup")
+            try:
+                hvd.allreduce_async(torch.full((3,), 10.0), name="dup")
+                refused = ""
+            except ValueError as err:
+                refused = str(err)
+            try:
+                hvd.allreduce(torch.ones(3), name="dup")
+            except ValueError as err:
+                refused += " | " + str(err)
+            got = first.wait()
+            again = hvd.allreduce(torch.full((3,), float(2 * i)), name="dup")  # allowed now
+            # the Client itself queues a second one as the next round
+            cl = hvd.get()
+            a = cl.allreduce_async(torch.full((3,), float(i)), name="queued")
+            b = cl.allreduce_async(torch.full((3,), float(i + 2)), name="queued")
+            return refused, got, again, a.wait() + b.wait()
+
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(work, range(2)))
+        for refused, first, again, queued in got:
+            assert refused.count("'dup': an op of this name is still in flight") == 2, refused
+            assert refused.startswith("allreduce_async 'dup'")
+            assert torch.equal(first, torch.full((3,), 0.5))
+            assert torch.equal(again, torch.full((3,), 1.0))
+            assert torch.equal(queued, torch.full((3,), 0.5 + 2.5))
+    finally:
+        for h in hvds:
+            h.shutdown()
+        c.stop()

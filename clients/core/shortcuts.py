@@ -7,6 +7,7 @@ ops are written once here, for every adapter.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
@@ -52,12 +53,38 @@ class DefaultClient(Generic[T, C]):
         self.module = module
         self._connect = connect
         self.client: C | None = None
+        #: the handles of asynchronous ops by name (weakly: a result is not kept alive here)
+        self._in_flight: dict[str, weakref.ref[Handle[Any]]] = {}
 
     def init(self, address: str | None = None) -> C:
         """Create (once) the default client the module-level functions use, and return it."""
         if self.client is None:
             self.client = self._connect(address)
         return self.client
+
+    def _guarded(self, start: Callable[..., Handle[T]], tensor: T, *args: Any,
+                 **kwargs: Any) -> Handle[T]:
+        """``start(tensor, ...)``, refused while an op of the same ``name`` is in flight."""
+        name = kwargs.get("name")
+        self._refuse_duplicate(start.__name__, name)
+        handle = start(tensor, *args, **kwargs)
+        if name is not None:
+            self._in_flight[name] = weakref.ref(handle)
+        return handle
+
+    def _refuse_duplicate(self, op: str, name: str | None) -> None:
+        """Horovod's rule for its API (this module used as ``hvd``): ValueError while an op of
+        ``name`` is in flight (a ``Client`` queues it as the name's next round instead)."""
+        if name is None:
+            return
+        ref = self._in_flight.get(name)
+        handle = ref() if ref is not None else None
+        if handle is None or handle.done():
+            self._in_flight.pop(name, None)
+            return
+        raise ValueError(f"{op} '{name}': an op of this name is still in flight on rank "
+                         f"{self.get().rank}; wait for it first (Horovod allows one op per name "
+                         "at a time; decent.core.Client runs it as the name's next round)")
 
     def get(self) -> C:
         """The default client; RuntimeError before ``init()``."""
@@ -98,18 +125,20 @@ class DefaultClient(Generic[T, C]):
 
     def hierarchical_neighbor_allreduce_async(self, tensor: T, **kwargs: Any) -> Handle[T]:
         """See :meth:`decent.core.Client.hierarchical_neighbor_allreduce_async`."""
-        return self.get().hierarchical_neighbor_allreduce_async(tensor, **kwargs)
+        return self._guarded(self.get().hierarchical_neighbor_allreduce_async, tensor, **kwargs)
 
     def hierarchical_neighbor_allreduce(self, tensor: T, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.hierarchical_neighbor_allreduce`."""
+        self._refuse_duplicate("hierarchical_neighbor_allreduce", kwargs.get("name"))
         return self.get().hierarchical_neighbor_allreduce(tensor, **kwargs)
 
     def hierarchical_neighbor_allreduce_async_(self, tensor: T, **kwargs: Any) -> Handle[T]:
         """See :meth:`decent.core.Client.hierarchical_neighbor_allreduce_async_`."""
-        return self.get().hierarchical_neighbor_allreduce_async_(tensor, **kwargs)
+        return self._guarded(self.get().hierarchical_neighbor_allreduce_async_, tensor, **kwargs)
 
     def hierarchical_neighbor_allreduce_(self, tensor: T, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.hierarchical_neighbor_allreduce_`."""
+        self._refuse_duplicate("hierarchical_neighbor_allreduce_", kwargs.get("name"))
         return self.get().hierarchical_neighbor_allreduce_(tensor, **kwargs)
 
     # ------------------------------------------------------------------ topology
@@ -148,76 +177,85 @@ class DefaultClient(Generic[T, C]):
 
     def neighbor_allreduce_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
         """See :meth:`decent.core.Client.neighbor_allreduce_async`."""
-        return self.get().neighbor_allreduce_async(tensor, *args, **kwargs)
+        return self._guarded(self.get().neighbor_allreduce_async, tensor, *args, **kwargs)
 
     def neighbor_allreduce(self, tensor: T, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.neighbor_allreduce`."""
+        self._refuse_duplicate("neighbor_allreduce", kwargs.get("name"))
         return self.get().neighbor_allreduce(tensor, **kwargs)
 
     def neighbor_allreduce_async_(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
         """See :meth:`decent.core.Client.neighbor_allreduce_async_`."""
-        return self.get().neighbor_allreduce_async_(tensor, *args, **kwargs)
+        return self._guarded(self.get().neighbor_allreduce_async_, tensor, *args, **kwargs)
 
     def neighbor_allreduce_(self, tensor: T, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.neighbor_allreduce_`."""
+        self._refuse_duplicate("neighbor_allreduce_", kwargs.get("name"))
         return self.get().neighbor_allreduce_(tensor, **kwargs)
 
     def compressed_neighbor_allreduce_async(self, tensor: T, compressor: str, *args: Any,
                                             **kwargs: Any) -> Handle[T]:
         """See :meth:`decent.core.Client.compressed_neighbor_allreduce_async`."""
-        return self.get().compressed_neighbor_allreduce_async(tensor, compressor, *args,
-                                                              **kwargs)
+        return self._guarded(self.get().compressed_neighbor_allreduce_async, tensor, compressor,
+                             *args, **kwargs)
 
     def compressed_neighbor_allreduce(self, tensor: T, compressor: str, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.compressed_neighbor_allreduce`."""
+        self._refuse_duplicate("compressed_neighbor_allreduce", kwargs.get("name"))
         return self.get().compressed_neighbor_allreduce(tensor, compressor, **kwargs)
 
     def neighbor_allgather_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
         """See :meth:`decent.core.Client.neighbor_allgather_async`."""
-        return self.get().neighbor_allgather_async(tensor, *args, **kwargs)
+        return self._guarded(self.get().neighbor_allgather_async, tensor, *args, **kwargs)
 
     def neighbor_allgather(self, tensor: T, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.neighbor_allgather`."""
+        self._refuse_duplicate("neighbor_allgather", kwargs.get("name"))
         return self.get().neighbor_allgather(tensor, **kwargs)
 
     def allgather_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
         """See :meth:`decent.core.Client.allgather_async`."""
-        return self.get().allgather_async(tensor, *args, **kwargs)
+        return self._guarded(self.get().allgather_async, tensor, *args, **kwargs)
 
     def allgather(self, tensor: T, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.allgather`."""
+        self._refuse_duplicate("allgather", kwargs.get("name"))
         return self.get().allgather(tensor, **kwargs)
 
     def allreduce_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
         """See :meth:`decent.core.Client.allreduce_async`."""
-        return self.get().allreduce_async(tensor, *args, **kwargs)
+        return self._guarded(self.get().allreduce_async, tensor, *args, **kwargs)
 
     def allreduce(self, tensor: T, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.allreduce`."""
+        self._refuse_duplicate("allreduce", kwargs.get("name"))
         return self.get().allreduce(tensor, **kwargs)
 
     def allreduce_async_(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
         """See :meth:`decent.core.Client.allreduce_async_`."""
-        return self.get().allreduce_async_(tensor, *args, **kwargs)
+        return self._guarded(self.get().allreduce_async_, tensor, *args, **kwargs)
 
     def allreduce_(self, tensor: T, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.allreduce_`."""
+        self._refuse_duplicate("allreduce_", kwargs.get("name"))
         return self.get().allreduce_(tensor, **kwargs)
 
     def broadcast_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
         """See :meth:`decent.core.Client.broadcast_async`."""
-        return self.get().broadcast_async(tensor, *args, **kwargs)
+        return self._guarded(self.get().broadcast_async, tensor, *args, **kwargs)
 
     def broadcast(self, tensor: T, *args: Any, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.broadcast`."""
+        self._refuse_duplicate("broadcast", kwargs.get("name"))
         return self.get().broadcast(tensor, *args, **kwargs)
 
     def broadcast_async_(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
         """See :meth:`decent.core.Client.broadcast_async_`."""
-        return self.get().broadcast_async_(tensor, *args, **kwargs)
+        return self._guarded(self.get().broadcast_async_, tensor, *args, **kwargs)
 
     def broadcast_(self, tensor: T, *args: Any, **kwargs: Any) -> T:
         """See :meth:`decent.core.Client.broadcast_`."""
+        self._refuse_duplicate("broadcast_", kwargs.get("name"))
         return self.get().broadcast_(tensor, *args, **kwargs)
 
     def barrier(self, name: str | None = None, timeout: float | None = None) -> None:
