@@ -103,7 +103,7 @@ class Cluster:
             logs = "\n".join(f"--- daemon {i} (exit {p.poll()}):\n{self.log(i)[-2000:]}"
                              for i, p in enumerate(self.procs))
             raise RuntimeError(f"cluster did not come up: {failed}\n{logs}") from failed
-        self.clients = clients
+        self.clients = list[Client[Any]](clients)
         return self.clients
 
     def disconnect(self) -> None:

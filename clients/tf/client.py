@@ -13,10 +13,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from decent.core import Client, Handle
+from decent.core import Client, Handle, adjoints
 from decent.core.shortcuts import DefaultClient
 from decent.core.submitter import OpCall
 from decent.tf.codec import TFCodec
+from decent.tf.gradients import differentiable, tracked
 
 
 class TFClient(Client[Any]):
@@ -53,20 +54,38 @@ class TFClient(Client[Any]):
         return variable
 
     def neighbor_allreduce(self, tensor: Any, **kwargs: Any) -> Any:
-        """Blocking neighbor_allreduce (also inside tf.function)."""
-        return self._staged(super().neighbor_allreduce, tensor, _same, **kwargs)
+        """Blocking neighbor_allreduce (also inside tf.function); its gradient is the same op
+        with W transposed."""
+        if not tracked(tensor):
+            return self._staged(super().neighbor_allreduce, tensor, _same, **kwargs)
+        return differentiable(tensor, lambda t: self._plain("neighbor_allreduce")(t, **kwargs),
+                              adjoints.neighbor_allreduce(*adjoints.neighbor_plan(self, kwargs),
+                                                          kwargs), self._plain)
 
     def hierarchical_neighbor_allreduce(self, tensor: Any, **kwargs: Any) -> Any:
         """Blocking hierarchical_neighbor_allreduce (also inside tf.function)."""
         return self._staged(super().hierarchical_neighbor_allreduce, tensor, _same, **kwargs)
 
     def allreduce(self, tensor: Any, **kwargs: Any) -> Any:
-        """Blocking allreduce (also inside tf.function)."""
-        return self._staged(super().allreduce, tensor, _same, **kwargs)
+        """Blocking allreduce (also inside tf.function); its gradient is the allreduce of the
+        gradients."""
+        if not tracked(tensor):
+            return self._staged(super().allreduce, tensor, _same, **kwargs)
+        return differentiable(tensor, lambda t: self._plain("allreduce")(t, **kwargs),
+                              adjoints.allreduce(kwargs), self._plain)
 
     def broadcast(self, tensor: Any, root: int = 0, **kwargs: Any) -> Any:
-        """Blocking broadcast (also inside tf.function)."""
-        return self._staged(super().broadcast, tensor, _same, root=root, **kwargs)
+        """Blocking broadcast (also inside tf.function); its gradient is the sum of the
+        gradients, on the root."""
+        if not tracked(tensor):
+            return self._staged(super().broadcast, tensor, _same, root=root, **kwargs)
+        return differentiable(tensor, lambda t: self._plain("broadcast")(t, root=root, **kwargs),
+                              adjoints.broadcast(self.rank, root, kwargs), self._plain)
+
+    def _plain(self, op: str) -> Callable[..., Any]:
+        """The blocking op ``op`` without gradients (also inside tf.function)."""
+        run = getattr(super(), op)
+        return lambda tensor, **kwargs: self._staged(run, tensor, _same, **kwargs)
 
     def neighbor_allgather(self, tensor: Any, **kwargs: Any) -> Any:
         """Blocking neighbor_allgather (also inside tf.function)."""

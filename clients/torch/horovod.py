@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from decent.core import Client
 from decent.core.algorithms import GradientAllreduce
 from decent.core.handles import Handle
-from decent.torch.client import TorchClient, default_client
+from decent.torch.client import default_client
 from decent.torch.optim import average_gradients
 
 #: Horovod's reduction ops (decent's allreduce takes the same names)
@@ -92,7 +93,7 @@ class GradientAveraging(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
                  compression: Any, backward_passes_per_step: int, op: str,
-                 gradient_predivide_factor: float, client: TorchClient | None) -> None:
+                 gradient_predivide_factor: float, client: Client[torch.Tensor] | None) -> None:
         # not the optimizer class's __init__: this object takes over the wrapped one's groups,
         # state and hooks as they are (lr schedulers and checkpoints see one optimizer)
         self.__dict__.update(vars(optimizer))
@@ -184,7 +185,7 @@ def DistributedOptimizer(
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
         compression: Any = Compression.none, backward_passes_per_step: int = 1,
         op: str = Average, gradient_predivide_factor: float = 1.0,
-        client: TorchClient | None = None, **_ignored: Any) -> GradientAveraging:
+        client: Client[torch.Tensor] | None = None, **_ignored: Any) -> GradientAveraging:
     """Horovod's ``hvd.DistributedOptimizer``: ``optimizer``, stepping on gradients averaged
     over every rank.
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from decent.core import Client
 from decent.core.algorithms import (
     Algorithm,
     AlgorithmError,
@@ -76,7 +77,7 @@ class DecentralizedOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
-                 algorithm: str = "dsgd", client: TorchClient | None = None,
+                 algorithm: str = "dsgd", client: Client[torch.Tensor] | None = None,
                  flatten: bool = True, rejoin: bool = True, **options: Any) -> None:
         self.optimizer = optimizer
         self.client = client if client is not None else _default_client()
@@ -326,7 +327,7 @@ def average_gradients(algorithm: Algorithm[torch.Tensor], params: Sequence[torch
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                         root: int = 0, client: TorchClient | None = None,
+                         root: int = 0, client: Client[torch.Tensor] | None = None,
                          root_rank: int | None = None) -> None:
     """Overwrite every tensor (``model.state_dict()`` or ``named_parameters()``) with ``root``'s
     (``root_rank``: Horovod's name), in place."""
@@ -341,7 +342,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
 
 
 def broadcast_optimizer_state(optimizer: Any, root: int = 0,
-                              client: TorchClient | None = None,
+                              client: Client[torch.Tensor] | None = None,
                               root_rank: int | None = None) -> None:
     """Give every rank ``root``'s optimizer state (momentum buffers, steps, the algorithm's
     state and counters), whatever state the others had.
@@ -374,7 +375,7 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0,
 MAX_STATE_META = 256 << 20
 
 
-def _broadcast_bytes(client: TorchClient, data: bytes, root: int) -> bytes:
+def _broadcast_bytes(client: Client[torch.Tensor], data: bytes, root: int) -> bytes:
     """``root``'s ``data`` on every rank."""
     size = int(client.broadcast(torch.tensor([len(data)], dtype=torch.int64), root=root,
                                 name="decent.optstate.size")[0])
@@ -388,7 +389,7 @@ def _broadcast_bytes(client: TorchClient, data: bytes, root: int) -> bytes:
     return bytes(got.numpy().tobytes())
 
 
-def consensus(params: Iterable[torch.Tensor], client: TorchClient | None = None) -> float:
+def consensus(params: Iterable[torch.Tensor], client: Client[torch.Tensor] | None = None) -> float:
     """The consensus distance ``sum_i ||x_i - mean||^2`` over the ranks (the same everywhere)."""
     client = client if client is not None else _default_client()
     return consensus_distance(client, [p.detach() for p in params],
