@@ -1,14 +1,16 @@
-"""A collective ends the same way on every rank: its participants agree before data moves.
+"""A collective ends the same way on every rank: its participants agree on what it is.
 
 Before a collective (allreduce, broadcast, barrier among the daemons; allgather among the
 workers) runs, every participant sends every other one, for each of its tensors, what it was
 asked to run (a ``pb.Agreement``: op, dtype, shape, arguments, or why it cannot run it) and
 waits for theirs. Each then has the same set of descriptions and draws the same verdict from
 it: run the op, or fail it with the same error code and a message naming the ranks that
-disagree. Nobody gets data from an op another rank fails for a disagreement. Only then does the
-op itself start. A participant that cannot run it (a root that is not a rank) tells the others
-and fails at once, without waiting for them (if two such fail, each names itself). Neighbor
-ops keep their pairwise checks (an op there involves only its peers).
+disagree. Nobody gets a result from an op another rank fails for a disagreement. Only then does
+the op's result go out: node-level collectives run beside their agreement (one round instead of
+two) and hold their results until the verdict, which cancels them if it is against. A
+participant that cannot run it (a root that is not a rank) tells the others and fails at once,
+without waiting for them (if two such fail, each names itself). Neighbor ops keep their pairwise
+checks (an op there involves only its peers).
 
 The agreement is an op of its own (``pb.AGREEMENT``, keys from :func:`decentd.names.agreement`),
 run by the engine like any other: timeouts, aborts, lost peers and the live view apply to it.
@@ -106,6 +108,19 @@ def verdict(display: str, round_: int, got: dict[int, pb.Agreement]) -> DecentEr
     told = "; ".join(f"{_ranks(ranks)} {texts[key]}" for key, ranks in
                      sorted(kinds.items(), key=lambda kv: kv[1][0]))
     return DecentError(pb.MISMATCH, f"{label}: the ranks disagree, so none runs it: {told}")
+
+
+#: what a verdict drawn from the descriptions fails with (others are the agreement's own
+#: failures: a timeout, a lost peer)
+VERDICTS = frozenset({pb.MISMATCH, pb.INVALID_ARGUMENT, pb.ARENA_ERROR})
+
+
+def outcome(verdict: DecentError | None, error: DecentError | None) -> DecentError | None:
+    """How a collective that ran beside its agreement ends: a verdict from the descriptions
+    wins (every rank has it); else the op's own error, else the agreement's."""
+    if verdict is not None and (verdict.code in VERDICTS or error is None):
+        return verdict
+    return error
 
 
 def _ranks(ranks: Sequence[int]) -> str:

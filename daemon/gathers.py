@@ -71,6 +71,9 @@ class Launch:
     error: DecentError | None = None
     contexts: list[OpContext] = field(default_factory=list)
     group: list[int] | None = None  #: the daemons its segments ran among
+    #: its agreement (decentd.agreement) has not ended: results wait for the verdict
+    agreeing: bool = False
+    verdict: DecentError | None = None  #: the agreement's verdict against it
 
     def __post_init__(self) -> None:
         self.left = self.segments

@@ -32,7 +32,7 @@ from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.protocol import op_label
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.agreement import NODE_AGREED, Agreements, description
+from decentd.agreement import NODE_AGREED, Agreements, description, outcome
 from decentd.gathers import Gather, Launch, Request, Staged, Worker, segment_bounds
 from decentd.mailbox import OpKey
 from decentd.names import at_node, segment
@@ -145,7 +145,7 @@ class Hierarchy:
             g.timer.cancel()
         req, _ = next(iter(g.members.values()))
         if req.op in NODE_AGREED:
-            self._agree(req, [g], err)
+            self._agree(req, [g], err, None)
             return
         ctx = self._context(req, [g])
         try:
@@ -161,21 +161,26 @@ class Hierarchy:
     # ------------------------------------------------------------------ running among daemons
 
     def _launch(self, req: Request, ready: list[Gather]) -> None:
-        """The ready gathers: a collective agrees among the daemons first
-        (:mod:`decentd.agreement`), then runs."""
+        """The ready gathers: run their op among the daemons; a collective's daemons agree on
+        it meanwhile (:mod:`decentd.agreement`), and its results wait for the verdict."""
         for g in ready:
             self.gathers.pop(g.key, None)
             if g.timer is not None:
                 g.timer.cancel()
         if req.op not in NODE_AGREED:
-            self._run_launch(req, ready)
+            self._run_launch(req, ready, agreeing=False)
             return
-        self._agree(req, ready, next((m.refused for g in ready for m, _ in g.members.values()
-                                      if m.refused is not None), None))
+        refused = next((m.refused for g in ready for m, _ in g.members.values()
+                        if m.refused is not None), None)
+        if refused is not None:  # it cannot run here: only the verdict
+            self._agree(req, ready, refused, None)
+            return
+        self._agree(req, ready, None, self._run_launch(req, ready, agreeing=True))
 
-    def _agree(self, req: Request, ready: list[Gather], refused: DecentError | None) -> None:
+    def _agree(self, req: Request, ready: list[Gather], refused: DecentError | None,
+               launch: Launch | None) -> None:
         """The daemons agree on the gathers' collective (``refused``: why this node cannot run
-        it), then run it or fail it alike (:meth:`_agreed`)."""
+        it); :meth:`_agreed` applies the verdict to ``launch`` (None: not run)."""
         s = self.services
         members = [next(iter(g.members.values())) for g in ready]
         ranks = [s.machine * self.per_node + k for k in range(self.per_node)]
@@ -184,31 +189,40 @@ class Hierarchy:
         level = Level(s.machine, s.machines, s.machine_topology, node=True)
         timeout = min(m.timeout for g in ready for m, _ in g.members.values())
         self.agreements.run(level, parts, descriptions, timeout,
-                            lambda err: self._agreed(req, ready, err))
+                            lambda err: self._agreed(ready, launch, err))
 
-    def _agreed(self, req: Request, ready: list[Gather], err: DecentError | None) -> None:
-        """Every daemon has the same verdict: run the op, or fail every member with it."""
-        if err is None:
-            self._run_launch(req, ready)
+    def _agreed(self, ready: list[Gather], launch: Launch | None,
+                err: DecentError | None) -> None:
+        """Every daemon has the same verdict: the op's results go out, or every member fails
+        with it (the op, if still running, stops)."""
+        if launch is None:
+            for g in ready:
+                for member, _ in g.members.values():
+                    self._resolve(member, err)
             return
-        for g in ready:
-            for member, _ in g.members.values():
-                self._resolve(member, err)
+        launch.agreeing = False
+        if err is not None:
+            launch.verdict = err
+            for ctx in launch.contexts:
+                ctx.fail(err)
+        self._segments_ended(launch)
 
-    def _run_launch(self, req: Request, ready: list[Gather]) -> None:
+    def _run_launch(self, req: Request, ready: list[Gather], agreeing: bool) -> Launch:
         """Run the ready gathers' op among the daemons: the one local worker's tensors as they
-        are, else staged in pooled buffers, segment by segment."""
+        are, else staged in pooled buffers, segment by segment (``agreeing``: its results wait
+        for an agreement's verdict)."""
         if self.per_node == 1:
             ctx = self._context(req, ready)
             for g in ready:
                 g.launched = ctx
-            launch = Launch(req, ready, [], 1)
+            launch = Launch(req, ready, [], 1, agreeing=agreeing)
             self._run_segment(launch, ctx)
-            return
+            return launch
         staged = [self._staging(req.op, g) for g in ready]
         bounds = [segment_bounds(st.part.x.size, st.part.x.itemsize) for st in staged]
-        launch = Launch(req, ready, staged, max(len(b) for b in bounds))
+        launch = Launch(req, ready, staged, max(len(b) for b in bounds), agreeing=agreeing)
         self._next_segment(launch, bounds, 0)
+        return launch
 
     def _next_segment(self, launch: Launch, bounds: list[list[tuple[int, int]]],
                       k: int) -> None:
@@ -288,14 +302,15 @@ class Hierarchy:
         return None
 
     def _segments_ended(self, launch: Launch) -> None:
-        """Every segment ended: the members' completions; the staging buffers go back."""
-        if launch.left:
+        """Every segment ended (and the agreement, if any): the members' completions; the
+        staging buffers go back."""
+        if launch.left or launch.agreeing:
             return
         covered = [d * self.per_node + k for d in launch.group or () for k in range(self.per_node)]
         for g in launch.gathers:
             for member, _ in g.members.values():
                 member.covered = covered
-                self._resolve(member, launch.error)
+                self._resolve(member, outcome(launch.verdict, launch.error))
         for st in launch.staged:
             self.services.pool.put(st.buf)
         launch.staged = []
