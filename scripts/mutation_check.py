@@ -197,6 +197,40 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("clients/core/submitter.py", "            off = self.spill.take(nbytes)", "            pass",
      ["tests/test_concurrency.py::test_a_full_arena_with_opposite_orders_completes_in_memory_"
       "of_its_own"], "a request waits for room in a full arena (opposite orders deadlock)"),
+    # issue 27: inputs sent while copied in
+    ("daemon/fill.py", "        in_frame = self.head + max(0, self.fill.filled - self.base)",
+     "        in_frame = frame_bytes", ["tests/test_streaming.py"],
+     "a sender writes a frame past what its worker has copied in"),
+    ("daemon/ops/neighbor.py", "    await ctx.inputs_whole()\n    for i, p in enumerate(parts):",
+     "    for i, p in enumerate(parts):", ["tests/test_streaming.py::test_a_receiver_still_"
+                                         "copying_its_input_waits_for_it_before_combining"],
+     "the weighted sum reads an input still being copied in"),
+    ("daemon/fill.py", "                lambda: self.filled > filled or self.complete or "
+     "self.released, STALL)", "                lambda: self.filled > filled or self.complete "
+     "or self.released)",
+     ["tests/test_streaming.py::test_a_worker_that_stops_copying_fails_its_op_and_the_link_"
+      "carries_the_next"], "a frame waits for ever for a worker that stopped copying"),
+    # issue 28: collectives end the same way on every rank; gradients
+    ("daemon/agreement.py", "        outcome = outcome or verdict(p.display, p.round, got)",
+     "        outcome = outcome", ["tests/test_agreement.py"],
+     "ranks that disagree run the collective anyway"),
+    ("daemon/agreement.py", "    return OpResult(0, (), group, verdict=outcome)",
+     "    if outcome is not None:\n        raise outcome\n    return OpResult(0, (), group)",
+     ["tests/test_agreement.py"], "the first rank with a verdict aborts the others (messages "
+     "differ)"),
+    ("clients/core/adjoints.py", "            \"src_weights\": {int(d): float(w) for d, w in "
+     "dst_weights.items()},\n            \"dst_weights\": {int(j): float(w) for j, w in "
+     "src_weights.items()}}", "            \"src_weights\": {int(j): float(w) for j, w in "
+     "src_weights.items()},\n            \"dst_weights\": {int(d): float(w) for d, w in "
+     "dst_weights.items()}}", ["tests/test_gradients.py"],
+     "neighbor_allreduce's gradient uses W instead of W transposed"),
+    ("clients/core/adjoints.py", "    return Adjoint(\"allreduce\", back, _identity if rank "
+     "== root else _zero)", "    return Adjoint(\"allreduce\", back)", ["tests/test_gradients.py"],
+     "broadcast's gradient reaches the ranks that are not the root"),
+    ("clients/core/shortcuts.py", "        if handle is None or handle.done():",
+     "        if True:", ["tests/test_horovod.py::test_two_ops_of_one_name_in_flight_are_a_value_"
+                         "error_as_in_horovod"], "a second op of a name in flight is accepted"),
+
 ]
 
 

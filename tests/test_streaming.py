@@ -149,7 +149,7 @@ def test_a_worker_that_stops_copying_fails_its_op_and_the_link_carries_the_next(
         if cl.rank == 0:
             cl._submitter._send_request = stall
         try:
-            cl.neighbor_allreduce(values(cl.rank), name="stalled", timeout=3, **kw)
+            cl.neighbor_allreduce(values(cl.rank), name="stalled", timeout=20, **kw)
             first: Any = None
         except DecentError as err:
             first = err
@@ -163,11 +163,52 @@ def test_a_worker_that_stops_copying_fails_its_op_and_the_link_carries_the_next(
         return first, cl.neighbor_allreduce(x, name="after", timeout=30)
 
     (err0, after0), (err1, after1) = c.run(work)
+    # cut for the stall, long before the op's own timeout would have ended it
+    assert "copied nothing for 2s" in c.log(0)
     # rank 0 sends and keeps its own: with rank 1 out of reach it ends either way
     assert err0 is None or err0.code in (pb.TIMEOUT, pb.PEER_UNAVAILABLE), err0
     assert err1 is not None and "stalled" in str(err1), err1
     assert torch.equal(after0, torch.full((1000,), 1.5))
     assert torch.equal(after1, torch.full((1000,), 1.5))
+
+
+def test_a_receiver_still_copying_its_input_waits_for_it_before_combining(
+        cluster: ClusterFactory) -> None:
+    # rank 1 receives rank 0's tensor and keeps half of its own, sending nothing: its client
+    # holds the rest of its copy until rank 0's whole tensor has reached its daemon, so the
+    # combine must wait for the copy, not only for the arrival
+    c = cluster(2)
+
+    def received_from_peer(cl) -> int:  # type: ignore[no-untyped-def]
+        return sum(p.bytes_received for p in cl.status().peers if p.rank == 0)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        mine = values(cl.rank) + 7.0  # values no earlier test left in an arena slot
+        if cl.rank == 0:
+            return cl.neighbor_allreduce(mine, name="late", self_weight=1.0, src_weights={},
+                                         dst_weights=[1])
+        before = received_from_peer(cl)
+        send = cl._submitter._send_request
+
+        def hold(req: pb.SubmitRequest) -> None:
+            if req.WhichOneof("op") == "fill" and req.fill.bytes == 2 * CHUNK:
+                deadline = time.monotonic() + 30
+                while received_from_peer(cl) - before < NUMEL * 4 and \
+                        time.monotonic() < deadline:
+                    time.sleep(0.01)
+            send(req)
+
+        cl._submitter._send_request = hold
+        try:
+            return cl.neighbor_allreduce(mine, name="late", self_weight=0.5,
+                                         src_weights={0: 0.5}, dst_weights=[])
+        finally:
+            cl._submitter._send_request = send
+
+    out0, out1 = c.run(work)
+    assert torch.equal(out0, values(0) + 7.0)
+    assert torch.equal(out1, (values(0) + values(1)) / 2 + 7.0)
 
 
 def test_a_tensorflow_input_is_streamed_through_dlpack() -> None:
