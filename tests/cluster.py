@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -20,7 +21,8 @@ from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.launcher import free_ports
 
-__all__ = ["Cluster", "delay", "free_ports", "peer_state", "until", "until_running", "until_state"]
+__all__ = ["Cluster", "delay", "free_ports", "peer_state", "run_each", "tf_cluster", "until",
+           "until_running", "until_state"]
 
 
 def delay(rank: int) -> None:
@@ -197,3 +199,27 @@ def until_state(c: Cluster, i: int, peer: int, state: str) -> None:
 def until_running(c: Cluster, i: int) -> None:
     """Wait until daemon ``i`` runs an op."""
     until(lambda: c.status(i).ops_in_flight > 0, f"rank {i} to run an op")
+
+
+@contextlib.contextmanager
+def tf_cluster(n: int, topology: str = "ring") -> Iterator[list[Any]]:
+    """``n`` daemons with one TensorFlow client each; closed and stopped afterwards."""
+    import decent.tf as dtf
+
+    c = Cluster(n, topology)
+    clients: list[Any] = []
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            clients = list(pool.map(lambda s: dtf.connect(f"unix://{s}", 60), c.sockets))
+        yield clients
+    finally:
+        for cl in clients:
+            cl.close()
+        c.stop()
+
+
+def run_each(clients: list[Any], fn: Callable[[Any], Any]) -> list[Any]:
+    """``fn(client)`` for every client at once (a thread each), the results in rank order."""
+    with ThreadPoolExecutor(len(clients)) as pool:
+        return [f.result(timeout=120) for f in [pool.submit(fn, cl) for cl in clients]]
+

@@ -8,7 +8,6 @@ total loss at rank j is a known linear map of all the ``c``: exact in float64.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -16,8 +15,7 @@ import pytest
 import tensorflow as tf
 import torch
 
-import decent.tf as dtf
-from cluster import Cluster, delay
+from cluster import Cluster, delay, run_each, tf_cluster
 from decent_wire.topology import build_topology
 
 N = 4
@@ -123,28 +121,18 @@ def test_a_tensor_without_grad_takes_the_plain_path(four: Any) -> None:
                                   "neighbor-allreduce-topology", "neighbor-allreduce-explicit"])
 def test_tensorflow_gradients_are_the_adjoint_collectives(case: str) -> None:
     op, spec, want = CASES[case]
-    c = Cluster(N, "exponential")
-    clients: list[Any] = []
-    try:
-        with ThreadPoolExecutor(N) as pool:
-            clients = list(pool.map(lambda s: dtf.connect(f"unix://{s}", 60), c.sockets))
 
-        def work(cl):  # type: ignore[no-untyped-def]
-            delay(cl.rank)
-            x = tf.constant(inputs(cl.rank))
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = getattr(cl, op)(x, name=case, **kwargs_for(spec, cl.rank))
-                loss = tf.reduce_sum(y * tf.constant(coefficients(cl.rank)))
-            return tape.gradient(loss, x).numpy()
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        x = tf.constant(inputs(cl.rank))
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = getattr(cl, op)(x, name=case, **kwargs_for(spec, cl.rank))
+            loss = tf.reduce_sum(y * tf.constant(coefficients(cl.rank)))
+        return tape.gradient(loss, x).numpy()
 
-        with ThreadPoolExecutor(N) as pool:
-            got = list(pool.map(work, clients))
-        cs = [coefficients(r) for r in range(N)]
-        for j, g in enumerate(got):
-            np.testing.assert_allclose(g, want(cs, j), rtol=1e-12, atol=1e-12,
-                                       err_msg=f"rank {j}")
-    finally:
-        for cl in clients:
-            cl.close()
-        c.stop()
+    with tf_cluster(N, "exponential") as clients:
+        got = run_each(clients, work)
+    cs = [coefficients(r) for r in range(N)]
+    for j, g in enumerate(got):
+        np.testing.assert_allclose(g, want(cs, j), rtol=1e-12, atol=1e-12, err_msg=f"rank {j}")

@@ -9,15 +9,13 @@ the client closes.
 from __future__ import annotations
 
 import gc
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import torch
 
-import decent.tf as dtf
-from cluster import Cluster, delay
+from cluster import Cluster, delay, run_each, tf_cluster
 from conftest import ClusterFactory
 
 
@@ -104,22 +102,17 @@ def test_a_result_outlives_its_client_and_its_daemon() -> None:
 
 
 def test_tensorflow_results_are_tensors_over_the_arena_through_dlpack() -> None:
-    c = Cluster(2, "ring")
-    clients: list[dtf.TFClient] = []
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            clients = list(pool.map(lambda s: dtf.connect(f"unix://{s}", 60), c.sockets))
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        out = cl.neighbor_allreduce(tf.fill((64, 33), 2.0 * (cl.rank + 1)), name="tf.r")
+        held = cl.status()
+        half = cl.neighbor_allreduce(tf.fill((5,), float(cl.rank)), name="tf.h").numpy()
+        bf = cl.neighbor_allreduce(tf.cast(tf.fill((7,), float(cl.rank)), tf.bfloat16),
+                                   name="tf.b16")
+        return out, held, half, bf, cl.status()
 
-        def work(cl):  # type: ignore[no-untyped-def]
-            delay(cl.rank)
-            out = cl.neighbor_allreduce(tf.fill((64, 33), 2.0 * (cl.rank + 1)), name="tf.r")
-            held = cl.status()
-            half = cl.neighbor_allreduce(tf.fill((5,), float(cl.rank)), name="tf.h").numpy()
-            bf = cl.neighbor_allreduce(tf.cast(tf.fill((7,), float(cl.rank)), tf.bfloat16),
-                                       name="tf.b16")
-            return out, held, half, bf, cl.status()
-
-        for out, held, half, bf, after in run_all(clients, work):
+    with tf_cluster(2) as clients:
+        for out, held, half, bf, after in run_each(clients, work):
             assert out.dtype == tf.float32 and out.shape == (64, 33)
             assert np.array_equal(out.numpy(), np.full((64, 33), 3.0, np.float32))
             assert held.worker_results_held >= 1
@@ -128,12 +121,3 @@ def test_tensorflow_results_are_tensors_over_the_arena_through_dlpack() -> None:
             # bfloat16 has no numpy DLPack export: copied out, and counted
             assert bf.dtype == tf.bfloat16 and float(bf[0]) == 0.5
             assert after.worker_results_copied == 1
-    finally:
-        for cl in clients:
-            cl.close()
-        c.stop()
-
-
-def run_all(clients: list, fn):  # type: ignore[no-untyped-def]
-    with ThreadPoolExecutor(len(clients)) as pool:
-        return [f.result(timeout=120) for f in [pool.submit(fn, cl) for cl in clients]]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -20,8 +19,7 @@ import tensorflow as tf
 import torch
 
 import decent.core.submitter as submitter
-import decent.tf as dtf
-from cluster import Cluster, delay
+from cluster import delay, run_each, tf_cluster
 from conftest import ClusterFactory
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
@@ -212,27 +210,17 @@ def test_a_receiver_still_copying_its_input_waits_for_it_before_combining(
 
 
 def test_a_tensorflow_input_is_streamed_through_dlpack() -> None:
-    c = Cluster(2, "ring")
-    clients: list[dtf.TFClient] = []
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            clients = list(pool.map(lambda s: dtf.connect(f"unix://{s}", 60), c.sockets))
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        out = cl.neighbor_allreduce(tf.constant(values(cl.rank).numpy()), name="t").numpy()
+        var = tf.Variable(values(cl.rank).numpy())
+        cl.neighbor_allreduce_(var, name="v")
+        return out, var.numpy(), cl.status().inputs_streamed
 
-        def work(cl):  # type: ignore[no-untyped-def]
-            delay(cl.rank)
-            out = cl.neighbor_allreduce(tf.constant(values(cl.rank).numpy()), name="t").numpy()
-            var = tf.Variable(values(cl.rank).numpy())
-            cl.neighbor_allreduce_(var, name="v")
-            return out, var.numpy(), cl.status().inputs_streamed
-
-        with ThreadPoolExecutor(2) as pool:
-            got = [f.result(timeout=120) for f in [pool.submit(work, cl) for cl in clients]]
-        want = ((values(0) + values(1)) / 2).numpy()
-        for out, var, streamed in got:
-            assert streamed == 2
-            np.testing.assert_array_equal(out, want)
-            np.testing.assert_array_equal(var, want)
-    finally:
-        for cl in clients:
-            cl.close()
-        c.stop()
+    with tf_cluster(2) as clients:
+        got = run_each(clients, work)
+    want = ((values(0) + values(1)) / 2).numpy()
+    for out, var, streamed in got:
+        assert streamed == 2
+        np.testing.assert_array_equal(out, want)
+        np.testing.assert_array_equal(var, want)
