@@ -172,7 +172,7 @@ def _parse(ctx: OpContext, src: int, data: np.ndarray) -> pb.Agreement:
 
 
 AGREEMENT_SPEC = OpSpec(agree, lambda ctx: set(live_group(ctx)) - {ctx.rank},
-                        lambda _ctx: {AGREE_TAG}, fusable=True)
+                        lambda _ctx: {AGREE_TAG}, fusable=True, counted=False)
 
 
 class Agreements:

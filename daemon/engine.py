@@ -355,7 +355,7 @@ class Engine:
             log.exception("internal error in %s", ctx.label)
             error = DecentError(pb.INTERNAL, f"{ctx.label}: internal error: {exc!r}")
         else:
-            self.completed += 1
+            self.completed += ctx.spec.counted
             for peer in ctx.left_out & ctx.participants:  # its op may still wait for us
                 self.services.links.send_skip(peer, ctx.keys)
         finally:

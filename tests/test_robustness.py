@@ -298,7 +298,7 @@ def test_ranks_taking_different_paths_fail_fast_with_mismatch(cluster: ClusterFa
         return cl.allreduce(torch.zeros(100 if cl.rank == 0 else 100_000), name="paths",
                             timeout=30)
 
-    for fn, words in ((roots, "broadcast roots"), (sizes, "float32[100]")):
+    for fn, words in ((roots, "rank 1 broadcast float32[4] (root: 1)"), (sizes, "float32[100]")):
         errors = c.run_catching(fn)  # MISMATCH at once, not each rank's 30 s TIMEOUT
         assert any(isinstance(e, DecentError) and e.code_name == "MISMATCH" and words in e.message
                    for e in errors), errors

@@ -108,6 +108,8 @@ class OpSpec:
     tag_hint: str = "different message tags"
     #: gathers: the first-dimension rows each peer sends (None: the same shape as ours)
     rows: Callable[[OpContext], dict[int, int] | None] = lambda _ctx: None
+    #: counted in ``ops_completed`` (an agreement is part of its collective, not an op of its own)
+    counted: bool = True
 
 
 class OpContext:
