@@ -126,7 +126,7 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("daemon/absences.py", "        self._departed[(job, rank)] = error\n", "",
      [MULTI + "peers_leave_out_a_worker_that_left_at_once_until_it_is_back"],
      "a worker that left is waited for until the timeout"),
-    ("daemon/hierarchy.py", "    return [(lo, min(lo + step, elements)) for lo in",
+    ("daemon/gathers.py", "    return [(lo, min(lo + step, elements)) for lo in",
      "    return [(lo, min(lo + step, elements - 1)) for lo in",
      [MULTI + "large_node_tensors_run_in_segments_exactly"],
      "the last segment of a large node tensor is cut short"),
