@@ -238,6 +238,8 @@ class Sender:
     def _ready(self, pending: list[Outgoing]) -> int:
         """How much of ``pending`` (at most a slice) may go out now: up to the first byte of
         a gated frame that its worker has not copied in yet (waiting for one if need be)."""
+        if all(item.gate is None for item in pending):  # the usual case: nothing to wait for
+            return SLICE
         ahead = 0
         for item in pending:
             left = sum(len(b) for b in item.buffers)

@@ -54,16 +54,27 @@ class _Exported:
         return (1, 0)  # kDLCPU
 
 
-def _host(tensor: TFTensor) -> np.ndarray:
-    """The tensor's values on the host: a view of a CPU tensor's memory (through DLPack:
-    ``.numpy()`` would copy it), a copy of a GPU one's (or of a bfloat16 one: numpy has no
-    DLPack import for it)."""
+def _value(tensor: TFTensor) -> tf.Tensor:
+    """The tensor itself, or a variable's value."""
     tensor = unwrap(tensor)
-    value = tensor.read_value() if isinstance(tensor, tf.Variable) else tensor
-    on_host = "GPU" not in value.device.upper()
-    if on_host and value.dtype != tf.bfloat16 and value.shape.num_elements():
-        return np.from_dlpack(_Exported(value))
-    return np.ascontiguousarray(value.numpy())
+    return tensor.read_value() if isinstance(tensor, tf.Variable) else tensor
+
+
+def _host_view(value: tf.Tensor) -> np.ndarray | None:
+    """A view of a CPU tensor's memory through DLPack (``.numpy()`` would copy it); None for a
+    GPU tensor, a bfloat16 one (numpy has no DLPack import for it) or an empty one."""
+    if "GPU" in value.device.upper() or value.dtype == tf.bfloat16 or \
+            not value.shape.num_elements():
+        return None
+    return np.from_dlpack(_Exported(value))
+
+
+def _host(tensor: TFTensor) -> np.ndarray:
+    """The tensor's values on the host: a view where there is one (:func:`_host_view`), else a
+    copy."""
+    value = _value(tensor)
+    view = _host_view(value)
+    return view if view is not None else np.ascontiguousarray(value.numpy())
 
 
 class TFCodec:
@@ -111,13 +122,8 @@ class TFCodec:
 
     def host_bytes(self, tensor: TFTensor) -> np.ndarray | None:
         """A CPU tensor's bytes through DLPack (None for GPU and bfloat16 tensors)."""
-        value = unwrap(tensor)
-        if isinstance(value, tf.Variable):
-            value = value.read_value()
-        if "GPU" in value.device.upper() or value.dtype == tf.bfloat16 or \
-                not value.shape.num_elements():
-            return None
-        return np.from_dlpack(_Exported(value)).reshape(-1).view(np.uint8)
+        view = _host_view(_value(tensor))
+        return None if view is None else view.reshape(-1).view(np.uint8)
 
     def address(self, tensor: TFTensor) -> int | None:
         """None: TensorFlow does not expose its buffers, so nothing is handed over in place."""
