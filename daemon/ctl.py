@@ -54,7 +54,8 @@ def status(address: str, console: Console) -> int:
                   f"MiB)  registered worker memory {s.registered_bytes / 2**20:.1f} MiB  arena "
                   f"spills {s.arena_spills} ({s.arena_spill_bytes / 2**20:.1f} MiB mapped)  "
                   f"streamed inputs {s.inputs_streamed} "
-                  f"({s.inputs_streamed_early_bytes / 2**20:.1f} MiB sent while copied in)")
+                  f"({s.inputs_streamed_early_bytes / 2**20:.1f} MiB sent while copied in)  "
+                  f"inputs left out {s.inputs_left_out}")
     console.print(f"membership: epoch {s.view_epoch}, live daemons {list(s.live_daemons)}, "
                   f"live ranks {list(s.live_ranks)} (on peer loss: {s.on_peer_loss})")
     table = Table("peer", "address", "state", "heartbeat age (s)", "sent (B)", "received (B)",

@@ -129,6 +129,8 @@ class Engine:
         self.completed = 0
         #: inputs sent while their workers copied them in, and their bytes sent before the end
         self.streamed = [0, 0]
+        #: requests whose input their worker left out (TensorRef.blank)
+        self.left_out = 0
         self.failed = 0
         self.closing = False
         #: allreduce, broadcast, barrier and hierarchical averaging: a node's workers combined
@@ -155,6 +157,11 @@ class Engine:
             raise session.arena.fault_error(f"{pb.OpType.Name(op)} request {req.request_id}")
         timeout = req.timeout_s or self.default_timeout
         parts = [self._part(session, t) for t in req.tensors]
+        if op != pb.NEIGHBOR_ALLREDUCE and any(p.blank for p in parts):
+            raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{parts[0].display}': only a "
+                              "neighbor_allreduce may leave its input out (TensorRef.blank), not "
+                              f"{pb.OpType.Name(op)}")
+        self.left_out += any(p.blank for p in parts)
         if len({p.round for p in parts}) != 1:
             raise DecentError(pb.INVALID_ARGUMENT, f"fused request '{parts[0].display}' mixes "
                               f"rounds {sorted({p.round for p in parts})}; fuse one step's "
@@ -316,7 +323,8 @@ class Engine:
         x = np.frombuffer(x_bytes, dtypes.STORAGE[meta.dtype])
         return PartSpec(qualify(session.job, name), name, int(t.round), int(meta.dtype), shape,
                         x, out_bytes, x_bytes,
-                        landable=session.arena.holds(t.out_offset, t.out_capacity))
+                        landable=session.arena.holds(t.out_offset, t.out_capacity),
+                        blank=t.blank)
 
     # ------------------------------------------------------------------ running
 

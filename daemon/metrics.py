@@ -108,6 +108,8 @@ def _daemon_gauges(status: pb.StatusReply) -> Iterator[Metric]:
                                    status.inputs_streamed),
         "decent_inputs_streamed_early_bytes": ("Bytes of them sent before their copy ended",
                                                status.inputs_streamed_early_bytes),
+        "decent_inputs_left_out": ("Requests whose input was not copied in (never read)",
+                                   status.inputs_left_out),
         "decent_early_arrival_bytes": ("Peers' data kept for ops not started here",
                                        status.early_arrival_bytes),
         "decent_resident_bytes": ("The daemon's resident memory", status.rss_bytes),

@@ -180,6 +180,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             arena_spill_bytes=self._sessions.spills[1],
             inputs_streamed=engine.streamed[0],
             inputs_streamed_early_bytes=engine.streamed[1],
+            inputs_left_out=engine.left_out,
             window_staleness=self._services.windows.staleness(),
             metrics_port=self._endpoints.metrics_port,
             version=version("decent"),

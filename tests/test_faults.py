@@ -257,6 +257,13 @@ def test_a_worker_that_dies_between_ops_is_left_out_at_once(policy: str, tmp_pat
                 assert h.wait(timeout=20)[0].item() == pytest.approx(
                     [4 / 3, 5 / 3][i], rel=1e-6)
                 assert h.src_ranks == [1 - i]
+                if i == 0:  # a receive-only call from it: its weight cannot go to self
+                    t = torch.full((8,), 5.0)
+                    with pytest.raises(DecentError, match=r"PEER_UNAVAILABLE.*did not send"):
+                        c.clients[0].neighbor_allreduce_(
+                            t, name="r", self_weight=0.0, src_weights={2: 1.0},
+                            dst_weights=[], timeout=60)
+                    assert torch.equal(t, torch.full((8,), 5.0))  # failed: left as it was
             else:
                 with pytest.raises(DecentError, match=r"PEER_UNAVAILABLE.*rank 2.*(left|gone)"):
                     h.wait(timeout=20)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import shutil
 import socket
 import sys
@@ -205,3 +206,26 @@ def _raw(b: bytes) -> bytes:
 def _exact_pair(cluster: Any) -> None:
     """One exact pairwise average between the real workers."""
     fuzz.PairOps(cluster.clients).step(1)
+
+
+@pytest.mark.parametrize("op", [
+    dict(allreduce=pb.Allreduce()),
+    dict(neighbor_allreduce=pb.NeighborAllreduce(  # sends its tensor: it must be there
+        self_weight=0.0, src_weights=pb.RankWeights(), dst_weights=pb.RankWeights(weights={1: 1}))),
+    dict(neighbor_allreduce=pb.NeighborAllreduce(  # keeps half of its own
+        self_weight=0.5, src_weights=pb.RankWeights(), dst_weights=pb.RankWeights())),
+], ids=["allreduce", "nar sending", "nar keeping half"])
+def test_a_request_that_leaves_out_an_input_it_reads_is_refused(fuzz_cluster: Any,
+                                                                  op: dict) -> None:
+    w = fuzz_cluster.attach(0, "fz-blank")
+    with w.data:
+        w.data.sendall(framing.encode(pb.SubmitRequest(
+            request_id=1, timeout_s=10, tensors=[pb.TensorRef(
+                name="x", meta=pb.TensorMeta(dtype=pb.FLOAT32, shape=[1024]), offset=0,
+                nbytes=4096, out_offset=0, out_capacity=4096, blank=True)], **op)))
+        bodies, _ = fuzz.read_frames_until(w.data, 1, 30)
+    done = framing.decode(pb.Completion, bodies[0])
+    assert done.error.code == pb.INVALID_ARGUMENT, done.error
+    assert re.search(r"tensor 'x'|'x' round 0", done.error.message), done.error
+    assert re.search(r"input (was )?left out|leave its input out", done.error.message)
+    _exact_pair(fuzz_cluster)

@@ -85,6 +85,37 @@ def test_a_result_passed_to_another_op_in_and_out_of_place(cluster: ClusterFacto
         assert torch.equal(second, want) and torch.equal(first, want)
 
 
+@pytest.mark.parametrize("numel", [1000, 3 << 20], ids=["4 KB", "12 MiB"])
+def test_a_one_way_transfer_copies_only_what_it_needs(cluster: ClusterFactory,
+                                                       numel: int) -> None:
+    # rank 0 sends and keeps its own tensor whole: its result is its input, nothing is copied
+    # back; rank 1 only receives: its tensor is never read, so it is not copied in (NaN in it
+    # would show if it were used)
+    c = cluster(2)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        before = cl.status()
+        got = []
+        for k in range(3):
+            if cl.rank == 0:
+                t = torch.arange(numel, dtype=torch.float32) + k
+                kw = dict(self_weight=1.0, src_weights={}, dst_weights=[1])
+            else:
+                t = torch.full((numel,), float("nan"))
+                kw = dict(self_weight=0.0, src_weights={0: 1.0}, dst_weights=[])
+            out = cl.neighbor_allreduce_(t, name="ow", **kw)
+            got.append((out is t, t.clone()))
+        after = cl.status()
+        return (got, after.worker_results_unchanged - before.worker_results_unchanged,
+                after.inputs_left_out - before.inputs_left_out)
+
+    for rank, (got, unchanged, left_out) in enumerate(c.run(work)):
+        assert (unchanged, left_out) == ((3, 0) if rank == 0 else (0, 3)), rank
+        for k, (same, t) in enumerate(got):
+            assert same and torch.equal(t, torch.arange(numel, dtype=torch.float32) + k), rank
+
+
 def test_a_result_outlives_its_client_and_its_daemon() -> None:
     c = Cluster(2, "ring")
     try:

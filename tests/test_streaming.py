@@ -80,7 +80,9 @@ def test_a_large_private_input_is_streamed_and_the_result_is_exact(
         return got, cl.status().inputs_streamed - before
 
     for rank, (got, streamed) in enumerate(c.run(work)):
-        assert streamed == 3, rank  # every call went out while it was copied in
+        # every call went out while it was copied in, but a receive-only call's input, which
+        # is never read, is not copied at all
+        assert streamed == (0 if path == "one-way" and rank == 1 else 3), rank
         for out in got:
             assert torch.equal(out, expected(rank, size, path)), rank
 

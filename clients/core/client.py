@@ -166,11 +166,16 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
                             self_weight: float | None, src_weights: WeightsArg,
                             dst_weights: WeightsArg, timeout: float | None,
                             fuse: bool) -> Handle[T]:
-        args = op_args(name, pb.NeighborAllreduce, self_weight=self_weight,
-                       src_weights=rank_weights(src_weights),
-                       dst_weights=rank_weights(dst_weights))
-        return self._call(OpCall("neighbor_allreduce", args), tensor, name, timeout,
-                          into=into, fuse=fuse)
+        srcs, dsts = rank_weights(src_weights), rank_weights(dst_weights)
+        args = op_args(name, pb.NeighborAllreduce, self_weight=self_weight, src_weights=srcs,
+                       dst_weights=dsts)
+        # a receive-only call never reads its tensor; a call keeping its own tensor whole and
+        # adding nothing returns it unchanged
+        receives_only = self_weight == 0.0 and dsts == {}
+        adds_nothing = self_weight == 1.0 and srcs is not None and not any(srcs.values())
+        call = OpCall("neighbor_allreduce", args, blank_input=receives_only,
+                      result_is_input=adds_nothing)
+        return self._call(call, tensor, name, timeout, into=into, fuse=fuse)
 
     def neighbor_allreduce(self, tensor: T, **kwargs: Any) -> T:
         """Blocking :meth:`neighbor_allreduce_async`."""

@@ -39,6 +39,8 @@ class ResultMemory(Generic[T]):
         self._live = 0
         #: results copied out instead (devices, frameworks that cannot wrap memory)
         self.copied = 0
+        #: in-place results that were their input unchanged (nothing copied back)
+        self.unchanged = 0
 
     def adopt(self, slot: tuple[int, int], nbytes: int, dtype: int, shape: tuple[int, ...],
               like: T | None) -> T | None:
@@ -70,6 +72,7 @@ class ResultMemory(Generic[T]):
         """``reply`` (the daemon's status) with this worker's results filled in."""
         reply.worker_results_held, reply.worker_results_held_bytes = self.held
         reply.worker_results_copied = self.copied
+        reply.worker_results_unchanged = self.unchanged
         return reply
 
     @property

@@ -49,6 +49,10 @@ class OpCall:
 
     field: str  #: ``neighbor_allreduce``, ``broadcast``, ...
     args: Any  #: ``pb.NeighborAllreduce(...)``, ``pb.Broadcast(root=0)``, ...
+    #: the op never reads the input (it is not copied in; the daemon is told so)
+    blank_input: bool = False
+    #: in place, the result is the input unchanged (it is not copied out)
+    result_is_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,18 +127,21 @@ class Submitter(Generic[T]):
         dtype, shape = self.describe(tensor, name)
         nbytes = dtypes.nbytes(dtype, shape)
         out = nbytes * out_factor if out_bytes is None else out_bytes
-        source = self._streamable(call, tensor, nbytes)
+        source = None if call.blank_input else self._streamable(call, tensor, nbytes)
         # the ops holding the arena end within their timeouts: wait that long, and this one's
         place = self._place(tensor, name, nbytes, into, out if out != nbytes else None,
-                            self.arena_wait + (timeout or 0.0), defer_copy=source is not None)
+                            self.arena_wait + (timeout or 0.0),
+                            copy_in=source is None and not call.blank_input)
         # from here on nothing can fail before the request is sent: the round is spent only now,
         # so a refused argument above does not put this name's rounds out of step with the peers
         round_ = self.next_round(name)
         ref = pb.TensorRef(name=name, round=round_, meta=pb.TensorMeta(dtype=dtype, shape=shape),
                            offset=place.offset, nbytes=nbytes, out_offset=place.out_offset,
-                           out_capacity=place.out_capacity)
+                           out_capacity=place.out_capacity, blank=call.blank_input)
+        unchanged = into is not None and call.result_is_input
+        self.results.unchanged += unchanged and not place.resident
         p = Pending(next(self._ids), f"{call.field} '{name}' round {round_}", place.slots, dtype,
-                    shape, nbytes, place.out_offset, tensor, into, place.resident)
+                    shape, nbytes, place.out_offset, tensor, into, place.resident or unchanged)
         stamps = (called, time.monotonic_ns())
         if place.unfilled and source is not None:
             self._send(call, [ref], timeout or 0.0, [p], [stamps], filling=True)
@@ -201,10 +208,10 @@ class Submitter(Generic[T]):
 
     def _place(self, tensor: T | None, name: str, nbytes: int, into: T | None,
                out_bytes: int | None, wait: float | None = None,
-               defer_copy: bool = False) -> Placement:
+               copy_in: bool = True) -> Placement:
         """Where the input and the result (``out_bytes`` of it when it is not the input's
-        size) go, and the input copied there (``defer_copy``: unless it needs a slot of its
-        own; the caller copies it then)."""
+        size) go, and the input copied there if it needs a slot of its own (unless not
+        ``copy_in``: the caller streams it in, or the op never reads it)."""
         # a shared() tensor is already in the arena: no copy in, and in place no copy out
         at = None if tensor is None or not nbytes else self.codec.address(tensor)
         resident = None if at is None else self.arena.offset_of(at, nbytes)
@@ -220,7 +227,7 @@ class Submitter(Generic[T]):
             if out_bytes is not None or (resident is not None and not in_place):
                 size = nbytes if out_bytes is None else out_bytes
                 slots.append((self.alloc(size, f"tensor '{name}' output", wait), size))
-            if tensor is not None and nbytes and resident is None and not defer_copy:
+            if tensor is not None and nbytes and resident is None and copy_in:
                 self.codec.write(tensor, self.view(slots[0][0], nbytes))
         except BaseException:
             for s in slots:
@@ -231,7 +238,7 @@ class Submitter(Generic[T]):
             return Placement(slots, offset, offset, nbytes, True)
         out_offset, out_capacity = slots[-1] if slots else (offset, nbytes)
         return Placement(slots, offset, out_offset, out_capacity, False,
-                         unfilled=defer_copy and resident is None and bool(nbytes))
+                         unfilled=not copy_in and resident is None and bool(nbytes))
 
     def alloc(self, nbytes: int, what: str, wait: float | None = None) -> int:
         """A slot for a request: in the arena (reading finished results out first when it is

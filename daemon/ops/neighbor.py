@@ -69,6 +69,23 @@ def neighbor_plan(ctx: OpContext) -> tuple[float, dict[int, float], dict[int, fl
     return without_gone(ctx, self_weight, recv, send)
 
 
+def check_blank(ctx: OpContext, self_weight: float) -> None:
+    """A request whose worker left the input out (``PartSpec.blank``) must be a call that never
+    reads it: INVALID_ARGUMENT if it is not one, PEER_UNAVAILABLE once a lost in-neighbor's
+    weight fell to this rank's own tensor."""
+    if not any(p.blank for p in ctx.parts):
+        return
+    args = ctx.args
+    if not (args.HasField("self_weight") and args.self_weight == 0.0
+            and args.HasField("dst_weights") and not args.dst_weights.weights):
+        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: the input was left out, but only "
+                          "a call with self_weight 0 and no dst_weights never reads it")
+    if self_weight != 0.0:
+        raise DecentError(pb.PEER_UNAVAILABLE, f"{ctx.label}: an in-neighbor is gone and its "
+                          f"weight ({self_weight}) would go to this rank's own tensor, which "
+                          "this receive-only call (self_weight 0, no dst_weights) did not send")
+
+
 def explicit_weights(ctx: OpContext) -> bool:
     """Whether the call gave any weights (else the topology's apply)."""
     args = ctx.args
@@ -217,6 +234,7 @@ async def neighbor_allreduce(ctx: OpContext) -> OpResult:
     only neighbor with equal weights average large tensors by halves (pair_exchange).
     """
     self_weight, recv, send = neighbor_plan(ctx)
+    check_blank(ctx, self_weight)
     pair = pair_peer(ctx, self_weight, recv, send)
     halves = [p for p in ctx.parts if p.nbytes >= PAIR_MIN_BYTES] if pair is not None else []
     whole = [p for p in ctx.parts if all(p is not h for h in halves)]
@@ -263,6 +281,7 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
             raise DecentError(pb.PEER_UNAVAILABLE, f"{ctx.label}: rank {srcs[0]} was lost while "
                               "its tensor was being combined; the result cannot be reweighted")
         self_weight += sum(recv[j] for j in srcs if all(j != k for k, _ in arrived))
+        check_blank(ctx, self_weight)
         fold = None
     await ctx.inputs_whole()
     for i, p in enumerate(parts):

@@ -34,6 +34,8 @@ class PartSpec:
     submitted: tuple[int, int, int] | None = None
     #: the worker is still copying the input in (:mod:`decentd.fill`); None: it is whole
     fill: FillState | None = None
+    #: the worker did not copy the input in (TensorRef.blank): the op must not read ``x``
+    blank: bool = False
 
     @property
     def nbytes(self) -> int:
