@@ -31,6 +31,7 @@ SHRINK_TESTS = ("tests/test_worker_memory.py::"
                 "test_a_worker_that_shrinks_registered_memory_fails_its_ops_and_nothing_else")
 SENDS, RECEIVES = SHRINK_TESTS + "[sends]", SHRINK_TESTS + "[receives]"
 FAULTS = "tests/test_faults.py::test_"
+RESULTS = "tests/test_results.py::test_"
 
 #: (file, snippet, replacement, tests, what the change breaks)
 MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
@@ -230,6 +231,17 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("clients/core/shortcuts.py", "        if handle is None or handle.done():",
      "        if True:", ["tests/test_horovod.py::test_two_ops_of_one_name_in_flight_are_a_value_"
                          "error_as_in_horovod"], "a second op of a name in flight is accepted"),
+
+    ("clients/core/client.py", "        receives_only = self_weight == 0.0 and dsts == {}",
+     "        receives_only = self_weight == 0.0", [RESULTS + "weights_of_zero_and_one_on_a_two_way_call_copy_as_usual"],
+     "a receive-only call that still sends is left out (one way copies less)"),
+    ("clients/core/client.py", "        adds_nothing = self_weight == 1.0 and srcs is not None "
+     "and not any(srcs.values())", "        adds_nothing = self_weight == 1.0",
+     [RESULTS + "weights_of_zero_and_one_on_a_two_way_call_copy_as_usual"],
+     "a keep-own call that receives is not copied back (one way copies less)"),
+    ("daemon/ops/neighbor.py", "    check_blank(ctx, self_weight)\n    pair = ",
+     "    pair = ", [FAULTS + "a_worker_that_dies_between_ops_is_left_out_at_once"],
+     "a left-out input takes a lost in-neighbor's weight (one way copies less)"),
 
 ]
 

@@ -116,6 +116,27 @@ def test_a_one_way_transfer_copies_only_what_it_needs(cluster: ClusterFactory,
             assert same and torch.equal(t, torch.arange(numel, dtype=torch.float32) + k), rank
 
 
+def test_weights_of_zero_and_one_on_a_two_way_call_copy_as_usual(
+        cluster: ClusterFactory) -> None:
+    # self_weight 0 but sending: the tensor is read; self_weight 1 but receiving: it changes
+    c = cluster(2)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        peer = 1 - cl.rank
+        mine = torch.arange(1000, dtype=torch.float32) + 1000 * cl.rank
+        swapped = cl.neighbor_allreduce_(mine.clone(), name="swap", self_weight=0.0,
+                                         src_weights={peer: 1.0}, dst_weights=[peer])
+        summed = cl.neighbor_allreduce_(mine.clone(), name="sum", self_weight=1.0,
+                                        src_weights={peer: 1.0}, dst_weights=[peer])
+        return swapped, summed
+
+    base = torch.arange(1000, dtype=torch.float32)
+    for rank, (swapped, summed) in enumerate(c.run(work)):
+        assert torch.equal(swapped, base + 1000 * (1 - rank)), rank
+        assert torch.equal(summed, 2 * base + 1000), rank
+
+
 def test_a_result_outlives_its_client_and_its_daemon() -> None:
     c = Cluster(2, "ring")
     try:
