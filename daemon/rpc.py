@@ -181,6 +181,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             inputs_streamed=engine.streamed[0],
             inputs_streamed_early_bytes=engine.streamed[1],
             inputs_left_out=engine.left_out,
+            group_calls_led=self._services.groups.calls_led,
             window_staleness=self._services.windows.staleness(),
             metrics_port=self._endpoints.metrics_port,
             version=version("decent"),

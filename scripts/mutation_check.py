@@ -32,6 +32,7 @@ SHRINK_TESTS = ("tests/test_worker_memory.py::"
 SENDS, RECEIVES = SHRINK_TESTS + "[sends]", SHRINK_TESTS + "[receives]"
 FAULTS = "tests/test_faults.py::test_"
 RESULTS = "tests/test_results.py::test_"
+AGREE = "tests/test_agreement.py::test_"
 
 #: (file, snippet, replacement, tests, what the change breaks)
 MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
@@ -243,6 +244,14 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("daemon/ops/neighbor.py", "    check_blank(ctx, self_weight)\n    pair = ",
      "    pair = ", [FAULTS + "a_worker_that_dies_between_ops_is_left_out_at_once"],
      "a left-out input takes a lost in-neighbor's weight (one way copies less)"),
+
+    ("daemon/windows/groups.py",
+     "        if len(set(asked.values())) > 1:\n            raise disagreement(*key, asked)\n",
+     "", [AGREE + "group_calls_that_disagree_before_their_round_is_decided_fail_every_member"],
+     "a group round whose calls disagree is decided anyway (group agreement)"),
+    ("daemon/ops/windows.py", "    if decided != terms:", "    if False:",
+     [AGREE + "a_group_call_that_disagrees_with_its_decided_round_fails_alone"],
+     "a late group call on other terms takes the round's result (group agreement)"),
 
 ]
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from cluster import Cluster, delay
+from cluster import Cluster, delay, until
 from conftest import ClusterFactory
 from decent_wire.errors import DecentError
 
@@ -122,3 +122,84 @@ def test_agreeing_collectives_still_run_exact(cluster: ClusterFactory) -> None:
         assert torch.equal(bc, torch.arange(5, dtype=torch.float64) + 2)
         assert torch.equal(ag, torch.cat([(torch.arange(5, dtype=torch.float64) + r)[: r + 1]
                                           for r in range(N)]))
+
+
+# --------------------------------------------------------------------------- group rounds
+
+
+def test_group_calls_that_disagree_before_their_round_is_decided_fail_every_member(
+        cluster: ClusterFactory) -> None:
+    # one butterfly group of all four ranks, led by rank 0. Rank 3 has no window yet, so the
+    # leader's sum waits for it: the round cannot be decided before both calls reached it.
+    c = cluster(N, "hypercube")
+    kind = torch.float64
+    for i in range(3):
+        c.clients[i].win_create(torch.full((3,), float(i), dtype=kind), "d")
+    before = c.status(0).group_calls_led
+    with_self = c.clients[0].group_allreduce_async(torch.full((3,), 10.0, dtype=kind), "d", 4,
+                                                   rule="with-self")
+    mean = c.clients[1].group_allreduce_async(torch.full((3,), 11.0, dtype=kind), "d", 4)
+    until(lambda: c.status(0).group_calls_led == before + 2, "both calls at the leader")
+    c.clients[3].win_create(torch.full((3,), 3.0, dtype=kind), "d")  # the sum goes on
+    errors = [catch(h.wait) for h in (with_self, mean)]
+    errors += [catch(lambda r=r: c.clients[r].group_allreduce(  # type: ignore[misc]
+        torch.full((3,), 10.0 + r, dtype=kind), "d", 4)) for r in (2, 3)]
+    terms = "float64[3], group_size 4, rule"
+    for e in errors:
+        assert e.code_name == "MISMATCH", e
+        assert str(e) == str(errors[0])  # the same message on every member
+    assert f"the members disagree, so none gets a result: rank 0 asks {terms} with-self; " \
+           f"rank 1 asks {terms} mean" in str(errors[0])
+    # the next round agrees: exact, from what each member published
+    def agree(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        cl.win_publish(torch.full((3,), 20.0 + cl.rank, dtype=kind), "d")
+        cl.barrier(name="d.b1")
+        return cl.group_allreduce(torch.full((3,), 20.0 + cl.rank, dtype=kind), "d", 4)
+
+    for y in c.run(agree):
+        assert torch.equal(y, torch.full((3,), 21.5, dtype=kind))
+
+
+def test_a_group_call_that_disagrees_with_its_decided_round_fails_alone(
+        cluster: ClusterFactory) -> None:
+    # wait-avoiding: rank 2 calls after the others have their results (which used its last
+    # published copy, as WAGMA does); its call asks another rule, so it fails, naming both
+    c = cluster(N, "hypercube")
+    kind = torch.float64
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        r = cl.rank
+        cl.win_create(torch.full((3,), float(r), dtype=kind), "late")
+        if r != 2:
+            cl.win_publish(torch.full((3,), 10.0 + r, dtype=kind), "late")
+        cl.barrier(name="late.b0")
+        y: Any = None
+        if r != 2:
+            y = cl.group_allreduce(torch.full((3,), 10.0 + r, dtype=kind), "late", 4)
+        cl.barrier(name="late.mid")
+        if r == 2:
+            y = catch(lambda: cl.group_allreduce(torch.full((3,), 12.0, dtype=kind), "late", 4,
+                                                 rule="with-self"))
+        cl.win_publish(torch.full((3,), 20.0 + r, dtype=kind), "late")
+        cl.barrier(name="late.b1")
+        z = cl.group_allreduce(torch.full((3,), 20.0 + r, dtype=kind), "late", 4)
+        return y, z
+
+    got = c.run(work)
+    for r, (y, z) in enumerate(got):
+        if r == 2:
+            assert y.code_name == "MISMATCH", y
+            assert ("group round 1 (leader rank 0) ran as float64[3], group_size 4, rule mean; "
+                    "rank 2 asks float64[3], group_size 4, rule with-self") in str(y)
+        else:  # (10 + 11 + 2 + 13) / 4: rank 2's copy was its win_create tensor
+            assert torch.equal(y, torch.full((3,), 9.0, dtype=kind)), r
+        assert torch.equal(z, torch.full((3,), 21.5, dtype=kind)), r
+
+
+def catch(call: Callable[[], Any]) -> DecentError:
+    """The DecentError ``call`` raises (AssertionError if it returns)."""
+    with pytest.raises(DecentError) as e:
+        call()
+    return e.value

@@ -17,6 +17,7 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.numerics import weighted_sum
 from decentd.ops.api import Arrival, DecentError, OpContext, OpResult, OpSpec, gather_all, part
 from decentd.ops.faults import reachable, self_for_gone, unless_lost
+from decentd.windows.groups import GroupSum, group_terms, late_call
 from decentd.windows.store import REPLY, REQUEST, Window, WindowStore
 
 
@@ -261,24 +262,27 @@ async def group_allreduce(ctx: OpContext) -> OpResult:
     p = ctx.parts[0]
     w, own = _local(ctx)
     size, gr = _group(ctx)
+    assert isinstance(ctx.args, pb.GroupAllreduce)
+    terms = group_terms(p.dtype, p.shape, size, int(ctx.args.rule))
     own[...] = p.x
     w.step = gr
     group = butterfly_group(ctx.rank, ctx.size, size, gr)
     members = [m for m in group if m == ctx.rank or m in reachable(ctx, {m: 1.0})]
     out = ctx.output(p, p.nbytes)
     got = None if len(members) == 1 else await unless_lost(
-        ctx, members[0], _group_sum(ctx, members[0], size, gr))
+        ctx, members[0], _group_sum(ctx, members[0], size, gr, terms))
     if got is None:  # alone (the others gone, or its leader lost meanwhile): its own copy
         out[...] = p.x
         return OpResult(p.nbytes, p.shape, [ctx.rank])
-    total, staleness, count = got
+    total, staleness, count, decided = got
+    if decided != terms:  # the round ran before this call reached its leader
+        raise late_call(w.display, gr, members[0], decided, ctx.rank, terms)
     if total.dtype != dtypes.STORAGE[p.dtype] or total.nbytes != p.nbytes:
         raise DecentError(pb.MISMATCH, f"window '{w.display}': the group sum of round {gr} is "
                           f"{total.size} {total.dtype} elements, the window "
                           f"{dtypes.describe(p.dtype, p.shape)}")
     w.max_staleness = max(w.max_staleness, staleness)
     g = count
-    assert isinstance(ctx.args, pb.GroupAllreduce)
     if ctx.args.rule == pb.GROUP_WITH_SELF:
         # the input first: the output may be the input's own slot (written as it goes)
         weighted_sum(out, p.x, 1.0 / (g + 1), [(total, 1.0 / (g + 1))], p.dtype)
@@ -287,8 +291,8 @@ async def group_allreduce(ctx: OpContext) -> OpResult:
     return OpResult(p.nbytes, p.shape)
 
 
-async def _group_sum(ctx: OpContext, leader: int, size: int, gr: int
-                     ) -> tuple[np.ndarray, int, int]:
+async def _group_sum(ctx: OpContext, leader: int, size: int, gr: int, terms: str
+                     ) -> GroupSum:
     """This round's group sum: here already, or led here, or asked of the leader."""
     p, groups = ctx.parts[0], ctx.services.groups
     key = (p.name, gr)
@@ -298,10 +302,11 @@ async def _group_sum(ctx: OpContext, leader: int, size: int, gr: int
     fut = groups.wait(key, leader)
     try:
         if leader == ctx.rank:
-            groups.lead(p.name, gr, size, p.dtype, p.shape)
+            groups.lead(p.name, gr, ctx.rank, size, p.dtype, p.shape, terms)
         else:
             trigger = part(p.name, gr, REQUEST, pb.GROUP_TRIGGER, p.dtype, p.shape, 0,
                            float(size))
+            trigger.topology = terms
             await ctx.send_part(leader, trigger, memoryview(b""))
         ctx.waiting.add(leader)
         return await fut

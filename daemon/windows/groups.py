@@ -1,6 +1,12 @@
 """WAGMA's group sums: a group round is summed once, by its leader's daemon, from every member's
 last published copy, and sent to every member's daemon, where the member's op finds it whether it
-came before or after."""
+came before or after.
+
+A round has one outcome: its leader decides it once (the sum, or an error every member gets).
+Members whose calls reached it before the decision and disagree on the round's terms (dtype,
+shape, group size, rule) fail it for all; a call that disagrees with a round decided before it
+came fails alone (the members that have their results keep them: nobody waits for late calls).
+"""
 
 from __future__ import annotations
 
@@ -39,9 +45,35 @@ MAX_SUMS = 256
 
 #: a group round: (window wire name, the member's k-th call)
 GroupKey = tuple[str, int]
-#: a group sum, the most steps a member's copy in it lagged the round, and how many members'
-#: copies it sums (the live ones: a group shrinks when members are gone)
-GroupSum = tuple[np.ndarray, int, int]
+#: a group sum, the most steps a member's copy in it lagged the round, how many members' copies
+#: it sums (the live ones: a group shrinks when members are gone) and the round's terms
+GroupSum = tuple[np.ndarray, int, int, str]
+RULES = {pb.GROUP_MEAN: "mean", pb.GROUP_WITH_SELF: "with-self"}
+
+
+def group_terms(dtype: int, shape: tuple[int, ...], group_size: int, rule: int) -> str:
+    """What every member of a group round asks alike (compared by the leader and each member)."""
+    return (f"{dtypes.describe(dtype, shape)}, group_size {group_size}, "
+            f"rule {RULES.get(rule, rule)}")
+
+
+def late_call(window: str, round_: int, leader: int, decided: str, member: int,
+              terms: str) -> DecentError:
+    """MISMATCH for a call that disagrees with a group round decided before it came."""
+    return DecentError(pb.MISMATCH, f"window '{window}': group round {round_} (leader rank "
+                                    f"{leader}) ran as {decided}; rank {member} asks {terms}, so "
+                                    "its call fails")
+
+
+def disagreement(name: str, round_: int, asked: dict[int, str]) -> DecentError:
+    """MISMATCH naming which members asked what of one group round."""
+    by_terms: dict[str, list[int]] = {}
+    for member in sorted(asked):
+        by_terms.setdefault(asked[member], []).append(member)
+    said = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} "
+                     f"{'ask' if len(r) > 1 else 'asks'} {t}" for t, r in by_terms.items())
+    return DecentError(pb.MISMATCH, f"group of window '{display_name(name)}' round {round_}: "
+                                    f"the members disagree, so none gets a result: {said}")
 
 
 def _owner(name: str) -> int:
@@ -77,14 +109,21 @@ class GroupSums:
         #: group rounds whose leader failed, for members that have not asked yet
         self._failures: collections.OrderedDict[GroupKey, DecentError] = (
             collections.OrderedDict())
+        #: the terms each member's call that reached the leader asked of a round, and the
+        #: terms of the rounds decided
+        self._asked: collections.OrderedDict[GroupKey, dict[int, str]] = (
+            collections.OrderedDict())
+        self._decided: collections.OrderedDict[GroupKey, str] = collections.OrderedDict()
         self._fetches = itertools.count(1)
+        self.calls_led = 0  #: members' calls of rounds this daemon leads that reached it
         self._running = 0  #: group sums running
 
     def on_trigger(self, src: int, name: str, round_: int, arrival: Arrival) -> None:
         """A member of a group this rank leads arrived (its group size rides as the weight)."""
         arrival.release()
         try:
-            self.lead(name, round_, int(arrival.weight), arrival.dtype, arrival.shape)
+            self.lead(name, round_, src, int(arrival.weight), arrival.dtype, arrival.shape,
+                      arrival.topology)
         except DecentError as err:
             self._links.send_abort(src, [(name, round_)], err.to_pb(), pb.GROUP_RESULT)
 
@@ -92,12 +131,20 @@ class GroupSums:
         """The leader's sum of a group round this rank is a member of."""
         total = arrival.data.view(dtypes.STORAGE[arrival.dtype]).copy()
         arrival.release()
-        self._arrived((name, round_), (total, arrival.step, max(1, round(arrival.p))))
+        self._arrived((name, round_), (total, arrival.step, max(1, round(arrival.p)),
+                                       arrival.topology))
 
-    def lead(self, name: str, round_: int, group_size: int, dtype: int,
-             shape: tuple[int, ...]) -> None:
-        """A member of this rank's group at ``round_`` arrived: sum the group once."""
+    def lead(self, name: str, round_: int, member: int, group_size: int, dtype: int,
+             shape: tuple[int, ...], terms: str) -> None:
+        """``member`` of this rank's group at ``round_`` arrived asking ``terms``: sum the
+        group once (MISMATCH: the round was decided already, on other terms)."""
         key = (name, round_)
+        self.calls_led += 1
+        self._asked.setdefault(key, {})[member] = terms
+        _bounded(self._asked, GROUP_MEMORY)
+        decided = self._decided.get(key)
+        if decided is not None and decided != terms:
+            raise late_call(display_name(name), round_, _owner(name), decided, member, terms)
         if key in self._led:
             return
         if self._running >= MAX_SUMS:
@@ -106,17 +153,17 @@ class GroupSums:
         self._led[key] = None
         _bounded(self._led, GROUP_MEMORY)
         self._running += 1
-        self._tasks.spawn(self._sum_group(name, round_, group_size, dtype, shape))
+        self._tasks.spawn(self._sum_group(name, round_, group_size, dtype, shape, terms))
 
     async def _sum_group(self, name: str, round_: int, group_size: int, dtype: int,
-                         shape: tuple[int, ...]) -> None:
+                         shape: tuple[int, ...], terms: str) -> None:
         try:
-            await self._lead_round(name, round_, group_size, dtype, shape)
+            await self._lead_round(name, round_, group_size, dtype, shape, terms)
         finally:
             self._running -= 1
 
     async def _lead_round(self, name: str, round_: int, group_size: int, dtype: int,
-                          shape: tuple[int, ...]) -> None:
+                          shape: tuple[int, ...], terms: str) -> None:
         rank = _owner(name)
         members = self.members(rank, group_size, round_)
         others = [m for m in members if m != rank]
@@ -124,9 +171,10 @@ class GroupSums:
         try:
             total, staleness, count = await self._gather(name, round_, fetch, members, dtype,
                                                          shape)
+            self._decide((name, round_), terms)
             result = part(name, round_, REQUEST, pb.GROUP_RESULT, dtype, shape, total.nbytes)
-            result.step, result.p = staleness, float(count)
-            self._arrived((name, round_), (total, staleness, count))
+            result.step, result.p, result.topology = staleness, float(count), terms
+            self._arrived((name, round_), (total, staleness, count, terms))
             await gather_all(*(self._links.send_parts(m, [result], [total.view(np.uint8).data])
                                for m in others))
         except (DecentError, TimeoutError, ConnectionError) as exc:
@@ -142,7 +190,7 @@ class GroupSums:
             self._mailbox.close([(name, fetch)])
 
     async def _gather(self, name: str, round_: int, fetch: int, members: list[int],
-                      dtype: int, shape: tuple[int, ...]) -> GroupSum:
+                      dtype: int, shape: tuple[int, ...]) -> tuple[np.ndarray, int, int]:
         """Every member's copy as its daemon holds it, summed in rank order."""
         rank, timeout = _owner(name), self._store.timeout
         w = self._store.windows.get(name)
@@ -175,6 +223,15 @@ class GroupSums:
         weighted_sum(total, ordered[0], 1.0, [(c, 1.0) for c in ordered[1:]], dtype)
         return (total, max(round_ - min(round_, step) for _, step in copies.values()),
                 len(ordered))
+
+    def _decide(self, key: GroupKey, terms: str) -> None:
+        """The round's sum is ready: its terms are fixed now, unless the calls that reached
+        this leader disagree (MISMATCH for every member)."""
+        asked = self._asked.pop(key, {})
+        if len(set(asked.values())) > 1:
+            raise disagreement(*key, asked)
+        self._decided[key] = terms
+        _bounded(self._decided, GROUP_MEMORY)
 
     def members(self, rank: int, group_size: int, round_: int) -> list[int]:
         """The live members of ``rank``'s group at ``round_`` (``rank`` always)."""
@@ -232,6 +289,6 @@ class GroupSums:
 
     def forget(self, name: str) -> None:
         """Window ``name`` was freed: its group rounds may start from 1 again."""
-        for table in (self._led, self._results, self._failures):
+        for table in (self._led, self._results, self._failures, self._asked, self._decided):
             for key in [k for k in table if k[0] == name]:
                 del table[key]
