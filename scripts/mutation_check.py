@@ -253,6 +253,11 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      [AGREE + "a_group_call_that_disagrees_with_its_decided_round_fails_alone"],
      "a late group call on other terms takes the round's result (group agreement)"),
 
+    ("clients/tf/client.py", "        start = tf.reduce_sum(rows[:self.rank])",
+     "        start = tf.reduce_sum(rows[:0])",
+     ["tests/test_gradients.py::test_tensorflow_allgather_gradient_is_each_ranks_rows_of_the_"
+      "summed_gradient"], "TensorFlow's allgather gradient takes rank 0's rows (tf allgather)"),
+
 ]
 
 

@@ -20,6 +20,9 @@ from decent_wire.topology import build_topology
 
 N = 4
 SHAPE = (3, 5)
+# every rank of a TensorFlow test is a thread of this process, and a blocking op staged in a
+# tf.function holds one of TensorFlow's inter-op threads until the other ranks call
+tf.config.threading.set_inter_op_parallelism_threads(4 * N)
 
 
 def coefficients(rank: int, shape: tuple[int, ...] = SHAPE) -> np.ndarray:
@@ -136,3 +139,35 @@ def test_tensorflow_gradients_are_the_adjoint_collectives(case: str) -> None:
     cs = [coefficients(r) for r in range(N)]
     for j, g in enumerate(got):
         np.testing.assert_allclose(g, want(cs, j), rtol=1e-12, atol=1e-12, err_msg=f"rank {j}")
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_tensorflow_allgather_gradient_is_each_ranks_rows_of_the_summed_gradient(
+        graph: bool) -> None:
+    rows = [r + 1 for r in range(N)]
+    total = (sum(rows), 5)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        x = tf.constant(inputs(cl.rank, (rows[cl.rank], 5)))
+        c = tf.constant(coefficients(cl.rank, total))
+
+        def grad(v: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            with tf.GradientTape() as tape:
+                tape.watch(v)
+                y = cl.allgather(v, name="tf.ag")
+                loss = tf.reduce_sum(y * c)
+            return tf.shape(y), tape.gradient(loss, v)
+
+        shape, g = (tf.function(grad) if graph else grad)(x)
+        return tuple(shape.numpy()), g.numpy()
+
+    with tf_cluster(N, "exponential") as clients:
+        got = run_each(clients, work)
+    summed = np.sum([coefficients(r, total) for r in range(N)], axis=0)
+    start = 0
+    for j, (shape, g) in enumerate(got):
+        assert shape == total, j
+        np.testing.assert_allclose(g, summed[start:start + rows[j]], rtol=1e-12, atol=1e-12,
+                                   err_msg=f"rank {j}")
+        start += rows[j]

@@ -72,11 +72,16 @@ def _zero(value: Any) -> Any:
     return value * 0
 
 
-def allgather(sizes: Sequence[int], rank: int, kwargs: Mapping[str, Any]) -> Adjoint:
-    """``allgather(x)`` where rank r gave ``sizes[r]`` rows: this rank's rows of the summed
-    gradient."""
+def own_rows(sizes: Sequence[int], rank: int) -> tuple[int, int]:
+    """(start, end) of ``rank``'s rows in an allgather where rank r gave ``sizes[r]`` rows."""
     start = sum(sizes[:rank])
-    end = start + sizes[rank]
+    return start, start + sizes[rank]
+
+
+def allgather(start: Any, end: Any, kwargs: Mapping[str, Any]) -> Adjoint:
+    """``allgather(x)`` whose result holds this rank's rows at ``start:end`` (ints, or a
+    framework's scalars when they are known only as the graph runs): those rows of the summed
+    gradient."""
     return Adjoint("allreduce", {**_common(kwargs), "op": "sum"},
                    lambda full: full[start:end])
 

@@ -82,6 +82,24 @@ class TFClient(Client[Any]):
         return differentiable(tensor, lambda t: self._plain("broadcast")(t, root=root, **kwargs),
                               adjoints.broadcast(self.rank, root, kwargs), self._plain)
 
+    def allgather(self, tensor: Any, **kwargs: Any) -> Any:
+        """Blocking allgather (also inside tf.function); its gradient is this rank's rows of
+        the summed gradients."""
+        if not tracked(tensor):
+            return self._gather(tensor, **kwargs)
+        value = tensor.read_value() if isinstance(tensor, tf.Variable) else tensor
+        rows = self._gather(tf.shape(value, out_type=tf.int64)[:1],
+                            name=f"{kwargs.get('name') or 'allgather'}.rows")
+        start = tf.reduce_sum(rows[:self.rank])
+        return differentiable(tensor, lambda t: self._gather(t, **kwargs),
+                              adjoints.allgather(start, start + rows[self.rank], kwargs),
+                              self._plain)
+
+    def _gather(self, tensor: Any, **kwargs: Any) -> Any:
+        """The blocking allgather without gradients (also inside tf.function)."""
+        return self._staged(super().allgather, tensor,
+                            lambda s: tf.TensorShape([None]).concatenate(s[1:]), **kwargs)
+
     def _plain(self, op: str) -> Callable[..., Any]:
         """The blocking op ``op`` without gradients (also inside tf.function)."""
         run = getattr(super(), op)

@@ -1,5 +1,6 @@
 """Collectives that ``tf.GradientTape`` differentiates: a blocking out-of-place ``allreduce``,
-``broadcast`` or ``neighbor_allreduce`` of a floating tensor returns a tensor whose gradient is
+``broadcast``, ``allgather`` or ``neighbor_allreduce`` of a floating tensor returns a tensor whose
+gradient is
 the adjoint collective (:mod:`decent.core.adjoints`), through ``tf.custom_gradient`` (also inside
 ``tf.function``, where a topology's weights are those at tracing)."""
 

@@ -42,7 +42,8 @@ class TorchClient(Client[torch.Tensor]):
         sizes = [int(v) for v in self.values(super().allgather(
             torch.tensor([tensor.shape[0]]), name=f"{kwargs.get('name') or 'allgather'}.rows"))]
         return differentiable(tensor, lambda _x: out,
-                              adjoints.allgather(sizes, self.rank, kwargs), self._plain)
+                              adjoints.allgather(*adjoints.own_rows(sizes, self.rank), kwargs),
+                              self._plain)
 
     def neighbor_allreduce(self, tensor: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Blocking neighbor_allreduce; its gradient is the same op with W transposed."""
