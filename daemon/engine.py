@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -26,7 +27,7 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.agreement import WORKER_AGREED, Agreements, description
 from decentd.arena import Arena
 from decentd.auth import shown
-from decentd.fill import FillState
+from decentd.fill import Drain, FillState
 from decentd.gathers import Request
 from decentd.hierarchy import Hierarchy
 from decentd.logs import op_fields
@@ -90,6 +91,12 @@ class WorkerSession:
             completion = pb.Completion(request_id=completion.request_id, error=err.to_pb())
         if self.deliver is not None:
             self.deliver(completion)
+
+    def tell_final(self, request_id: int, nbytes: int) -> None:
+        """The first ``nbytes`` of a draining request's result are final (a partial
+        completion)."""
+        if self.deliver is not None and not self.gone:
+            self.deliver(pb.Completion(request_id=request_id, partial=True, final_bytes=nbytes))
 
 
 class OpObserver(Protocol):
@@ -170,6 +177,8 @@ class Engine:
             self._stamp(req, parts)
         if req.filling:
             self._filling(session, req.request_id, op, parts)
+        if req.draining and op in STREAMED and len(parts) == 1:
+            parts[0].drain = Drain(partial(session.tell_final, req.request_id), parts[0].nbytes)
         if op in self.hierarchy.ops:
             self.hierarchy.submit(Request(session, req.request_id, op, args, parts, timeout))
             return

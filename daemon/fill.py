@@ -5,12 +5,16 @@ A worker's large private tensor reaches the daemon in chunks: the request comes 
 at once; its sender threads write each part of the input as soon as the worker has copied it
 (:class:`FillState` is what they wait on), so the copy overlaps the wire instead of preceding it.
 Whatever reads the input itself (the weighted sum) waits until it is whole.
+
+The other way, a worker copying a large in-place result out of the arena is told how much of it
+is final (:class:`Drain`) while the rest still arrives, so that copy overlaps the wire too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 #: a worker copies gigabytes a second: this long without a byte more, it stopped (paused,
 #: dying); well within the heartbeats that a frame waiting for it holds back
@@ -92,3 +96,25 @@ class FillGate:
     def wait(self, frame_sent: int) -> None:
         """Block until at least one more byte of the frame may go out (sender thread)."""
         self.fill.wait_past(self.base + frame_sent - self.head)
+
+
+#: a worker copying a result out is told in steps of at least this many bytes (one note each)
+DRAIN_STEP = 2 << 20
+
+
+class Drain:
+    """The output counterpart of a fill: tells the worker (``tell(bytes)``, a partial
+    completion) how much of its in-place result is final from the start, so that it copies
+    that much out while the rest arrives (``SubmitRequest.draining``). Event loop only."""
+
+    def __init__(self, tell: Callable[[int], None], nbytes: int) -> None:
+        self.tell = tell
+        self.nbytes = nbytes
+        self.told = 0
+
+    def final(self, nbytes: int) -> None:
+        """The first ``nbytes`` of the output hold their final values (the last bytes are
+        left to the op's completion)."""
+        if nbytes - self.told >= DRAIN_STEP and nbytes < self.nbytes:
+            self.told = nbytes
+            self.tell(nbytes)

@@ -19,7 +19,7 @@ import tensorflow as tf
 import torch
 
 import decent.core.submitter as submitter
-from cluster import delay, run_each, tf_cluster
+from cluster import delay, run_each, tf_cluster, until
 from conftest import ClusterFactory
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
@@ -124,6 +124,51 @@ def test_the_first_chunk_is_on_the_wire_before_the_rest_is_copied(
     assert torch.equal(out1, values(0)) and torch.equal(out0, values(0))
     assert c.status(0).inputs_streamed_early_bytes >= CHUNK  # cumulative, but >= this op's
     assert sent >= NUMEL * 4
+
+
+def test_an_in_place_result_is_copied_out_while_the_rest_arrives(
+        cluster: ClusterFactory) -> None:
+    # rank 0 sends; its client stops before it says the fifth chunk is in (the daemon has sent
+    # 8 MiB) until rank 1's client has copied part of its result out: rank 1's op cannot end
+    # before rank 0 goes on, so that part was copied out while the rest was still to come
+    c = cluster(2)
+    held = threading.Event()
+
+    def drained(cl) -> int:  # type: ignore[no-untyped-def]
+        return int(cl.status().worker_results_drained_early_bytes)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        kw = one_way(cl.rank, 2)
+        if cl.rank == 1:
+            before = drained(cl)
+            t = torch.full((NUMEL,), float("nan"))
+            out = cl.neighbor_allreduce_(t, name="d", **kw)
+            return out is t, t, drained(cl) - before
+        other = c.clients[1]
+        before = drained(other)
+        # rank 1's op waits for the tensor before it comes (else it lands elsewhere first)
+        until(lambda: c.status(1).ops_in_flight > 0, "rank 1's op to run")
+        send = cl._submitter._send_request
+
+        def hold(req: pb.SubmitRequest) -> None:
+            if req.WhichOneof("op") == "fill" and req.fill.bytes == 5 * CHUNK:
+                deadline = time.monotonic() + 30
+                while drained(other) - before < CHUNK and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                held.set()
+            send(req)
+
+        cl._submitter._send_request = hold
+        try:
+            return cl.neighbor_allreduce_(values(0), name="d", **kw)
+        finally:
+            cl._submitter._send_request = send
+
+    out0, (same, out1, early) = c.run(work)
+    assert held.is_set()
+    assert torch.equal(out0, values(0)) and same and torch.equal(out1, values(0))
+    assert CHUNK <= early < NUMEL * 4
 
 
 def test_a_worker_that_stops_copying_fails_its_op_and_the_link_carries_the_next(

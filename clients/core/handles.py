@@ -56,6 +56,10 @@ class Pending:
     like: Any  #: the input tensor (its device and kind shape the result)
     into: Any = None  #: in-place ops: the tensor the result is written into
     resident: bool = False  #: in place on memory the daemon wrote directly: nothing to copy
+    #: in place into host memory at this address, copied out as the result becomes final
+    #: (``drained`` bytes so far); 0: copied out once it is all there
+    sink: int = 0
+    drained: int = 0
     state: State = State.SENT
     #: the result's size and shape are this request's own, not the completion's (fused: one
     #: completion answers several requests)

@@ -41,6 +41,8 @@ class ResultMemory(Generic[T]):
         self.copied = 0
         #: in-place results that were their input unchanged (nothing copied back)
         self.unchanged = 0
+        #: bytes of in-place results copied out before their op ended
+        self.drained_early = 0
 
     def adopt(self, slot: tuple[int, int], nbytes: int, dtype: int, shape: tuple[int, ...],
               like: T | None) -> T | None:
@@ -73,6 +75,7 @@ class ResultMemory(Generic[T]):
         reply.worker_results_held, reply.worker_results_held_bytes = self.held
         reply.worker_results_copied = self.copied
         reply.worker_results_unchanged = self.unchanged
+        reply.worker_results_drained_early_bytes = self.drained_early
         return reply
 
     @property

@@ -144,6 +144,7 @@ class Submitter(Generic[T]):
                     shape, nbytes, place.out_offset, tensor, into, place.resident or unchanged)
         stamps = (called, time.monotonic_ns())
         if place.unfilled and source is not None:
+            p.sink = self._sink(call, into, place, nbytes)
             self._send(call, [ref], timeout or 0.0, [p], [stamps], filling=True)
             self._stream_in(p, source, place.offset)
         elif fuse and self._fusion.enabled:
@@ -152,6 +153,7 @@ class Submitter(Generic[T]):
             self._fusion.add(key, Queued(call, ref, timeout or 0.0, p, stamps), nbytes,
                              fuse_limit)
         else:
+            p.sink = self._sink(call, into, place, nbytes)
             self._send(call, [ref], timeout or 0.0, [p], [stamps])
         return Handle(self, p)
 
@@ -189,6 +191,22 @@ class Submitter(Generic[T]):
         if call.field not in STREAMED or tensor is None or nbytes < STREAM_MIN_BYTES:
             return None
         return self.codec.host_bytes(tensor)
+
+    def _sink(self, call: OpCall, into: T | None, place: Placement, nbytes: int) -> int:
+        """Where an in-place result large enough to be copied out while it arrives goes (the
+        host address of ``into``), or 0."""
+        if into is None or place.resident or call.result_is_input \
+                or call.field not in STREAMED or nbytes < STREAM_MIN_BYTES:
+            return 0
+        return self.codec.address(into) or 0
+
+    def _drain(self, p: Pending, upto: int) -> None:
+        """Copy ``p``'s result out into its sink up to byte ``upto`` (caller holds ``p.lock``)."""
+        upto = min(upto, p.nbytes)
+        if upto > p.drained:
+            src = np.frombuffer(self.view(p.out_offset, p.nbytes), np.uint8)
+            ctypes.memmove(p.sink + p.drained, src.ctypes.data + p.drained, upto - p.drained)
+            p.drained = upto
 
     def _stream_in(self, p: Pending, source: np.ndarray, offset: int) -> None:
         """Copy a filling request's input into its slot chunk by chunk, telling the daemon
@@ -270,7 +288,7 @@ class Submitter(Generic[T]):
         req = pb.SubmitRequest(request_id=members[0].request_id if len(members) == 1
                                else next(self._ids), tensors=tensors, timeout_s=timeout,
                                queued_ns=[q for q, _ in stamps], fused_ns=[f for _, f in stamps],
-                               filling=filling)
+                               filling=filling, draining=len(members) == 1 and members[0].sink > 0)
         getattr(req, call.field).CopyFrom(call.args)
         with self._lock:
             self._in_flight[req.request_id] = members
@@ -302,6 +320,9 @@ class Submitter(Generic[T]):
 
     def finish(self, completion: pb.Completion) -> None:
         """A completion arrived (on the connection's reader thread)."""
+        if completion.partial:
+            self._partial(completion)
+            return
         with self._lock:
             members = self._in_flight.pop(completion.request_id, None)
         if members is None:
@@ -310,6 +331,19 @@ class Submitter(Generic[T]):
         error = None if completion.error.code == pb.OK else DecentError.from_pb(completion.error)
         for p in members:
             self._settle(p, completion, error)
+
+    def _partial(self, completion: pb.Completion) -> None:
+        """Part of a draining request's result is final: copy it out now."""
+        with self._lock:
+            members = self._in_flight.get(completion.request_id)
+        if members is None or len(members) != 1 or not members[0].sink:
+            return
+        p = members[0]
+        with p.lock:
+            if p.state is State.SENT:
+                before = p.drained
+                self._drain(p, int(completion.final_bytes))
+                self.results.drained_early += p.drained - before
 
     def connection_lost(self, error: DecentError) -> None:
         """The data channel ended: every request still in flight fails with ``error``."""
@@ -360,6 +394,9 @@ class Submitter(Generic[T]):
         if p.resident:
             return p.into
         nbytes, shape = p.result_layout()
+        if p.into is not None and p.sink:
+            self._drain(p, nbytes)
+            return p.into
         if p.into is not None:
             return self.codec.read_into(self.view(p.out_offset, nbytes), p.into)
         slot = next((s for s in p.slots if s[0] == p.out_offset), None)

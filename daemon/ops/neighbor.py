@@ -14,6 +14,7 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.mailbox import Progress
 from decentd.numerics import weighted_sum
 from decentd.ops import compression
 from decentd.ops.api import Arrival, DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
@@ -149,6 +150,18 @@ class FoldIn:
         weighted_sum(out[b + lo:b + upto], p.x[b + lo:b + upto], self.self_weight,
                      [(y[lo:upto], self.src_weight * weight)], p.dtype)
         self.done = upto
+        if p.drain is not None and b == 0:
+            p.drain.final(upto * self.itemsize)
+
+
+def landing(p: PartSpec, src_weight: float) -> Progress:
+    """Progress of a tensor received straight into ``p``'s output: what landed is final
+    unless it is to be scaled, and its worker may copy it out (``PartSpec.drain``)."""
+    def landed(buf: np.ndarray, filled: int, weight: float, _part: pb.Part) -> None:
+        if p.drain is not None and src_weight * weight == 1.0 and len(p.out) \
+                and buf.ctypes.data == np.frombuffer(p.out, np.uint8).ctypes.data:
+            p.drain.final(filled)
+    return landed
 
 
 #: the smallest tensor a pair of ranks on one host averages by halves: below it, one message each
@@ -273,7 +286,8 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
     # disagreement fails both sides without acknowledgements; one-way edges need them
     got = await gather_all(
         *(unless_lost(ctx, j, ctx.recv_parts(j, 0, ack=j not in send, parts=parts,
-                                             progress=fold, direct=direct)) for j in srcs),
+                                             progress=landing(parts[0], recv[j]) if direct
+                                             else fold, direct=direct)) for j in srcs),
         *(send_to(d, w) for d, w in send.items()))
     arrived = [(j, a) for j, a in zip(srcs, got, strict=False) if a is not None]
     if len(arrived) < len(srcs):

@@ -9,7 +9,7 @@ import numpy as np
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.fill import FillGate, FillState
+from decentd.fill import Drain, FillGate, FillState
 
 _EMPTY = np.empty(0, np.uint8)
 _NO_BYTES = memoryview(b"")
@@ -36,6 +36,8 @@ class PartSpec:
     fill: FillState | None = None
     #: the worker did not copy the input in (TensorRef.blank): the op must not read ``x``
     blank: bool = False
+    #: the worker copies the result out as it becomes final (SubmitRequest.draining)
+    drain: Drain | None = None
 
     @property
     def nbytes(self) -> int:
