@@ -33,6 +33,7 @@ SENDS, RECEIVES = SHRINK_TESTS + "[sends]", SHRINK_TESTS + "[receives]"
 FAULTS = "tests/test_faults.py::test_"
 RESULTS = "tests/test_results.py::test_"
 AGREE = "tests/test_agreement.py::test_"
+STREAMING = "tests/test_streaming.py::test_"
 
 #: (file, snippet, replacement, tests, what the change breaks)
 MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
@@ -257,6 +258,15 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "        start = tf.reduce_sum(rows[:0])",
      ["tests/test_gradients.py::test_tensorflow_allgather_gradient_is_each_ranks_rows_of_the_"
       "summed_gradient"], "TensorFlow's allgather gradient takes rank 0's rows (tf allgather)"),
+
+    ("daemon/ops/neighbor.py", "            p.drain.final(filled)", "            pass",
+     [STREAMING + "an_in_place_result_is_copied_out_while_the_rest_arrives"],
+     "a landed result is not told to its worker (drain)"),
+    ("clients/core/submitter.py",
+     "            ctypes.memmove(p.sink + p.drained, src.ctypes.data + p.drained, upto - p.drained)",
+     "            ctypes.memmove(p.sink, src.ctypes.data, upto - p.drained)",
+     [STREAMING + "an_in_place_result_is_copied_out_while_the_rest_arrives"],
+     "a drained result's tail is copied over its head (drain)"),
 
 ]
 
