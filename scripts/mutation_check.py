@@ -263,8 +263,8 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      [STREAMING + "an_in_place_result_is_copied_out_while_the_rest_arrives"],
      "a landed result is not told to its worker (drain)"),
     ("clients/core/submitter.py",
-     "            ctypes.memmove(p.sink + p.drained, src.ctypes.data + p.drained, upto - p.drained)",
-     "            ctypes.memmove(p.sink, src.ctypes.data, upto - p.drained)",
+     "ctypes.memmove(p.sink + p.drained, src.ctypes.data + p.drained,",
+     "ctypes.memmove(p.sink, src.ctypes.data,",
      [STREAMING + "an_in_place_result_is_copied_out_while_the_rest_arrives"],
      "a drained result's tail is copied over its head (drain)"),
 
