@@ -154,7 +154,7 @@ class FoldIn:
             p.drain.final(upto * self.itemsize)
 
 
-def landing(p: PartSpec, src_weight: float) -> Progress:
+def lands_final(p: PartSpec, src_weight: float) -> Progress:
     """Progress of a tensor received straight into ``p``'s output: what landed is final
     unless it is to be scaled, and its worker may copy it out (``PartSpec.drain``)."""
     def landed(buf: np.ndarray, filled: int, weight: float, _part: pb.Part) -> None:
@@ -219,7 +219,8 @@ async def pair_exchange(ctx: OpContext, p: PartSpec, j: int, weight: float) -> N
                           f"expected {count * isz}")
 
     # the peer's half of the result may come as soon as it has ours: expected from the start
-    second = asyncio.ensure_future(ctx.recv_parts(j, 2, parts=[p], sized=False, into=landing))
+    second = asyncio.ensure_future(ctx.recv_parts(j, 2, parts=[p], sized=False, into=landing,
+                                                  progress=lands_final(p, 1.0)))
     try:
         (first,), _ = await gather_all(
             ctx.recv_parts(j, 1, parts=[p], sized=False, progress=fold),
@@ -286,7 +287,7 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
     # disagreement fails both sides without acknowledgements; one-way edges need them
     got = await gather_all(
         *(unless_lost(ctx, j, ctx.recv_parts(j, 0, ack=j not in send, parts=parts,
-                                             progress=landing(parts[0], recv[j]) if direct
+                                             progress=lands_final(parts[0], recv[j]) if direct
                                              else fold, direct=direct)) for j in srcs),
         *(send_to(d, w) for d, w in send.items()))
     arrived = [(j, a) for j, a in zip(srcs, got, strict=False) if a is not None]
