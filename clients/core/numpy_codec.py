@@ -53,8 +53,10 @@ class NumpyCodec:
         return tensor.reshape(-1).view(np.uint8) if tensor.flags.c_contiguous else None
 
     def address(self, tensor: np.ndarray) -> int | None:
-        """Address of a C-contiguous array's bytes."""
-        return int(tensor.ctypes.data) if tensor.flags.c_contiguous else None
+        """Address of a writable C-contiguous array's bytes (a read-only one is only read,
+        through a copy: nothing may write into it in place)."""
+        flags = tensor.flags
+        return int(tensor.ctypes.data) if flags.c_contiguous and flags.writeable else None
 
     def wrap(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...]) -> np.ndarray:
         """An array over ``owner``'s bytes (a view keeps it alive)."""
