@@ -234,12 +234,12 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "        if True:", ["tests/test_horovod.py::test_two_ops_of_one_name_in_flight_are_a_value_"
                          "error_as_in_horovod"], "a second op of a name in flight is accepted"),
 
-    ("clients/core/client.py", "        receives_only = self_weight == 0.0 and dsts == {}",
-     "        receives_only = self_weight == 0.0",
+    ("clients/core/submitter.py", "    receives_only = self_weight == 0.0 and dsts == {}",
+     "    receives_only = self_weight == 0.0",
      [RESULTS + "weights_of_zero_and_one_on_a_two_way_call_copy_as_usual"],
      "a receive-only call that still sends is left out (one way copies less)"),
-    ("clients/core/client.py", "        adds_nothing = self_weight == 1.0 and srcs is not None "
-     "and not any(srcs.values())", "        adds_nothing = self_weight == 1.0",
+    ("clients/core/submitter.py", "    adds_nothing = self_weight == 1.0 and srcs is not None "
+     "and not any(srcs.values())", "    adds_nothing = self_weight == 1.0",
      [RESULTS + "weights_of_zero_and_one_on_a_two_way_call_copy_as_usual"],
      "a keep-own call that receives is not copied back (one way copies less)"),
     ("daemon/ops/neighbor.py", "    check_blank(ctx, self_weight)\n    pair = ",

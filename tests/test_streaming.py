@@ -8,9 +8,10 @@ that stops copying fails its op by the timeout and the link carries the next op 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,28 @@ PATHS: dict[str, tuple[int, Callable[[int, int], dict[str, Any]] | None]] = {
 }
 
 
+@contextlib.contextmanager
+def copy_held(cl: Any, at: int, done: Callable[[], bool], held: threading.Event
+              ) -> Iterator[None]:
+    """Inside: ``cl``'s client stops before it tells its daemon that ``at`` bytes are copied
+    in, until ``done()`` (at most 30 s), then sets ``held``."""
+    send = cl._submitter._send_request
+
+    def hold(req: pb.SubmitRequest) -> None:
+        if req.WhichOneof("op") == "fill" and req.fill.bytes == at:
+            deadline = time.monotonic() + 30
+            while not done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            held.set()
+        send(req)
+
+    cl._submitter._send_request = hold
+    try:
+        yield
+    finally:
+        cl._submitter._send_request = send
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_a_large_private_input_is_streamed_and_the_result_is_exact(
@@ -103,21 +126,8 @@ def test_the_first_chunk_is_on_the_wire_before_the_rest_is_copied(
         if cl.rank == 1:
             return cl.neighbor_allreduce(values(1), name="w", **kw)
         before = sent_to_peer(cl)
-        send = cl._submitter._send_request  # hold the copy between two chunks
-
-        def hold(req: pb.SubmitRequest) -> None:
-            if req.WhichOneof("op") == "fill" and req.fill.bytes == 2 * CHUNK:
-                deadline = time.monotonic() + 30
-                while sent_to_peer(cl) - before < CHUNK and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                held.set()
-            send(req)
-
-        cl._submitter._send_request = hold
-        try:
+        with copy_held(cl, 2 * CHUNK, lambda: sent_to_peer(cl) - before >= CHUNK, held):
             return cl.neighbor_allreduce(values(0), name="w", **kw), sent_to_peer(cl) - before
-        finally:
-            cl._submitter._send_request = send
 
     (out0, sent), out1 = c.run(work)
     assert held.is_set()
@@ -149,21 +159,8 @@ def test_an_in_place_result_is_copied_out_while_the_rest_arrives(
         before = drained(other)
         # rank 1's op waits for the tensor before it comes (else it lands elsewhere first)
         until(lambda: c.status(1).ops_in_flight > 0, "rank 1's op to run")
-        send = cl._submitter._send_request
-
-        def hold(req: pb.SubmitRequest) -> None:
-            if req.WhichOneof("op") == "fill" and req.fill.bytes == 5 * CHUNK:
-                deadline = time.monotonic() + 30
-                while drained(other) - before < CHUNK and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                held.set()
-            send(req)
-
-        cl._submitter._send_request = hold
-        try:
+        with copy_held(cl, 5 * CHUNK, lambda: drained(other) - before >= CHUNK, held):
             return cl.neighbor_allreduce_(values(0), name="d", **kw)
-        finally:
-            cl._submitter._send_request = send
 
     out0, (same, out1, early) = c.run(work)
     assert held.is_set()

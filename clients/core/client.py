@@ -28,7 +28,7 @@ from decent.core.membership import View
 from decent.core.regions import RegionTable
 from decent.core.registrar import Registrar
 from decent.core.rejoin import REJOIN_PREFIX
-from decent.core.submitter import OpCall, Submitter
+from decent.core.submitter import OpCall, Submitter, neighbor_call
 from decent.core.topology_ops import TopologyOps
 from decent.core.windows import WindowOps, WindowTable
 from decent_wire import dtypes
@@ -169,13 +169,8 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
         srcs, dsts = rank_weights(src_weights), rank_weights(dst_weights)
         args = op_args(name, pb.NeighborAllreduce, self_weight=self_weight, src_weights=srcs,
                        dst_weights=dsts)
-        # a receive-only call never reads its tensor; a call keeping its own tensor whole and
-        # adding nothing returns it unchanged
-        receives_only = self_weight == 0.0 and dsts == {}
-        adds_nothing = self_weight == 1.0 and srcs is not None and not any(srcs.values())
-        call = OpCall("neighbor_allreduce", args, blank_input=receives_only,
-                      result_is_input=adds_nothing)
-        return self._call(call, tensor, name, timeout, into=into, fuse=fuse)
+        return self._call(neighbor_call(args, self_weight, srcs, dsts), tensor, name, timeout,
+                          into=into, fuse=fuse)
 
     def neighbor_allreduce(self, tensor: T, **kwargs: Any) -> T:
         """Blocking :meth:`neighbor_allreduce_async`."""

@@ -55,6 +55,17 @@ class OpCall:
     result_is_input: bool = False
 
 
+def neighbor_call(args: pb.NeighborAllreduce, self_weight: float | None,
+                  srcs: dict[int, float] | None, dsts: dict[int, float] | None) -> OpCall:
+    """A neighbor_allreduce call, with the copies its weights make needless: a receive-only
+    call never reads its tensor; one keeping its own tensor whole and adding nothing returns
+    it unchanged."""
+    receives_only = self_weight == 0.0 and dsts == {}
+    adds_nothing = self_weight == 1.0 and srcs is not None and not any(srcs.values())
+    return OpCall("neighbor_allreduce", args, blank_input=receives_only,
+                  result_is_input=adds_nothing)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a request's input and result lie (arena or registered offsets)."""
