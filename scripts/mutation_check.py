@@ -268,6 +268,12 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      [STREAMING + "an_in_place_result_is_copied_out_while_the_rest_arrives"],
      "a drained result's tail is copied over its head (drain)"),
 
+    ("clients/core/algorithms/base.py", "                out[...] = a\n", "                pass\n",
+     ["tests/test_algorithms.py"], "a reused tensor keeps its old values (spares)"),
+    ("clients/core/algorithms/gossip.py", "            if p is not s[\"psi\"]:",
+     "            if True:", ["tests/test_algorithms.py"],
+     "exact diffusion reuses the psi it keeps for the next step (spares)"),
+
 ]
 
 

@@ -60,9 +60,17 @@ class ADPSGD(Algorithm[T]):
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         self.prepare(xs)
         if not self.active:
-            return [self.client.win_add(d * -1.0, name)
-                    for d, name in zip(ds, self.windows, strict=True)]
-        half = [x - d for x, d in zip(xs, ds, strict=True)]
+            out = []
+            for i, (d, name) in enumerate(zip(ds, self.windows, strict=True)):
+                minus = self.copy_of("d", i, d)
+                minus *= -1.0
+                out.append(self.client.win_add(minus, name))
+                self.spare("d", i, minus)  # the result is written into it: returned
+            return out
+        half = [self.difference("half", i, x, d)
+                for i, (x, d) in enumerate(zip(xs, ds, strict=True))]
+        for i, h in enumerate(half):  # sent (copied in) or returned this step
+            self.spare("half", i, h)
         if not self.communicates or not self.peers:
             return half
         peer = self._rng.choice(self.peers)
@@ -132,7 +140,9 @@ class WAGMA(Algorithm[T]):
         else:
             self.start(xs, states)
             mixed = self.mixed("g")
-        new = [m - d for m, d in zip(mixed, ds, strict=True)]
+        new = mixed
+        for m, d in zip(mixed, ds, strict=True):  # in the mixed results: this rank's own
+            m -= d
         # what the next group round would take from this rank: served if it is late
         for x, name in zip(new, self.windows, strict=True):
             self.client.win_publish(x, name, step=self._group_calls + 1)

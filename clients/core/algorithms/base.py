@@ -32,13 +32,16 @@ from decent_wire.topology import Topology, TopologyError, build_topology, from_g
 
 
 class Arithmetic(Protocol):
-    """What the algorithms ask of a framework's tensor: elementwise +, -, scaling and
-    indexing along the first dimension."""
+    """What the algorithms ask of a framework's tensor: elementwise +, -, scaling, indexing
+    along the first dimension and, where the framework allows it, assignment (``t[...] = u``;
+    TensorFlow's tensors refuse it and get new ones)."""
 
     def __add__(self, other: Any, /) -> Any: ...
     def __sub__(self, other: Any, /) -> Any: ...
     def __mul__(self, other: Any, /) -> Any: ...
     def __getitem__(self, index: Any, /) -> Any: ...
+
+    def __setitem__(self, index: Any, value: Any, /) -> None: ...
 
 
 T = TypeVar("T", bound=Arithmetic)
@@ -95,6 +98,9 @@ class Algorithm(Generic[T]):
         self._pending: dict[str, list[Handle[T]]] = {}
         #: the windows this algorithm created in the daemons (:meth:`close` frees them)
         self.windows: list[str] = []
+        #: tensors of an earlier step no longer needed, by (key, parameter index): written
+        #: over by :meth:`difference` instead of making new ones (not part of the state)
+        self._spares: dict[tuple[str, int], T] = {}
 
     def _topology(self, topology: str | Topology | nx.Graph | None) -> Topology:
         size = self.client.size
@@ -155,6 +161,30 @@ class Algorithm(Generic[T]):
     def mixed(self, key: str) -> list[T]:
         """The results of :meth:`mix_async` ``key``."""
         return [h.wait() for h in self._pending.pop(key)]
+
+    def copy_of(self, key: str, i: int, a: T) -> T:
+        """A copy of ``a`` in the tensor :meth:`spare` gave for ``(key, i)`` at an earlier step
+        (no new tensor after the first steps), else (or for a framework whose tensors never
+        change) a new one."""
+        out = self._spares.pop((key, i), None)
+        if out is not None:
+            try:
+                out[...] = a
+                return out
+            except TypeError:  # TensorFlow's tensors take no assignment
+                pass
+        return a * 1.0
+
+    def difference(self, key: str, i: int, a: T, b: T) -> T:
+        """``a - b`` in a tensor of :meth:`copy_of`."""
+        out = self.copy_of(key, i, a)
+        out -= b
+        return out
+
+    def spare(self, key: str, i: int, tensor: T) -> None:
+        """``tensor`` is not needed after this step (a tensor :meth:`finish` returns may be
+        one: the adapter reads it before the next step): :meth:`difference` may reuse it."""
+        self._spares[(key, i)] = tensor
 
     def mix(self, key: str, tensors: Sequence[T], mean: bool = False) -> list[T]:
         """``W t`` for every tensor (blocking)."""

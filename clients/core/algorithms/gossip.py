@@ -124,8 +124,9 @@ class Extra(Algorithm[T]):
         for x, wx, d, s in zip(xs, self.mixed("x"), ds, states, strict=True):
             if "x" not in s:
                 new = wx - d
-            else:  # x + wx - (x_prev + wx_prev)/2 - d + d_prev, in one new tensor
-                new = s["x"] + s["wx"]
+            else:  # x + wx - (x_prev + wx_prev)/2 - d + d_prev, in wx_prev's tensor (not
+                new = s["wx"]  # needed after this step: no new tensor)
+                new += s["x"]
                 new *= -0.5
                 new += x
                 new += wx
@@ -147,8 +148,8 @@ class ExactDiffusion(Algorithm[T]):
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         phis = []
-        for x, d, s in zip(xs, ds, states, strict=True):
-            psi = x - d
+        for i, (x, d, s) in enumerate(zip(xs, ds, states, strict=True)):
+            psi = self.difference("psi", i, x, d)  # in last step's phi
             phi = psi
             if "psi" in s:  # psi + x - psi_prev, in psi_prev's tensor (not needed after)
                 phi = s["psi"]
@@ -158,13 +159,14 @@ class ExactDiffusion(Algorithm[T]):
             s["psi"] = psi
             phis.append(phi)
         wphis = self.mix("phi", phis)
-        if not self.halve:
-            return wphis
         out = []
-        for p, wp in zip(phis, wphis, strict=True):  # (phi + W phi) / 2 in the mixed result
-            wp += p
-            wp *= 0.5
+        for i, (p, wp, s) in enumerate(zip(phis, wphis, states, strict=True)):
+            if self.halve:  # (phi + W phi) / 2 in the mixed result
+                wp += p
+                wp *= 0.5
             out.append(wp)  # (a framework whose tensors never change gives a new one)
+            if p is not s["psi"]:
+                self.spare("psi", i, p)
         return out
 
 
@@ -205,11 +207,12 @@ class DecentLaM(Algorithm[T]):
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         beta = float(self.options["beta"])
-        psis = [x - d for x, d in zip(xs, ds, strict=True)]
+        psis = [self.difference("psi", i, x, d) for i, (x, d) in enumerate(zip(xs, ds,
+                                                                                strict=True))]
         wpsis = self.mix("psi", psis)
         # in tensors this rank owns: g in the mixed result, m in its own, x - m in psi's
         out = []
-        for x, g, psi, s in zip(xs, wpsis, psis, states, strict=True):
+        for i, (x, g, psi, s) in enumerate(zip(xs, wpsis, psis, states, strict=True)):
             g *= -1.0
             g += x
             if "m" in s:
@@ -221,6 +224,7 @@ class DecentLaM(Algorithm[T]):
             psi += x
             psi -= s["m"]
             out.append(psi)  # (a framework whose tensors never change gives a new one)
+            self.spare("psi", i, psi)
         return out
 
 
@@ -253,29 +257,35 @@ class Choco(Algorithm[T]):
                                  f"{self.options['consensus_step']}")
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
-        halves = [x - d for x, d in zip(xs, ds, strict=True)]
+        halves = [self.difference("half", i, x, d)
+                  for i, (x, d) in enumerate(zip(xs, ds, strict=True))]
+        for i, half in enumerate(halves):  # returned or read only in this step
+            self.spare("half", i, half)
         if not self.communicates:
             return halves
         comp = str(self.options["compressor"])
         ratio = float(self.options["ratio"]) if comp == "topk" else None
         step = float(self.options["consensus_step"])
         w = self._weights()
-        handles = []
+        handles, sent = [], []
         for i, (half, s) in enumerate(zip(halves, states, strict=True)):
             if "xhat" not in s:
                 s["xhat"], s["s"] = half * 0.0, half * 0.0
+            sent.append(self.difference("q", i, half, s["xhat"]))
             handles.append(self.client.compressed_neighbor_allreduce_async(
-                half - s["xhat"], comp, ratio=ratio, name=f"{self.prefix}.q.{i}", **w))
+                sent[-1], comp, ratio=ratio, name=f"{self.prefix}.q.{i}", **w))
         out = []
-        for half, s, h in zip(halves, states, handles, strict=True):
+        for i, (half, s, h) in enumerate(zip(halves, states, handles, strict=True)):
             result = h.wait()  # [2, *shape]: the mix of Q's, and our own Q
+            self.spare("q", i, sent[i])  # copied in when it was sent
             mixed, own = result[0], result[1]
             s["xhat"] += own  # the state's own tensors, updated in place
             s["s"] += mixed
-            new = s["s"] - s["xhat"]
+            new = self.difference("q", i, s["s"], s["xhat"])  # in the tensor just sent
             new *= step
             new += half
             out.append(new)
+            self.spare("q", i, new)
         return out
 
 

@@ -60,7 +60,11 @@ class WinPut(Algorithm[T]):
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         if not self.communicates:
-            return [x - d for x, d in zip(xs, ds, strict=True)]
+            halves = [self.difference("half", i, x, d)
+                      for i, (x, d) in enumerate(zip(xs, ds, strict=True))]
+            for i, half in enumerate(halves):  # read by the adapter before the next step
+                self.spare("half", i, half)
+            return halves
         self.start(xs, states)
         for h in self._pending.pop("put"):
             h.join()
@@ -70,7 +74,9 @@ class WinPut(Algorithm[T]):
                  for x, name in zip(xs, self.windows, strict=True)]
         if self.options["barrier"]:  # no rank's next put lands before every rank has combined
             self.client.barrier(name=f"{self.prefix}.{self.name}.combined")
-        return [m - d for m, d in zip(mixed, ds, strict=True)]
+        for m, d in zip(mixed, ds, strict=True):  # in the mixed results: this rank's own
+            m -= d
+        return mixed
 
 
 class PushSum(Algorithm[T]):
@@ -111,9 +117,17 @@ class PushSum(Algorithm[T]):
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         # the numerators: x = z w, then the local step taken at z
-        halves = [x * self.weight - d for x, d in zip(xs, ds, strict=True)]
+        halves = []
+        for i, (x, d) in enumerate(zip(xs, ds, strict=True)):
+            half = self.copy_of("half", i, x)
+            half *= self.weight
+            half -= d
+            halves.append(half)
+            self.spare("half", i, half)  # sent (copied in) or returned this step
         if not self.communicates:
-            return [h * (1.0 / self.weight) for h in halves]
+            for half in halves:
+                half *= 1.0 / self.weight
+            return halves
         c, w = self.client, self._push()
         names = [f"{self.prefix}.ps.{i}" for i in range(len(halves))]
         hs = [c.neighbor_allreduce_async(h, name=n, **w) for h, n in zip(halves, names,
@@ -121,4 +135,7 @@ class PushSum(Algorithm[T]):
         weight = c.tensor(np.array([self.weight]), like=xs[0] if xs else None)
         hw = c.neighbor_allreduce_async(weight, name=f"{self.prefix}.ps.weight", **w)
         self.weight = float(c.values(hw.wait())[0])
-        return [h.wait() * (1.0 / self.weight) for h in hs]
+        out = [h.wait() for h in hs]
+        for o in out:  # this rank's own results
+            o *= 1.0 / self.weight
+        return out
