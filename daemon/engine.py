@@ -164,11 +164,12 @@ class Engine:
             raise session.arena.fault_error(f"{pb.OpType.Name(op)} request {req.request_id}")
         timeout = req.timeout_s or self.default_timeout
         parts = [self._part(session, t) for t in req.tensors]
-        if op != pb.NEIGHBOR_ALLREDUCE and any(p.blank for p in parts):
+        blank = any(p.blank for p in parts)
+        if blank and op != pb.NEIGHBOR_ALLREDUCE:
             raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{parts[0].display}': only a "
                               "neighbor_allreduce may leave its input out (TensorRef.blank), not "
                               f"{pb.OpType.Name(op)}")
-        self.left_out += any(p.blank for p in parts)
+        self.left_out += blank
         if len({p.round for p in parts}) != 1:
             raise DecentError(pb.INVALID_ARGUMENT, f"fused request '{parts[0].display}' mixes "
                               f"rounds {sorted({p.round for p in parts})}; fuse one step's "

@@ -259,11 +259,11 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      ["tests/test_gradients.py::test_tensorflow_allgather_gradient_is_each_ranks_rows_of_the_"
       "summed_gradient"], "TensorFlow's allgather gradient takes rank 0's rows (tf allgather)"),
 
-    ("daemon/ops/neighbor.py", "            p.drain.final(filled)", "            pass",
+    ("daemon/ops/neighbor.py", "            drain.final(filled)", "            pass",
      [STREAMING + "an_in_place_result_is_copied_out_while_the_rest_arrives"],
      "a landed result is not told to its worker (drain)"),
     ("clients/core/submitter.py",
-     "ctypes.memmove(p.sink + p.drained, src.ctypes.data + p.drained,",
+     "ctypes.memmove(p.sink + done, src.ctypes.data + done,",
      "ctypes.memmove(p.sink, src.ctypes.data,",
      [STREAMING + "an_in_place_result_is_copied_out_while_the_rest_arrives"],
      "a drained result's tail is copied over its head (drain)"),

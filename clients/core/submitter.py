@@ -211,13 +211,15 @@ class Submitter(Generic[T]):
             return 0
         return self.codec.address(into) or 0
 
-    def _drain(self, p: Pending, upto: int) -> None:
-        """Copy ``p``'s result out into its sink up to byte ``upto`` (caller holds ``p.lock``)."""
-        upto = min(upto, p.nbytes)
-        if upto > p.drained:
+    def _drain(self, p: Pending, upto: int) -> int:
+        """Copy ``p``'s result out into its sink up to byte ``upto`` (caller holds ``p.lock``);
+        the bytes copied now."""
+        upto, done = min(upto, p.nbytes), p.drained
+        if upto > done:
             src = np.frombuffer(self.view(p.out_offset, p.nbytes), np.uint8)
-            ctypes.memmove(p.sink + p.drained, src.ctypes.data + p.drained, upto - p.drained)
+            ctypes.memmove(p.sink + done, src.ctypes.data + done, upto - done)
             p.drained = upto
+        return max(0, upto - done)
 
     def _stream_in(self, p: Pending, source: np.ndarray, offset: int) -> None:
         """Copy a filling request's input into its slot chunk by chunk, telling the daemon
@@ -352,9 +354,7 @@ class Submitter(Generic[T]):
         p = members[0]
         with p.lock:
             if p.state is State.SENT:
-                before = p.drained
-                self._drain(p, int(completion.final_bytes))
-                self.results.drained_early += p.drained - before
+                self.results.drained_early += self._drain(p, int(completion.final_bytes))
 
     def connection_lost(self, error: DecentError) -> None:
         """The data channel ended: every request still in flight fails with ``error``."""

@@ -154,13 +154,18 @@ class FoldIn:
             p.drain.final(upto * self.itemsize)
 
 
-def lands_final(p: PartSpec, src_weight: float) -> Progress:
-    """Progress of a tensor received straight into ``p``'s output: what landed is final
-    unless it is to be scaled, and its worker may copy it out (``PartSpec.drain``)."""
+def lands_final(p: PartSpec, src_weight: float) -> Progress | None:
+    """For a worker that copies ``p``'s result out as it becomes final (``PartSpec.drain``):
+    the progress of a tensor received straight into the output, final as it lands unless it
+    is to be scaled. None for any other request."""
+    drain = p.drain
+    if drain is None or not len(p.out):
+        return None
+    start = np.frombuffer(p.out, np.uint8).ctypes.data
+
     def landed(buf: np.ndarray, filled: int, weight: float, _part: pb.Part) -> None:
-        if p.drain is not None and src_weight * weight == 1.0 and len(p.out) \
-                and buf.ctypes.data == np.frombuffer(p.out, np.uint8).ctypes.data:
-            p.drain.final(filled)
+        if src_weight * weight == 1.0 and buf.ctypes.data == start:
+            drain.final(filled)
     return landed
 
 
