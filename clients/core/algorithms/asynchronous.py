@@ -67,10 +67,7 @@ class ADPSGD(Algorithm[T]):
                 out.append(self.client.win_add(minus, name))
                 self.spare("d", i, minus)  # the result is written into it: returned
             return out
-        half = [self.difference("half", i, x, d)
-                for i, (x, d) in enumerate(zip(xs, ds, strict=True))]
-        for i, h in enumerate(half):  # sent (copied in) or returned this step
-            self.spare("half", i, h)
+        half = self.halves(xs, ds)  # sent (copied in) or returned this step
         if not self.communicates or not self.peers:
             return half
         peer = self._rng.choice(self.peers)

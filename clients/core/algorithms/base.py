@@ -181,6 +181,15 @@ class Algorithm(Generic[T]):
         out -= b
         return out
 
+    def halves(self, xs: Sequence[T], ds: Sequence[T]) -> list[T]:
+        """``x - d`` per parameter in reused tensors, for a step that only sends or returns
+        them (each is given back with :meth:`spare` at once)."""
+        out = [self.difference("half", i, x, d) for i, (x, d) in enumerate(zip(xs, ds,
+                                                                                strict=True))]
+        for i, half in enumerate(out):
+            self.spare("half", i, half)
+        return out
+
     def spare(self, key: str, i: int, tensor: T) -> None:
         """``tensor`` is not needed after this step (a tensor :meth:`finish` returns may be
         one: the adapter reads it before the next step): :meth:`difference` may reuse it."""

@@ -257,10 +257,7 @@ class Choco(Algorithm[T]):
                                  f"{self.options['consensus_step']}")
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
-        halves = [self.difference("half", i, x, d)
-                  for i, (x, d) in enumerate(zip(xs, ds, strict=True))]
-        for i, half in enumerate(halves):  # returned or read only in this step
-            self.spare("half", i, half)
+        halves = self.halves(xs, ds)  # returned or read only in this step
         if not self.communicates:
             return halves
         comp = str(self.options["compressor"])
