@@ -41,13 +41,18 @@ from decent_wire import topology
 from decentd.auth import write_secret
 
 _SPLIT = re.compile(rb"([\r\n])")
+#: ports this process handed out already: two calls (say peers, then metrics) never share one,
+#: though neither is bound yet when the other checks
+_GIVEN: set[int] = set()
+_GIVEN_LOCK = threading.Lock()
 
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct TCP ports free on 127.0.0.1 right now.
 
     They are picked below the kernel's ephemeral range, so that the outgoing connections of
-    daemons already running cannot take one between this check and the daemon's bind.
+    daemons already running cannot take one between this check and the daemon's bind, and
+    never one an earlier call of this process gave.
     """
     low = 20000
     with contextlib.suppress(OSError, ValueError):
@@ -56,13 +61,15 @@ def free_ports(n: int) -> list[int]:
     ports: list[int] = []
     while len(ports) < n:
         port = rng.randrange(max(1024, low - 12000), low)
-        if port in ports:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
+        with _GIVEN_LOCK:
+            if port in _GIVEN:
                 continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _GIVEN.add(port)
         ports.append(port)
     return ports
 

@@ -343,3 +343,9 @@ def test_decentrun_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
     for pid in workers + [int(d) for d in daemons]:
         assert not Path(f"/proc/{pid}").exists() or \
             Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", f"{pid} still running"
+
+
+def test_free_ports_never_hands_out_a_port_twice() -> None:
+    # two calls before anything binds (peers, then metrics ports) once drew the same port
+    first, second = free_ports(300), free_ports(300)
+    assert len(set(first)) == 300 and not set(first) & set(second)
