@@ -155,7 +155,9 @@ def weighted_sum(out: np.ndarray, x: np.ndarray, self_weight: float,
     divisor = uniform_divisor([w for _, w in live])
     # the first term is the output itself (in place): nothing to copy
     first_is_out = out.size == live[0][0].size and out.ctypes.data == live[0][0].ctypes.data
-    tmp = np.empty(min(BLOCK, x.size), COMPUTE[dtype])
+    # scaled terms after the first need room for their product
+    scaled = not divisor and any(w != 1.0 for _, w in live[1:])
+    tmp = np.empty(min(BLOCK, x.size), COMPUTE[dtype]) if scaled else None
     for start in range(0, x.size, BLOCK):
         end = min(start + BLOCK, x.size)
         o = out[start:end]
@@ -170,6 +172,7 @@ def weighted_sum(out: np.ndarray, x: np.ndarray, self_weight: float,
             elif divisor or w == 1.0:
                 np.add(o, src, out=o)
             else:
+                assert tmp is not None
                 np.add(o, np.multiply(src, w, out=tmp[:end - start]), out=o)
         if divisor and divisor != 1:
             divide(o, divisor, o)

@@ -110,6 +110,8 @@ class Receiver:
         self._landing: dict[Inbound, _Landing] = {}
         #: whether the frame whose header just arrived on a connection had its rounds placed
         self._placed: dict[Inbound, bool] = {}
+        #: the checked parts of the DATA frame whose header just arrived on a connection
+        self._parts_on: dict[Inbound, list[pb.Part]] = {}
         links.rounds.on_placeable(self._replay, self._drop_parked)
 
     def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
@@ -130,7 +132,7 @@ class Receiver:
             if parts is None:  # its ops ended here: read and dropped
                 return self._pool.get(size)
         elif header.kind == pb.DATA:
-            parts = self._described(conn.src, header.parts, size)
+            parts = self._parts_on[conn] = self._described(conn.src, header.parts, size)
             self._flow(conn.src).accept_eager(size, conn.src, len(parts))
             placed = self._placed[conn] = self._place(conn.src, header)
             if not placed:  # a late peer's, before our op of it started: kept whole
@@ -224,20 +226,22 @@ class Receiver:
             self._mailbox.landing(landing.part, None)
         pooled = landing is None or not landing.active
         placed = self._placed.pop(conn, None)
+        described = self._parts_on.pop(conn, None)
         if placed is None and kind != pb.PAYLOAD:
             placed = self._place(src, header)
         if placed is False:
             self._links.rounds.park(src, header, payload)
             return
-        self._dispatch(src, header, payload, pooled)
+        self._dispatch(src, header, payload, pooled, described)
 
     def _dispatch(self, src: int, header: pb.BulkHeader, payload: np.ndarray | None,
-                  pooled: bool) -> None:
-        """A frame whose rounds are ours, to whoever takes it."""
+                  pooled: bool, described: list[pb.Part] | None = None) -> None:
+        """A frame whose rounds are ours, to whoever takes it (``described``: its parts,
+        checked when its header came)."""
         kind, size = header.kind, int(header.payload_bytes)
         link = self._links.link(src)
         if kind == pb.DATA:
-            parts = self._described(src, header.parts, size)
+            parts = described or self._described(src, header.parts, size)
             if not size and link is not None:  # no header call: its parts count now
                 link.flow.accept_eager(0, src, len(parts))
             self._split(src, parts, payload, size, size, pooled, eager=True)
@@ -389,6 +393,7 @@ class Receiver:
         """An incoming connection ended: when it was the peer's current one, the peer is down."""
         self._mailbox.arrived(conn)
         self._placed.pop(conn, None)
+        self._parts_on.pop(conn, None)
         landing = self._landing.pop(conn, None)
         partial = conn.take_partial()
         if landing is not None:

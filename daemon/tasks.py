@@ -11,8 +11,10 @@ async def gather_all(*aws: Awaitable[Any]) -> list[Any]:
     """Like asyncio.gather, but when one fails the others are cancelled and waited for.
 
     A send still reading the worker's arena slot must end before the op reports its failure
-    (after which the worker may reuse the slot).
+    (after which the worker may reuse the slot). A lone awaitable is awaited in place (no task).
     """
+    if len(aws) == 1:
+        return [await aws[0]]
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         return list(await asyncio.gather(*tasks))

@@ -71,7 +71,11 @@ class Topology:
         period: int = 1,
         weights: Mapping[int, Mapping[int, float]] | None = None,
         scheme: str = "uniform",
+        options: Mapping[str, Any] | None = None,
+        custom: bool = False,
     ) -> None:
+        """``options``: what the builder of ``kind`` was given (its spec rebuilds it);
+        ``custom``: built from a graph, its spec says so (``from_graph``)."""
         if size < 1:
             raise TopologyError(f"topology {kind!r}: size must be >= 1, got {size}")
         if scheme not in SCHEMES:
@@ -90,10 +94,14 @@ class Topology:
                     raise TopologyError(
                         f"topology weights name rank {j}, outside 0..{size - 1}"
                     )
-        #: what rebuilds this topology (:func:`from_spec`); set by the builders
-        self.spec: dict[str, Any] = {"kind": kind, "scheme": scheme, "options": {},
+        #: what rebuilds this topology (:func:`from_spec`)
+        self.spec: dict[str, Any] = {"kind": "custom" if custom else kind, "scheme": scheme,
+                                     "options": {k: options[k] for k in sorted(options or {})},
                                      "weights": self._weights or None}
-        self._digest: tuple[str, str] | None = None
+        self._spec_json = json.dumps(self.spec, sort_keys=True, separators=(",", ":"))
+        self._digest = hashlib.sha256(f"{size}:{self._spec_json}".encode()).hexdigest()
+        #: ``ring#1a2b3c4d``: its kind and digest, for messages and mismatches
+        self.name = f"{kind}#{self._digest[:8]}"
         self._graphs = lru_cache(maxsize=64)(self._build_graph)
         self._matrix = lru_cache(maxsize=64)(self._build_matrix)
         self._steps = lru_cache(maxsize=4096)(self._build_step)
@@ -109,14 +117,11 @@ class Topology:
 
     def spec_json(self) -> str:
         """:attr:`spec` as canonical JSON."""
-        return json.dumps(self.spec, sort_keys=True, separators=(",", ":"))
+        return self._spec_json
 
     def digest(self) -> str:
         """A fingerprint of the spec and size: daemons that differ in it disagree on W."""
-        key = f"{self.size}:{self.spec_json()}"
-        if self._digest is None or self._digest[0] != key:
-            self._digest = (key, hashlib.sha256(key.encode()).hexdigest())
-        return self._digest[1]
+        return self._digest
 
     def graph(self, step: int = 0) -> nx.DiGraph:
         """The directed communication graph at ``step`` (edge j -> i: j sends to i; a copy)."""
@@ -269,8 +274,7 @@ def build_topology(
         at, period = spec.fn(size, **options)
     except TypeError as exc:
         raise TopologyError(f"topology {kind!r}: bad option value: {exc}") from exc
-    topo = Topology(kind, size, at, period, weights, scheme)
-    topo.spec["options"] = {k: options[k] for k in sorted(options)}
+    topo = Topology(kind, size, at, period, weights, scheme, options)
     topo.graph(0)  # a kind that cannot be built says so now, not at the first op
     return topo
 
@@ -303,12 +307,10 @@ def from_graph(graph: nx.Graph, scheme: str = "uniform", kind: str = "custom") -
     weighted = [("weight" in d) for _, _, d in g.edges(data=True)]
     if any(weighted) and not all(weighted):
         raise TopologyError("a topology graph gives every edge a 'weight' or none")
-    topo = Topology(kind, len(nodes), lambda _phase: g, 1, None, scheme)
     edges: list[list[float]] = [[a, b, d["weight"]] if "weight" in d else [a, b]
                                 for a, b, d in sorted(g.edges(data=True))]
     selfw = {int(i): float(d["self_weight"]) for i, d in g.nodes(data=True) if "self_weight" in d}
-    topo.spec = {"kind": "custom", "scheme": scheme, "weights": None,
-                 "options": {"edges": edges, **({"self_weights": selfw} if selfw else {})}}
-    return topo
+    return Topology(kind, len(nodes), lambda _phase: g, 1, None, scheme,
+                    {"edges": edges, **({"self_weights": selfw} if selfw else {})}, custom=True)
 
 

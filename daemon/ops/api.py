@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from decentd.errors import PeerLost
 from decentd.links import Links
 from decentd.mailbox import Accepts, Key, Mailbox, Progress
 from decentd.membership import Membership, PeerState
-from decentd.ops.parts import PartSpec
+from decentd.ops.parts import Expected, PartSpec
 from decentd.ops.phases import Phases
 from decentd.peerlink import part
 from decentd.sender import Outgoing
@@ -161,13 +162,16 @@ class OpContext:
         self.left_out: set[int] = set()
         #: ``@<live ranks>`` when a dynamic schedule runs over the live ranks only
         self.live_schedule = ""
+        #: what the op planned when its peers were asked for (e.g. its neighbor weights),
+        #: reused when it runs right after
+        self.plan: Any = None
 
     @property
     def keys(self) -> list[tuple[str, int]]:
         """The ``(name, round)`` of every tensor of the op."""
         return [(p.name, p.round) for p in self.parts]
 
-    @property
+    @cached_property
     def label(self) -> str:
         """``neighbor_allreduce 'w' round 3`` for messages."""
         fused = f" (+{len(self.parts) - 1} fused)" if len(self.parts) > 1 else ""
@@ -181,7 +185,7 @@ class OpContext:
     def topology_name(self) -> str:
         """``ring#1a2b3c4d``: the topology's kind and digest, for messages and mismatches
         (``@0,1,2``: a dynamic schedule over these live ranks only)."""
-        return f"{self.topology.kind}#{self.topology.digest()[:8]}{self.live_schedule}"
+        return self.topology.name + self.live_schedule
 
     def same_host(self, peer: int) -> bool:
         """Whether ``peer``'s daemon is this one or on this host (both addressed on loopback)."""
@@ -291,7 +295,7 @@ class OpContext:
                          into: np.ndarray | None = None,
                          shape: tuple[int, ...] | None = None) -> list[Arrival]:
         """Receive this op's tensors (or ``parts`` of them) from ``src``, however the sender
-        grouped them into messages.
+        grouped them into messages: :meth:`expect_parts`, then :meth:`arrivals`.
 
         A part whose op, dtype or shape differs from ours fails the op with MISMATCH. The
         arrivals' bytes stay valid until the op ends (or :meth:`release`). ``direct``: a part
@@ -301,32 +305,49 @@ class OpContext:
         arrive elsewhere (it came before the op ran): compare ``Arrival.data`` with it.
         ``shape``: the one part's expected shape when it is not ours (gathers).
         """
-        link = self.services.links.link(self.machine_of(src))
-        if link is None:
+        return await self.arrivals(self.expect_parts(src, tag, ack, parts, sized, progress,
+                                                     direct, into, shape))
+
+    def expect_parts(self, src: int, tag: int, ack: bool = False,
+                     parts: list[PartSpec] | None = None, sized: bool = True,
+                     progress: Progress | None = None, direct: bool = False,
+                     into: np.ndarray | None = None,
+                     shape: tuple[int, ...] | None = None) -> Expected:
+        """:meth:`recv_parts` begun at once: the mailbox waits for the parts from now on (an
+        op can send next without a task of its own for receiving)."""
+        if self.services.links.link(self.machine_of(src)) is None:
             raise DecentError(pb.PEER_UNAVAILABLE, f"{self.label}: rank {src} is not a peer")
         want = self.parts if parts is None else parts
         futs = [self._expect(src, tag, p, ack and sized, progress, into, direct) for p in want]
+        expected = Expected(src, tag, want, futs, ack, sized, shape)
         if self.services.members.state(self.machine_of(src)) is PeerState.DOWN and \
                 not all(f.done() for f in futs):
-            for f in futs:
-                f.cancel()
-            raise PeerLost(f"{self.label}: rank {src} is not connected")
+            expected.drop()
+            expected.lost = PeerLost(f"{self.label}: rank {src} is not connected")
+            return expected
         self.waiting.add(src)
-        phases = self.phases
-        if phases is not None:
-            phases.receiving()
-        arrivals = list(await asyncio.gather(*futs))
-        if phases is not None:
-            phases.received()
+        if self.phases is not None:
+            self.phases.receiving()
+        return expected
+
+    async def arrivals(self, expected: Expected) -> list[Arrival]:
+        """The parts :meth:`expect_parts` began to receive, once all are here, checked (and
+        acknowledged when asked)."""
+        if expected.lost is not None:
+            raise expected.lost
+        futs, src, want = expected.futs, expected.src, expected.parts
+        arrivals = [await futs[0]] if len(futs) == 1 else list(await asyncio.gather(*futs))
+        if self.phases is not None:
+            self.phases.received()
         self.waiting.discard(src)
         for p, arrival in zip(want, arrivals, strict=True):
-            problem = self.mismatch(src, arrival, p, sized, shape)
+            problem = self.mismatch(src, arrival, p, expected.sized, expected.shape)
             if problem is not None:
                 raise problem
-        if ack:
+        if expected.ack:
             late = [(p.name, p.round) for p, a in zip(want, arrivals, strict=True) if not a.acked]
             if late:
-                self.services.links.send_acks(src, late, tag, True)
+                self.services.links.send_acks(src, late, expected.tag, True)
         return arrivals
 
     def _expect(self, src: int, tag: int, p: PartSpec, ack: bool, progress: Progress | None,

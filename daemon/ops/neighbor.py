@@ -35,8 +35,16 @@ def neighbor_plan(ctx: OpContext) -> tuple[float, dict[int, float], dict[int, fl
 
     No weights: the topology's at this step. ``src_weights`` (with ``self_weight``) reweights the
     topology's in-neighbors (those left out get weight 0). ``dst_weights`` makes the call dynamic:
-    send to exactly those ranks, receive from exactly the ``src_weights`` keys.
+    send to exactly those ranks, receive from exactly the ``src_weights`` keys. Planned once
+    per op (:attr:`OpContext.plan`).
     """
+    if ctx.plan is None:
+        ctx.plan = _plan(ctx)
+    plan: tuple[float, dict[int, float], dict[int, float]] = ctx.plan
+    return plan
+
+
+def _plan(ctx: OpContext) -> tuple[float, dict[int, float], dict[int, float]]:
     args = ctx.args
     assert isinstance(args, pb.NeighborAllreduce | pb.CompressedNeighborAllreduce)
     has_self, has_src = args.HasField("self_weight"), args.HasField("src_weights")
@@ -254,7 +262,8 @@ async def neighbor_allreduce(ctx: OpContext) -> OpResult:
     """
     self_weight, recv, send = neighbor_plan(ctx)
     check_blank(ctx, self_weight)
-    pair = pair_peer(ctx, self_weight, recv, send)
+    large = any(p.nbytes >= PAIR_MIN_BYTES for p in ctx.parts)
+    pair = pair_peer(ctx, self_weight, recv, send) if large else None
     halves = [p for p in ctx.parts if p.nbytes >= PAIR_MIN_BYTES] if pair is not None else []
     whole = [p for p in ctx.parts if all(p is not h for h in halves)]
     jobs: list[Awaitable[Any]] = [pair_exchange(ctx, p, pair, self_weight) for p in halves
@@ -278,7 +287,7 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
     direct = self_weight == 0.0 and not send and len(srcs) == 1
     if direct:  # it lands where the worker may still be copying the input
         await ctx.inputs_whole()
-    if len(srcs) == 1 and len(parts) == 1 and not direct:
+    if len(srcs) == 1 and len(parts) == 1 and not direct and parts[0].x.size >= FOLD_MIN:
         fold = FoldIn(ctx, parts[0], self_weight, recv[srcs[0]], list(send))
 
     async def send_to(d: int, w: float) -> None:
@@ -289,13 +298,19 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
             fold.finished.add(d)
 
     # a peer we also receive from checks our tensor against its own and we check its: a
-    # disagreement fails both sides without acknowledgements; one-way edges need them
-    got = await gather_all(
-        *(unless_lost(ctx, j, ctx.recv_parts(j, 0, ack=j not in send, parts=parts,
-                                             progress=lands_final(parts[0], recv[j]) if direct
-                                             else fold, direct=direct)) for j in srcs),
-        *(send_to(d, w) for d, w in send.items()))
-    arrived = [(j, a) for j, a in zip(srcs, got, strict=False) if a is not None]
+    # disagreement fails both sides without acknowledgements; one-way edges need them.
+    # The mailbox waits for every in-neighbor's tensor before ours go out.
+    expected = [ctx.expect_parts(j, 0, ack=j not in send, parts=parts, direct=direct,
+                                 progress=lands_final(parts[0], recv[j]) if direct else fold)
+                for j in srcs]
+    try:
+        await gather_all(*(send_to(d, w) for d, w in send.items()))
+    except BaseException:
+        for e in expected:
+            e.drop()
+        raise
+    got = [await unless_lost(ctx, e.src, ctx.arrivals(e)) for e in expected]
+    arrived = [(j, a) for j, a in zip(srcs, got, strict=True) if a is not None]
     if len(arrived) < len(srcs):
         if (fold is not None and fold.done) or direct:  # part of it is in the result already
             raise DecentError(pb.PEER_UNAVAILABLE, f"{ctx.label}: rank {srcs[0]} was lost while "
@@ -424,7 +439,8 @@ def _neighbor_peers(ctx: OpContext) -> set[int]:
 
 
 def _neighbor_tags(ctx: OpContext) -> set[int]:
-    if pair_peer(ctx, *neighbor_plan(ctx)) is None:
+    if all(p.nbytes < PAIR_MIN_BYTES for p in ctx.parts) or \
+            pair_peer(ctx, *neighbor_plan(ctx)) is None:
         return {0}
     return {1, 2} | ({0} if any(p.nbytes < PAIR_MIN_BYTES for p in ctx.parts) else set())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,6 +10,8 @@ import numpy as np
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.arrivals import Arrival
+from decentd.errors import PeerLost
 from decentd.fill import Drain, FillGate, FillState
 
 _EMPTY = np.empty(0, np.uint8)
@@ -62,3 +65,26 @@ class PartSpec:
                                               f"the {len(self.out)}-byte output region")
         return np.frombuffer(self.out, dtypes.STORAGE[self.dtype],
                              nbytes // dtypes.itemsize(self.dtype))
+
+
+@dataclass
+class Expected:
+    """Parts of an op the mailbox waits for from ``src`` (``OpContext.expect_parts``)."""
+
+    src: int
+    tag: int
+    parts: list[PartSpec]
+    futs: list[asyncio.Future[Arrival]]
+    ack: bool
+    sized: bool
+    shape: tuple[int, ...] | None
+    #: ``src`` was down when the receive began: what awaiting it raises
+    lost: PeerLost | None = None
+
+    def drop(self) -> None:
+        """Nobody will await these parts (the op failed first): stop waiting for them."""
+        for f in self.futs:
+            if not f.done():
+                f.cancel()
+            elif not f.cancelled():
+                f.exception()  # retrieved: a failure the op no longer cares about
