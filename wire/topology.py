@@ -96,7 +96,7 @@ class Topology:
                     )
         #: what rebuilds this topology (:func:`from_spec`)
         self.spec: dict[str, Any] = {"kind": "custom" if custom else kind, "scheme": scheme,
-                                     "options": {k: options[k] for k in sorted(options or {})},
+                                     "options": dict(sorted((options or {}).items())),
                                      "weights": self._weights or None}
         self._spec_json = json.dumps(self.spec, sort_keys=True, separators=(",", ":"))
         self._digest = hashlib.sha256(f"{size}:{self._spec_json}".encode()).hexdigest()
