@@ -13,6 +13,7 @@ lock: the completion reader, the caller's ``wait()`` and the garbage collector m
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import weakref
@@ -42,12 +43,45 @@ class State(enum.Enum):
 FREED = frozenset({State.READ, State.FAILED, State.RELEASED})
 
 
+class Latch:
+    """Set once, then open for good: :class:`threading.Event` for one request, as one lock
+    held from the start (a wait is one acquire, the set one release: no condition)."""
+
+    __slots__ = ("_lock", "_open")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._open = False
+
+    def set(self) -> None:
+        """Open the latch (once; later calls do nothing)."""
+        if not self._open:
+            self._open = True
+            with contextlib.suppress(RuntimeError):  # two setters at once: one released it
+                self._lock.release()
+
+    def is_set(self) -> bool:
+        """Whether the latch is open."""
+        return self._open
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the latch is open (at most ``timeout`` seconds); whether it is."""
+        if self._open:
+            return True
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return self._open
+        with contextlib.suppress(RuntimeError):
+            self._lock.release()  # open for every other waiter
+        return True
+
+
 @dataclass(eq=False)
 class Pending:
     """One request: where its tensor and result lie, and how far it got."""
 
     request_id: int
-    label: str  #: ``neighbor_allreduce 'w' round 3`` for messages
+    what: tuple[str, str, int]  #: (op, name, round), for messages (:attr:`label`)
     slots: list[tuple[int, int]]  #: (offset, bytes) of arena memory it holds
     dtype: int
     shape: tuple[int, ...]
@@ -67,9 +101,15 @@ class Pending:
     completion: pb.Completion | None = None
     error: DecentError | None = None
     result: Any = None
-    event: threading.Event = field(default_factory=threading.Event)
+    event: Latch = field(default_factory=Latch)
     #: reentrant: the garbage collector may drop a handle while its request is being settled
     lock: threading.RLock = field(default_factory=threading.RLock)
+
+    @property
+    def label(self) -> str:
+        """``neighbor_allreduce 'w' round 3`` for messages."""
+        op, name, round_ = self.what
+        return f"{op} '{name}' round {round_}"
 
     def result_layout(self) -> tuple[int, tuple[int, ...]]:
         """(bytes, shape) of the result in the arena."""

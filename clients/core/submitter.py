@@ -151,7 +151,7 @@ class Submitter(Generic[T]):
                            out_capacity=place.out_capacity, blank=call.blank_input)
         unchanged = into is not None and call.result_is_input
         self.results.unchanged += unchanged and not place.resident
-        p = Pending(next(self._ids), f"{call.field} '{name}' round {round_}", place.slots, dtype,
+        p = Pending(next(self._ids), (call.field, name, round_), place.slots, dtype,
                     shape, nbytes, place.out_offset, tensor, into, place.resident or unchanged)
         stamps = (called, time.monotonic_ns())
         if place.unfilled and source is not None:
