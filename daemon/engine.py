@@ -319,7 +319,7 @@ class Engine:
         if meta.dtype not in dtypes.STORAGE:
             raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{name}': unsupported dtype "
                                                    f"{meta.dtype}")
-        shape = tuple(int(s) for s in meta.shape)
+        shape = tuple(meta.shape)
         if any(s < 0 for s in shape):
             raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{name}': negative dimension in "
                                                    f"shape {list(shape)}")
@@ -334,7 +334,7 @@ class Engine:
         return PartSpec(qualify(session.job, name), name, int(t.round), int(meta.dtype), shape,
                         x, out_bytes, x_bytes,
                         landable=session.arena.holds(t.out_offset, t.out_capacity),
-                        blank=t.blank)
+                        blank=t.blank, in_place=t.offset == t.out_offset)
 
     # ------------------------------------------------------------------ running
 
@@ -354,7 +354,8 @@ class Engine:
                 raise asyncio.CancelledError
             if ctx.op in SAME_SIZE_RESULT:  # fail (and tell the peers) before receiving
                 for p in ctx.parts:
-                    p.output(p.nbytes, ctx.label)
+                    if p.nbytes > len(p.out):
+                        p.output(p.nbytes, ctx.label)
             # a timer instead of asyncio.wait_for: no extra task per op on the hot path
             timer = asyncio.get_running_loop().call_later(timeout, self._time_out, ctx, timeout)
             try:

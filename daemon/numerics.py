@@ -6,6 +6,7 @@ for arithmetic (round-to-nearest-even on the way back).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -106,6 +107,7 @@ def from_accum(values: np.ndarray, dtype: int, divide_by: int = 1) -> np.ndarray
 BLOCK = 1 << 18
 
 
+@functools.lru_cache(maxsize=256)
 def _power_of_two(w: float) -> bool:
     return w > 0.0 and math.frexp(w)[0] == 0.5
 
@@ -154,28 +156,38 @@ def weighted_sum(out: np.ndarray, x: np.ndarray, self_weight: float,
         return
     divisor = uniform_divisor([w for _, w in live])
     # the first term is the output itself (in place): nothing to copy
-    first_is_out = out.size == live[0][0].size and out.ctypes.data == live[0][0].ctypes.data
+    first = live[0][0]
+    first_is_out = first is out or (out.size == first.size and np.may_share_memory(out, first)
+                                    and out.ctypes.data == first.ctypes.data)
+    if x.size <= BLOCK:  # one pass over whole arrays (most tensors): no slices
+        _combine(out, live, divisor, first_is_out, None)
+        return
     # scaled terms after the first need room for their product
     scaled = not divisor and any(w != 1.0 for _, w in live[1:])
-    tmp = np.empty(min(BLOCK, x.size), COMPUTE[dtype]) if scaled else None
+    tmp = np.empty(BLOCK, COMPUTE[dtype]) if scaled else None
     for start in range(0, x.size, BLOCK):
         end = min(start + BLOCK, x.size)
-        o = out[start:end]
-        for i, (v, w) in enumerate(live):
-            src = v[start:end]
-            if i == 0:
-                if divisor or w == 1.0:
-                    if not first_is_out:
-                        np.copyto(o, src)
-                else:
-                    np.multiply(src, w, out=o)
-            elif divisor or w == 1.0:
-                np.add(o, src, out=o)
+        _combine(out[start:end], [(v[start:end], w) for v, w in live], divisor, first_is_out,
+                 None if tmp is None else tmp[:end - start])
+
+
+def _combine(out: np.ndarray, live: list[tuple[np.ndarray, float]], divisor: int | None,
+             first_is_out: bool, tmp: np.ndarray | None) -> None:
+    """One pass of :func:`weighted_sum` over same-sized arrays (``tmp``: room for a scaled
+    term; None: made when one needs it)."""
+    for i, (v, w) in enumerate(live):
+        if i == 0:
+            if divisor or w == 1.0:
+                if not first_is_out:
+                    np.copyto(out, v)
             else:
-                assert tmp is not None
-                np.add(o, np.multiply(src, w, out=tmp[:end - start]), out=o)
-        if divisor and divisor != 1:
-            divide(o, divisor, o)
+                np.multiply(v, w, out=out)
+        elif divisor or w == 1.0:
+            np.add(out, v, out=out)
+        else:
+            np.add(out, np.multiply(v, w, out=tmp), out=out)
+    if divisor and divisor != 1:
+        divide(out, divisor, out)
 
 
 def divide(values: np.ndarray, divisor: int, out: np.ndarray) -> None:

@@ -14,6 +14,10 @@ COMPRESSORS: dict[str, int] = {"topk": pb.TOPK, "sign": pb.SIGN, "int8": pb.QINT
 GROUP_RULES: dict[str, int] = {"mean": pb.GROUP_MEAN, "with-self": pb.GROUP_WITH_SELF}
 
 
+_LABELS = {int(value): str(name).lower() for name, value in pb.OpType.items()}
+
+
 def op_label(op: int) -> str:
-    """``neighbor_allreduce`` style name of an ``OpType``."""
-    return str(pb.OpType.Name(op)).lower()
+    """``neighbor_allreduce`` style name of an ``OpType`` (ValueError for none)."""
+    label = _LABELS.get(op)
+    return str(pb.OpType.Name(op)).lower() if label is None else label

@@ -166,7 +166,7 @@ class OpContext:
         #: reused when it runs right after
         self.plan: Any = None
 
-    @property
+    @cached_property
     def keys(self) -> list[tuple[str, int]]:
         """The ``(name, round)`` of every tensor of the op."""
         return [(p.name, p.round) for p in self.parts]
@@ -468,7 +468,7 @@ class OpContext:
     async def inputs_whole(self) -> None:
         """Wait until the worker has copied every input in (at once for most ops)."""
         for p in self.parts:
-            if p.fill is not None:
+            if p.fill is not None and not p.fill.complete:
                 await p.fill.whole()
 
     def fail(self, error: DecentError) -> None:

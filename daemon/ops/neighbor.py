@@ -332,7 +332,7 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
             fold.fold(first.data, first.weight, p.x.size)  # the head is combined already
         else:
             terms = [(a[i].data.view(storage), recv[j] * a[i].weight) for j, a in arrived]
-            weighted_sum(out, p.x, self_weight, terms, p.dtype)
+            weighted_sum(out, out if p.in_place else p.x, self_weight, terms, p.dtype)
     return [j for j, _ in arrived]
 
 

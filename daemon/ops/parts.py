@@ -41,6 +41,8 @@ class PartSpec:
     blank: bool = False
     #: the worker copies the result out as it becomes final (SubmitRequest.draining)
     drain: Drain | None = None
+    #: the output region starts where the input does: the result is written over it
+    in_place: bool = False
 
     @property
     def nbytes(self) -> int:
