@@ -3,13 +3,18 @@
 Memory is bounded by credit. A sender may have at most the receiver's window of eagerly sent
 bytes that the receiver has not consumed yet; a message that does not fit goes as RTS (header
 only) and its payload follows the receiver's CTS. The receiver gives consumed bytes back as credit
-on the next frame it sends that way, or on its own a moment later.
+on the next frame it sends that way, or on its own a moment later (see below).
 
 One :class:`LinkFlow` per peer holds both directions: what we may send (``credits``, our messages
 waiting for a CTS) and what the peer may send us (``unconsumed`` bytes against ``window`` and
 parts against :data:`MAX_PARTS`, credit we owe it). :class:`Announced` holds the peers' messages
 announced by RTS, as many parts per peer at most. Nothing here touches a socket: the link writes
 what this decides.
+
+Credit owed goes back on its own only when no frame carried it for a while: soon
+(:data:`CREDIT_SOON`) once a quarter of the window is owed (the peer may be running short),
+else after :data:`CREDIT_IDLE` (a link that carries frames both ways never needs a frame
+of its own for it).
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ MIN_WINDOW = 1 << 20
 MAX_PARTS = 1 << 16
 #: payloads cleared to send whose ops all ended here: dropped if they still come
 DISCARD_MEMORY = 4096
+
+#: owed credit of at least a quarter of the window goes back on its own this soon (seconds)
+CREDIT_SOON = 0.002
+#: less than that goes back on its own this late, if no frame carried it meanwhile
+CREDIT_IDLE = 0.05
 
 #: (sending daemon, message id): one message on one link
 MessageId = tuple[int, int]
@@ -68,7 +78,8 @@ class LinkFlow:
     unconsumed: int = 0  #: eager bytes the peer sent that we have not consumed yet
     unconsumed_parts: int = 0  #: parts of those eager messages (empty ones too)
     owed: int = 0  #: credit for consumed payloads not yet given back
-    flush_scheduled: bool = False
+    #: the delay of the earliest credit flush scheduled (None: none is)
+    flush_pending: float | None = None
     rendezvous: dict[int, Rendezvous] = field(default_factory=dict)
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
@@ -132,19 +143,20 @@ class LinkFlow:
         """``parts`` eager parts were consumed (their credit goes back with their bytes)."""
         self.unconsumed_parts -= parts
 
-    def consumed(self, nbytes: int) -> bool:
-        """``nbytes`` of eager payload were consumed; True when a credit flush should be
-        scheduled (none is pending)."""
+    def consumed(self, nbytes: int) -> float | None:
+        """``nbytes`` of eager payload were consumed: the delay after which a credit flush
+        should run, or None when one as soon is scheduled already."""
         self.unconsumed -= nbytes
         self.owed += nbytes
-        if self.flush_scheduled:
-            return False
-        self.flush_scheduled = True
-        return True
+        delay = CREDIT_SOON if 4 * self.owed >= self.window else CREDIT_IDLE
+        if self.flush_pending is not None and self.flush_pending <= delay:
+            return None
+        self.flush_pending = delay
+        return delay
 
     def flush_due(self) -> bool:
-        """The scheduled flush is here: True when credit is still owed (nothing carried it)."""
-        self.flush_scheduled = False
+        """A scheduled flush is here: True when credit is still owed (nothing carried it)."""
+        self.flush_pending = None
         return self.owed > 0
 
 

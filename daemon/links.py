@@ -32,8 +32,6 @@ log = logging.getLogger("decentd.links")
 
 #: a cancelled op whose half-written message is still not out after this long says so in the log
 WRITE_GRACE = 5.0
-#: credit owed to a peer is sent on its own after this long if no other frame carried it
-CREDIT_DELAY = 0.002
 
 
 def _settle(fut: asyncio.Future[None], err: BaseException | None, rank: int, name: str) -> None:
@@ -468,10 +466,13 @@ class Links:
 
     def consumed(self, src: int, credit: int) -> None:
         """We consumed ``credit`` eager bytes from daemon ``src``: given back on the next frame
-        to it, or by itself a moment later."""
+        to it, or by itself a moment later (:meth:`LinkFlow.consumed`)."""
         link = self.link(src)
-        if link is not None and credit and link.flow.consumed(credit):
-            asyncio.get_running_loop().call_later(CREDIT_DELAY, self._flush_credit, link)
+        if link is None or not credit:
+            return
+        delay = link.flow.consumed(credit)
+        if delay is not None:
+            asyncio.get_running_loop().call_later(delay, self._flush_credit, link)
 
     def _flush_credit(self, link: PeerLink) -> None:
         if link.flow.flush_due():

@@ -13,7 +13,7 @@ import pytest
 from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.arrivals import Arrival, Message
-from decentd.flow import FlowError, LinkFlow, window_per_peer
+from decentd.flow import CREDIT_IDLE, CREDIT_SOON, FlowError, LinkFlow, window_per_peer
 from decentd.mailbox import Key, Mailbox
 from decentd.peerlink import part
 
@@ -335,19 +335,32 @@ def test_a_peer_past_its_window_breaks_the_contract() -> None:
     flow.accept_eager(60, peer=1)
     with pytest.raises(FlowError, match="rank 1 sent 50 eager bytes with 60 of its 100-byte"):
         flow.accept_eager(50, peer=1)
-    assert flow.consumed(60)  # a flush is scheduled
+    assert flow.consumed(60) == CREDIT_SOON  # a flush is scheduled
     flow.accept_eager(100, peer=1)  # the window is free again
 
 
 def test_owed_credit_rides_on_the_next_frame_once() -> None:
     flow = LinkFlow(window=100)
     flow.accept_eager(30, peer=1)
-    assert flow.consumed(30) and not flow.consumed(0)  # one flush scheduled at a time
+    assert flow.consumed(30) == CREDIT_SOON and flow.consumed(0) is None  # one at a time
     header = pb.BulkHeader(kind=pb.ACK)
     assert framing.decode(pb.BulkHeader, flow.stamp(header)[framing.LENGTH:]).credit == 30
     assert flow.owed == 0 and not flow.flush_due()  # nothing left for the flush to carry
     assert framing.decode(pb.BulkHeader,
                           flow.stamp(pb.BulkHeader(kind=pb.ACK))[framing.LENGTH:]).credit == 0
+
+
+def test_a_little_owed_credit_waits_for_a_frame_and_a_quarter_of_the_window_goes_soon() -> None:
+    flow = LinkFlow(window=100)
+    flow.accept_eager(60, peer=1)
+    assert flow.consumed(10) == CREDIT_IDLE  # the peer has plenty: a frame will carry it
+    assert flow.consumed(10) is None  # that flush is pending
+    assert flow.consumed(5) == CREDIT_SOON  # 25 owed: a quarter of the window, sooner
+    assert flow.consumed(5) is None
+    assert flow.flush_due()  # the soon one: nothing carried the 30 meanwhile
+    assert framing.decode(pb.BulkHeader, flow.stamp(pb.BulkHeader(kind=pb.ACK))
+                          [framing.LENGTH:]).credit == 30
+    assert not flow.flush_due()  # the idle one finds nothing left
 
 
 def test_each_peer_gets_a_share_of_the_early_budget_but_at_least_a_mebibyte() -> None:

@@ -86,7 +86,7 @@ def test_a_real_job_moves_the_counters_by_what_it_did(served: tuple[Cluster, lis
         assert moved(b, a, "decent_request_tensors_sum") == 3
         assert moved(b, a, "decent_request_bytes_sum") == 3 * 4000
         for direction in ("sent", "received"):  # a DATA frame per op, and the credit it
-            # lent given back on the next frame, or on its own 2 ms later (timing decides)
+            # lent given back on the next frame, or on its own later (timing decides)
             frames = moved(b, a, "decent_peer_messages_total", peer=peer, direction=direction)
             assert 3 <= frames <= 6, frames
             grew = moved(b, a, "decent_peer_bytes_total", peer=peer, direction=direction)
