@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ from decentd.ops.phases import Phases
 from decentd.rounds import peer_id
 
 log = logging.getLogger("decentd.engine")
+
+#: a name may not contain the separators of wire keys
+_RESERVED = re.compile(f"[{re.escape(RESERVED)}]")
 
 #: characters of a peer's ABORT text that reach the log (the op's error keeps more)
 LOGGED_ABORT = 300
@@ -258,15 +262,17 @@ class Engine:
         if fill is not None:
             self.streamed[0] += 1
             self.streamed[1] += fill.early
-        completion = pb.Completion(request_id=request_id,
-                                   view_epoch=self.services.members.epoch)
+        epoch = self.services.members.epoch
         if err is not None:
-            completion.error.CopyFrom(err.to_pb())
+            completion = pb.Completion(request_id=request_id, view_epoch=epoch,
+                                       error=err.to_pb())
         elif result is not None:
-            completion.out_nbytes = result.out_nbytes
-            completion.out_meta.dtype = ctx.dtype
-            completion.out_meta.shape.extend(result.shape)
-            completion.src_ranks.extend(result.src_ranks)
+            completion = pb.Completion(
+                request_id=request_id, view_epoch=epoch, out_nbytes=result.out_nbytes,
+                out_meta=pb.TensorMeta(dtype=ctx.dtype, shape=result.shape),
+                src_ranks=result.src_ranks)
+        else:
+            completion = pb.Completion(request_id=request_id, view_epoch=epoch)
         session.complete(completion)
 
     def _op(self, req: pb.SubmitRequest) -> tuple[int, OpSpec, Any]:
@@ -312,7 +318,7 @@ class Engine:
         name = t.name
         if not name:
             raise DecentError(pb.INVALID_ARGUMENT, "request has an empty name")
-        if any(c in name for c in RESERVED):
+        if _RESERVED.search(name):
             raise DecentError(pb.INVALID_ARGUMENT,
                               f"op name {name!r} contains one of {RESERVED!r}")
         meta = t.meta
@@ -320,7 +326,7 @@ class Engine:
             raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{name}': unsupported dtype "
                                                    f"{meta.dtype}")
         shape = tuple(meta.shape)
-        if any(s < 0 for s in shape):
+        if min(shape, default=0) < 0:
             raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{name}': negative dimension in "
                                                    f"shape {list(shape)}")
         x_bytes = session.arena.view(t.offset, t.nbytes, f"tensor '{name}' input")

@@ -343,7 +343,9 @@ class Links:
         once it is whole).
         """
         name = parts[0].name
-        link = await self._link(dst, name)
+        link = self.link_of(dst, name)
+        if link is None or link.sender is None or not link.connected:  # it may come back
+            link = await self._link(dst, name)
         if gate is not None and not isinstance(link.sender, Sender):
             await gate.fill.whole()
             gate = None

@@ -117,7 +117,7 @@ class Sender:
 
         Returns the queued item (to abandon it), or None when it went out at once.
         """
-        total = sum(len(b) for b in buffers)
+        total = sum(map(len, buffers))
         with self._cv:
             if self.error is not None or self._closed:
                 err = self.error or ConnectionError(f"connection to rank {self.peer} is closed")
@@ -130,7 +130,9 @@ class Sender:
                 self._cv.notify()
                 return item
             if not self._busy and not self._queue and not self._tls:
-                head = _take(buffers, DIRECT_HEAD)  # at most 64 buffers: well within IOV_MAX
+                # at most 64 buffers: well within IOV_MAX
+                head = buffers if total <= DIRECT_HEAD and len(buffers) <= 64 else \
+                    _take(buffers, DIRECT_HEAD)
                 try:
                     sent = sendmsg(self.sock, head, socket.MSG_DONTWAIT)
                 except BlockingIOError:
