@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import decent.torch as dt
+from cluster import until
 from decent_wire import framing
 from decent_wire.topology import build_topology
 from decent_wire.v1 import decent_pb2 as pb
@@ -591,15 +592,18 @@ def test_a_peers_abort_text_reaches_the_log_escaped_and_cut(two_of_three: TwoOfT
     clients = [dt.connect(f"unix://{s}", 60, local_rank=0) for s in c.sockets]
     try:
         port = bulk_port_as_rank_2(c.peers[0])
-        handle = clients[0].neighbor_allreduce_async(  # waits for rank 2, which never sends
-            torch.ones(4), name="victim", self_weight=0.5, src_weights={2: 0.5}, dst_weights=[],
-            timeout=60)
         forged = "\nFORGED log line " + "x" * 20_000
         abort = pb.BulkHeader(kind=pb.ABORT, parts=[pb.Part(name=at_worker("victim", 0), src=2)],
                               error=pb.Error(code=pb.MISMATCH, message=forged))
         with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-            s.sendall(frame(pb.BulkHeader(kind=pb.HELLO, cluster_id="decent", from_rank=2))
-                      + frame(abort))
+            s.sendall(frame(pb.BulkHeader(kind=pb.HELLO, cluster_id="decent", from_rank=2)))
+            until(lambda: any(p.rank == 2 and p.state == "up"
+                              for p in clients[0].status().peers), "rank 2 up at rank 0")
+            handle = clients[0].neighbor_allreduce_async(  # waits for rank 2, which never sends
+                torch.ones(4), name="victim", self_weight=0.5, src_weights={2: 0.5},
+                dst_weights=[], timeout=60, fuse=False)
+            until(lambda: clients[0].status().ops_in_flight == 1, "the op waiting for rank 2")
+            s.sendall(frame(abort))
             with pytest.raises(dt.DecentError) as failed:
                 handle.wait()
         assert failed.value.code == pb.MISMATCH and "FORGED" in str(failed.value)
