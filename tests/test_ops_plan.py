@@ -71,6 +71,6 @@ def test_a_pair_needs_each_other_as_the_only_neighbor_with_the_topology_weights(
 
 def test_the_tags_a_pair_step_takes_follow_the_tensor_size() -> None:
     tags = NEIGHBOR_OPS[pb.NEIGHBOR_ALLREDUCE].tags
-    assert tags(context("ring", 2, 0, nbytes=16)) == {0, 1, 2}
+    assert tags(context("ring", 2, 0, nbytes=16)) == {0}  # small: whole, even on a pair
     assert tags(context("ring", 2, 0, nbytes=PAIR_MIN_BYTES)) == {1, 2}
     assert tags(context("ring", 2, 0, host="10.0.0.1")) == {0}
