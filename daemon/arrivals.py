@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Message:
     """A received payload shared by its parts; ``on_release`` runs when the last is released."""
 
@@ -22,7 +22,7 @@ class Message:
     generation: int = 0  #: of the sender's link (``PeerLink.generation``) it came over
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Arrival:
     """One part (a tensor) of a message from a peer."""
 

@@ -81,7 +81,7 @@ class Landing(Protocol):
         """The op ended: the rest of the payload must not land in its memory."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Slot:
     """Everything about one key."""
 

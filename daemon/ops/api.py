@@ -78,7 +78,7 @@ class Level:
     node: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class OpResult:
     """What an op wrote to the worker's output region."""
 

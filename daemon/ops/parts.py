@@ -18,7 +18,7 @@ _EMPTY = np.empty(0, np.uint8)
 _NO_BYTES = memoryview(b"")
 
 
-@dataclass
+@dataclass(slots=True)
 class PartSpec:
     """One tensor of a request (a fused request has several): its wire key and arena views."""
 
@@ -69,7 +69,7 @@ class PartSpec:
                              nbytes // dtypes.itemsize(self.dtype))
 
 
-@dataclass
+@dataclass(slots=True)
 class Expected:
     """Parts of an op the mailbox waits for from ``src`` (``OpContext.expect_parts``)."""
 
