@@ -152,18 +152,19 @@ class Engine:
 
     def submit(self, session: WorkerSession, req: pb.SubmitRequest) -> None:
         """Validate and start one request; DecentError when it is refused outright."""
-        if req.WhichOneof("op") == "fill":
+        which = req.WhichOneof("op")
+        if which == "fill":
             self._filled(session, req.request_id, req.fill.bytes)
             return
         for observer in self.observers:
             observer.submitted(session, req)
         if self.closing:
             raise DecentError(pb.SHUTTING_DOWN, f"daemon rank {self.machine} is shutting down")
-        if req.WhichOneof("op") == "set_topology":
+        if which == "set_topology":
             session.topology = self._topology(req.set_topology.spec_json)
             session.complete(pb.Completion(request_id=req.request_id))
             return
-        op, spec, args = self._op(req)
+        op, spec, args = self._op(req, which)
         if session.arena.faulted():
             raise session.arena.fault_error(f"{pb.OpType.Name(op)} request {req.request_id}")
         timeout = req.timeout_s or self.default_timeout
@@ -275,9 +276,9 @@ class Engine:
             completion = pb.Completion(request_id=request_id, view_epoch=epoch)
         session.complete(completion)
 
-    def _op(self, req: pb.SubmitRequest) -> tuple[int, OpSpec, Any]:
-        """The request's op, its spec and its typed arguments, checked."""
-        which = req.WhichOneof("op")
+    def _op(self, req: pb.SubmitRequest, which: str | None) -> tuple[int, OpSpec, Any]:
+        """The request's op (its ``op`` field ``which``), its spec and its typed arguments,
+        checked."""
         op = OP_OF_FIELD.get(which or "")
         spec = self.ops.get(op) if op is not None else None
         if op is None or spec is None:
