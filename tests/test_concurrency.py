@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from test_neighbor_allreduce import expected_matrix
 
 from cluster import Cluster, delay
 from conftest import ClusterFactory
+from decent.core.handles import Latch
 from decent_wire.errors import DecentError
 
 
@@ -168,3 +170,25 @@ def test_without_registered_memory_a_full_arena_with_opposite_orders_fails_namin
         assert ok == [0.5, 0.5]
     finally:
         c.stop()
+
+
+def test_a_requests_latch_lets_every_waiter_through_once_it_is_set() -> None:
+    latch = Latch()
+    assert not latch.is_set() and latch.wait(0.01) is False  # nobody set it: the wait times out
+    started = [threading.Event() for _ in range(3)]
+    passed: list[bool] = []
+
+    def waiter(i: int) -> None:
+        started[i].set()
+        passed.append(latch.wait(60))
+
+    threads = [threading.Thread(target=waiter, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for e in started:
+        e.wait(60)
+    latch.set()
+    latch.set()  # a second set changes nothing
+    for t in threads:
+        t.join(60)
+    assert passed == [True, True, True] and latch.is_set() and latch.wait(0) is True

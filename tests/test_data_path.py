@@ -23,7 +23,7 @@ from cluster import Cluster
 from decent.core import Client, DecentError
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.bulk import SCRATCH
-from decentd.numerics import BLOCK
+from decentd.numerics import BLOCK, weighted_sum
 from decentd.ops.neighbor import PAIR_MIN_BYTES
 from decentd.sender import Sender
 
@@ -50,6 +50,28 @@ def small_window() -> Iterator[Cluster]:
 
 def _pattern(n: int, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return ((torch.arange(n) % 7) * (rank + 1)).to(dtype)
+
+
+@pytest.mark.parametrize("n", [5, BLOCK, BLOCK + 3])
+@pytest.mark.parametrize("out_is", ["x", "a view of x", "its own"])
+def test_weighted_sums_over_the_input_or_into_memory_of_their_own(n: int, out_is: str) -> None:
+    """One pass (up to BLOCK elements) or block by block, an output that is the input, a view
+    of its memory or memory of its own (NaN before): the same float32 operations in the same
+    order as the formula, so the bits are equal."""
+    x0 = ((np.arange(n) % 11) * 0.37).astype(np.float32)
+    y = ((np.arange(n) % 5) * 1.9 + 0.1).astype(np.float32)
+    z = ((np.arange(n) % 3) * -2.3).astype(np.float32)
+    half = np.float32(0.5)
+    cases = [(0.5, [(y, 0.5)], (x0 + y) * half),  # uniform: summed, then halved
+             (1 / 3, [(y, 1 / 3), (z, 1 / 3)], (x0 + y + z) / np.float32(3)),
+             (0.3, [(y, 0.7)], x0 * np.float32(0.3) + y * np.float32(0.7))]
+    for self_weight, terms, want in cases:
+        memory = x0.copy()
+        x = memory
+        out = {"x": memory, "a view of x": memory.view(np.uint8).view(np.float32),
+               "its own": np.full(n, np.nan, np.float32)}[out_is]
+        weighted_sum(out, x, self_weight, terms, pb.FLOAT32)
+        np.testing.assert_array_equal(out, want)
 
 
 @pytest.mark.parametrize("n", SIZES)
