@@ -305,11 +305,11 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
                 for j in srcs]
     try:
         await gather_all(*(send_to(d, w) for d, w in send.items()))
-    except BaseException:
+        got = [await unless_lost(ctx, e.src, ctx.arrivals(e)) for e in expected]
+    except BaseException:  # what the op no longer awaits is not left failing unseen
         for e in expected:
             e.drop()
         raise
-    got = [await unless_lost(ctx, e.src, ctx.arrivals(e)) for e in expected]
     arrived = [(j, a) for j, a in zip(srcs, got, strict=True) if a is not None]
     if len(arrived) < len(srcs):
         if (fold is not None and fold.done) or direct:  # part of it is in the result already

@@ -84,7 +84,8 @@ class Expected:
     lost: PeerLost | None = None
 
     def drop(self) -> None:
-        """Nobody will await these parts (the op failed first): stop waiting for them."""
+        """Nobody will await these parts (the op failed first): stop waiting for them (an
+        error one of them got meanwhile counts as seen)."""
         for f in self.futs:
             if not f.done():
                 f.cancel()
