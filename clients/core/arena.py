@@ -38,6 +38,7 @@ class ClientArena:
         del pages
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted by offset
         self._cond = threading.Condition()
+        self._waiting = 0  #: allocations waiting for room (under the condition's lock)
 
     def alloc(
         self,
@@ -69,7 +70,11 @@ class ClientArena:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise DecentError(pb.ARENA_ERROR, self._full(what, nbytes, timeout or 0.0))
-                self._cond.wait(left)
+                self._waiting += 1
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._waiting -= 1
 
     def try_alloc(self, nbytes: int, reclaim: Callable[[], bool] | None = None) -> int | None:
         """Offset of a free slot of ``nbytes`` now (after ``reclaim()``, as :meth:`alloc`), or
@@ -113,12 +118,14 @@ class ClientArena:
                 i -= 1
                 start = self._free.pop(i)[0]
             self._free.insert(i, (start, end - start))
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def notify(self) -> None:
         """Wake allocations waiting for space (a result became reclaimable)."""
         with self._cond:
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """Bytes ``[offset, offset + nbytes)`` of the arena."""
