@@ -116,14 +116,32 @@ class OpSpec:
 class OpContext:
     """One running op: its request, its tensors and peers, and send/receive with checks."""
 
+    #: the op's neighbors come from the topology: its name travels with what it sends, and a
+    #: peer on another topology fails the op with MISMATCH
+    on_topology = False
+    warned_at = 0.0
+    task: asyncio.Task[None] | None = None
+    failure: DecentError | None = None
+    aborted_by = -1
+    running = False  #: set once the task has started
+    #: phase marks while a timeline records (set by the engine), else None
+    phases: Phases | None = None
+    #: a collective's ranks (the live ones when it was planned), ascending; None: not one
+    group: list[int] | None = None
+    #: a collective's view (its live ranks and their incarnations): travels with what it
+    #: sends, and a peer that planned with another view fails the op with MISMATCH
+    view_name = ""
+    #: ``@<live ranks>`` when a dynamic schedule runs over the live ranks only
+    live_schedule = ""
+    #: what the op planned when its peers were asked for (e.g. its neighbor weights), reused
+    #: when it runs right after
+    plan: Any = None
+
     def __init__(self, services: Services, op: int, args: Any, parts: list[PartSpec],
                  spec: OpSpec, level: Level) -> None:
         self.services = services
         #: the topology of the op's level (a worker's: its job's when it was submitted)
         self.topology = level.topology
-        #: the op's neighbors come from the topology: its name travels with what it sends, and
-        #: a peer on another topology fails the op with MISMATCH
-        self.on_topology = False
         self.rank = level.rank
         self.size = level.size
         self.level = level
@@ -132,9 +150,6 @@ class OpContext:
         self.args = args
         self.spec = spec
         self.parts = parts
-        self.by_name = {p.name: p for p in parts}
-        #: every part's input, in order: the payload of this op's messages (sent gathered)
-        self.payload = [p.raw for p in parts]
         first = parts[0]
         #: the op's key on the wire (the job id, if any, qualifies the user's name)
         self.name = first.name
@@ -146,25 +161,18 @@ class OpContext:
         self.unacked: set[int] = set()  #: ranks that have not yet matched what this op sent
         self.participants: set[int] = set()
         self.started = time.monotonic()
-        self.warned_at = 0.0
-        self.task: asyncio.Task[None] | None = None
-        self.failure: DecentError | None = None
-        self.aborted_by = -1
-        self.running = False  #: set once the task has started
-        #: phase marks while a timeline records (set by the engine), else None
-        self.phases: Phases | None = None
-        #: a collective's ranks (the live ones when it was planned), ascending; None: not one
-        self.group: list[int] | None = None
-        #: a collective's view (its live ranks and their incarnations): travels with what it
-        #: sends, and a peer that planned with another view fails the op with MISMATCH
-        self.view_name = ""
         #: peers lost while the op ran and left out (reweight): told so (SKIP) when it ends
         self.left_out: set[int] = set()
-        #: ``@<live ranks>`` when a dynamic schedule runs over the live ranks only
-        self.live_schedule = ""
-        #: what the op planned when its peers were asked for (e.g. its neighbor weights),
-        #: reused when it runs right after
-        self.plan: Any = None
+
+    @cached_property
+    def by_name(self) -> dict[str, PartSpec]:
+        """The op's tensors by wire name."""
+        return {p.name: p for p in self.parts}
+
+    @cached_property
+    def payload(self) -> list[memoryview]:
+        """Every part's input, in order: the payload of this op's messages (sent gathered)."""
+        return [p.raw for p in self.parts]
 
     @cached_property
     def keys(self) -> list[tuple[str, int]]:
