@@ -108,10 +108,9 @@ class Receiver:
         self._one_sided = one_sided
         self._group_failed = group_failed
         self._landing: dict[Inbound, _Landing] = {}
-        #: whether the frame whose header just arrived on a connection had its rounds placed
-        self._placed: dict[Inbound, bool] = {}
-        #: the checked parts of the DATA frame whose header just arrived on a connection
-        self._parts_on: dict[Inbound, list[pb.Part]] = {}
+        #: the DATA frame whose header just arrived on a connection: whether its rounds were
+        #: placed, and its parts, checked
+        self._heard: dict[Inbound, tuple[bool, list[pb.Part]]] = {}
         links.rounds.on_placeable(self._replay, self._drop_parked)
 
     def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
@@ -132,9 +131,10 @@ class Receiver:
             if parts is None:  # its ops ended here: read and dropped
                 return self._pool.get(size)
         elif header.kind == pb.DATA:
-            parts = self._parts_on[conn] = self._described(conn.src, header.parts, size)
+            parts = self._described(conn.src, header.parts, size)
             self._flow(conn.src).accept_eager(size, conn.src, len(parts))
-            placed = self._placed[conn] = self._place(conn.src, header)
+            placed = self._place(conn.src, header)
+            self._heard[conn] = (placed, parts)
             if not placed:  # a late peer's, before our op of it started: kept whole
                 return self._pool.get(size)
         else:
@@ -188,10 +188,13 @@ class Receiver:
     def on_progress(self, conn: Inbound, header: pb.BulkHeader, dest: np.ndarray,
                     filled: int) -> None:
         """Part of a payload arrived: a lone part's waiting op may fold it in already."""
-        if self._placed.get(conn) is False:
+        heard = self._heard.get(conn)
+        if heard is not None and not heard[0]:
             return
-        parts = (self._mailbox.payload_parts(conn.src, int(header.message_id))
-                 if header.kind == pb.PAYLOAD else list(header.parts))
+        if header.kind == pb.PAYLOAD:
+            parts = self._mailbox.payload_parts(conn.src, int(header.message_id))
+        else:
+            parts = heard[1] if heard is not None else list(header.parts)
         if parts is not None and len(parts) == 1:
             self._mailbox.progress(parts[0], dest, filled)
 
@@ -225,8 +228,7 @@ class Receiver:
         if landing is not None:
             self._mailbox.landing(landing.part, None)
         pooled = landing is None or not landing.active
-        placed = self._placed.pop(conn, None)
-        described = self._parts_on.pop(conn, None)
+        placed, described = self._heard.pop(conn, (None, None))
         if placed is None and kind != pb.PAYLOAD:
             placed = self._place(src, header)
         if placed is False:
@@ -392,8 +394,7 @@ class Receiver:
     def on_lost(self, conn: Inbound, reason: str) -> None:
         """An incoming connection ended: when it was the peer's current one, the peer is down."""
         self._mailbox.arrived(conn)
-        self._placed.pop(conn, None)
-        self._parts_on.pop(conn, None)
+        self._heard.pop(conn, None)
         landing = self._landing.pop(conn, None)
         partial = conn.take_partial()
         if landing is not None:

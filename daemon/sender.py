@@ -44,8 +44,11 @@ class Outgoing:
     gate: FillGate | None = None
 
 
-def _take(buffers: list[Buffer], limit: int) -> list[Buffer]:
-    """The first ``limit`` bytes of ``buffers`` (at most 64 of them)."""
+def _take(buffers: list[Buffer], limit: int, total: int | None = None) -> list[Buffer]:
+    """The first ``limit`` bytes of ``buffers`` (at most 64 of them; ``total``: their bytes,
+    if known). ``buffers`` itself when all of it fits."""
+    if len(buffers) <= 64 and (sum(map(len, buffers)) if total is None else total) <= limit:
+        return buffers
     out: list[Buffer] = []
     for b in buffers[:64]:
         n = len(b)
@@ -130,9 +133,7 @@ class Sender:
                 self._cv.notify()
                 return item
             if not self._busy and not self._queue and not self._tls:
-                # at most 64 buffers: well within IOV_MAX
-                head = buffers if total <= DIRECT_HEAD and len(buffers) <= 64 else \
-                    _take(buffers, DIRECT_HEAD)
+                head = _take(buffers, DIRECT_HEAD, total)  # at most 64 buffers: < IOV_MAX
                 try:
                     sent = sendmsg(self.sock, head, socket.MSG_DONTWAIT)
                 except BlockingIOError:
