@@ -11,8 +11,10 @@ Rounds alternate ``flatten=True`` (the parameters in one shared buffer, averaged
 daemon), ``flatten=False`` (the general path: the optimizer's step writes ``x - d`` into the
 parameters, whose storages it put in shared memory, and the combine writes into them in place),
 gradient tracking on the general path (``x`` and ``d`` in arena buffers kept across steps; two
-exchanges per step) and gradient tracking on one parameter of the same bytes (the flattened
-layout of the same math, which the general path is compared with), two rounds each. Rank 0
+exchanges per step), gradient tracking on one parameter of the same bytes (the flattened
+layout of the same math, which the general path is compared with) and the Keras wrapper's D-SGD
+step on Keras variables of the same sizes (``decent.tf``, a TensorFlow client in a job of its
+own on the same daemon, the step compiled), two rounds each. Rank 0
 prints the medians (wall time and the worker's own CPU time per step) and writes them as JSON and
 a bar chart next to it.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,6 +36,7 @@ if str(REPO) not in sys.path:  # `python benchmarks/optimizer_step.py` puts only
     sys.path.insert(0, str(REPO))
 
 from benchmarks.netns_dsgd import (  # noqa: E402
+    OPT_LR,
     decent_source,
     dsgd_optimizer,
     numel,
@@ -45,9 +49,10 @@ WARMUP = 3
 PATHS = {"flat": "dsgd, flattened (shared buffer, in place)",
          "general": "dsgd, general (flatten=False)",
          "gt": "gradient tracking, general (two exchanges per step)",
-         "gt1": "gradient tracking, the same bytes in one parameter (its flattened layout)"}
+         "gt1": "gradient tracking, the same bytes in one parameter (its flattened layout)",
+         "keras": "dsgd, Keras (decent.tf, compiled step)"}
 #: what each path's step is compared with: the same algorithm laid out flat
-BASELINE = {"flat": "flat", "general": "flat", "gt": "gt1", "gt1": "gt1"}
+BASELINE = {"flat": "flat", "general": "flat", "gt": "gt1", "gt1": "gt1", "keras": "flat"}
 
 
 def one_round(client: Any, flatten: bool, sizes: list[int], steps: int,
@@ -81,6 +86,49 @@ def one_round(client: Any, flatten: bool, sizes: list[int], steps: int,
     return walls, cpus, exact
 
 
+def keras_round(client: Any, sizes: list[int], steps: int,
+                tag: str) -> tuple[list[float], list[float], bool, list[float]]:
+    """:func:`one_round` for ``decent.tf.DecentralizedOptimizer(keras SGD, "dsgd")`` on Keras
+    variables of ``sizes`` elements, its step compiled (as ``model.fit`` runs it); then the
+    wall seconds of the plain Keras SGD step on the same variables, timed after each."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import decent.tf as dtf
+
+    rank = client.rank
+    variables = [keras.Variable(np.zeros(n, np.float32)) for n in sizes]
+    opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(OPT_LR), algorithm="dsgd",
+                                     client=client, prefix=tag)
+    grads = [tf.zeros(n) for n in sizes]
+    step = tf.function(lambda: opt.apply_gradients(zip(grads, variables, strict=True)))
+    plain = keras.optimizers.SGD(OPT_LR)
+    plain_step = tf.function(lambda: plain.apply_gradients(zip(grads, variables, strict=True)))
+    plains: list[float] = []
+    walls: list[float] = []
+    cpus: list[float] = []
+    exact = True
+    for k in range(WARMUP + steps):
+        for v in variables:
+            v.assign(tf.fill(v.shape, float(rank)))
+        st = opt.algorithm.topology.step(rank, opt.algorithm.exchanges)
+        want = st.self_weight * rank + sum(w * j for j, w in st.src_weights.items())
+        client.barrier(name=f"{tag}.b")
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        t1, c1 = time.perf_counter(), time.process_time()
+        t2 = time.perf_counter()
+        plain_step()  # zero gradients: the values stay
+        if k >= WARMUP:
+            walls.append(t1 - t0)
+            cpus.append(c1 - c0)
+            plains.append(time.perf_counter() - t2)
+        exact &= all(np.allclose(v.numpy(), want, rtol=1e-6, atol=0) for v in variables)
+    opt.close()
+    return walls, cpus, exact, plains
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the rounds; rank 0 reports."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -94,18 +142,29 @@ def main(argv: list[str] | None = None) -> int:
     import decent.torch as dt
 
     torch.set_num_threads(1)
+    import decent.tf as dtf
+
     client = dt.connect()
+    # the Keras rounds' worker: a TensorFlow client in a job of its own on the same daemon
+    tf_client = dtf.connect(job=os.environ.get("DECENT_JOB", "bench") + ".tf")
     sizes = piece_sizes(numel(a.mbytes), a.params)
     runs: dict[str, dict[str, list[float]]] = {key: {"wall": [], "cpu": []} for key in PATHS}
+    keras_sgd: list[float] = []
     exact = True
-    order = ("flat", "general", "gt", "gt1", "gt1", "gt", "general", "flat")
+    order = ("flat", "general", "gt", "gt1", "keras", "keras", "gt1", "gt", "general", "flat")
     for i, key in enumerate(order):
-        walls, cpus, ok = one_round(client, key == "flat", [sum(sizes)] if key == "gt1" else sizes,
-                                    a.steps, f"optstep{i}",
-                                    "gradient-tracking" if key.startswith("gt") else "dsgd")
+        if key == "keras":
+            walls, cpus, ok, plains = keras_round(tf_client, sizes, a.steps, f"optstep{i}")
+            keras_sgd += plains
+        else:
+            walls, cpus, ok = one_round(client, key == "flat",
+                                        [sum(sizes)] if key == "gt1" else sizes, a.steps,
+                                        f"optstep{i}",
+                                        "gradient-tracking" if key.startswith("gt") else "dsgd")
         runs[key]["wall"] += walls
         runs[key]["cpu"] += cpus
         exact &= ok
+    tf_client.close()
     client.close()
     if client.rank != 0:
         return 0 if exact else 1
@@ -115,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         "ranks": client.size, "mbytes": a.mbytes, "params": a.params, "steps": a.steps,
         "exact": exact,
         **{key: {"wall_ms": statistics.median(r["wall"]) * 1e3,
-                 "cpu_ms": statistics.median(r["cpu"]) * 1e3} for key, r in runs.items()}}
+                 "cpu_ms": statistics.median(r["cpu"]) * 1e3} for key, r in runs.items()},
+        "keras_sgd_ms": statistics.median(keras_sgd) * 1e3}
     report(res, a.json)
     return 0 if exact else 1
 
@@ -139,6 +199,7 @@ def report(res: dict[str, Any], path: Path) -> None:
                   f"{res[key]['wall_ms'] / res['flat']['wall_ms']:.2f}x",
                   f"{res[key]['cpu_ms']:.1f}")
     Console().print(t)
+    print(f"the plain Keras SGD step on the same variables: {res['keras_sgd_ms']:.1f} ms")
     print(f"results exact: {res['exact']}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
@@ -147,7 +208,8 @@ def report(res: dict[str, Any], path: Path) -> None:
     xs = range(len(keys))
     ax.bar([x - 0.2 for x in xs], [res[k]["wall_ms"] for k in keys], 0.4, label="step")
     ax.bar([x + 0.2 for x in xs], [res[k]["cpu_ms"] for k in keys], 0.4, label="worker CPU")
-    ax.set_xticks(list(xs), ["dsgd flattened", "dsgd general", "GT general", "GT one tensor"])
+    ax.set_xticks(list(xs), ["dsgd flattened", "dsgd general", "GT general", "GT one tensor",
+                             "dsgd Keras"])
     ax.set_ylabel("ms per step (median)")
     ax.set_title(f"optimizer step, {res['mbytes']:g} MB, {res['ranks']} ranks")
     ax.legend()

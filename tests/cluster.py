@@ -202,11 +202,12 @@ def until_running(c: Cluster, i: int) -> None:
 
 
 @contextlib.contextmanager
-def tf_cluster(n: int, topology: str = "ring") -> Iterator[list[Any]]:
-    """``n`` daemons with one TensorFlow client each; closed and stopped afterwards."""
+def tf_cluster(n: int, topology: str = "ring", *daemon_args: str) -> Iterator[list[Any]]:
+    """``n`` daemons (``daemon_args`` added to their command line) with one TensorFlow client
+    each; closed and stopped afterwards."""
     import decent.tf as dtf
 
-    c = Cluster(n, topology)
+    c = Cluster(n, topology, *daemon_args)
     clients: list[Any] = []
     try:
         with ThreadPoolExecutor(n) as pool:

@@ -142,6 +142,28 @@ def test_fusion_mixed_dtypes_and_shapes(small_window: Cluster) -> None:
     assert all(a - b < 42 for a, b in zip(after, before, strict=True)), (before, after)
 
 
+def test_a_fused_block_goes_out_as_one_request_however_slowly_it_is_filled(
+        small_window: Cluster) -> None:
+    # the requests of a `fused()` block wait for its end (or the size threshold), not for the
+    # 1 ms cycle timer: 10 tensors submitted 20 ms apart travel as one request
+    before = [cl.status().ops_completed for cl in small_window.clients]
+
+    def run(cl: Client[torch.Tensor]) -> list[torch.Tensor]:
+        with cl.fused():
+            hs = []
+            for i in range(10):
+                hs.append(cl.neighbor_allreduce_async(torch.full((100,), float(cl.rank + i)),
+                                                      name=f"held{i}"))
+                time.sleep(0.02)
+        return [h.wait() for h in hs]
+
+    for out in small_window.run(run):
+        for i, t in enumerate(out):
+            assert torch.equal(t, torch.full((100,), 1.0 + i)), (i, t[:2])  # (i + i+1 + i+2)/3
+    after = [cl.status().ops_completed for cl in small_window.clients]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1, 1]
+
+
 def test_fused_allreduce_and_broadcast(small_window: Cluster) -> None:
     def run(cl: Client[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         ts = _mixed_tensors(cl.rank)

@@ -173,3 +173,29 @@ def test_tensorflow_results_are_tensors_over_the_arena_through_dlpack() -> None:
             # bfloat16 has no numpy DLPack export: copied out, and counted
             assert bf.dtype == tf.bfloat16 and float(bf[0]) == 0.5
             assert after.worker_results_copied == 1
+
+
+def test_a_tf_variable_takes_its_in_place_result_where_the_daemon_wrote_it() -> None:
+    # a 1 MiB arena, a 256 KiB variable averaged in place 12 times: each time the variable
+    # takes the slot the result is in (no copy) and gives back the one it held, so the arena
+    # never runs out; the values are exact, and stay so after the client and daemon are gone
+    numel = 256 * 1024 // 4
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        v = tf.Variable(tf.fill((numel,), float(cl.rank)))
+        for k in range(12):
+            v.assign_add(tf.fill((numel,), float(2 * cl.rank + 1)))
+            cl.neighbor_allreduce_(v, name="tf.v")  # each rank: its own + (k + 1) * 2 r + 1
+            assert np.array_equal(v.numpy(), np.full(numel, 0.5 + 2.0 * (k + 1), np.float32))
+        return v, cl.status()
+
+    with tf_cluster(2, "ring", "--set", "memory.arena_bytes=1048576") as clients:
+        got = run_each(clients, work)
+    for v, status in got:
+        assert status.worker_results_held == 1  # the variable's memory
+        assert status.worker_results_held_bytes >= numel * 4
+        assert status.worker_results_copied == 0 and status.arena_spills == 0
+        assert np.array_equal(v.numpy(), np.full(numel, 24.5, np.float32))
+        v.assign_add(tf.ones((numel,)))  # still the user's variable
+        assert float(tf.reduce_sum(v)) == 25.5 * numel

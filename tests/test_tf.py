@@ -3,8 +3,12 @@ torch, and the Keras wrapper against the torch wrapper."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -19,6 +23,7 @@ from cluster import Cluster
 from conftest import ClusterFactory
 from decent.core import DecentError
 
+REPO = Path(__file__).resolve().parents[1]
 N = 4  # ring
 # every rank of a test is a thread of this process, and a blocking op staged in a tf.function
 # holds one of TensorFlow's inter-op threads until its neighbors call: enough for all ranks
@@ -200,9 +205,11 @@ def _problem(r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             np.random.default_rng(5).normal(size=DIM) * (r + 1))
 
 
-@pytest.mark.parametrize("algorithm", ["dsgd", "gradient-tracking", "extra", "exact-diffusion",
-                                       "decentlam"])
-def test_keras_wrapper_matches_the_torch_wrapper(tfc: Any, algorithm: str) -> None:
+@pytest.mark.parametrize(("algorithm", "compiled"), [
+    ("dsgd", True), ("dsgd", False), ("gradient-tracking", True), ("extra", True),
+    ("exact-diffusion", True), ("decentlam", True)])
+def test_keras_wrapper_matches_the_torch_wrapper(tfc: Any, algorithm: str,
+                                                 compiled: bool) -> None:
     c, clients = tfc
 
     def with_torch(cl: Any) -> np.ndarray:
@@ -222,14 +229,16 @@ def test_keras_wrapper_matches_the_torch_wrapper(tfc: Any, algorithm: str) -> No
         opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(LR), algorithm=algorithm,
                                          client=cl, prefix=f"ls.keras.{algorithm}")
 
-        @tf.function
-        def step() -> None:
+        def step() -> tf.Tensor:
             with tf.GradientTape() as tape:
                 loss = 0.5 * tf.reduce_sum((tf.linalg.matvec(a, x) - b) ** 2)
             opt.apply_gradients(zip(tape.gradient(loss, [x]), [x], strict=True))
+            return tf.identity(x)  # read in the same step: the combined value
 
+        run = tf.function(step) if compiled else step
         for _ in range(STEPS):
-            step()
+            read = run()
+            np.testing.assert_array_equal(read.numpy(), x.numpy())
         return np.asarray(x.numpy())
 
     want = np.stack(c.run(with_torch))
@@ -238,6 +247,23 @@ def test_keras_wrapper_matches_the_torch_wrapper(tfc: Any, algorithm: str) -> No
     assert np.linalg.norm(got - got.mean(axis=0)) < np.linalg.norm(  # the ranks moved together
         np.stack([_problem(r)[2] for r in range(N)]) - np.mean([_problem(r)[2]
                                                                 for r in range(N)], axis=0))
+
+
+def test_a_keras_adapt_then_combine_step_makes_no_model_sized_tensor() -> None:
+    # beyond the wrapped optimizer's own ops, a step makes no model-sized tensor (2 variables
+    # of >= 2560 elements): no x_k, no d_k, no x - d, and each variable takes its result
+    # where the daemon wrote it (counted in processes of their own: tests/keras_step_tensors.py)
+    proc = subprocess.run(
+        [sys.executable, "-m", "decentd.launcher", "-np", "2", "--topology", "ring", "--",
+         sys.executable, str(REPO / "tests" / "keras_step_tensors.py"), "dsgd,allreduce,pga"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    counts = [json.loads(line[line.index("{"):]) for line in proc.stdout.splitlines()
+              if '"algorithm"' in line]
+    assert sorted((c["rank"], c["algorithm"]) for c in counts) == sorted(
+        (r, a) for r in (0, 1) for a in ("dsgd", "allreduce", "pga"))
+    for c in counts:
+        assert c["plain"] and c["wrapped"] == c["plain"], c
 
 
 def test_model_fit_with_callbacks_keeps_the_replicas_identical(tfc: Any) -> None:

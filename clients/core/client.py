@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -420,12 +421,10 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
     # ------------------------------------------------------------------ memory and fusion
 
     def shared(self, tensor: T) -> T:
-        """A copy of ``tensor`` that lives in the shared-memory arena (CPU only).
-
-        Ops take it without a copy, and in-place ops write their result straight into it (as
-        into ``model.share_memory()`` tensors). Its arena space is freed when the last tensor
-        using it is gone. Do not modify it until an asynchronous op on it is waited for.
-        """
+        """A copy of ``tensor`` that lives in the shared-memory arena (CPU only): ops take it
+        without a copy, in-place ops write their result straight into it (as into
+        ``model.share_memory()`` tensors). Its arena space is freed when the last tensor using
+        it is gone. Do not modify it until an asynchronous op on it is waited for."""
         return self._submitter.shared(tensor)
 
     def shared_or_none(self, tensor: T) -> T | None:
@@ -435,6 +434,11 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
     def flush(self) -> None:
         """Send every request still waiting in a fusion bucket now."""
         self._submitter.flush()
+
+    def fused(self) -> AbstractContextManager[None]:
+        """A block whose requests fuse by size only (as Horovod's grouped ops): the cycle timer
+        does not split them while it lasts, and what is left goes out when it ends."""
+        return self._submitter.fused()
 
     # ------------------------------------------------------------------ queries
 
@@ -458,8 +462,7 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
         return list(self.topology_at(name).out_neighbors)
 
     def status(self) -> pb.StatusReply:
-        """The daemon's counters and peer health, and this worker's results (``worker_results_*``:
-        those that hold memory, those copied out)."""
+        """The daemon's counters and peer health, and this worker's results (worker_results_*)."""
         return self._submitter.results.reported(self.connection.status())
 
     def membership(self) -> View:
@@ -478,12 +481,9 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
 
     def close(self) -> None:
         """Disconnect; the daemon fails this worker's in-flight ops and frees its arena.
-
-        Returns once the daemon has dropped this worker (it closes its end of the data channel
-        after that), or after 5 s if it does not answer. With no op in flight, a job started
-        right after finds the daemon's history of this one forgotten; ops still in flight are
-        cancelled first, and the history is forgotten once they have ended.
-        """
+        Returns once the daemon has dropped this worker (or after 5 s without an answer): a
+        job started right after finds the daemon's history of this one forgotten (once the
+        ops still in flight, cancelled first, have ended)."""
         if self._submitter.closed:
             return
         self._submitter.close()

@@ -46,6 +46,11 @@ class TensorCodec(Protocol[T]):
         memory the daemon wrote it into; kept alive as long as the tensor), or None when it
         has to be copied out (a device tensor's result, a dtype the framework cannot wrap)."""
 
+    def take(self, owner: Any, into: T) -> T | None:
+        """An in-place op's result, over buffer ``owner``, handed to ``into`` as it lies (no
+        copy; ``owner`` kept alive as long as ``into`` uses it), for frameworks whose tensors
+        never change; None to have it copied into ``into`` (:meth:`read_into`)."""
+
     def attach(self, arena: ClientArena) -> None:
         """Called once the arena is mapped (e.g. to pin it for GPU copies)."""
 

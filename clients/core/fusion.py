@@ -9,10 +9,11 @@ message per peer, its tensors gathered straight from their arena slots. Each ten
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -53,6 +54,7 @@ class Fusion(Generic[M]):
         self._buckets: dict[Hashable, _Bucket[M]] = {}
         self._closed = False
         self._idle = False
+        self._holds = 0  # blocks of held(): while any is open, only size closes a bucket
         self._thread: threading.Thread | None = None
 
     @property
@@ -82,6 +84,21 @@ class Fusion(Generic[M]):
         if full is not None:
             self._send(full.members)
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """A block in which buckets close only by size; when the last such block ends, every
+        open bucket is sent."""
+        with self._cv:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holds -= 1
+                last = self._holds == 0
+            if last:
+                self.flush()
+
     def flush(self) -> None:
         """Send every open bucket now."""
         with self._cv:
@@ -105,10 +122,12 @@ class Fusion(Generic[M]):
                 if self._closed:
                     return
                 now = time.monotonic()
-                due = [k for k, b in self._buckets.items() if b.deadline <= now]
+                due = [] if self._holds else [k for k, b in self._buckets.items()
+                                              if b.deadline <= now]
                 ready = [self._buckets.pop(k) for k in due]
                 if not ready:
-                    soonest = min((b.deadline for b in self._buckets.values()), default=None)
+                    soonest = None if self._holds else min(
+                        (b.deadline for b in self._buckets.values()), default=None)
                     self._idle = soonest is None
                     self._cv.wait(None if soonest is None else max(0.0, soonest - now))
                     self._idle = False

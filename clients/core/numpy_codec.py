@@ -67,6 +67,10 @@ class NumpyCodec:
         """An array over ``owner``."""
         return self.wrap(owner, dtype, shape)
 
+    def take(self, owner: np.ndarray, into: np.ndarray) -> np.ndarray | None:
+        """None: an array takes its result by copy (into its own memory)."""
+        return None
+
     def attach(self, arena: ClientArena) -> None:
         """Nothing to do for host memory."""
 

@@ -18,7 +18,6 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from decent.core.arena import ClientArena
-from decent.core.codec import TensorCodec
 from decent.core.spill import SpillMemory
 from decent_wire.v1 import decent_pb2 as pb
 
@@ -28,9 +27,8 @@ T = TypeVar("T")
 class ResultMemory(Generic[T]):
     """The results of one client that hold memory. Thread-safe."""
 
-    def __init__(self, codec: TensorCodec[T], arena: ClientArena, spill: SpillMemory,
+    def __init__(self, arena: ClientArena, spill: SpillMemory,
                  free_arena: Callable[[int, int], None]) -> None:
-        self._codec = codec
         self._arena = arena
         self._spill = spill
         self._free_arena = free_arena
@@ -44,15 +42,16 @@ class ResultMemory(Generic[T]):
         #: bytes of in-place results copied out before their op ended
         self.drained_early = 0
 
-    def adopt(self, slot: tuple[int, int], nbytes: int, dtype: int, shape: tuple[int, ...],
-              like: T | None) -> T | None:
-        """The result in ``slot`` (offset, size) as a tensor that owns the slot, or None (the
-        framework copies this one: the slot stays the request's)."""
+    def adopt(self, slot: tuple[int, int], nbytes: int, make: Callable[[np.ndarray], T | None]
+              ) -> T | None:
+        """The result in ``slot`` (offset, size) as what ``make`` builds over the slot's first
+        ``nbytes`` (a tensor that owns the slot), or None (``make`` gave None: the framework
+        copies this one, and the slot stays the request's)."""
         offset, size = slot
         spilled = self._spill.owns(offset)
         memory = self._spill.segment_view(offset) if spilled else self._arena.buf
         owner = np.frombuffer(memory, np.uint8, count=nbytes, offset=0 if spilled else offset)
-        result = self._codec.result(owner, dtype, shape, like)
+        result = make(owner)
         if result is None:
             return None
         segment = self._spill.detach(offset) if spilled else None

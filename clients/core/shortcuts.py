@@ -35,7 +35,7 @@ SHORTCUTS = (
     "neighbor_allreduce_", "compressed_neighbor_allreduce_async", "compressed_neighbor_allreduce",
     "neighbor_allgather_async", "neighbor_allgather", "allreduce_async", "allreduce",
     "allreduce_async_", "allreduce_", "broadcast_async", "broadcast", "broadcast_async_",
-    "broadcast_", "barrier", "flush", "in_neighbors", "out_neighbors", "win_create",
+    "broadcast_", "barrier", "flush", "fused", "in_neighbors", "out_neighbors", "win_create",
     "win_put_async", "win_put", "win_accumulate_async", "win_accumulate", "win_get_async",
     "win_get", "win_update", "win_publish", "win_free", "win_info", "win_versions",
     "win_exchange_async", "win_exchange", "win_add", "group_allreduce_async", "group_allreduce",
@@ -265,6 +265,10 @@ class DefaultClient(Generic[T, C]):
     def flush(self) -> None:
         """See :meth:`decent.core.Client.flush`."""
         self.get().flush()
+
+    def fused(self) -> AbstractContextManager[None]:
+        """See :meth:`decent.core.Client.fused`."""
+        return self.get().fused()
 
     def in_neighbors(self, name: str | None = None) -> list[int]:
         """See :meth:`decent.core.Client.in_neighbors`."""

@@ -17,6 +17,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -105,7 +106,7 @@ class Submitter(Generic[T]):
         self.arena = arena
         self.registrar = registrar
         self.spill = SpillMemory(registrar)
-        self.results = ResultMemory(codec, arena, self.spill, self.free_shared)
+        self.results = ResultMemory[T](arena, self.spill, self.free_shared)
         self._send_request = send
         # reentrant: a Handle finalizer (which takes it) may run during GC while it is held
         self._lock = threading.RLock()
@@ -296,8 +297,8 @@ class Submitter(Generic[T]):
     def _send(self, call: OpCall, tensors: list[pb.TensorRef], timeout: float,
               members: list[Pending], stamps: list[tuple[int, int]],
               filling: bool = False) -> None:
-        """Send one request of ``tensors`` (``stamps``: each one's call and queueing times;
-        ``filling``: its one tensor is copied in after it, see :meth:`_stream_in`)."""
+        """Send one request of ``tensors`` (``stamps``: call and queueing times; ``filling``:
+        its one tensor is copied in after it, :meth:`_stream_in`)."""
         req = pb.SubmitRequest(request_id=members[0].request_id if len(members) == 1
                                else next(self._ids), tensors=tensors, timeout_s=timeout,
                                queued_ns=[q for q, _ in stamps], fused_ns=[f for _, f in stamps],
@@ -328,6 +329,10 @@ class Submitter(Generic[T]):
     def flush(self) -> None:
         """Send every request still waiting in a fusion bucket now."""
         self._fusion.flush()
+
+    def fused(self) -> AbstractContextManager[None]:
+        """See :meth:`decent.core.Client.fused`."""
+        return self._fusion.held()
 
     # ------------------------------------------------------------------ completions
 
@@ -408,16 +413,26 @@ class Submitter(Generic[T]):
         if p.into is not None and p.sink:
             self._drain(p, nbytes)
             return p.into
-        if p.into is not None:
-            return self.codec.read_into(self.view(p.out_offset, nbytes), p.into)
-        slot = next((s for s in p.slots if s[0] == p.out_offset), None)
-        if nbytes and slot is not None:
-            result = self.results.adopt(slot, nbytes, p.dtype, shape, p.like)
-            if result is not None:
-                p.slots.remove(slot)
-                return result
+        into = p.into
+        if into is not None:
+            taken = self._adopted(p, nbytes, lambda owner: self.codec.take(owner, into))
+            return taken if taken is not None else \
+                self.codec.read_into(self.view(p.out_offset, nbytes), into)
+        result = self._adopted(p, nbytes, lambda owner: self.codec.result(owner, p.dtype, shape,
+                                                                          p.like))
+        if result is not None:
+            return result
         self.results.copied += 1
         return self.codec.read(self.view(p.out_offset, nbytes), p.dtype, shape, p.like)
+
+    def _adopted(self, p: Pending, nbytes: int, make: Callable[[np.ndarray], T | None]) -> Any:
+        """``p``'s result as ``make`` builds it over its slot, which it then owns; None when
+        ``make`` gives None or the result has no slot of its own."""
+        slot = next((s for s in p.slots if s[0] == p.out_offset), None)
+        result = self.results.adopt(slot, nbytes, make) if nbytes and slot else None
+        if result is not None and slot:
+            p.slots.remove(slot)
+        return result
 
     def _free(self, p: Pending, state: State) -> None:
         """Move ``p`` to a state whose slots are free (caller holds ``p.lock``)."""

@@ -1,9 +1,10 @@
 """Moves TensorFlow tensors and variables in and out of the shared-memory arena.
 
-TensorFlow tensors are immutable and TensorFlow cannot hand out the address of a tensor's
-buffer, so every request copies: the tensor's host value (``.numpy()``, a device-to-host copy
-for GPU tensors) into the arena slot, and the result out of it into a new tensor placed like the
-input, or assigned into a ``tf.Variable`` for in-place ops.
+TensorFlow tensors are immutable, so TensorFlow memory is never handed to the daemon: a request
+copies the tensor's value into its arena slot (read through DLPack; GPU and bfloat16 tensors
+through ``.numpy()``). An out-of-place result is a tensor over the memory the daemon wrote it
+into (DLPack, no copy); an in-place result is copied once, into TensorFlow's own memory, which
+the ``tf.Variable`` takes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ _TO_WIRE = {
     tf.int16: pb.INT16,
 }
 _FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
+
+#: the alignment TensorFlow's CPU kernels require of a tensor's memory (EIGEN_MAX_ALIGN_BYTES)
+ALIGNMENT = 64
 
 #: a tensor or a variable: what the TensorFlow client takes
 TFTensor = Any
@@ -77,6 +81,20 @@ def _host(tensor: TFTensor) -> np.ndarray:
     return view if view is not None else np.ascontiguousarray(value.numpy())
 
 
+def _tensor_over(src: memoryview, dtype: tf.DType, shape: tuple[int, ...],
+                 like: TFTensor) -> tf.Tensor | None:
+    """A tensor over ``src`` through DLPack (valid while ``src`` is), or None where TensorFlow
+    cannot take it: a GPU destination, bfloat16 (no numpy DLPack export), no elements, or
+    memory not aligned as TensorFlow's kernels require (it aborts the process)."""
+    if dtype == tf.bfloat16 or not math.prod(shape) or \
+            "GPU" in (getattr(like, "device", "") or "").upper():
+        return None
+    typed = np.frombuffer(src, dtype.as_numpy_dtype).reshape(shape)
+    if typed.ctypes.data % ALIGNMENT:
+        return None
+    return tf.experimental.dlpack.from_dlpack(typed.__dlpack__())
+
+
 class TFCodec:
     """The TensorFlow side of the arena hand-off."""
 
@@ -114,11 +132,15 @@ class TFCodec:
     def read_into(self, src: memoryview, into: TFTensor) -> TFTensor:
         """Assign the result to ``into`` (a ``tf.Variable``) and return it."""
         dtype, shape = self.describe(into)
-        value = self.read(src, dtype, shape, into)
-        if isinstance(unwrap(into), tf.Variable):
-            into.assign(value)
-            return into
-        return value  # a plain tensor cannot change: the result is a new one
+        if not isinstance(unwrap(into), tf.Variable):
+            return self.read(src, dtype, shape, into)  # a plain tensor cannot change
+        view = _tensor_over(src, _FROM_WIRE[dtype], shape, into)
+        # one copy out of the arena into TensorFlow's own memory, which the variable takes (an
+        # assign shares the buffer it is given; TensorFlow has no op that copies into the
+        # variable's buffer)
+        into.assign(tf.raw_ops.DeepCopy(x=view) if view is not None else
+                    self.read(src, dtype, shape, into))
+        return into
 
     def host_bytes(self, tensor: TFTensor) -> np.ndarray | None:
         """A CPU tensor's bytes through DLPack (None for GPU and bfloat16 tensors)."""
@@ -137,16 +159,22 @@ class TFCodec:
     def result(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...],
                like: TFTensor | None) -> tf.Tensor | None:
         """A host result as a tensor over ``owner`` through DLPack (no copy: the daemon is
-        done writing it, and TensorFlow never writes a tensor). The memory is 64-byte aligned
-        (arena slots, memory of their own), as TensorFlow needs; bfloat16 (no numpy DLPack
-        export), empty results and GPU inputs' results are copied."""
-        tf_dtype = _FROM_WIRE[dtype]
-        if tf_dtype == tf.bfloat16 or not math.prod(shape) or \
-                "GPU" in (getattr(like, "device", "") or "").upper():
-            return None
+        done writing it, and TensorFlow never writes a tensor); the results
+        :func:`_tensor_over` refuses are copied."""
         # a view through a memoryview keeps ``owner`` itself alive (numpy would skip it)
-        typed = np.frombuffer(owner.data, tf_dtype.as_numpy_dtype).reshape(shape)
-        return tf.experimental.dlpack.from_dlpack(typed.__dlpack__())
+        return _tensor_over(owner.data, _FROM_WIRE[dtype], shape, like)
+
+    def take(self, owner: np.ndarray, into: TFTensor) -> TFTensor | None:
+        """The result as a tensor over ``owner`` (:meth:`result`), assigned to ``into`` when it
+        is a ``tf.Variable``: an assign takes the buffer it is given, so the variable holds that
+        memory until its next assign, and nothing is copied; for a plain tensor, which cannot
+        change, the result itself. None where :meth:`result` copies."""
+        dtype, shape = self.describe(into)
+        value = self.result(owner, dtype, shape, into)
+        if value is None or not isinstance(unwrap(into), tf.Variable):
+            return value
+        into.assign(value)
+        return into
 
     def attach(self, arena: ClientArena) -> None:
         """Nothing to pin."""

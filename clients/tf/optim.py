@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -26,6 +27,7 @@ from decent.core.client import Client
 from decent.core.rejoin import JoinWatch, own_donor
 from decent.core.transfer import StateLink, Wanted, hand_out
 from decent.tf.client import default_client
+from decent.tf.codec import unwrap
 from decent.tf.state import KIT
 
 TFClientType = Client[Any]
@@ -92,18 +94,37 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         """Free the algorithm's windows (every rank, when training is over)."""
         self.algorithm.close()
 
-    def _combine(self, *tensors: tf.Tensor) -> list[tf.Tensor]:
-        """The algorithm's combine, eagerly: ``tensors`` are x_k then d_k per variable."""
-        k = len(tensors) // 2
-        xs, ds = list(tensors[:k]), list(tensors[k:])
+    def _prepare(self, xs: list[Any]) -> None:
+        """Once, at the first step: the algorithm's windows and per-variable state."""
         if not self._prepared:
             self.algorithm.prepare(xs)
             self._states = self._taken if self._taken is not None else [{} for _ in xs]
             self._prepared = True
+
+    def _combine(self, *tensors: tf.Tensor) -> list[tf.Tensor]:
+        """The algorithm's combine, eagerly: ``tensors`` are x_k then d_k per variable."""
+        k = len(tensors) // 2
+        xs, ds = list(tensors[:k]), list(tensors[k:])
+        self._prepare(xs)
         new = [tf.convert_to_tensor(n) for n in self.algorithm.finish(xs, ds, self._states)]
         self.algorithm.advance()
-        self._serve_joiners(new)
+        self._serve_joiners(lambda: new)
         return new
+
+    def _combine_in_place(self, variables: list[Any]) -> None:
+        """An adapt-then-combine algorithm's combine, eagerly, in the variables themselves
+        (they hold ``x - d``, the wrapped optimizer's step): each result is copied once out of
+        the arena and assigned."""
+        targets = [unwrap(v) for v in variables]
+        self._prepare(targets)
+        self.algorithm.finish_in_place(targets)
+        self.algorithm.advance()
+        self._serve_joiners(lambda: [tf.identity(v) for v in targets])
+
+    def _combined(self, variables: list[Any]) -> list[tf.Tensor]:
+        """:meth:`_combine_in_place`, then the variables' new values (a compiled step's)."""
+        self._combine_in_place(variables)
+        return [tf.identity(v) for v in variables]
 
     def _training_state(self, values: list[tf.Tensor]) -> dict[str, Any]:
         """The state after this step: the variables' new ``values``, the wrapped optimizer's
@@ -113,14 +134,15 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
                 "iterations": int(self.iterations.numpy()) + 1,
                 "algorithm": {**self.algorithm.counters(), "state": self._states}}
 
-    def _serve_joiners(self, values: list[tf.Tensor]) -> None:
+    def _serve_joiners(self, values: Callable[[], list[tf.Tensor]]) -> None:
         """Send the state to the ranks that joined since the last step, when this rank is
-        their donor (in the background: training goes on)."""
+        their donor (in the background: training goes on); ``values`` gives the variables'
+        new values."""
         self._sending = [t for t in self._sending if t.is_alive()]
         for to in self._joins.to_serve(self.client.view_epoch):
             self._sending.append(self._transfer.serve_in_background(
                 to, self._wanted, self.client.default_timeout))
-        hand_out(self._wanted, lambda: self._transfer.snapshot(self._training_state(values)))
+        hand_out(self._wanted, lambda: self._transfer.snapshot(self._training_state(values())))
 
     def _take_state(self, variables: list[Any]) -> None:
         """This rank joined a running job: the state of its donor, before the first step."""
@@ -145,6 +167,9 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
                          else self._trainable_variables)
         if not self.built:
             self.build(variables)
+        if self.algorithm.in_place:
+            self._apply_in_place(grads, variables)
+            return
         xs = [tf.identity(v) for v in variables]
         follow_learning_rate(self, self.inner)
         self.inner.apply(grads, variables)
@@ -157,6 +182,23 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
                 n.set_shape(x.shape)
         for v, n in zip(variables, new, strict=True):
             v.assign(n)
+        self.iterations.assign_add(1)
+
+    def _apply_in_place(self, grads: list[Any], variables: list[Any]) -> None:
+        """:meth:`apply` of an adapt-then-combine algorithm: the wrapped optimizer's step, then
+        the combine in the variables (in a compiled step, one ``tf.py_function`` that takes the
+        updated values, so it runs after the updates)."""
+        follow_learning_rate(self, self.inner)
+        self.inner.apply(grads, variables)
+        if tf.executing_eagerly():
+            self._combine_in_place(variables)
+        else:  # in after the updates, out before any later read (assigning shares a buffer)
+            new = tf.py_function(lambda *_: self._combined(variables),
+                                 [tf.identity(v) for v in variables],
+                                 Tout=[v.dtype for v in variables])
+            for v, n in zip(variables, new, strict=True):
+                n.set_shape(v.shape)
+                v.assign(n)
         self.iterations.assign_add(1)
 
 

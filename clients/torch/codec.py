@@ -147,6 +147,10 @@ class TorchCodec:
             return None
         return self.wrap(owner, dtype, shape)
 
+    def take(self, owner: np.ndarray, into: torch.Tensor) -> torch.Tensor | None:
+        """None: a torch tensor takes its result by copy (into its own storage)."""
+        return None
+
     def shared_storage(self, tensor: torch.Tensor) -> SharedStorage | None:
         """A contiguous CPU tensor's storage if it is in torch's fd-backed shared memory
         (``share_memory_()`` with the default file_descriptor strategy); None for private or

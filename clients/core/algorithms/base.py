@@ -140,8 +140,14 @@ class Algorithm(Generic[T]):
     def mix_async(self, key: str, tensors: Sequence[T], mean: bool = False,
                   in_place: bool = False) -> None:
         """Start ``W t`` (or the global mean) for every tensor; :meth:`mixed` collects them.
-        ``in_place``: each result is written into its tensor, one unfused op per tensor (for a
-        few large tensors, such as an adapter's flat parameter buffers)."""
+        ``in_place``: each result is written into its tensor (a global mean as one unfused op
+        per tensor). The requests fuse by size only (:meth:`Client.fused`)."""
+        with self.client.fused():  # one bucket as far as the threshold allows
+            self._pending[key] = self._submit_mix(key, tensors, mean, in_place)
+
+    def _submit_mix(self, key: str, tensors: Sequence[T], mean: bool,
+                    in_place: bool) -> list[Handle[T]]:
+        """The requests of :meth:`mix_async`."""
         c = self.client
         names = [f"{self.prefix}.{key}.{i}" for i in range(len(tensors))]
         if mean:
@@ -156,7 +162,7 @@ class Algorithm(Generic[T]):
             hs = [c.neighbor_allreduce_async_(t, name=n, fuse=True, **w) if in_place
                   else c.neighbor_allreduce_async(t, name=n, **w)
                   for t, n in zip(tensors, names, strict=True)]
-        self._pending[key] = hs
+        return hs
 
     def mixed(self, key: str) -> list[T]:
         """The results of :meth:`mix_async` ``key``."""
