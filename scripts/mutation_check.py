@@ -34,6 +34,9 @@ FAULTS = "tests/test_faults.py::test_"
 RESULTS = "tests/test_results.py::test_"
 AGREE = "tests/test_agreement.py::test_"
 STREAMING = "tests/test_streaming.py::test_"
+DATA_PATH = "tests/test_data_path.py::test_"
+KERAS_STEP = "tests/test_tf.py::test_a_keras_adapt_then_combine_step_makes_no_model_sized_tensor"
+KERAS_MATCH = "tests/test_tf.py::test_keras_wrapper_matches_the_torch_wrapper"
 
 #: (file, snippet, replacement, tests, what the change breaks)
 MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
@@ -283,6 +286,22 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "            if True:", ["tests/test_algorithms.py"],
      "exact diffusion reuses the psi it keeps for the next step (spares)"),
 
+    ("clients/core/fusion.py", "        with self._cv:\n            self._holds += 1\n        try:",
+     "        try:", [DATA_PATH + "a_fused_block_goes_out_as_one_request_however_slowly"
+                               "_it_is_filled"], "the timer splits a fused() block"),
+    ("clients/tf/codec.py", "        if value is None or not isinstance(unwrap(into), tf.Variable):"
+     "\n            return value", "        if True:\n            return None",
+     [RESULTS + "a_tf_variable_takes_its_in_place_result_where_the_daemon_wrote_it",
+      KERAS_STEP], "a tf.Variable's in-place result is copied out instead of taken"),
+    ("clients/tf/optim.py", "        if self.algorithm.in_place:\n            self._apply_in_place",
+     "        if False:\n            self._apply_in_place", [KERAS_STEP],
+     "the Keras adapt-then-combine step makes x_k, d_k and x - d again"),
+    ("clients/tf/optim.py", "                n.set_shape(v.shape)\n                v.assign(n)",
+     "                n.set_shape(v.shape)", [KERAS_MATCH],
+     "a compiled Keras step reads its variables before the combine is assigned"),
+    ("clients/tf/codec.py", "    if typed.ctypes.data % ALIGNMENT:\n        return None\n", "",
+     [RESULTS + "tensorflow_is_given_only_memory_aligned_as_its_kernels_require"],
+     "misaligned memory handed to TensorFlow"),
 ]
 
 

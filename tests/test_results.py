@@ -17,6 +17,7 @@ import torch
 
 from cluster import Cluster, delay, run_each, tf_cluster
 from conftest import ClusterFactory
+from decent.tf.codec import ALIGNMENT, tensor_over
 
 
 def in_arena(cl, t: torch.Tensor) -> bool:  # type: ignore[no-untyped-def]
@@ -173,6 +174,18 @@ def test_tensorflow_results_are_tensors_over_the_arena_through_dlpack() -> None:
             # bfloat16 has no numpy DLPack export: copied out, and counted
             assert bf.dtype == tf.bfloat16 and float(bf[0]) == 0.5
             assert after.worker_results_copied == 1
+
+
+def test_tensorflow_is_given_only_memory_aligned_as_its_kernels_require() -> None:
+    # TensorFlow aborts the process on a misaligned tensor: such memory is copied instead
+    raw = np.zeros(4096 + 2 * ALIGNMENT, np.uint8)
+    memory = memoryview(raw.data)
+    aligned = (-raw.ctypes.data) % ALIGNMENT
+    for skew, taken in ((0, True), (4, False), (ALIGNMENT // 2, False)):
+        view = memory[aligned + skew: aligned + skew + 4096]
+        t = tensor_over(view, tf.float32, (1024,), None)
+        assert (t is not None) is taken, skew
+    assert tensor_over(memory[aligned:aligned + 8], tf.bfloat16, (4,), None) is None
 
 
 def test_a_tf_variable_takes_its_in_place_result_where_the_daemon_wrote_it() -> None:

@@ -81,7 +81,7 @@ def _host(tensor: TFTensor) -> np.ndarray:
     return view if view is not None else np.ascontiguousarray(value.numpy())
 
 
-def _tensor_over(src: memoryview, dtype: tf.DType, shape: tuple[int, ...],
+def tensor_over(src: memoryview, dtype: tf.DType, shape: tuple[int, ...],
                  like: TFTensor) -> tf.Tensor | None:
     """A tensor over ``src`` through DLPack (valid while ``src`` is), or None where TensorFlow
     cannot take it: a GPU destination, bfloat16 (no numpy DLPack export), no elements, or
@@ -134,7 +134,7 @@ class TFCodec:
         dtype, shape = self.describe(into)
         if not isinstance(unwrap(into), tf.Variable):
             return self.read(src, dtype, shape, into)  # a plain tensor cannot change
-        view = _tensor_over(src, _FROM_WIRE[dtype], shape, into)
+        view = tensor_over(src, _FROM_WIRE[dtype], shape, into)
         # one copy out of the arena into TensorFlow's own memory, which the variable takes (an
         # assign shares the buffer it is given; TensorFlow has no op that copies into the
         # variable's buffer)
@@ -160,9 +160,9 @@ class TFCodec:
                like: TFTensor | None) -> tf.Tensor | None:
         """A host result as a tensor over ``owner`` through DLPack (no copy: the daemon is
         done writing it, and TensorFlow never writes a tensor); the results
-        :func:`_tensor_over` refuses are copied."""
+        :func:`tensor_over` refuses are copied."""
         # a view through a memoryview keeps ``owner`` itself alive (numpy would skip it)
-        return _tensor_over(owner.data, _FROM_WIRE[dtype], shape, like)
+        return tensor_over(owner.data, _FROM_WIRE[dtype], shape, like)
 
     def take(self, owner: np.ndarray, into: TFTensor) -> TFTensor | None:
         """The result as a tensor over ``owner`` (:meth:`result`), assigned to ``into`` when it
