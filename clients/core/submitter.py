@@ -2,10 +2,10 @@
 
 A request is: place the tensor (allocate a slot in the shared-memory arena and copy it in, or use
 memory the daemon maps already), give it the next round of its name, and send a small
-``SubmitRequest`` without waiting for an answer; the caller gets a
-:class:`~decent.core.handles.Handle`. Small asynchronous requests may wait in a fusion bucket
-and go as one request. Completions arrive on the connection's reader thread and wake the handles;
-``Handle.wait()`` reads the result out of the arena and frees the slots.
+``SubmitRequest`` without waiting for an answer; the caller gets a ``Handle``. Small
+asynchronous requests may wait in a fusion bucket and go as one request. Completions arrive on
+the connection's reader thread and wake the handles; ``Handle.wait()`` takes the result (a
+tensor over its slot, or copied out) and frees what it does not keep.
 """
 
 from __future__ import annotations
@@ -410,27 +410,27 @@ class Submitter(Generic[T]):
         if p.resident:
             return p.into
         nbytes, shape = p.result_layout()
-        if p.into is not None and p.sink:
-            self._drain(p, nbytes)
-            return p.into
         into = p.into
+        if into is not None and p.sink:
+            self._drain(p, nbytes)
+            return into
         if into is not None:
             taken = self._adopted(p, nbytes, lambda owner: self.codec.take(owner, into))
             return taken if taken is not None else \
                 self.codec.read_into(self.view(p.out_offset, nbytes), into)
-        result = self._adopted(p, nbytes, lambda owner: self.codec.result(owner, p.dtype, shape,
-                                                                          p.like))
+        result = self._adopted(p, nbytes, lambda o: self.codec.result(o, p.dtype, shape, p.like))
         if result is not None:
             return result
         self.results.copied += 1
         return self.codec.read(self.view(p.out_offset, nbytes), p.dtype, shape, p.like)
 
     def _adopted(self, p: Pending, nbytes: int, make: Callable[[np.ndarray], T | None]) -> Any:
-        """``p``'s result as ``make`` builds it over its slot, which it then owns; None when
-        ``make`` gives None or the result has no slot of its own."""
+        """``p``'s result as ``make`` builds it over its own slot (which it then owns), or None."""
         slot = next((s for s in p.slots if s[0] == p.out_offset), None)
-        result = self.results.adopt(slot, nbytes, make) if nbytes and slot else None
-        if result is not None and slot:
+        if not nbytes or slot is None:
+            return None
+        result = self.results.adopt(slot, nbytes, make)
+        if result is not None:
             p.slots.remove(slot)
         return result
 

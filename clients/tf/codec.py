@@ -2,9 +2,9 @@
 
 TensorFlow tensors are immutable, so TensorFlow memory is never handed to the daemon: a request
 copies the tensor's value into its arena slot (read through DLPack; GPU and bfloat16 tensors
-through ``.numpy()``). An out-of-place result is a tensor over the memory the daemon wrote it
-into (DLPack, no copy); an in-place result is copied once, into TensorFlow's own memory, which
-the ``tf.Variable`` takes.
+through ``.numpy()``). A result is a tensor over the memory the daemon wrote it into (DLPack,
+no copy); an in-place op assigns it to its ``tf.Variable``, which then holds that memory.
+Results TensorFlow cannot take so (GPU, bfloat16, misaligned) are copied.
 """
 
 from __future__ import annotations
@@ -130,17 +130,14 @@ class TFCodec:
             return tf.identity(tf.convert_to_tensor(host, dtype=tf_dtype))
 
     def read_into(self, src: memoryview, into: TFTensor) -> TFTensor:
-        """Assign the result to ``into`` (a ``tf.Variable``) and return it."""
+        """Assign a copy of the result to ``into`` (a ``tf.Variable``) and return it (for the
+        results :meth:`take` cannot hand over as they lie)."""
         dtype, shape = self.describe(into)
-        if not isinstance(unwrap(into), tf.Variable):
-            return self.read(src, dtype, shape, into)  # a plain tensor cannot change
-        view = tensor_over(src, _FROM_WIRE[dtype], shape, into)
-        # one copy out of the arena into TensorFlow's own memory, which the variable takes (an
-        # assign shares the buffer it is given; TensorFlow has no op that copies into the
-        # variable's buffer)
-        into.assign(tf.raw_ops.DeepCopy(x=view) if view is not None else
-                    self.read(src, dtype, shape, into))
-        return into
+        value = self.read(src, dtype, shape, into)
+        if isinstance(unwrap(into), tf.Variable):
+            into.assign(value)
+            return into
+        return value  # a plain tensor cannot change: the result is a new one
 
     def host_bytes(self, tensor: TFTensor) -> np.ndarray | None:
         """A CPU tensor's bytes through DLPack (None for GPU and bfloat16 tensors)."""
