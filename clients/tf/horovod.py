@@ -64,7 +64,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def _reduce(self, *grads: tf.Tensor) -> list[tf.Tensor]:
         """The gradients reduced over the ranks (eagerly)."""
         names = [str(i) for i in range(len(grads))]
-        handles = self.algorithm.average_async(list(grads), names)
+        with self.client.fused():  # the step's gradients together, as Horovod's grouped ops
+            handles = self.algorithm.average_async(list(grads), names)
         return [tf.convert_to_tensor(h.wait()) for h in handles]
 
     def _reduce_and_apply(self, grads: list[tf.Tensor], variables: list[Any]) -> None:
