@@ -224,20 +224,23 @@ def test_a_receiver_still_copying_its_input_waits_for_it_before_combining(
     def received_from_peer(cl) -> int:  # type: ignore[no-untyped-def]
         return sum(p.bytes_received for p in cl.status().peers if p.rank == 0)
 
+    # counted before either rank starts: rank 0's tensor may reach rank 1's daemon before
+    # rank 1 submits (it is held there as an early arrival)
+    before = received_from_peer(c.clients[1])
+
     def work(cl):  # type: ignore[no-untyped-def]
         delay(cl.rank)
         mine = values(cl.rank) + 7.0  # values no earlier test left in an arena slot
         if cl.rank == 0:
             return cl.neighbor_allreduce(mine, name="late", self_weight=1.0, src_weights={},
                                          dst_weights=[1])
-        before = received_from_peer(cl)
         send = cl._submitter._send_request
 
         def hold(req: pb.SubmitRequest) -> None:
             if req.WhichOneof("op") == "fill" and req.fill.bytes == 2 * CHUNK:
                 deadline = time.monotonic() + 30
-                while received_from_peer(cl) - before < NUMEL * 4 and \
-                        time.monotonic() < deadline:
+                while received_from_peer(cl) - before < NUMEL * 4:
+                    assert time.monotonic() < deadline, "rank 0's tensor never arrived"
                     time.sleep(0.01)
             send(req)
 
