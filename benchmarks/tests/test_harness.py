@@ -79,8 +79,21 @@ def _quick_p2p(out: Path, sizes: str) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_p2p_benchmark_quick(tmp_path: Path) -> None:
-    _quick_p2p(tmp_path, "4K,1M")
+@pytest.fixture(scope="module")
+def quick_p2p_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One quick p2p run (4 KiB and 1 MiB) for every test of this module that reads it."""
+    out = tmp_path_factory.mktemp("p2p")
+    _quick_p2p(out, "4K,1M")
+    return out
+
+
+def _with_p2p(run: Path, into: Path) -> None:
+    """The quick p2p run's files in ``into``, where a test adds its own."""
+    shutil.copytree(run, into, dirs_exist_ok=True)
+
+
+def test_p2p_benchmark_quick(quick_p2p_run: Path) -> None:
+    tmp_path = quick_p2p_run
     report = (tmp_path / "p2p_vs_gloo.md").read_text()
     assert "| 4 KiB |" in report and "| 1 MiB |" in report
     assert (tmp_path / "p2p_vs_gloo.png").stat().st_size > 10_000
@@ -135,8 +148,8 @@ def test_report_rows_for_the_optimizer_and_tf(tmp_path: Path) -> None:
     assert "1.25x (50.0 vs 40.0 ms)" in rows["7t"] and "PASS" in rows["7t"]
 
 
-def test_report_merges_the_benchmark_results(tmp_path: Path) -> None:
-    _quick_p2p(tmp_path, "4K")
+def test_report_merges_the_benchmark_results(tmp_path: Path, quick_p2p_run: Path) -> None:
+    _with_p2p(quick_p2p_run, tmp_path)
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"),
                            "--results", str(tmp_path)], capture_output=True, text=True,
                           timeout=120)
@@ -149,9 +162,9 @@ def test_report_merges_the_benchmark_results(tmp_path: Path) -> None:
     assert re.search(r"64 MiB memmove \d+\.\d ms", (tmp_path / "README_TABLE.md").read_text())
 
 
-def test_report_rows_for_the_netns_variants(tmp_path: Path) -> None:
+def test_report_rows_for_the_netns_variants(tmp_path: Path, quick_p2p_run: Path) -> None:
     """Rows 4, 4', 4o from the netns runs' JSON, each its own run's ratio and host."""
-    _quick_p2p(tmp_path, "4K")
+    _with_p2p(quick_p2p_run, tmp_path)
     where = {"nodes": 8, "rate": "1gbit", "mbytes": 25.0, "repeats": 18}
     # row 4' was wrong (fails however fast), row 4o is left from an older commit (says so)
     for name, mode, steal, speedup, correct, commit in (
@@ -200,9 +213,9 @@ def _hier_result(gloo_ms: float, flat_ms: float, hier_ms: float,
             "decent_source": {"repo_commit": "abc1234"}, "date": "d"}
 
 
-def test_report_rows_for_netns_hier(tmp_path: Path) -> None:
+def test_report_rows_for_netns_hier(tmp_path: Path, quick_p2p_run: Path) -> None:
     """Rows 4h and 4f from netns_hier.json, each against its own target; a REPORT section."""
-    _quick_p2p(tmp_path, "4K")
+    _with_p2p(quick_p2p_run, tmp_path)
     (tmp_path / "netns_hier.json").write_text(json.dumps(_hier_result(378, 431, 230)))
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"),
                            "--results", str(tmp_path)], capture_output=True, text=True,
