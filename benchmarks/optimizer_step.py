@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,33 +56,56 @@ PATHS = {"flat": "dsgd, flattened (shared buffer, in place)",
 BASELINE = {"flat": "flat", "general": "flat", "gt": "gt1", "gt1": "gt1", "keras": "flat"}
 
 
+def timed_steps(client: Any, algorithm: Any, tag: str, steps: int,
+                reset: Callable[[float], None], step: Callable[[], None],
+                holds: Callable[[float], bool], after: Callable[[], None] | None = None,
+                ) -> tuple[list[float], list[float], bool, list[float]]:
+    """Wall and worker-CPU seconds of ``steps`` timed calls of ``step`` (after :data:`WARMUP`
+    more), each after a barrier with every parameter at the rank (``reset``); whether ``holds``
+    the value the step's weights give after each; the wall seconds of ``after`` (run after each
+    step, if given)."""
+    rank = client.rank
+    walls: list[float] = []
+    cpus: list[float] = []
+    afters: list[float] = []
+    exact = True
+    for k in range(WARMUP + steps):
+        reset(float(rank))
+        st = algorithm.topology.step(rank, algorithm.exchanges)
+        want = st.self_weight * rank + sum(w * j for j, w in st.src_weights.items())
+        client.barrier(name=f"{tag}.b")
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        t1, c1 = time.perf_counter(), time.process_time()
+        if after is not None:
+            after()
+        if k >= WARMUP:
+            walls.append(t1 - t0)
+            cpus.append(c1 - c0)
+            afters.append(time.perf_counter() - t1)
+        exact &= holds(want)
+    return walls, cpus, exact, afters
+
+
 def one_round(client: Any, flatten: bool, sizes: list[int], steps: int,
               tag: str, algorithm: str = "dsgd") -> tuple[list[float], list[float], bool]:
     """Wall and worker-CPU seconds of ``steps`` timed steps; whether every result was exact."""
     import torch
 
-    rank = client.rank
     opt, params = dsgd_optimizer(client, sizes, tag, flatten, algorithm)
     if opt.flattened != flatten:
         raise SystemExit(f"flatten={flatten} but the optimizer says flattened={opt.flattened}")
-    walls: list[float] = []
-    cpus: list[float] = []
-    exact = True
-    for k in range(WARMUP + steps):
+
+    def reset(value: float) -> None:
         for p in params:
-            p.data.fill_(float(rank))
-        # every rank starts at its rank: the step's weights give the result
-        st = opt.algorithm.topology.step(rank, opt.algorithm.exchanges)
-        want = st.self_weight * rank + sum(w * j for j, w in st.src_weights.items())
-        client.barrier(name=f"{tag}.b")
-        t0, c0 = time.perf_counter(), time.process_time()
-        opt.step()
-        t1, c1 = time.perf_counter(), time.process_time()
-        if k >= WARMUP:
-            walls.append(t1 - t0)
-            cpus.append(c1 - c0)
-        exact &= all(torch.allclose(p, torch.full_like(p, want), rtol=1e-6, atol=0)
-                     for p in params)
+            p.data.fill_(value)
+
+    def holds(want: float) -> bool:
+        return all(torch.allclose(p, torch.full_like(p, want), rtol=1e-6, atol=0)
+                   for p in params)
+
+    walls, cpus, exact, _ = timed_steps(client, opt.algorithm, tag, steps, reset, opt.step,
+                                        holds)
     opt.close()
     return walls, cpus, exact
 
@@ -97,36 +121,25 @@ def keras_round(client: Any, sizes: list[int], steps: int,
 
     import decent.tf as dtf
 
-    rank = client.rank
     variables = [keras.Variable(np.zeros(n, np.float32)) for n in sizes]
     opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(OPT_LR), algorithm="dsgd",
                                      client=client, prefix=tag)
+    plain = keras.optimizers.SGD(OPT_LR)
     grads = [tf.zeros(n) for n in sizes]
     step = tf.function(lambda: opt.apply_gradients(zip(grads, variables, strict=True)))
-    plain = keras.optimizers.SGD(OPT_LR)
+    # zero gradients: the plain step leaves the values
     plain_step = tf.function(lambda: plain.apply_gradients(zip(grads, variables, strict=True)))
-    plains: list[float] = []
-    walls: list[float] = []
-    cpus: list[float] = []
-    exact = True
-    for k in range(WARMUP + steps):
+
+    def reset(value: float) -> None:
         for v in variables:
-            v.assign(tf.fill(v.shape, float(rank)))
-        st = opt.algorithm.topology.step(rank, opt.algorithm.exchanges)
-        want = st.self_weight * rank + sum(w * j for j, w in st.src_weights.items())
-        client.barrier(name=f"{tag}.b")
-        t0, c0 = time.perf_counter(), time.process_time()
-        step()
-        t1, c1 = time.perf_counter(), time.process_time()
-        t2 = time.perf_counter()
-        plain_step()  # zero gradients: the values stay
-        if k >= WARMUP:
-            walls.append(t1 - t0)
-            cpus.append(c1 - c0)
-            plains.append(time.perf_counter() - t2)
-        exact &= all(np.allclose(v.numpy(), want, rtol=1e-6, atol=0) for v in variables)
+            v.assign(tf.fill(v.shape, value))
+
+    def holds(want: float) -> bool:
+        return all(np.allclose(v.numpy(), want, rtol=1e-6, atol=0) for v in variables)
+
+    timings = timed_steps(client, opt.algorithm, tag, steps, reset, step, holds, plain_step)
     opt.close()
-    return walls, cpus, exact, plains
+    return timings
 
 
 def main(argv: list[str] | None = None) -> int:
