@@ -13,8 +13,8 @@ parameters, whose storages it put in shared memory, and the combine writes into 
 gradient tracking on the general path (``x`` and ``d`` in arena buffers kept across steps; two
 exchanges per step), gradient tracking on one parameter of the same bytes (the flattened
 layout of the same math, which the general path is compared with) and the Keras wrapper's D-SGD
-step on Keras variables of the same sizes (``decent.tf``, a TensorFlow client in a job of its
-own on the same daemon, the step compiled), two rounds each. Rank 0
+and gradient-tracking steps on Keras variables of the same sizes (``decent.tf``, a TensorFlow
+client in a job of its own on the same daemon, the step compiled), two rounds each. Rank 0
 prints the medians (wall time and the worker's own CPU time per step) and writes them as JSON and
 a bar chart next to it.
 """
@@ -51,9 +51,14 @@ PATHS = {"flat": "dsgd, flattened (shared buffer, in place)",
          "general": "dsgd, general (flatten=False)",
          "gt": "gradient tracking, general (two exchanges per step)",
          "gt1": "gradient tracking, the same bytes in one parameter (its flattened layout)",
-         "keras": "dsgd, Keras (decent.tf, compiled step)"}
+         "keras": "dsgd, Keras (decent.tf, compiled step)",
+         "keras_gt": "gradient tracking, Keras (decent.tf, compiled step, host buffers)"}
 #: what each path's step is compared with: the same algorithm laid out flat
-BASELINE = {"flat": "flat", "general": "flat", "gt": "gt1", "gt1": "gt1", "keras": "flat"}
+BASELINE = {"flat": "flat", "general": "flat", "gt": "gt1", "gt1": "gt1", "keras": "flat",
+            "keras_gt": "gt1"}
+#: the algorithm of each round
+ALGORITHM = {"gt": "gradient-tracking", "gt1": "gradient-tracking",
+             "keras_gt": "gradient-tracking"}
 
 
 def timed_steps(client: Any, algorithm: Any, tag: str, steps: int,
@@ -110,9 +115,9 @@ def one_round(client: Any, flatten: bool, sizes: list[int], steps: int,
     return walls, cpus, exact
 
 
-def keras_round(client: Any, sizes: list[int], steps: int,
-                tag: str) -> tuple[list[float], list[float], bool, list[float]]:
-    """:func:`one_round` for ``decent.tf.DecentralizedOptimizer(keras SGD, "dsgd")`` on Keras
+def keras_round(client: Any, sizes: list[int], steps: int, tag: str, algorithm: str = "dsgd",
+                ) -> tuple[list[float], list[float], bool, list[float]]:
+    """:func:`one_round` for ``decent.tf.DecentralizedOptimizer(keras SGD, algorithm)`` on Keras
     variables of ``sizes`` elements, its step compiled (as ``model.fit`` runs it); then the
     wall seconds of the plain Keras SGD step on the same variables, timed after each."""
     import keras
@@ -122,7 +127,7 @@ def keras_round(client: Any, sizes: list[int], steps: int,
     import decent.tf as dtf
 
     variables = [keras.Variable(np.zeros(n, np.float32)) for n in sizes]
-    opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(OPT_LR), algorithm="dsgd",
+    opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(OPT_LR), algorithm=algorithm,
                                      client=client, prefix=tag)
     plain = keras.optimizers.SGD(OPT_LR)
     grads = [tf.zeros(n) for n in sizes]
@@ -164,16 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[str, list[float]]] = {key: {"wall": [], "cpu": []} for key in PATHS}
     keras_sgd: list[float] = []
     exact = True
-    order = ("flat", "general", "gt", "gt1", "keras", "keras", "gt1", "gt", "general", "flat")
+    order = ("flat", "general", "gt", "gt1", "keras", "keras_gt",
+             "keras_gt", "keras", "gt1", "gt", "general", "flat")
     for i, key in enumerate(order):
-        if key == "keras":
-            walls, cpus, ok, plains = keras_round(tf_client, sizes, a.steps, f"optstep{i}")
+        algorithm = ALGORITHM.get(key, "dsgd")
+        if key.startswith("keras"):
+            walls, cpus, ok, plains = keras_round(tf_client, sizes, a.steps, f"optstep{i}",
+                                                  algorithm)
             keras_sgd += plains
         else:
             walls, cpus, ok = one_round(client, key == "flat",
                                         [sum(sizes)] if key == "gt1" else sizes, a.steps,
-                                        f"optstep{i}",
-                                        "gradient-tracking" if key.startswith("gt") else "dsgd")
+                                        f"optstep{i}", algorithm)
         runs[key]["wall"] += walls
         runs[key]["cpu"] += cpus
         exact &= ok
@@ -221,8 +228,8 @@ def report(res: dict[str, Any], path: Path) -> None:
     xs = range(len(keys))
     ax.bar([x - 0.2 for x in xs], [res[k]["wall_ms"] for k in keys], 0.4, label="step")
     ax.bar([x + 0.2 for x in xs], [res[k]["cpu_ms"] for k in keys], 0.4, label="worker CPU")
-    ax.set_xticks(list(xs), ["dsgd flattened", "dsgd general", "GT general", "GT one tensor",
-                             "dsgd Keras"])
+    ax.set_xticks(list(xs), ["dsgd\nflattened", "dsgd\ngeneral", "GT\ngeneral",
+                             "GT one\ntensor", "dsgd\nKeras", "GT\nKeras"])
     ax.set_ylabel("ms per step (median)")
     ax.set_title(f"optimizer step, {res['mbytes']:g} MB, {res['ranks']} ranks")
     ax.legend()

@@ -508,15 +508,18 @@ def commit_of(res: dict[str, Any]) -> str:
 
 
 def optimizer_rows(add: Callable[..., None], opt: dict[str, Any] | None) -> None:
-    """Rows 3o, 3g, 3k: a general-path optimizer step against the same algorithm's flattened
-    step (D-SGD: flatten=True; gradient tracking: the same bytes in one parameter, its ratio to
-    a flattened D-SGD step given too; Keras: its D-SGD step on variables of the same sizes)
+    """Rows 3o, 3g, 3k, 3kg: a general-path optimizer step against the same algorithm's
+    flattened step (D-SGD: flatten=True; gradient tracking: the same bytes in one parameter, its
+    ratio to a flattened D-SGD step given too; Keras: its D-SGD and gradient-tracking steps on
+    variables of the same sizes, against torch's)
     (``optimizer_step.json``; loopback, 2 ranks)."""
     rows = (("3o", "general", "flat", "D-SGD / flattened D-SGD step"),
             ("3g", "gt", "gt1", "gradient tracking / gradient tracking on the same bytes in one "
                                 "parameter (its flattened layout)"),
             ("3k", "keras", "flat", "the Keras wrapper's compiled D-SGD step / the torch "
-                                    "flattened D-SGD step"))
+                                    "flattened D-SGD step"),
+            ("3kg", "keras_gt", "gt1", "the Keras wrapper's compiled gradient-tracking step / "
+                                       "the torch one-parameter gradient-tracking step"))
     for cid, key, base, what in rows:
         if opt is None or key not in opt or base not in opt:
             add(cid, f"optimizer step, general path, {what}", None, 1.3, False,
@@ -527,7 +530,7 @@ def optimizer_rows(add: Callable[..., None], opt: dict[str, Any] | None) -> None
         if base != "flat":
             text += (f"; {ratio_text(opt[key]['wall_ms'] / opt['flat']['wall_ms'])} a flattened "
                      "D-SGD step (a second exchange and more math)")
-        if key == "keras" and "keras_sgd_ms" in opt:
+        if key.startswith("keras") and "keras_sgd_ms" in opt:
             text += f"; the plain Keras SGD step alone {opt['keras_sgd_ms']:.1f} ms"
         add(cid, f"{opt['mbytes']:g} MB optimizer step, general path (flatten=False), {what}",
             v, 1.3, False, f"{text}; from {commit_of(opt)}")

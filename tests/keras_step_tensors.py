@@ -7,7 +7,9 @@ callbacks, which do the counting, are kept per thread and miss ops when several 
 process run TensorFlow). For every algorithm it takes three steps of the plain Keras optimizer
 and three of ``decent.tf.DecentralizedOptimizer`` around it, on the same model, and prints one
 JSON line: by op type, the tensors of >= 2560 elements each step's last run made, that share
-no buffer with what they read (reads of a variable and identities are left out).
+no buffer with what they read (reads of a variable and identities are left out), and the most
+memory Python's allocations (numpy's arrays among them) took during that step beyond what they
+held before it (``tracemalloc``'s peak).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tracemalloc
 from collections import Counter
 from typing import Any
 
@@ -52,29 +55,37 @@ class LargeOutputs:
         op_callbacks.remove_op_callback(self)
 
 
-def last_step(client: Any, algorithm: str | None) -> dict[str, int]:
-    """What the third step of ``algorithm`` (None: the plain optimizer) made."""
+def last_step(client: Any, algorithm: str, wrapped: bool) -> tuple[dict[str, int], int]:
+    """What the third step of ``algorithm`` (not ``wrapped``: the plain optimizer it wraps)
+    made: the tensors by op type, and the peak of Python's allocations beyond those held
+    before the step (bytes)."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256),
                               keras.layers.Dense(10)])
-    opt = keras.optimizers.SGD(0.1, momentum=0.9)
-    if algorithm is not None:
+    opt = keras.optimizers.SGD(0.1, momentum=0.0 if algorithm == "decentlam" else 0.9)
+    if wrapped:
         opt = dtf.DecentralizedOptimizer(opt, algorithm=algorithm, client=client,
                                          prefix=f"tensors.{algorithm}")
     grads = [tf.ones_like(v) / 64 for v in model.trainable_variables]
-    for _ in range(3):
+    for k in range(3):
+        if k == 2:
+            tracemalloc.start()
         with LargeOutputs() as watch:
             opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-    return dict(watch.made)
+    held, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return dict(watch.made), peak - held
 
 
 def main() -> int:
     """Count for each algorithm of ``argv[1]`` (comma-separated)."""
     client = dtf.init()
     for algorithm in sys.argv[1].split(","):
-        print(json.dumps({"rank": client.rank, "algorithm": algorithm,
-                          "plain": last_step(client, None),
-                          "wrapped": last_step(client, algorithm)}), flush=True)
+        plain, plain_peak = last_step(client, algorithm, False)
+        wrapped, wrapped_peak = last_step(client, algorithm, True)
+        print(json.dumps({"rank": client.rank, "algorithm": algorithm, "plain": plain,
+                          "wrapped": wrapped, "plain_python_peak": plain_peak,
+                          "wrapped_python_peak": wrapped_peak}), flush=True)
     dtf.shutdown()
     return 0
 

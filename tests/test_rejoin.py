@@ -9,6 +9,7 @@ from typing import Any
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 import torch
 
@@ -135,18 +136,20 @@ def test_a_restarted_node_takes_the_state_of_a_live_rank_and_trains_on() -> None
 
 
 class KerasTrainer:
-    """One rank's Keras model and decentralized optimizer (SGD with momentum, D-SGD)."""
+    """One rank's Keras model and decentralized optimizer (SGD with momentum, ``algorithm``)."""
 
-    def __init__(self, client: Any, seed: int) -> None:
+    def __init__(self, client: Any, seed: int, algorithm: str = "dsgd") -> None:
         keras.utils.set_random_seed(seed)
         self.client = client
         self.model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         self.opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
-                                              algorithm="dsgd", client=client)
+                                              algorithm=algorithm, client=client)
         self.x = tf.constant(X.numpy())
         self.y = tf.fill((8, 1), float(client.rank))
         #: (variables, optimizer variables) after each step
         self.after: list[tuple[list[np.ndarray], list[np.ndarray]]] = []
+        #: the algorithm's per-variable state after each step
+        self.states: list[list[dict[str, np.ndarray]]] = []
 
     def state(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         return ([v.numpy() for v in self.model.trainable_variables],
@@ -159,18 +162,24 @@ class KerasTrainer:
         grads = tape.gradient(loss, self.model.trainable_variables)
         self.opt.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
         self.after.append(self.state())
+        self.states.append(self.algorithm_state())
+
+    def algorithm_state(self) -> list[dict[str, np.ndarray]]:
+        return [{k: np.array(v) for k, v in s.items()} for s in self.opt.algorithm_state]
 
     def flat(self) -> np.ndarray:
         return np.concatenate([v.numpy().reshape(-1) for v in self.model.trainable_variables])
 
 
-def test_a_restarted_keras_rank_takes_the_state_of_a_live_rank_and_trains_on() -> None:
+@pytest.mark.parametrize("algorithm", ["dsgd", "gradient-tracking"])  # in place; on the host
+def test_a_restarted_keras_rank_takes_the_state_of_a_live_rank_and_trains_on(
+        algorithm: str) -> None:
     c = Cluster(3, "ring")
     clients: list[Any] = []
     try:
         with ThreadPoolExecutor(3) as pool:
             clients = list(pool.map(lambda s: dtf.connect(f"unix://{s}", 60), c.sockets))
-        trainers = [KerasTrainer(clients[r], seed=r) for r in range(3)]
+        trainers = [KerasTrainer(clients[r], seed=r, algorithm=algorithm) for r in range(3)]
         steps(trainers, 3)
         c.kill_node(2)
         clients[2].close()
@@ -179,7 +188,8 @@ def test_a_restarted_keras_rank_takes_the_state_of_a_live_rank_and_trains_on() -
         for i in (0, 1):
             until_state(c, i, 2, "up")
         def join() -> KerasTrainer:  # building the optimizer takes the donor's state
-            t = KerasTrainer(dtf.connect(f"unix://{c.sockets[2]}", 60), seed=99)
+            t = KerasTrainer(dtf.connect(f"unix://{c.sockets[2]}", 60), seed=99,
+                             algorithm=algorithm)
             t.opt.build(t.model.trainable_variables)
             return t
 
@@ -197,8 +207,15 @@ def test_a_restarted_keras_rank_takes_the_state_of_a_live_rank_and_trains_on() -
         assert all(np.array_equal(a, b) for a, b in zip(donor_opt, taken_opt, strict=True))
         assert int(rejoined.opt.iterations.numpy()) == match[-1] + 1
         assert rejoined.opt.algorithm.counters()["iteration"] == match[-1] + 1
+        # and the algorithm's state (gradient tracking: y and d per variable)
+        taken_state = rejoined.algorithm_state()
+        donor_state = trainers[0].states[match[-1]]
+        assert [sorted(s) for s in taken_state] == [sorted(s) for s in donor_state]
+        assert all(np.array_equal(s[k], d[k]) for s, d in zip(taken_state, donor_state,
+                                                               strict=True) for k in s)
         train_together(trainers[:2], rejoined)
-        assert_as_close_as_the_others([t.flat() for t in trainers])
+        if algorithm == "dsgd":  # gradient tracking's sum of trackers changed with the join
+            assert_as_close_as_the_others([t.flat() for t in trainers])
     finally:
         for cl in clients:
             cl.close()

@@ -111,6 +111,7 @@ def test_optimizer_step_benchmark_quick(tmp_path: Path) -> None:
     assert res["exact"] is True and res["ranks"] == 2 and res["params"] == 3
     assert res["flat"]["wall_ms"] > 0 and res["general"]["wall_ms"] > 0
     assert res["gt"]["wall_ms"] > 0 and res["keras"]["wall_ms"] > 0 and res["keras_sgd_ms"] > 0
+    assert res["keras_gt"]["wall_ms"] > 0
     assert out.with_suffix(".png").stat().st_size > 5_000
 
 
@@ -131,7 +132,7 @@ def test_report_rows_for_the_optimizer_and_tf(tmp_path: Path) -> None:
     (tmp_path / "optimizer_step.json").write_text(json.dumps({
         "mbytes": 25, "decent_source": "abc", "flat": {"wall_ms": 20.0},
         "general": {"wall_ms": 24.0}, "gt": {"wall_ms": 50.0}, "gt1": {"wall_ms": 40.0},
-        "keras": {"wall_ms": 46.0}, "keras_sgd_ms": 9.5}))
+        "keras": {"wall_ms": 46.0}, "keras_gt": {"wall_ms": 48.0}, "keras_sgd_ms": 9.5}))
     (tmp_path / "tf_vs_torch.json").write_text(json.dumps({
         "ratio": 1.25, "tf_ms": 50.0, "torch_ms": 40.0, "decent_source": "abc"}))
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"),
@@ -145,6 +146,7 @@ def test_report_rows_for_the_optimizer_and_tf(tmp_path: Path) -> None:
     assert "2.50x a flattened D-SGD step" in rows["3g"]
     assert "2.30x (46.0 vs 20.0 ms)" in rows["3k"] and "FAIL" in rows["3k"]
     assert "the plain Keras SGD step alone 9.5 ms" in rows["3k"]
+    assert "1.20x (48.0 vs 40.0 ms)" in rows["3kg"] and "PASS" in rows["3kg"]
     assert "1.25x (50.0 vs 40.0 ms)" in rows["7t"] and "PASS" in rows["7t"]
 
 

@@ -5,6 +5,10 @@ copies the tensor's value into its arena slot (read through DLPack; GPU and bflo
 through ``.numpy()``). A result is a tensor over the memory the daemon wrote it into (DLPack,
 no copy); an in-place op assigns it to its ``tf.Variable``, which then holds that memory.
 Results TensorFlow cannot take so (GPU, bfloat16, misaligned) are copied.
+
+Numpy arrays go through as :class:`decent.core.numpy_codec.NumpyCodec` moves them (their
+results are numpy arrays): the Keras optimizer runs the algorithms over host buffers it keeps
+(:mod:`decent.tf.host`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from decent.core.arena import ClientArena
+from decent.core.numpy_codec import NumpyCodec
 from decent.core.regions import SharedStorage
 from decent_wire.v1 import decent_pb2 as pb
 
@@ -35,8 +40,11 @@ _FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
 #: the alignment TensorFlow's CPU kernels require of a tensor's memory (EIGEN_MAX_ALIGN_BYTES)
 ALIGNMENT = 64
 
-#: a tensor or a variable: what the TensorFlow client takes
+#: a tensor or a variable (or a numpy array): what the TensorFlow client takes
 TFTensor = Any
+
+#: how numpy arrays given to the TensorFlow client move
+_NUMPY = NumpyCodec()
 
 
 def unwrap(tensor: TFTensor) -> TFTensor:
@@ -64,7 +72,7 @@ def _value(tensor: TFTensor) -> tf.Tensor:
     return tensor.read_value() if isinstance(tensor, tf.Variable) else tensor
 
 
-def _host_view(value: tf.Tensor) -> np.ndarray | None:
+def host_view(value: tf.Tensor) -> np.ndarray | None:
     """A view of a CPU tensor's memory through DLPack (``.numpy()`` would copy it); None for a
     GPU tensor, a bfloat16 one (numpy has no DLPack import for it) or an empty one."""
     if "GPU" in value.device.upper() or value.dtype == tf.bfloat16 or \
@@ -74,10 +82,10 @@ def _host_view(value: tf.Tensor) -> np.ndarray | None:
 
 
 def _host(tensor: TFTensor) -> np.ndarray:
-    """The tensor's values on the host: a view where there is one (:func:`_host_view`), else a
+    """The tensor's values on the host: a view where there is one (:func:`host_view`), else a
     copy."""
     value = _value(tensor)
-    view = _host_view(value)
+    view = host_view(value)
     return view if view is not None else np.ascontiguousarray(value.numpy())
 
 
@@ -101,7 +109,10 @@ class TFCodec:
     framework = "tf"
 
     def describe(self, tensor: TFTensor) -> tuple[int, tuple[int, ...]]:
-        """Wire dtype and shape of ``tensor`` (an eager tensor or a variable)."""
+        """Wire dtype and shape of ``tensor`` (an eager tensor, a variable or a numpy
+        array)."""
+        if isinstance(tensor, np.ndarray):
+            return _NUMPY.describe(tensor)
         tensor = unwrap(tensor)
         if not isinstance(tensor, (tf.Tensor, tf.Variable)):
             raise TypeError(f"expected a tf.Tensor or tf.Variable, got {type(tensor).__name__}")
@@ -115,12 +126,16 @@ class TFCodec:
 
     def write(self, tensor: TFTensor, dst: memoryview) -> None:
         """Copy the tensor's value into ``dst``."""
-        if len(dst):
+        if isinstance(tensor, np.ndarray):
+            _NUMPY.write(tensor, dst)
+        elif len(dst):
             np.frombuffer(dst, np.uint8)[...] = _host(tensor).reshape(-1).view(np.uint8)
 
     def read(self, src: memoryview, dtype: int, shape: tuple[int, ...],
              like: TFTensor | None) -> tf.Tensor:
-        """A new tensor with the result, on ``like``'s device."""
+        """A new tensor with the result, on ``like``'s device (a numpy array for one)."""
+        if isinstance(like, np.ndarray):
+            return _NUMPY.read(src, dtype, shape, like)
         tf_dtype = _FROM_WIRE[dtype]
         if math.prod(shape) == 0:
             return tf.zeros(shape, dtype=tf_dtype)
@@ -131,7 +146,9 @@ class TFCodec:
 
     def read_into(self, src: memoryview, into: TFTensor) -> TFTensor:
         """Assign a copy of the result to ``into`` (a ``tf.Variable``) and return it (for the
-        results :meth:`take` cannot hand over as they lie)."""
+        results :meth:`take` cannot hand over as they lie); a numpy array takes a copy."""
+        if isinstance(into, np.ndarray):
+            return _NUMPY.read_into(src, into)
         dtype, shape = self.describe(into)
         value = self.read(src, dtype, shape, into)
         if isinstance(unwrap(into), tf.Variable):
@@ -141,12 +158,15 @@ class TFCodec:
 
     def host_bytes(self, tensor: TFTensor) -> np.ndarray | None:
         """A CPU tensor's bytes through DLPack (None for GPU and bfloat16 tensors)."""
-        view = _host_view(_value(tensor))
+        if isinstance(tensor, np.ndarray):
+            return _NUMPY.host_bytes(tensor)
+        view = host_view(_value(tensor))
         return None if view is None else view.reshape(-1).view(np.uint8)
 
     def address(self, tensor: TFTensor) -> int | None:
-        """None: TensorFlow does not expose its buffers, so nothing is handed over in place."""
-        return None
+        """None: TensorFlow does not expose its buffers, so nothing is handed over in place
+        (a numpy array's address: its in-place result is copied out as it arrives)."""
+        return _NUMPY.address(tensor) if isinstance(tensor, np.ndarray) else None
 
     def wrap(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...]) -> TFTensor:
         """Not available: a TensorFlow tensor cannot live in memory the daemon writes."""
@@ -157,7 +177,10 @@ class TFCodec:
                like: TFTensor | None) -> tf.Tensor | None:
         """A host result as a tensor over ``owner`` through DLPack (no copy: the daemon is
         done writing it, and TensorFlow never writes a tensor); the results
-        :func:`tensor_over` refuses are copied."""
+        :func:`tensor_over` refuses are copied. A numpy array's result is an array over
+        ``owner``."""
+        if isinstance(like, np.ndarray):
+            return _NUMPY.result(owner, dtype, shape, like)
         # a view through a memoryview keeps ``owner`` itself alive (numpy would skip it)
         return tensor_over(owner.data, _FROM_WIRE[dtype], shape, like)
 
@@ -165,7 +188,10 @@ class TFCodec:
         """The result as a tensor over ``owner`` (:meth:`result`), assigned to ``into`` when it
         is a ``tf.Variable``: an assign takes the buffer it is given, so the variable holds that
         memory until its next assign, and nothing is copied; for a plain tensor, which cannot
-        change, the result itself. None where :meth:`result` copies."""
+        change, the result itself. None where :meth:`result` copies, and for a numpy array
+        (it takes a copy)."""
+        if isinstance(into, np.ndarray):
+            return None
         dtype, shape = self.describe(into)
         value = self.result(owner, dtype, shape, into)
         if value is None or not isinstance(unwrap(into), tf.Variable):

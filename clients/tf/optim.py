@@ -8,7 +8,10 @@
 
 The wrapped optimizer's update (SGD, momentum, Adam, ...) is the local update ``d``; the same
 algorithm code as the torch adapter turns it into the decentralized one. Inside a compiled train
-step the algorithm runs as one ``tf.py_function`` per step (eagerly, in graph order).
+step the algorithm runs in ``tf.py_function`` nodes (eagerly, in graph order). Adapt-then-combine
+algorithms combine the variables where the wrapped optimizer left them; the others run over numpy
+buffers kept across steps (:mod:`decent.tf.host`), so no step makes a variable-sized tensor
+besides the wrapped optimizer's own.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from decent.core.algorithms import Algorithm, AlgorithmError, State, make_algorithm
@@ -28,6 +32,7 @@ from decent.core.rejoin import JoinWatch, own_donor
 from decent.core.transfer import StateLink, Wanted, hand_out
 from decent.tf.client import default_client
 from decent.tf.codec import unwrap
+from decent.tf.host import HostSteps, hostable
 from decent.tf.state import KIT
 
 TFClientType = Client[Any]
@@ -81,6 +86,8 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         self._joins = JoinWatch(self.client.rank, self.client.local_size, self.client.membership)
         self._sending: list[threading.Thread] = []
         self._wanted: queue.Queue[Wanted[tf.Tensor]] = queue.Queue()
+        #: x_k, d_k and the new values' homes of an algorithm that is not adapt-then-combine
+        self._host = HostSteps()
 
     def build(self, variables: list[Any]) -> None:
         """Build the wrapped optimizer for ``variables`` too."""
@@ -90,6 +97,14 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
             with tf.init_scope():  # eagerly, even while a train step is traced
                 self._take_state(variables)
 
+    @property
+    def algorithm_state(self) -> list[State]:
+        """The algorithm's per-variable state (trackers, public copies, ...), one dict per
+        variable, that the next step starts from (before the first: empty, or what a joining
+        rank took from its donor); the algorithms that are not adapt-then-combine keep numpy
+        arrays there (:mod:`decent.tf.host`)."""
+        return self._states if self._prepared else list(self._taken or [])
+
     def close(self) -> None:
         """Free the algorithm's windows (every rank, when training is over)."""
         self.algorithm.close()
@@ -98,7 +113,9 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         """Once, at the first step: the algorithm's windows and per-variable state."""
         if not self._prepared:
             self.algorithm.prepare(xs)
-            self._states = self._taken if self._taken is not None else [{} for _ in xs]
+            taken = self._taken if self._taken is not None else [{} for _ in xs]
+            on_host = bool(xs) and isinstance(xs[0], np.ndarray)
+            self._states = [_on_host(s) for s in taken] if on_host else taken
             self._prepared = True
 
     def _combine(self, *tensors: tf.Tensor) -> list[tf.Tensor]:
@@ -107,6 +124,22 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         xs, ds = list(tensors[:k]), list(tensors[k:])
         self._prepare(xs)
         new = [tf.convert_to_tensor(n) for n in self.algorithm.finish(xs, ds, self._states)]
+        self.algorithm.advance()
+        self._serve_joiners(lambda: new)
+        return new
+
+    def _snapshot(self, *values: tf.Tensor) -> tf.Tensor:
+        """Before the wrapped optimizer's step: ``x_k`` into this step's host buffers."""
+        self._host.snapshot(values)
+        return tf.constant(True)
+
+    def _combine_on_host(self, *values: tf.Tensor) -> list[tf.Tensor]:
+        """The algorithm's combine over the host buffers (``values``: the variables after the
+        wrapped optimizer's step); the new values in homes the variables take as they lie."""
+        xs = self._host.xs()
+        ds = self._host.updates(values)
+        self._prepare(xs)
+        new = self._host.tensors(self.algorithm.finish(xs, ds, self._states))
         self.algorithm.advance()
         self._serve_joiners(lambda: new)
         return new
@@ -132,7 +165,8 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         return {"variables": values,
                 "optimizer": [tf.convert_to_tensor(v) for v in self.inner.variables],
                 "iterations": int(self.iterations.numpy()) + 1,
-                "algorithm": {**self.algorithm.counters(), "state": self._states}}
+                "algorithm": {**self.algorithm.counters(),
+                              "state": [_as_tensors(s) for s in self._states]}}
 
     def _serve_joiners(self, values: Callable[[], list[tf.Tensor]]) -> None:
         """Send the state to the ranks that joined since the last step, when this rank is
@@ -170,6 +204,9 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         if self.algorithm.in_place:
             self._apply_in_place(grads, variables)
             return
+        if hostable([unwrap(v) for v in variables]):
+            self._apply_on_host(grads, variables)
+            return
         xs = [tf.identity(v) for v in variables]
         follow_learning_rate(self, self.inner)
         self.inner.apply(grads, variables)
@@ -200,6 +237,42 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
                 n.set_shape(v.shape)
                 v.assign(n)
         self.iterations.assign_add(1)
+
+    def _apply_on_host(self, grads: list[Any], variables: list[Any]) -> None:
+        """:meth:`apply` of the other algorithms, over host buffers: ``x_k`` copied into one,
+        the wrapped optimizer's step, then the combine (in a compiled step, two
+        ``tf.py_function`` nodes around the step, in graph order)."""
+        if tf.executing_eagerly():
+            self._host.snapshot([unwrap(v).read_value() for v in variables])
+            follow_learning_rate(self, self.inner)
+            self.inner.apply(grads, variables)
+            new = self._combine_on_host(*(unwrap(v).read_value() for v in variables))
+        else:
+            taken = tf.py_function(self._snapshot, [tf.identity(v) for v in variables],
+                                   Tout=tf.bool)
+            with tf.control_dependencies([taken]):
+                follow_learning_rate(self, self.inner)
+                self.inner.apply(grads, variables)
+            new = tf.py_function(self._combine_on_host, [tf.identity(v) for v in variables],
+                                 Tout=[v.dtype for v in variables])
+        for v, n in zip(variables, new, strict=True):
+            if not tf.executing_eagerly():
+                n.set_shape(v.shape)
+            v.assign(n)
+        self.iterations.assign_add(1)
+
+
+def _on_host(state: State) -> State:
+    """A state taken from a donor, its tensors as numpy arrays (the host path updates them in
+    place)."""
+    return {k: np.array(v) if isinstance(v, tf.Tensor) else v for k, v in state.items()}
+
+
+def _as_tensors(state: State) -> State:
+    """A state to send, its numpy arrays as tensors of their own copies (the algorithm writes
+    into its arrays while the state is sent in the background)."""
+    return {k: tf.convert_to_tensor(v.copy()) if isinstance(v, np.ndarray) else v
+            for k, v in state.items()}
 
 
 def _assign_all(variables: list[Any], values: Any, donor: int, what: str) -> None:
