@@ -8,8 +8,8 @@ process run TensorFlow). For every algorithm it takes three steps of the plain K
 and three of ``decent.tf.DecentralizedOptimizer`` around it, on the same model, and prints one
 JSON line: by op type, the tensors of >= 2560 elements each step's last run made, that share
 no buffer with what they read (reads of a variable and identities are left out), and the most
-memory Python's allocations (numpy's arrays among them) took during that step beyond what they
-held before it (``tracemalloc``'s peak).
+memory the allocations Python made during that step (numpy's arrays among them) held at once
+(``tracemalloc``'s peak, which counts only what it saw allocated since it started).
 """
 
 from __future__ import annotations
@@ -57,8 +57,7 @@ class LargeOutputs:
 
 def last_step(client: Any, algorithm: str, wrapped: bool) -> tuple[dict[str, int], int]:
     """What the third step of ``algorithm`` (not ``wrapped``: the plain optimizer it wraps)
-    made: the tensors by op type, and the peak of Python's allocations beyond those held
-    before the step (bytes)."""
+    made: the tensors by op type, and the peak of the Python allocations it made (bytes)."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256),
                               keras.layers.Dense(10)])
@@ -72,9 +71,9 @@ def last_step(client: Any, algorithm: str, wrapped: bool) -> tuple[dict[str, int
             tracemalloc.start()
         with LargeOutputs() as watch:
             opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-    held, peak = tracemalloc.get_traced_memory()
+    _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    return dict(watch.made), peak - held
+    return dict(watch.made), peak
 
 
 def main() -> int:
