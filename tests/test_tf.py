@@ -304,6 +304,33 @@ def test_model_fit_with_callbacks_keeps_the_replicas_identical(tfc: Any) -> None
     assert got[0]["loss"][1] < got[0]["loss"][0]
 
 
+def test_the_tf_client_takes_numpy_arrays_and_gives_numpy_arrays(tfc: Any) -> None:
+    # what the Keras optimizer's host buffers rely on: out of place, in place, and in the
+    # arena (shared), each exact on a ring of 4 (weights 1/3); a TensorFlow tensor still
+    # cannot be shared
+    _, clients = tfc
+
+    def work(cl: dtf.TFClient) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+        r = cl.rank
+        out = cl.neighbor_allreduce(np.full(5, float(r)), name="np.out")
+        private = np.full(3, float(r), np.float32)
+        cl.neighbor_allreduce_async_(private, name="np.in").wait()
+        shared = cl.shared(np.full(4, float(r), np.float32))
+        cl.neighbor_allreduce_async_(shared, name="np.shared").wait()
+        with pytest.raises(TypeError) as refused:
+            cl.shared(tf.zeros(2))
+        assert isinstance(out, np.ndarray) and isinstance(shared, np.ndarray)
+        return out, private, shared, str(refused.value)
+
+    for r, (out, private, shared, refused) in enumerate(run_tf(clients, work)):
+        want = (r + (r - 1) % N + (r + 1) % N) / 3
+        np.testing.assert_array_equal(out, np.full(5, want))
+        assert out.dtype == np.float64
+        np.testing.assert_array_equal(private, np.full(3, want, np.float32))
+        np.testing.assert_array_equal(shared, np.full(4, want, np.float32))
+        assert "numpy arrays work" in refused
+
+
 def test_set_topology_and_small_integers_on_the_tf_client(tfc: Any) -> None:
     _, clients = tfc
 

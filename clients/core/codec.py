@@ -37,8 +37,9 @@ class TensorCodec(Protocol[T]):
     def address(self, tensor: T) -> int | None:
         """The host address of ``tensor``'s bytes if they are contiguous in host memory."""
 
-    def wrap(self, owner: Any, dtype: int, shape: tuple[int, ...]) -> T:
-        """A tensor over the bytes of buffer ``owner``, keeping ``owner`` alive as long as it."""
+    def wrap(self, owner: Any, dtype: int, shape: tuple[int, ...], like: T | None = None) -> T:
+        """A tensor over the bytes of buffer ``owner``, keeping ``owner`` alive as long as it
+        (of ``like``'s kind, for a codec that takes more than one)."""
 
     def result(self, owner: Any, dtype: int, shape: tuple[int, ...], like: T | None
                ) -> T | None:

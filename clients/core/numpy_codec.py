@@ -58,7 +58,8 @@ class NumpyCodec:
         flags = tensor.flags
         return int(tensor.ctypes.data) if flags.c_contiguous and flags.writeable else None
 
-    def wrap(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...]) -> np.ndarray:
+    def wrap(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...],
+             like: np.ndarray | None = None) -> np.ndarray:
         """An array over ``owner``'s bytes (a view keeps it alive)."""
         return owner.view(_FROM_WIRE[dtype]).reshape(shape)
 

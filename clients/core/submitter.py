@@ -481,7 +481,7 @@ class Submitter(Generic[T]):
         owner = np.frombuffer(self.arena.buf, np.uint8, count=nbytes, offset=offset)
         # the slot lives as long as the buffer the tensor wraps
         weakref.finalize(owner, self.free_shared, offset, nbytes)
-        out = self.codec.wrap(owner, dtype, shape)
+        out = self.codec.wrap(owner, dtype, shape, tensor)
         if nbytes:
             self.codec.write(tensor, self.arena.view(offset, nbytes))
         return out

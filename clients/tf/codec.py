@@ -168,10 +168,15 @@ class TFCodec:
         (a numpy array's address: its in-place result is copied out as it arrives)."""
         return _NUMPY.address(tensor) if isinstance(tensor, np.ndarray) else None
 
-    def wrap(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...]) -> TFTensor:
-        """Not available: a TensorFlow tensor cannot live in memory the daemon writes."""
+    def wrap(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...],
+             like: TFTensor | None = None) -> TFTensor:
+        """A numpy array over ``owner`` for a numpy ``like``; not available for TensorFlow
+        tensors: they cannot live in memory the daemon writes."""
+        if isinstance(like, np.ndarray):
+            return _NUMPY.wrap(owner, dtype, shape)
         raise TypeError("client.shared() is not available for TensorFlow tensors (they are "
-                        "immutable); use in-place ops on a tf.Variable instead")
+                        "immutable; numpy arrays work); use in-place ops on a tf.Variable "
+                        "instead")
 
     def result(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...],
                like: TFTensor | None) -> tf.Tensor | None:

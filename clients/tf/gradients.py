@@ -9,13 +9,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from decent.core.adjoints import Adjoint
 
 
 def tracked(tensor: Any) -> bool:
-    """Whether a gradient can flow through ``tensor`` (a floating tensor or variable)."""
+    """Whether a gradient can flow through ``tensor`` (a floating tensor or variable; never a
+    numpy array)."""
+    if isinstance(tensor, np.ndarray):
+        return False
     dtype = getattr(tensor, "dtype", None)
     return dtype is not None and tf.as_dtype(dtype).is_floating
 

@@ -3,7 +3,8 @@
 TensorFlow tensors never change, so arithmetic on them makes a new tensor each time. Instead the
 Keras optimizer runs such an algorithm over numpy arrays it keeps across steps, as the torch
 adapter does over its own tensors: ``x_k`` and ``d_k`` in two sets of buffers used in turn (an
-algorithm may keep the previous step's for one step), and each new value in a *home*: a buffer
+algorithm may keep the previous step's for one step; in the arena when they fit, so exchanging
+them copies nothing to the daemon), and each new value in a *home*: a buffer
 of a pool that the variable takes as it lies (an assign takes the buffer it is given) and gives
 back to the pool when TensorFlow lets go of it (its next assign), so after the first steps no
 step allocates a variable-sized buffer.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -58,8 +59,6 @@ class HomePool:
     def __init__(self) -> None:
         self._free: dict[Layout, list[np.ndarray]] = {}
         self._lock = threading.Lock()
-        #: buffers made so far (the pool grows only while TensorFlow still holds them all)
-        self.made = 0
 
     def tensor_of(self, value: np.ndarray) -> tf.Tensor:
         """A tensor holding a copy of ``value``, in a buffer of the pool."""
@@ -74,8 +73,7 @@ class HomePool:
             free = self._free.get(layout)
             if free:
                 return free.pop()
-            self.made += 1
-        return aligned_empty(*layout)
+        return aligned_empty(*layout)  # every home of this layout is still held
 
     def _give_back(self, home: np.ndarray) -> None:
         with self._lock:
@@ -86,7 +84,9 @@ class HostSteps:
     """``x_k`` and ``d_k`` of the variables in numpy buffers kept across steps (two sets, used
     in turn), and the homes of their new values (:class:`HomePool`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: Callable[[np.ndarray], np.ndarray | None]) -> None:
+        """``shared(a)``: a copy of ``a`` in the arena, or None when it has no room."""
+        self._shared = shared
         self._sets: list[tuple[list[np.ndarray], list[np.ndarray]]] = []
         self._turn = 0
         self.homes = HomePool()
@@ -107,10 +107,14 @@ class HostSteps:
         """This step's ``x_k`` (:meth:`snapshot`)."""
         return list(self._sets[self._turn][0])
 
-    @staticmethod
-    def _allocate(layout: list[Layout]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        return ([aligned_empty(*lay) for lay in layout],
-                [aligned_empty(*lay) for lay in layout])
+    def _allocate(self, layout: list[Layout]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        return [self._buffer(*lay) for lay in layout], [self._buffer(*lay) for lay in layout]
+
+    def _buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """An uninitialized array: in the arena if it fits."""
+        empty = np.empty(shape, dtype)
+        shared = self._shared(empty)
+        return empty if shared is None else shared
 
     def updates(self, values: Sequence[tf.Tensor]) -> list[np.ndarray]:
         """``d_k = x_k - x_k'``: the wrapped optimizer's update, from the values after it."""

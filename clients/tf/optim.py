@@ -87,7 +87,7 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         self._sending: list[threading.Thread] = []
         self._wanted: queue.Queue[Wanted[tf.Tensor]] = queue.Queue()
         #: x_k, d_k and the new values' homes of an algorithm that is not adapt-then-combine
-        self._host = HostSteps()
+        self._host = HostSteps(self.client.shared_or_none)
 
     def build(self, variables: list[Any]) -> None:
         """Build the wrapped optimizer for ``variables`` too."""

@@ -133,7 +133,8 @@ class TorchCodec:
             return None
         return int(tensor.data_ptr())
 
-    def wrap(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...]) -> torch.Tensor:
+    def wrap(self, owner: np.ndarray, dtype: int, shape: tuple[int, ...],
+             like: torch.Tensor | None = None) -> torch.Tensor:
         """A tensor over ``owner``'s bytes (torch keeps ``owner`` alive as long as the storage)."""
         if math.prod(shape) == 0:
             return torch.empty(shape, dtype=_FROM_WIRE[dtype])
