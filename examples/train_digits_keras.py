@@ -7,7 +7,8 @@ Run it on a local 4-worker cluster::
 Every worker makes the same stratified 80/20 split of the 1797 digit images and trains on its own
 iid shard with ``model.fit``: a ``dtf.DecentralizedOptimizer`` around ``keras.optimizers.SGD``
 (momentum 0.9) runs ``dsgd`` (each step averages the parameters with the neighbors of the
-daemons' topology) and then, from the same initial weights, ``allreduce`` (the global average).
+daemons' topology) and then, from the same initial weights, ``allreduce`` (the global average);
+``--algorithms`` names others (``gradient-tracking``, ``exact-diffusion``, ...).
 ``dtf.BroadcastGlobalVariablesCallback(0)`` starts every worker from rank 0's weights and
 ``dtf.MetricAverageCallback()`` averages the logged loss and accuracy over the workers, so
 rank 0's progress bar shows the cluster's. At the end rank 0 prints each worker's test accuracy
@@ -72,16 +73,19 @@ def train(client: dtf.TFClient, algorithm: str, data: tuple[np.ndarray, ...],
 
 
 def main() -> None:
-    """Train D-SGD and allreduce one after the other; rank 0 prints the table."""
+    """Train each algorithm (D-SGD and allreduce by default) one after the other; rank 0 prints
+    the table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--algorithms", default="dsgd,allreduce",
+                   help="comma-separated, run one after the other")
     args = p.parse_args()
     client = dtf.init()
     data = shard(client.rank, client.size, args.seed)
-    results = {algo: train(client, algo, data, args) for algo in ("dsgd", "allreduce")}
+    results = {algo: train(client, algo, data, args) for algo in args.algorithms.split(",")}
     if client.rank == 0:
         table = Table(title=f"digits, {client.size} Keras workers, {args.epochs} epochs")
         table.add_column("algorithm")
