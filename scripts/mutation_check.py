@@ -36,6 +36,7 @@ AGREE = "tests/test_agreement.py::test_"
 STREAMING = "tests/test_streaming.py::test_"
 DATA_PATH = "tests/test_data_path.py::test_"
 KERAS_STEP = "tests/test_tf.py::test_a_keras_step_makes_no_model_sized_tensor"
+TF_NUMPY = "tests/test_tf.py::test_the_tf_client_takes_numpy_arrays_and_gives_numpy_arrays"
 KERAS_REJOIN = ("tests/test_rejoin.py::test_a_restarted_keras_rank_takes_the_state_of_a_live_"
                 "rank_and_trains_on")
 KERAS_MATCH = "tests/test_tf.py::test_keras_wrapper_matches_the_torch_wrapper"
@@ -315,6 +316,11 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("clients/tf/optim.py", "        return self._states if self._prepared else list(self._taken "
      "or [])", "        return self._states", [KERAS_REJOIN + "[gradient-tracking]"],
      "algorithm_state hides what a joining rank took"),
+    ("clients/tf/codec.py", "        if isinstance(like, np.ndarray):\n            return "
+     "_NUMPY.wrap(owner, dtype, shape)\n", "", [TF_NUMPY], "the TF client cannot share a numpy "
+     "array (the Keras host buffers stay out of the arena)"),
+    ("clients/tf/gradients.py", "    if isinstance(tensor, np.ndarray):\n        return False\n",
+     "", [TF_NUMPY], "a blocking op turns a numpy array into a TensorFlow tensor"),
 ]
 
 
