@@ -207,16 +207,19 @@ def _problem(r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize(("algorithm", "compiled"), [
     ("dsgd", True), ("dsgd", False), ("gradient-tracking", True), ("gradient-tracking", False),
-    ("extra", True), ("exact-diffusion", True), ("decentlam", True), ("choco", False)])
+    ("extra", True), ("exact-diffusion", True), ("decentlam", True), ("choco", False),
+    ("push-sum", True), ("win-put", True)])
 def test_keras_wrapper_matches_the_torch_wrapper(tfc: Any, algorithm: str,
                                                  compiled: bool) -> None:
     c, clients = tfc
+    # win-put is asynchronous unless every put lands before any rank combines
+    options = {"barrier": True} if algorithm == "win-put" else {}
 
     def with_torch(cl: Any) -> np.ndarray:
         a, b, x0 = (torch.from_numpy(v) for v in _problem(cl.rank))
         x = torch.nn.Parameter(x0.clone())
         opt = dt.DecentralizedOptimizer(torch.optim.SGD([x], lr=LR), algorithm=algorithm,
-                                        client=cl, prefix=f"ls.torch.{algorithm}")
+                                        client=cl, prefix=f"ls.torch.{algorithm}", **options)
         for _ in range(STEPS):
             opt.zero_grad()
             (0.5 * ((a @ x - b) ** 2).sum()).backward()
@@ -227,7 +230,7 @@ def test_keras_wrapper_matches_the_torch_wrapper(tfc: Any, algorithm: str,
         a, b, x0 = (tf.constant(v) for v in _problem(cl.rank))
         x = tf.Variable(x0)
         opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(LR), algorithm=algorithm,
-                                         client=cl, prefix=f"ls.keras.{algorithm}")
+                                         client=cl, prefix=f"ls.keras.{algorithm}", **options)
 
         def step() -> tf.Tensor:
             with tf.GradientTape() as tape:
