@@ -213,7 +213,7 @@ def test_keras_wrapper_matches_the_torch_wrapper(tfc: Any, algorithm: str,
                                                  compiled: bool) -> None:
     c, clients = tfc
     # win-put is asynchronous unless every put lands before any rank combines
-    options = {"barrier": True} if algorithm == "win-put" else {}
+    options: dict[str, Any] = {"barrier": True} if algorithm == "win-put" else {}
 
     def with_torch(cl: Any) -> np.ndarray:
         a, b, x0 = (torch.from_numpy(v) for v in _problem(cl.rank))
