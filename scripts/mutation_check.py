@@ -36,6 +36,8 @@ AGREE = "tests/test_agreement.py::test_"
 STREAMING = "tests/test_streaming.py::test_"
 DATA_PATH = "tests/test_data_path.py::test_"
 KERAS_STEP = "tests/test_tf.py::test_a_keras_step_makes_no_model_sized_tensor"
+ALLOCATIONS = ("tests/test_optimizers.py::test_the_general_path_allocates_no_model_sized_tensor_"
+               "per_step")
 TF_NUMPY = "tests/test_tf.py::test_the_tf_client_takes_numpy_arrays_and_gives_numpy_arrays"
 KERAS_REJOIN = ("tests/test_rejoin.py::test_a_restarted_keras_rank_takes_the_state_of_a_live_"
                 "rank_and_trains_on")
@@ -321,6 +323,18 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "array (the Keras host buffers stay out of the arena)"),
     ("clients/tf/gradients.py", "    if isinstance(tensor, np.ndarray):\n        return False\n",
      "", [TF_NUMPY], "a blocking op turns a numpy array into a TensorFlow tensor"),
+    ("clients/core/algorithms/gossip.py", "            wx -= d\n            out.append(wx)",
+     "            out.append(wx - d)", [ALLOCATIONS + "[dsgd-cta]"],
+     "combine-then-adapt D-SGD makes W x - d in a new tensor each step"),
+    ("clients/torch/optim.py",
+     "            self.optimizer.step()\n        elif self.algorithm.in_place:",
+     "            pass\n        if self.algorithm.in_place:",
+     [ALLOCATIONS + "[gradient-allreduce]"],
+     "gradient averaging copies x_k and makes x - d again after its step"),
+    ("clients/tf/optim.py", "        if self.algorithm.reduces_gradients:\n"
+     "            self._apply_averaged(grads, variables)\n            return\n", "",
+     ["tests/test_tf.py::test_keras_gradient_allreduce_steps_on_the_reduced_gradients"],
+     "the Keras wrapper of gradient-allreduce never reduces the gradients"),
 ]
 
 

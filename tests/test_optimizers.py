@@ -170,9 +170,10 @@ class LargeAllocations(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("algorithm", ["dsgd", "allreduce", "gradient-tracking", "extra",
-                                       "exact-diffusion", "d2", "decentlam", "choco",
-                                       "push-sum", "win-put", "adpsgd", "wagma"])
+@pytest.mark.parametrize("algorithm", ["dsgd", "allreduce", "pga", "dsgd-cta", "gradient-tracking",
+                                       "extra", "exact-diffusion", "d2", "decentlam", "choco",
+                                       "push-sum", "win-put", "adpsgd", "wagma",
+                                       "gradient-allreduce"])
 def test_the_general_path_allocates_no_model_sized_tensor_per_step(
         cluster: ClusterFactory, algorithm: str) -> None:
     # parameters that are not flattened (flatten=False: what tied weights, share_memory(),

@@ -254,8 +254,10 @@ def test_keras_wrapper_matches_the_torch_wrapper(tfc: Any, algorithm: str,
 
 #: every algorithm the Keras wrapper runs, by how: in the variables, or over host buffers
 KERAS_IN_PLACE = ("dsgd", "allreduce", "pga")
-KERAS_ON_HOST = ("gradient-tracking", "extra", "exact-diffusion", "d2", "decentlam", "choco",
-                 "push-sum", "win-put", "adpsgd", "wagma")
+KERAS_ON_HOST = ("dsgd-cta", "gradient-tracking", "extra", "exact-diffusion", "d2", "decentlam",
+                 "choco", "push-sum", "win-put", "adpsgd", "wagma")
+#: and the one that reduces the gradients before the wrapped optimizer's step
+KERAS_REDUCING = ("gradient-allreduce",)
 #: bytes of the model's larger variable (256 x 256 float32)
 LARGE_VARIABLE_BYTES = 256 * 256 * 4
 
@@ -266,7 +268,7 @@ def test_a_keras_step_makes_no_model_sized_tensor() -> None:
     # results where the daemon wrote them; the others run over numpy buffers kept across steps
     # and hand each new value over in a pooled buffer, so no numpy array of a variable's size
     # is made either (counted in processes of their own: tests/keras_step_tensors.py)
-    algorithms = (*KERAS_IN_PLACE, *KERAS_ON_HOST)
+    algorithms = (*KERAS_IN_PLACE, *KERAS_ON_HOST, *KERAS_REDUCING)
     proc = subprocess.run(
         [sys.executable, "-m", "decentd.launcher", "-np", "2", "--topology", "ring", "--",
          sys.executable, str(REPO / "tests" / "keras_step_tensors.py"), ",".join(algorithms)],
@@ -305,6 +307,32 @@ def test_model_fit_with_callbacks_keeps_the_replicas_identical(tfc: Any) -> None
             np.testing.assert_array_equal(w, w0)  # broadcast start + global average each step
         assert g["loss"] == got[0]["loss"]  # averaged over the ranks
     assert got[0]["loss"][1] < got[0]["loss"][0]
+
+
+@pytest.mark.parametrize(("compiled", "op"), [(True, "average"), (False, "sum")])
+def test_keras_gradient_allreduce_steps_on_the_reduced_gradients(tfc: Any, compiled: bool,
+                                                                  op: str) -> None:
+    # Horovod's data parallelism through DecentralizedOptimizer: rank r's gradient is r + 1
+    # everywhere, so every rank steps by lr * 2.5 (the mean over 4 ranks) or lr * 10 (the sum)
+    _, clients = tfc
+
+    def work(cl: dtf.TFClient) -> np.ndarray:
+        x = tf.Variable(np.zeros(3))
+        opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(0.5), "gradient-allreduce",
+                                         client=cl, prefix=f"ga.{compiled}", op=op)
+        grads = [tf.fill([3], float(cl.rank + 1))]
+
+        def step() -> None:
+            opt.apply_gradients(zip(grads, [x], strict=True))
+
+        run = tf.function(step) if compiled else step
+        for _ in range(2):
+            run()
+        return np.asarray(x.numpy())
+
+    per_step = 0.5 * (2.5 if op == "average" else 10.0)
+    for got in run_tf(clients, work):
+        np.testing.assert_array_equal(got, np.full(3, -2 * per_step))
 
 
 def test_the_tf_client_takes_numpy_arrays_and_gives_numpy_arrays(tfc: Any) -> None:

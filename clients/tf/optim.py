@@ -201,6 +201,9 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
                          else self._trainable_variables)
         if not self.built:
             self.build(variables)
+        if self.algorithm.reduces_gradients:
+            self._apply_averaged(grads, variables)
+            return
         if self.algorithm.in_place:
             self._apply_in_place(grads, variables)
             return
@@ -237,6 +240,30 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
                 n.set_shape(v.shape)
                 v.assign(n)
         self.iterations.assign_add(1)
+
+    def _apply_averaged(self, grads: list[Any], variables: list[Any]) -> None:
+        """:meth:`apply` of an algorithm that reduces the gradients (Horovod's data
+        parallelism): the wrapped optimizer's step on the reduced gradients is the whole
+        update (in a compiled step, the reduction is one ``tf.py_function``). Its reduction
+        takes every rank, so no rank trains on while one is down, and none joins mid-training
+        (as Horovod without its elastic mode): nothing is served to joiners."""
+        if tf.executing_eagerly():
+            reduced = self._reduced(*grads)
+        else:
+            reduced = tf.py_function(self._reduced, grads, Tout=[g.dtype for g in grads])
+            for r, g in zip(reduced, grads, strict=True):
+                r.set_shape(g.shape)
+        follow_learning_rate(self, self.inner)
+        self.inner.apply(reduced, variables)
+        self.iterations.assign_add(1)
+
+    def _reduced(self, *grads: tf.Tensor) -> list[tf.Tensor]:
+        """Every gradient reduced over the ranks, eagerly (one step of the algorithm)."""
+        self._prepare(list(grads))
+        handles = self.algorithm.average_async(list(grads), [str(i) for i in range(len(grads))])
+        reduced = [tf.convert_to_tensor(h.wait()) for h in handles]
+        self.algorithm.advance()
+        return reduced
 
     def _apply_on_host(self, grads: list[Any], variables: list[Any]) -> None:
         """:meth:`apply` of the other algorithms, over host buffers: ``x_k`` copied into one,

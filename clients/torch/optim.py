@@ -184,9 +184,10 @@ class DecentralizedOptimizer:
             self._started = False
             return loss
         params = self._params()
-        if self.algorithm.reduces_gradients:
+        if self.algorithm.reduces_gradients:  # the step on the reduced gradients is the update
             average_gradients(self.algorithm, params)
-        if self.algorithm.in_place:  # x' = M (x - d): the optimizer's step wrote x - d
+            self.optimizer.step()
+        elif self.algorithm.in_place:  # x' = M (x - d): the optimizer's step wrote x - d
             self.optimizer.step()
             self.algorithm.finish_in_place([p.detach() for p in params])
         else:

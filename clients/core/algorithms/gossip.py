@@ -39,9 +39,13 @@ class DSGDCombineThenAdapt(Algorithm[T]):
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         if not self.communicates:
-            return [x - d for x, d in zip(xs, ds, strict=True)]
+            return self.halves(xs, ds)
         self.start(xs, states)
-        return [wx - d for wx, d in zip(self.mixed("x"), ds, strict=True)]
+        out = []
+        for wx, d in zip(self.mixed("x"), ds, strict=True):  # this rank's own new tensors
+            wx -= d
+            out.append(wx)
+        return out
 
 
 class AllreduceBaseline(AdaptThenCombine[T]):
