@@ -19,7 +19,7 @@ import torch
 
 import decent.tf as dtf
 import decent.torch as dt
-from cluster import Cluster
+from cluster import Cluster, delay
 from conftest import ClusterFactory
 from decent.core import DecentError
 
@@ -44,8 +44,13 @@ def tfc(cluster: ClusterFactory) -> Iterator[tuple[Cluster, list[dtf.TFClient]]]
 
 
 def run_tf(clients: list[dtf.TFClient], fn: Any) -> list[Any]:
+    """``fn(client)`` on every rank at once (a rank started late as $DECENT_TEST_DELAY says)."""
+    def late(cl: dtf.TFClient) -> Any:
+        delay(cl.rank)
+        return fn(cl)
+
     with ThreadPoolExecutor(len(clients)) as pool:
-        return [f.result(timeout=120) for f in [pool.submit(fn, cl) for cl in clients]]
+        return [f.result(timeout=120) for f in [pool.submit(late, cl) for cl in clients]]
 
 
 def ring(r: int) -> list[int]:
