@@ -335,6 +335,11 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "            self._apply_averaged(grads, variables)\n            return\n", "",
      ["tests/test_tf.py::test_keras_gradient_allreduce_steps_on_the_reduced_gradients"],
      "the Keras wrapper of gradient-allreduce never reduces the gradients"),
+    ("clients/tf/optim.py",
+     "        grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)\n"
+     "                 for g, v in zip(grads, variables, strict=True)]\n", "",
+     ["tests/test_tf.py::test_keras_gradient_allreduce_steps_on_the_reduced_gradients"],
+     "a sparse or missing gradient breaks the Keras gradient reduction"),
 ]
 
 

@@ -317,27 +317,40 @@ def test_model_fit_with_callbacks_keeps_the_replicas_identical(tfc: Any) -> None
 @pytest.mark.parametrize(("compiled", "op"), [(True, "average"), (False, "sum")])
 def test_keras_gradient_allreduce_steps_on_the_reduced_gradients(tfc: Any, compiled: bool,
                                                                   op: str) -> None:
-    # Horovod's data parallelism through DecentralizedOptimizer: rank r's gradient is r + 1
-    # everywhere, so every rank steps by lr * 2.5 (the mean over 4 ranks) or lr * 10 (the sum)
+    # Horovod's data parallelism through DecentralizedOptimizer, 2 steps on 4 ranks: rank r's
+    # dense gradient is r + 1 everywhere (the step: lr * 2.5, the mean, or lr * 10, the sum);
+    # an embedding's sparse gradient is r + 1 in row r (reduced dense); a missing gradient
+    # counts as zeros
     _, clients = tfc
 
-    def work(cl: dtf.TFClient) -> np.ndarray:
-        x = tf.Variable(np.zeros(3))
+    def work(cl: dtf.TFClient) -> list[np.ndarray]:
+        x = tf.Variable(np.zeros(3, np.float32))
+        emb = keras.layers.Embedding(N, 2, embeddings_initializer="zeros")
+        emb.build((None,))
+        unused = tf.Variable(np.ones(2))
         opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(0.5), "gradient-allreduce",
                                          client=cl, prefix=f"ga.{compiled}", op=op)
-        grads = [tf.fill([3], float(cl.rank + 1))]
+        variables = [x, emb.embeddings, unused]
 
         def step() -> None:
-            opt.apply_gradients(zip(grads, [x], strict=True))
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(x) + tf.reduce_sum(emb(tf.constant([cl.rank])))
+                loss *= float(cl.rank + 1)
+            grads = tape.gradient(loss, [x, emb.embeddings])
+            assert isinstance(grads[1], tf.IndexedSlices)
+            opt.apply_gradients(zip([*grads, None], variables, strict=True))
 
         run = tf.function(step) if compiled else step
         for _ in range(2):
             run()
-        return np.asarray(x.numpy())
+        return [np.asarray(v.numpy()) for v in variables]
 
-    per_step = 0.5 * (2.5 if op == "average" else 10.0)
-    for got in run_tf(clients, work):
-        np.testing.assert_array_equal(got, np.full(3, -2 * per_step))
+    scale = 0.5 * (1.0 if op == "sum" else 1.0 / N)
+    rows = np.arange(1, N + 1, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
+    for x, emb, unused in run_tf(clients, work):
+        np.testing.assert_allclose(x, np.full(3, -2 * scale * 10.0), rtol=1e-6)
+        np.testing.assert_allclose(emb, -2 * scale * rows, rtol=1e-6)
+        np.testing.assert_array_equal(unused, np.ones(2))
 
 
 def test_the_tf_client_takes_numpy_arrays_and_gives_numpy_arrays(tfc: Any) -> None:

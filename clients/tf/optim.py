@@ -246,7 +246,10 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         parallelism): the wrapped optimizer's step on the reduced gradients is the whole
         update (in a compiled step, the reduction is one ``tf.py_function``). Its reduction
         takes every rank, so no rank trains on while one is down, and none joins mid-training
-        (as Horovod without its elastic mode): nothing is served to joiners."""
+        (as Horovod without its elastic mode): nothing is served to joiners. Sparse gradients
+        are reduced dense, and a missing one as zeros (every rank reduces the same tensors)."""
+        grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+                 for g, v in zip(grads, variables, strict=True)]
         if tf.executing_eagerly():
             reduced = self._reduced(*grads)
         else:
