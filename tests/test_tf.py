@@ -317,10 +317,10 @@ def test_model_fit_with_callbacks_keeps_the_replicas_identical(tfc: Any) -> None
 @pytest.mark.parametrize(("compiled", "op"), [(True, "average"), (False, "sum")])
 def test_keras_gradient_allreduce_steps_on_the_reduced_gradients(tfc: Any, compiled: bool,
                                                                   op: str) -> None:
-    # Horovod's data parallelism through DecentralizedOptimizer, 2 steps on 4 ranks: rank r's
-    # dense gradient is r + 1 everywhere (the step: lr * 2.5, the mean, or lr * 10, the sum);
-    # an embedding's sparse gradient is r + 1 in row r (reduced dense); a missing gradient
-    # counts as zeros
+    # Horovod's data parallelism through DecentralizedOptimizer, 2 steps on 4 ranks, SGD with
+    # weight decay: rank r's dense gradient is r + 1 everywhere (reduced: 2.5, the mean, or 10,
+    # the sum); an embedding's sparse gradient is r + 1 in row r (reduced dense); a missing
+    # gradient leaves its variable alone, weight decay included (as plain Keras and Horovod)
     _, clients = tfc
 
     def work(cl: dtf.TFClient) -> list[np.ndarray]:
@@ -328,8 +328,9 @@ def test_keras_gradient_allreduce_steps_on_the_reduced_gradients(tfc: Any, compi
         emb = keras.layers.Embedding(N, 2, embeddings_initializer="zeros")
         emb.build((None,))
         unused = tf.Variable(np.ones(2))
-        opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(0.5), "gradient-allreduce",
-                                         client=cl, prefix=f"ga.{compiled}", op=op)
+        opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(0.5, weight_decay=0.1),
+                                         "gradient-allreduce", client=cl,
+                                         prefix=f"ga.{compiled}", op=op)
         variables = [x, emb.embeddings, unused]
 
         def step() -> None:
@@ -345,11 +346,14 @@ def test_keras_gradient_allreduce_steps_on_the_reduced_gradients(tfc: Any, compi
             run()
         return [np.asarray(v.numpy()) for v in variables]
 
-    scale = 0.5 * (1.0 if op == "sum" else 1.0 / N)
-    rows = np.arange(1, N + 1, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
+    reduced = 1.0 if op == "sum" else 1.0 / N  # of the ranks' gradients' sum
+    want_x, want_emb = np.zeros(3), np.zeros((N, 2))
+    for _ in range(2):  # Keras: decay (v -= lr * wd * v), then the step (v -= lr * g)
+        want_x = want_x - 0.5 * 0.1 * want_x - 0.5 * reduced * 10.0
+        want_emb = want_emb - 0.5 * 0.1 * want_emb - 0.5 * reduced * np.arange(1, N + 1)[:, None]
     for x, emb, unused in run_tf(clients, work):
-        np.testing.assert_allclose(x, np.full(3, -2 * scale * 10.0), rtol=1e-6)
-        np.testing.assert_allclose(emb, -2 * scale * rows, rtol=1e-6)
+        np.testing.assert_allclose(x, want_x, rtol=1e-6)
+        np.testing.assert_allclose(emb, want_emb, rtol=1e-6)
         np.testing.assert_array_equal(unused, np.ones(2))
 
 

@@ -15,7 +15,7 @@ Variables numpy cannot hold (bfloat16) or that live on a GPU are not served here
 
 from __future__ import annotations
 
-import threading
+import collections
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -54,11 +54,12 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 class HomePool:
     """Aligned buffers that variables hold their values in; a buffer comes back when the
-    TensorFlow tensor over it is freed. Thread-safe (TensorFlow frees on its own threads)."""
+    TensorFlow tensor over it is freed. Thread-safe without a lock (TensorFlow frees on its own
+    threads, and a garbage collection inside a give-back may give back another): a deque's
+    append and pop are atomic."""
 
     def __init__(self) -> None:
-        self._free: dict[Layout, list[np.ndarray]] = {}
-        self._lock = threading.Lock()
+        self._free: dict[Layout, collections.deque[np.ndarray]] = {}
 
     def tensor_of(self, value: np.ndarray) -> tf.Tensor:
         """A tensor holding a copy of ``value``, in a buffer of the pool."""
@@ -69,15 +70,13 @@ class HomePool:
         return tf.experimental.dlpack.from_dlpack(lent.__dlpack__())
 
     def _take(self, layout: Layout) -> np.ndarray:
-        with self._lock:
-            free = self._free.get(layout)
-            if free:
-                return free.pop()
-        return aligned_empty(*layout)  # every home of this layout is still held
+        try:
+            return self._free[layout].pop()
+        except (KeyError, IndexError):
+            return aligned_empty(*layout)  # every home of this layout is still held
 
     def _give_back(self, home: np.ndarray) -> None:
-        with self._lock:
-            self._free.setdefault((home.shape, home.dtype), []).append(home)
+        self._free.setdefault((home.shape, home.dtype), collections.deque()).append(home)
 
 
 class HostSteps:

@@ -11,7 +11,8 @@ algorithm code as the torch adapter turns it into the decentralized one. Inside 
 step the algorithm runs in ``tf.py_function`` nodes (eagerly, in graph order). Adapt-then-combine
 algorithms combine the variables where the wrapped optimizer left them; the others run over numpy
 buffers kept across steps (:mod:`decent.tf.host`), so no step makes a variable-sized tensor
-besides the wrapped optimizer's own.
+besides the wrapped optimizer's own (variables on a GPU or in bfloat16 keep TensorFlow
+arithmetic, which does).
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
     def algorithm_state(self) -> list[State]:
         """The algorithm's per-variable state (trackers, public copies, ...), one dict per
         variable, that the next step starts from (before the first: empty, or what a joining
-        rank took from its donor); the algorithms that are not adapt-then-combine keep numpy
-        arrays there (:mod:`decent.tf.host`)."""
+        rank took from its donor, as TensorFlow tensors). On host buffers
+        (:mod:`decent.tf.host`) the values are numpy arrays the algorithm updates in place,
+        some of them buffers it writes again two steps later: copy what you keep."""
         return self._states if self._prepared else list(self._taken or [])
 
     def close(self) -> None:
@@ -159,24 +161,27 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         self._combine_in_place(variables)
         return [tf.identity(v) for v in variables]
 
-    def _training_state(self, values: list[tf.Tensor]) -> dict[str, Any]:
-        """The state after this step: the variables' new ``values``, the wrapped optimizer's
-        variables, the step count and the algorithm's counters and per-variable state."""
+    def _training_state(self, values: list[tf.Tensor], stepped: bool) -> dict[str, Any]:
+        """The state after this step (``stepped``) or before it: the variables' ``values``
+        then, the wrapped optimizer's variables, the step count and the algorithm's counters
+        and per-variable state."""
         return {"variables": values,
                 "optimizer": [tf.convert_to_tensor(v) for v in self.inner.variables],
-                "iterations": int(self.iterations.numpy()) + 1,
+                "iterations": int(self.iterations.numpy()) + int(stepped),
                 "algorithm": {**self.algorithm.counters(),
                               "state": [_as_tensors(s) for s in self._states]}}
 
-    def _serve_joiners(self, values: Callable[[], list[tf.Tensor]]) -> None:
+    def _serve_joiners(self, values: Callable[[], list[tf.Tensor]],
+                       stepped: bool = True) -> None:
         """Send the state to the ranks that joined since the last step, when this rank is
         their donor (in the background: training goes on); ``values`` gives the variables'
-        new values."""
+        values after this step (or before it: not ``stepped``)."""
         self._sending = [t for t in self._sending if t.is_alive()]
         for to in self._joins.to_serve(self.client.view_epoch):
             self._sending.append(self._transfer.serve_in_background(
                 to, self._wanted, self.client.default_timeout))
-        hand_out(self._wanted, lambda: self._transfer.snapshot(self._training_state(values())))
+        hand_out(self._wanted,
+                 lambda: self._transfer.snapshot(self._training_state(values(), stepped)))
 
     def _take_state(self, variables: list[Any]) -> None:
         """This rank joined a running job: the state of its donor, before the first step."""
@@ -196,7 +201,7 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
         """The wrapped optimizer's step, then the algorithm's combine, assigned to the
-        variables."""
+        variables (for gradient-allreduce: the gradients reduced, then the wrapped step)."""
         variables = list(trainable_variables if trainable_variables is not None
                          else self._trainable_variables)
         if not self.built:
@@ -243,27 +248,35 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
 
     def _apply_averaged(self, grads: list[Any], variables: list[Any]) -> None:
         """:meth:`apply` of an algorithm that reduces the gradients (Horovod's data
-        parallelism): the wrapped optimizer's step on the reduced gradients is the whole
-        update (in a compiled step, the reduction is one ``tf.py_function``). Its reduction
-        takes every rank, so no rank trains on while one is down, and none joins mid-training
-        (as Horovod without its elastic mode): nothing is served to joiners. Sparse gradients
-        are reduced dense, and a missing one as zeros (every rank reduces the same tensors)."""
-        grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-                 for g, v in zip(grads, variables, strict=True)]
+        parallelism): the gradients reduced over the ranks, then the wrapped optimizer's step on
+        them, which is the whole update (in a compiled step the reduction is one
+        ``tf.py_function``). Sparse gradients are reduced dense; a missing one stays missing
+        (the wrapped optimizer skips its variable, as plain Keras and Horovod do), which every
+        rank must agree on. Ranks that joined are served before the reduction, which needs
+        them."""
+        present = [i for i, g in enumerate(grads) if g is not None]
+        dense = [tf.convert_to_tensor(grads[i]) for i in present]
         if tf.executing_eagerly():
-            reduced = self._reduced(*grads)
+            out = self._reduced(variables, present, *dense)
         else:
-            reduced = tf.py_function(self._reduced, grads, Tout=[g.dtype for g in grads])
-            for r, g in zip(reduced, grads, strict=True):
+            out = tf.py_function(lambda *gs: self._reduced(variables, present, *gs), dense,
+                                 Tout=[g.dtype for g in dense])
+            for r, g in zip(out, dense, strict=True):
                 r.set_shape(g.shape)
+        reduced: list[Any] = [None] * len(grads)
+        for i, r in zip(present, out, strict=True):
+            reduced[i] = r
         follow_learning_rate(self, self.inner)
         self.inner.apply(reduced, variables)
         self.iterations.assign_add(1)
 
-    def _reduced(self, *grads: tf.Tensor) -> list[tf.Tensor]:
-        """Every gradient reduced over the ranks, eagerly (one step of the algorithm)."""
+    def _reduced(self, variables: list[Any], present: list[int],
+                 *grads: tf.Tensor) -> list[tf.Tensor]:
+        """The gradients of the variables ``present`` reduced over the ranks, eagerly (one
+        step of the algorithm), once the ranks that joined have this rank's state."""
         self._prepare(list(grads))
-        handles = self.algorithm.average_async(list(grads), [str(i) for i in range(len(grads))])
+        self._serve_joiners(lambda: [tf.identity(v) for v in variables], stepped=False)
+        handles = self.algorithm.average_async(list(grads), [str(i) for i in present])
         reduced = [tf.convert_to_tensor(h.wait()) for h in handles]
         self.algorithm.advance()
         return reduced
