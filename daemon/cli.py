@@ -2,6 +2,10 @@
 
 SIGTERM stops it; SIGHUP re-reads the file (with the same flags) and applies what may change
 while it runs (:mod:`decentd.reload`). Under systemd (``$NOTIFY_SOCKET``) it reports readiness.
+As PID 1 of a PID namespace (a container that trainers share, ``pid: service:decent-0``) it
+waits, after its shutdown and for up to its shutdown grace, for the namespace's other processes
+to exit: the kernel kills them with SIGKILL when PID 1 exits, so a trainer that stopped its
+daemon would otherwise race it to its own exit.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import logging
 import os
 import resource
 import sys
+import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from decentd.config import NodeConfig, load_config, parse_set
@@ -88,6 +94,32 @@ def raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
+def others_in_namespace() -> list[int]:
+    """The live processes of this PID namespace besides this one (PID 1), zombies reaped or
+    left out; none when ``/proc`` is not this namespace's (it cannot tell)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:  # orphans re-parented to PID 1
+            pass
+    if os.readlink("/proc/self") != str(os.getpid()):
+        return []
+    alive = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(int(entry))
+    return alive
+
+
+def outlive_namespace(grace: float) -> None:
+    """As PID 1, wait up to ``grace`` seconds for the namespace's other processes to exit."""
+    if os.getpid() != 1:
+        return
+    deadline = time.monotonic() + grace
+    while others_in_namespace() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``decentd`` console script."""
     args = build_parser().parse_args(argv)
@@ -132,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"decentd: {exc}", file=sys.stderr)
         notifier.status(f"failed: {exc}")
         return 1
+    outlive_namespace(cfg.timeouts.shutdown)
     return 0
 
 

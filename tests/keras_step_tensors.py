@@ -9,7 +9,8 @@ and three of ``decent.tf.DecentralizedOptimizer`` around it, on the same model, 
 JSON line: by op type, the tensors of >= 2560 elements each step's last run made, that share
 no buffer with what they read (reads of a variable and identities are left out), and the most
 memory the allocations Python made during that step (numpy's arrays among them) held at once
-(``tracemalloc``'s peak, which counts only what it saw allocated since it started).
+(``tracemalloc``'s peak, which counts only what it saw allocated since it started), also for
+the third step of the wrapped optimizer compiled.
 """
 
 from __future__ import annotations
@@ -55,22 +56,29 @@ class LargeOutputs:
         op_callbacks.remove_op_callback(self)
 
 
-def last_step(client: Any, algorithm: str, wrapped: bool) -> tuple[dict[str, int], int]:
-    """What the third step of ``algorithm`` (not ``wrapped``: the plain optimizer it wraps)
-    made: the tensors by op type, and the peak of the Python allocations it made (bytes)."""
+def last_step(client: Any, algorithm: str, wrapped: bool,
+              compiled: bool = False) -> tuple[dict[str, int], int]:
+    """What the third step of ``algorithm`` (not ``wrapped``: the plain optimizer it wraps;
+    ``compiled``: in a ``tf.function``, whose ops the callbacks do not see) made: the tensors by
+    op type, and the peak of the Python allocations it made (bytes)."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256),
                               keras.layers.Dense(10)])
     opt = keras.optimizers.SGD(0.1, momentum=0.0 if algorithm == "decentlam" else 0.9)
     if wrapped:
         opt = dtf.DecentralizedOptimizer(opt, algorithm=algorithm, client=client,
-                                         prefix=f"tensors.{algorithm}")
+                                         prefix=f"tensors.{algorithm}.{compiled}")
     grads = [tf.ones_like(v) / 64 for v in model.trainable_variables]
+
+    def step() -> None:
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    run = tf.function(step) if compiled else step
     for k in range(3):
         if k == 2:
             tracemalloc.start()
         with LargeOutputs() as watch:
-            opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            run()
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     return dict(watch.made), peak
@@ -82,9 +90,11 @@ def main() -> int:
     for algorithm in sys.argv[1].split(","):
         plain, plain_peak = last_step(client, algorithm, False)
         wrapped, wrapped_peak = last_step(client, algorithm, True)
+        _, compiled_peak = last_step(client, algorithm, True, compiled=True)
         print(json.dumps({"rank": client.rank, "algorithm": algorithm, "plain": plain,
                           "wrapped": wrapped, "plain_python_peak": plain_peak,
-                          "wrapped_python_peak": wrapped_peak}), flush=True)
+                          "wrapped_python_peak": wrapped_peak,
+                          "compiled_python_peak": compiled_peak}), flush=True)
     dtf.shutdown()
     return 0
 

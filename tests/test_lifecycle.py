@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster import Cluster, free_ports
+from cluster import Cluster, free_ports, until
 from decent.core import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 
@@ -349,3 +350,31 @@ def test_free_ports_never_hands_out_a_port_twice() -> None:
     # two calls before anything binds (peers, then metrics ports) once drew the same port
     first, second = free_ports(300), free_ports(300)
     assert len(set(first)) == 300 and not set(first) & set(second)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="needs root for a PID namespace")
+def test_a_daemon_as_pid_1_outlives_the_trainer_that_stopped_it(tmp_path: Path) -> None:
+    # a container's trainer sharing its daemon's PID namespace ends with `kill -TERM 1; exit`:
+    # when PID 1 exits the kernel SIGKILLs the rest of the namespace, so the daemon waits for
+    # the others (up to its shutdown grace) and the trainer's own exit code stands (here the
+    # trainer takes 1 s after the signal, far longer than the daemon's shutdown)
+    sock = tmp_path / "d.sock"
+    (port,) = free_ports(1)
+    daemon = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-m",
+         "decentd.cli", "--rank", "0", "--peers", f"127.0.0.1:{port}", "--socket", str(sock)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        children = Path(f"/proc/{daemon.pid}/task/{daemon.pid}/children")
+        until(lambda: children.read_text().split() != [] and sock.exists(),
+              "the daemon listening in its PID namespace")
+        init = int(children.read_text().split()[0])  # the daemon: PID 1 inside
+        trainer = subprocess.run(
+            ["nsenter", f"--pid=/proc/{init}/ns/pid", "sh", "-c",
+             "kill -TERM 1; sleep 1; exit 7"], timeout=30, check=False)
+        assert trainer.returncode == 7
+        assert daemon.wait(timeout=30) == 0
+    finally:
+        daemon.kill()
+        daemon.wait()

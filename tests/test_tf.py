@@ -272,7 +272,8 @@ def test_a_keras_step_makes_no_model_sized_tensor() -> None:
     # of >= 2560 elements): adapt-then-combine combines in the variables, which take their
     # results where the daemon wrote them; the others run over numpy buffers kept across steps
     # and hand each new value over in a pooled buffer, so no numpy array of a variable's size
-    # is made either (counted in processes of their own: tests/keras_step_tensors.py)
+    # is made either, eager or compiled (counted in processes of their own:
+    # tests/keras_step_tensors.py; a compiled step's TensorFlow ops are not seen)
     algorithms = (*KERAS_IN_PLACE, *KERAS_ON_HOST, *KERAS_REDUCING)
     proc = subprocess.run(
         [sys.executable, "-m", "decentd.launcher", "-np", "2", "--topology", "ring", "--",
@@ -286,6 +287,7 @@ def test_a_keras_step_makes_no_model_sized_tensor() -> None:
     for c in counts:
         assert c["plain"] and c["wrapped"] == c["plain"], c
         assert c["wrapped_python_peak"] < LARGE_VARIABLE_BYTES, c
+        assert c["compiled_python_peak"] < LARGE_VARIABLE_BYTES, c
 
 
 def test_model_fit_with_callbacks_keeps_the_replicas_identical(tfc: Any) -> None:
