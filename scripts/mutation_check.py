@@ -343,6 +343,9 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "        present = list(range(len(grads)))\n        dense = [tf.zeros_like(v) if g is None "
      "else tf.convert_to_tensor(g) for g, v in zip(grads, variables, strict=True)]", [KERAS_GA],
      "a missing gradient becomes zeros (weight decay moves a variable plain Keras leaves)"),
+    ("daemon/cli.py", "    outlive_namespace(cfg.timeouts.shutdown)\n", "",
+     ["tests/test_lifecycle.py::test_a_daemon_as_pid_1_outlives_the_trainer_that_stopped_it"],
+     "a daemon as PID 1 exits before the trainer that stopped it (the kernel kills it)"),
 ]
 
 
