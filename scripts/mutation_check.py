@@ -301,8 +301,8 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("clients/tf/optim.py", "        if self.algorithm.in_place:\n            self._apply_in_place",
      "        if False:\n            self._apply_in_place", [KERAS_STEP],
      "the Keras adapt-then-combine step makes x_k, d_k and x - d again"),
-    ("clients/tf/optim.py", "                n.set_shape(v.shape)\n                v.assign(n)",
-     "                n.set_shape(v.shape)", [KERAS_MATCH],
+    ("clients/tf/optim.py", "            for v, n in zip(variables, new, strict=True):\n"
+     "                v.assign(n)", "            pass", [KERAS_MATCH],
      "a compiled Keras step reads its variables before the combine is assigned"),
     ("clients/tf/codec.py", "    if typed.ctypes.data % ALIGNMENT:\n        return None\n", "",
      [RESULTS + "tensorflow_is_given_only_memory_aligned_as_its_kernels_require"],

@@ -90,7 +90,7 @@ class HostSteps:
         self._turn = 0
         self.homes = HomePool()
 
-    def snapshot(self, values: Sequence[tf.Tensor]) -> list[np.ndarray]:
+    def snapshot(self, values: Sequence[tf.Tensor]) -> None:
         """``x_k``: a copy of each value, in this step's set."""
         views = [view_of(v) for v in values]
         layout = [(v.shape, v.dtype) for v in views]
@@ -100,7 +100,6 @@ class HostSteps:
         xs = self._sets[self._turn][0]
         for x, view in zip(xs, views, strict=True):
             np.copyto(x, view)
-        return list(xs)
 
     def xs(self) -> list[np.ndarray]:
         """This step's ``x_k`` (:meth:`snapshot`)."""

@@ -17,10 +17,12 @@ arithmetic, which does).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import keras
@@ -219,12 +221,7 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         follow_learning_rate(self, self.inner)
         self.inner.apply(grads, variables)
         ds = [x - tf.identity(v) for x, v in zip(xs, variables, strict=True)]
-        if tf.executing_eagerly():
-            new = self._combine(*xs, *ds)
-        else:
-            new = tf.py_function(self._combine, [*xs, *ds], Tout=[x.dtype for x in xs])
-            for n, x in zip(new, xs, strict=True):
-                n.set_shape(x.shape)
+        new = _staged(self._combine, [*xs, *ds], xs)
         for v, n in zip(variables, new, strict=True):
             v.assign(n)
         self.iterations.assign_add(1)
@@ -238,11 +235,9 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         if tf.executing_eagerly():
             self._combine_in_place(variables)
         else:  # in after the updates, out before any later read (assigning shares a buffer)
-            new = tf.py_function(lambda *_: self._combined(variables),
-                                 [tf.identity(v) for v in variables],
-                                 Tout=[v.dtype for v in variables])
+            new = _staged(lambda *_: self._combined(variables),
+                          [tf.identity(v) for v in variables], variables)
             for v, n in zip(variables, new, strict=True):
-                n.set_shape(v.shape)
                 v.assign(n)
         self.iterations.assign_add(1)
 
@@ -256,13 +251,7 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         them."""
         present = [i for i, g in enumerate(grads) if g is not None]
         dense = [tf.convert_to_tensor(grads[i]) for i in present]
-        if tf.executing_eagerly():
-            out = self._reduced(variables, present, *dense)
-        else:
-            out = tf.py_function(lambda *gs: self._reduced(variables, present, *gs), dense,
-                                 Tout=[g.dtype for g in dense])
-            for r, g in zip(out, dense, strict=True):
-                r.set_shape(g.shape)
+        out = _staged(lambda *gs: self._reduced(variables, present, *gs), dense, dense)
         reduced: list[Any] = [None] * len(grads)
         for i, r in zip(present, out, strict=True):
             reduced[i] = r
@@ -285,24 +274,33 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         """:meth:`apply` of the other algorithms, over host buffers: ``x_k`` copied into one,
         the wrapped optimizer's step, then the combine (in a compiled step, two
         ``tf.py_function`` nodes around the step, in graph order)."""
-        if tf.executing_eagerly():
+        after: AbstractContextManager[Any]
+        if tf.executing_eagerly():  # (the reads are gone before the step writes in place)
             self._host.snapshot([unwrap(v).read_value() for v in variables])
+            after = contextlib.nullcontext()
+        else:
+            after = tf.control_dependencies([tf.py_function(
+                self._snapshot, [tf.identity(v) for v in variables], Tout=tf.bool)])
+        with after:
             follow_learning_rate(self, self.inner)
             self.inner.apply(grads, variables)
-            new = self._combine_on_host(*(unwrap(v).read_value() for v in variables))
-        else:
-            taken = tf.py_function(self._snapshot, [tf.identity(v) for v in variables],
-                                   Tout=tf.bool)
-            with tf.control_dependencies([taken]):
-                follow_learning_rate(self, self.inner)
-                self.inner.apply(grads, variables)
-            new = tf.py_function(self._combine_on_host, [tf.identity(v) for v in variables],
-                                 Tout=[v.dtype for v in variables])
+        new = _staged(self._combine_on_host, [tf.identity(v) for v in variables], variables)
         for v, n in zip(variables, new, strict=True):
-            if not tf.executing_eagerly():
-                n.set_shape(v.shape)
             v.assign(n)
         self.iterations.assign_add(1)
+
+
+def _staged(run: Callable[..., list[tf.Tensor]], inputs: list[Any],
+            like: list[Any]) -> list[tf.Tensor]:
+    """``run(*inputs)`` now when eager; in a compiled step one ``tf.py_function`` node (run
+    each time the graph runs, in graph order) whose outputs have ``like``'s dtypes and static
+    shapes."""
+    if tf.executing_eagerly():
+        return run(*inputs)
+    out = tf.py_function(run, inputs, Tout=[t.dtype for t in like])
+    for o, t in zip(out, like, strict=True):
+        o.set_shape(t.shape)
+    return list(out)
 
 
 def _on_host(state: State) -> State:
