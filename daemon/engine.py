@@ -96,11 +96,12 @@ class WorkerSession:
         if self.deliver is not None:
             self.deliver(completion)
 
-    def tell_final(self, request_id: int, nbytes: int) -> None:
-        """The first ``nbytes`` of a draining request's result are final (a partial
-        completion)."""
+    def tell_final(self, request_id: int, nbytes: int, combine: pb.Combine | None) -> None:
+        """The first ``nbytes`` of a draining request's result are final, or with
+        ``combine`` have landed for the worker to combine (a partial completion)."""
         if self.deliver is not None and not self.gone:
-            self.deliver(pb.Completion(request_id=request_id, partial=True, final_bytes=nbytes))
+            self.deliver(pb.Completion(request_id=request_id, partial=True, final_bytes=nbytes,
+                                       combine=combine))
 
 
 class OpObserver(Protocol):
@@ -185,6 +186,7 @@ class Engine:
             self._filling(session, req.request_id, op, parts)
         if req.draining and op in STREAMED and len(parts) == 1:
             parts[0].drain = Drain(partial(session.tell_final, req.request_id), parts[0].nbytes)
+            parts[0].combining = req.combining and not parts[0].in_place
         if op in self.hierarchy.ops:
             self.hierarchy.submit(Request(session, req.request_id, op, args, parts, timeout))
             return
@@ -271,7 +273,7 @@ class Engine:
             completion = pb.Completion(
                 request_id=request_id, view_epoch=epoch, out_nbytes=result.out_nbytes,
                 out_meta=pb.TensorMeta(dtype=ctx.dtype, shape=result.shape),
-                src_ranks=result.src_ranks)
+                src_ranks=result.src_ranks, combine=result.combine)
         else:
             completion = pb.Completion(request_id=request_id, view_epoch=epoch)
         session.complete(completion)

@@ -16,6 +16,8 @@ import asyncio
 import threading
 from collections.abc import Callable
 
+from decent_wire.v1 import decent_pb2 as pb
+
 #: a worker copies gigabytes a second: this long without a byte more, it stopped (paused,
 #: dying); well within the heartbeats that a frame waiting for it holds back
 STALL = 2.0
@@ -107,14 +109,15 @@ class Drain:
     completion) how much of its in-place result is final from the start, so that it copies
     that much out while the rest arrives (``SubmitRequest.draining``). Event loop only."""
 
-    def __init__(self, tell: Callable[[int], None], nbytes: int) -> None:
+    def __init__(self, tell: Callable[[int, pb.Combine | None], None], nbytes: int) -> None:
         self.tell = tell
         self.nbytes = nbytes
         self.told = 0
 
-    def final(self, nbytes: int) -> None:
+    def final(self, nbytes: int, combine: pb.Combine | None = None) -> None:
         """The first ``nbytes`` of the output hold their final values (the last bytes are
-        left to the op's completion)."""
+        left to the op's completion); ``combine``: they hold the in-neighbor's tensor, which
+        the worker combines with its own so (SubmitRequest.combining)."""
         if nbytes - self.told >= DRAIN_STEP and nbytes < self.nbytes:
             self.told = nbytes
-            self.tell(nbytes)
+            self.tell(nbytes, combine)

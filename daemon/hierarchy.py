@@ -30,13 +30,13 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
+from decent_wire.numerics import ACCUM, from_accum, to_accum, weighted_sum
 from decent_wire.protocol import op_label
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.agreement import NODE_AGREED, Agreements, description, outcome
 from decentd.gathers import Gather, Launch, Request, Staged, Worker, segment_bounds
 from decentd.mailbox import OpKey
 from decentd.names import at_node, segment
-from decentd.numerics import ACCUM, from_accum, to_accum, weighted_sum
 from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Services
 
 log = logging.getLogger("decentd.hierarchy")

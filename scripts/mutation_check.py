@@ -43,6 +43,10 @@ TF_NUMPY = "tests/test_tf.py::test_the_tf_client_takes_numpy_arrays_and_gives_nu
 KERAS_REJOIN = ("tests/test_rejoin.py::test_a_restarted_keras_rank_takes_the_state_of_a_live_"
                 "rank_and_trains_on")
 KERAS_MATCH = "tests/test_tf.py::test_keras_wrapper_matches_the_torch_wrapper"
+COMBINED = STREAMING + "an_in_place_result_is_combined_by_its_worker_with_the_daemons_bits"
+COMBINED_EARLY = (STREAMING + "a_neighbors_tensor_that_arrived_before_the_call_is_combined_by_"
+                  "the_worker")
+LONE_LOST = FAULTS + "a_lone_in_neighbor_killed_before_sending_is_reweighted_by_the_worker"
 
 #: (file, snippet, replacement, tests, what the change breaks)
 MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
@@ -113,14 +117,14 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("clients/torch/optim.py", "        return [self.algorithm_state.setdefault(p, {}) for p in "
      "params]", "        return [self.optimizer.state[p] for p in params]", ADAM_TESTS,
      "the algorithm's state is kept inside Adam's (issue 22: KeyError 'exp_avg')"),
-    ("daemon/numerics.py", "    first_is_out = first is out or (", "    first_is_out = True or (",
+    ("wire/numerics.py", "    first_is_out = first is out or (", "    first_is_out = True or (",
      ["tests/test_data_path.py::test_weighted_sums_over_the_input_or_into_memory_of_their_own"],
      "a sum into memory of its own skips copying its first term (one pass, latency)"),
     ("clients/core/handles.py", "        if self._open:\n            return True\n        if not",
      "        if True:\n            return True\n        if not",
      ["tests/test_concurrency.py::test_a_requests_latch_lets_every_waiter_through_once_it_is_set"],
      "a request's latch lets a waiter through before it is set (latency)"),
-    ("daemon/numerics.py", "    k = round(1.0 / weights[0])\n", "    return None\n",
+    ("wire/numerics.py", "    k = round(1.0 / weights[0])\n", "    return None\n",
      UNIFORM_TESTS, "uniform averages scale every term instead of dividing the sum once"),
     ("daemon/windows/store.py", "            elif j in w.without_base and not zero_init:",
      "            elif False:", EARLY_TESTS,
@@ -221,8 +225,8 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("daemon/fill.py", "        in_frame = self.head + max(0, self.fill.filled - self.base)",
      "        in_frame = frame_bytes", ["tests/test_streaming.py"],
      "a sender writes a frame past what its worker has copied in"),
-    ("daemon/ops/neighbor.py", "    await ctx.inputs_whole()\n    for i, p in enumerate(parts):",
-     "    for i, p in enumerate(parts):", ["tests/test_streaming.py::test_a_receiver_still_"
+    ("daemon/ops/neighbor.py", "    await ctx.inputs_whole()\n    if handoff is not None:",
+     "    if handoff is not None:", ["tests/test_streaming.py::test_a_receiver_still_"
                                          "copying_its_input_waits_for_it_before_combining"],
      "the weighted sum reads an input still being copied in"),
     ("daemon/fill.py", "                lambda: self.filled > filled or self.complete or "
@@ -251,11 +255,11 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "        if True:", ["tests/test_horovod.py::test_two_ops_of_one_name_in_flight_are_a_value_"
                          "error_as_in_horovod"], "a second op of a name in flight is accepted"),
 
-    ("clients/core/submitter.py", "    receives_only = self_weight == 0.0 and dsts == {}",
+    ("clients/core/calls.py", "    receives_only = self_weight == 0.0 and dsts == {}",
      "    receives_only = self_weight == 0.0",
      [RESULTS + "weights_of_zero_and_one_on_a_two_way_call_copy_as_usual"],
      "a receive-only call that still sends is left out (one way copies less)"),
-    ("clients/core/submitter.py", "    adds_nothing = self_weight == 1.0 and srcs is not None "
+    ("clients/core/calls.py", "    adds_nothing = self_weight == 1.0 and srcs is not None "
      "and not any(srcs.values())", "    adds_nothing = self_weight == 1.0",
      [RESULTS + "weights_of_zero_and_one_on_a_two_way_call_copy_as_usual"],
      "a keep-own call that receives is not copied back (one way copies less)"),
@@ -346,6 +350,24 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("daemon/cli.py", "    outlive_namespace(cfg.timeouts.shutdown)\n", "",
      ["tests/test_lifecycle.py::test_a_daemon_as_pid_1_outlives_the_trainer_that_stopped_it"],
      "a daemon as PID 1 exits before the trainer that stopped it (the kernel kills it)"),
+    ("daemon/ops/handoff.py", "        return None\n    return p.drain\n",
+     "        return None\n    return None\n", [COMBINED, COMBINED_EARLY],
+     "the daemon never hands the combine to the worker (the copy back stays)"),
+    ("clients/core/submitter.py", "        landing = landing and in_place and resident is None\n",
+     "        landing = False\n", [COMBINED],
+     "an in-place call asks no second slot to combine from"),
+    ("clients/core/submitter.py", "            if combine is None:\n", "            if True:\n",
+     [COMBINED], "the worker copies the neighbor's tensor as if it were the result"),
+    ("daemon/ops/handoff.py", "weight=self.src_weight * weight)", "weight=self.src_weight)",
+     [COMBINED], "the sender's dst weight is left out of the worker's combine"),
+    ("daemon/ops/handoff.py", "        if data.ctypes.data != out.ctypes.data:\n",
+     "        if False:\n", [COMBINED_EARLY],
+     "a tensor that arrived before the op is not put where the worker combines from"),
+    ("daemon/ops/handoff.py", "        if buf.ctypes.data == self.start:\n", "        if True:\n",
+     [COMBINED_EARLY], "the worker is told to combine bytes that landed elsewhere"),
+    ("daemon/ops/handoff.py", "            return pb.Combine(self_weight=self_weight, weight=0.0)",
+     "            return pb.Combine(self_weight=self.self_weight, weight=0.0)", [LONE_LOST],
+     "a lost lone in-neighbor's weight does not go to the worker's own tensor"),
 ]
 
 

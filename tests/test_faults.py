@@ -70,6 +70,33 @@ def test_a_daemon_killed_mid_op_is_reweighted_out_exactly() -> None:
         c.stop()
 
 
+def test_a_lone_in_neighbor_killed_before_sending_is_reweighted_by_the_worker() -> None:
+    # rank 1 averages a large private tensor in place with rank 2 alone, so its worker
+    # combines its own result (decent.core.combine); rank 2's daemon dies before it sends:
+    # its weight goes to rank 1's own tensor, in the worker's arithmetic
+    c = Cluster(3, "ring")
+    try:
+        c.connect()
+        big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: streamed, combined there
+        mine = big.clone()
+        h0 = c.clients[0].neighbor_allreduce_async(torch.zeros_like(big), name="lone",
+                                                   self_weight=0.5, src_weights={1: 0.5},
+                                                   dst_weights=[], timeout=30)
+        h1 = c.clients[1].neighbor_allreduce_async_(mine, name="lone", self_weight=0.25,
+                                                    src_weights={2: 0.5}, dst_weights=[0],
+                                                    timeout=30)
+        until_running(c, 1)
+        c.procs[2].send_signal(signal.SIGKILL)
+        c.procs[2].wait()
+        assert h1.wait(timeout=60) is mine and h1.src_ranks == []
+        assert torch.equal(mine, big * 0.75)  # 0.25 + rank 2's 0.5
+        assert torch.equal(h0.wait(timeout=60), big * 0.5)
+        assert c.clients[1].status().worker_results_combined == 1
+    finally:
+        c.clients = c.clients[:2]
+        c.stop()
+
+
 def test_a_daemon_killed_mid_op_fails_it_under_fail() -> None:
     c = Cluster(3, "ring", "--set", "faults.on_peer_loss=fail")
     try:

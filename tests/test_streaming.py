@@ -3,7 +3,8 @@
 The client sends the request first and copies the tensor in chunks, telling the daemon after
 each; the daemon's sender threads write each chunk as soon as it is in. Results are exact on every
 path of neighbor_allreduce; the first chunk is on the wire before the rest is copied; a worker
-that stops copying fails its op by the timeout and the link carries the next op whole.
+that stops copying fails its op by the timeout and the link carries the next op whole. An
+in-place result with a lone in-neighbor is combined by the worker itself, with the daemon's bits.
 """
 
 from __future__ import annotations
@@ -271,3 +272,126 @@ def test_a_tensorflow_input_is_streamed_through_dlpack() -> None:
         assert streamed == 2
         np.testing.assert_array_equal(out, want)
         np.testing.assert_array_equal(var, want)
+
+
+def noise(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Values with every mantissa bit in use (sums of them round), fixed per rank: 12 MiB
+    whatever the dtype (streamed)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    numel = NUMEL * 4 // torch.finfo(dtype).bits * 8
+    return (torch.randn(numel, generator=g) * 3.0).to(dtype)
+
+
+#: (self weight, in-neighbor's weight, sender's dst weight): uniform (summed, then divided
+#: once) and scaled (each term times its weight, the sender's weight too)
+WEIGHTS = {"uniform": (0.5, 0.5, 1.0), "scaled": (0.25, 0.375, 2.0)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("weights", list(WEIGHTS))
+def test_an_in_place_result_is_combined_by_its_worker_with_the_daemons_bits(
+        cluster: ClusterFactory, weights: str, dtype: torch.dtype) -> None:
+    # three ranks in a one-way cycle: one in-neighbor each, so every in-place call's worker
+    # combines its own result from the neighbor's tensor the daemon received for it; the same
+    # call out of place is combined by the daemon: both must give the same bits, and those of
+    # the formula computed here
+    self_w, src_w, dst_w = WEIGHTS[weights]
+    c = cluster(3)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        n, r = cl.size, cl.rank
+        kw = dict(self_weight=self_w, src_weights={(r - 1) % n: src_w},
+                  dst_weights={(r + 1) % n: dst_w})
+        before = cl.status().worker_results_combined
+        mine = noise(r, dtype)
+        same = cl.neighbor_allreduce_(mine, name="ip", **kw) is mine
+        combined = cl.status().worker_results_combined - before
+        # (after: its result holds arena space, which the in-place call needs twice over)
+        return cl.neighbor_allreduce(noise(r, dtype), name="oop", **kw), mine, same, combined
+
+    for rank, (out_of_place, mine, same, combined) in enumerate(c.run(work)):
+        x, y = noise(rank, dtype).float(), noise((rank - 1) % 3, dtype).float()
+        want = (x + y) / 2 if weights == "uniform" else x * self_w + y * (src_w * dst_w)
+        assert same and combined == 1, (rank, combined)
+        assert torch.equal(out_of_place, want.to(dtype)), rank
+        assert torch.equal(mine, out_of_place), rank
+
+
+def test_an_in_place_call_whose_neighbor_sent_another_dtype_fails_and_keeps_its_tensor(
+        cluster: ClusterFactory) -> None:
+    # rank 1 averages in place with rank 0, which sends float16: rank 1's call fails naming
+    # the tensor, the peer and both tensors, and its own tensor is as it was (nothing of the
+    # wrong tensor landed where the worker combines from)
+    c = cluster(2)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        if cl.rank == 0:
+            try:
+                cl.neighbor_allreduce(values(0).half(), name="mixed", self_weight=1.0,
+                                      src_weights={}, dst_weights=[1], timeout=30)
+            except DecentError as err:  # rank 1 refuses it: a one-way edge fails both
+                return err
+            return None
+        mine = values(1)
+        with pytest.raises(DecentError) as info:
+            cl.neighbor_allreduce_(mine, name="mixed", self_weight=0.5, src_weights={0: 0.5},
+                                   dst_weights=[], timeout=30)
+        return info.value, mine
+
+    _, (err, mine) = c.run(work)
+    assert err.code == pb.MISMATCH, err
+    assert "'mixed'" in err.message and "rank 0 sent" in err.message, err.message
+    assert "float16" in err.message and "float32" in err.message, err.message
+    assert torch.equal(mine, values(1))
+
+
+def test_without_arena_room_for_the_neighbors_tensor_the_daemon_combines(
+        cluster: ClusterFactory) -> None:
+    # each rank holds an earlier 12 MiB result: the in-place call's second slot does not fit
+    # the tests' 32 MiB arena beside its input, so it lies in memory of its own, where payloads
+    # do not land; the daemon combines, as without combining, and the worker copies it out
+    c = cluster(3)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        kw = one_peer(cl.rank, cl.size)
+        held = cl.neighbor_allreduce(values(cl.rank), name="held", **kw)
+        before = cl.status().worker_results_combined
+        mine = values(cl.rank)
+        cl.neighbor_allreduce_(mine, name="crowded", **kw)
+        return held, mine, cl.status().worker_results_combined - before
+
+    for rank, (held, mine, combined) in enumerate(c.run(work)):
+        assert combined == 0, rank
+        assert torch.equal(mine, expected(rank, 3, "one-peer")), rank
+        assert torch.equal(held, expected(rank, 3, "one-peer")), rank
+
+
+def test_a_neighbors_tensor_that_arrived_before_the_call_is_combined_by_the_worker(
+        cluster: ClusterFactory) -> None:
+    # rank 1 calls only once rank 0's whole tensor is at its daemon, held there as an early
+    # arrival: the daemon copies it into the call's second slot, and the worker combines
+    c = cluster(2)
+
+    def received_from_peer(cl) -> int:  # type: ignore[no-untyped-def]
+        return sum(p.bytes_received for p in cl.status().peers if p.rank == 0)
+
+    before = received_from_peer(c.clients[1])
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        if cl.rank == 0:
+            return cl.neighbor_allreduce(values(0), name="early", self_weight=1.0,
+                                         src_weights={}, dst_weights=[1])
+        until(lambda: received_from_peer(cl) - before >= NUMEL * 4, "rank 0's tensor")
+        combined = cl.status().worker_results_combined
+        mine = values(1)
+        cl.neighbor_allreduce_(mine, name="early", self_weight=0.5, src_weights={0: 0.5},
+                               dst_weights=[])
+        return mine, cl.status().worker_results_combined - combined
+
+    out0, (mine, combined) = c.run(work)
+    assert torch.equal(out0, values(0))
+    assert combined == 1 and torch.equal(mine, (values(0) + values(1)) / 2)

@@ -19,6 +19,7 @@ import numpy as np
 
 from decent.core.arena import ClientArena
 from decent.core.args import WeightsArg, op_args, rank_weights
+from decent.core.calls import OpCall, neighbor_call
 from decent.core.codec import TensorCodec
 from decent.core.compression import Compressor, Transform
 from decent.core.connection import Connection, default_address
@@ -29,7 +30,7 @@ from decent.core.membership import View
 from decent.core.regions import RegionTable
 from decent.core.registrar import Registrar
 from decent.core.rejoin import REJOIN_PREFIX
-from decent.core.submitter import OpCall, Submitter, neighbor_call
+from decent.core.submitter import Submitter
 from decent.core.topology_ops import TopologyOps
 from decent.core.windows import WindowOps, WindowTable
 from decent_wire import dtypes
@@ -275,8 +276,7 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
     def allgather_async(self, tensor: T, name: str | None = None,
                         timeout: float | None = None) -> Handle[T]:
         """Start gathering every rank's tensor, concatenated on the first dimension in rank
-        order (Horovod's ``allgather``); first dimensions may differ, and are exchanged first
-        (a small blocking exchange)."""
+        order (Horovod's ``allgather``); first dimensions may differ (exchanged first, blocking)."""
         name = name or "allgather.unnamed"
         dtype, shape = self._submitter.describe(tensor, name)
         if not shape:

@@ -94,6 +94,8 @@ class Pending:
     #: (``drained`` bytes so far); 0: copied out once it is all there
     sink: int = 0
     drained: int = 0
+    #: the worker may combine the result into its sink itself (:mod:`decent.core.combine`)
+    combining: bool = False
     state: State = State.SENT
     #: the result's size and shape are this request's own, not the completion's (fused: one
     #: completion answers several requests)

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
 from decent.core.args import WeightsArg, op_args, rank_weights
+from decent.core.calls import OpCall
 from decent.core.handles import Handle
-from decent.core.submitter import OpCall
 from decent_wire.v1 import decent_pb2 as pb
 
 T = TypeVar("T")

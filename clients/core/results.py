@@ -39,8 +39,10 @@ class ResultMemory(Generic[T]):
         self.copied = 0
         #: in-place results that were their input unchanged (nothing copied back)
         self.unchanged = 0
-        #: bytes of in-place results copied out before their op ended
+        #: bytes of in-place results copied out (or combined) before their op ended
         self.drained_early = 0
+        #: in-place results the worker combined itself (:mod:`decent.core.combine`)
+        self.combined = 0
 
     def adopt(self, slot: tuple[int, int], nbytes: int, make: Callable[[np.ndarray], T | None]
               ) -> T | None:
@@ -75,6 +77,7 @@ class ResultMemory(Generic[T]):
         reply.worker_results_copied = self.copied
         reply.worker_results_unchanged = self.unchanged
         reply.worker_results_drained_early_bytes = self.drained_early
+        reply.worker_results_combined = self.combined
         return reply
 
     @property

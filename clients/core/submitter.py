@@ -24,7 +24,9 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from decent.core.arena import ClientArena
+from decent.core.calls import OpCall
 from decent.core.codec import TensorCodec
+from decent.core.combine import combine_into, combining, whole_elements
 from decent.core.fusion import Fusion
 from decent.core.handles import FREED, Handle, Pending, State
 from decent.core.registrar import Registrar
@@ -45,29 +47,6 @@ STREAM_CHUNK = 2 << 20
 
 
 @dataclass(frozen=True)
-class OpCall:
-    """One call of an op: its field of ``SubmitRequest.op`` and its typed arguments."""
-
-    field: str  #: ``neighbor_allreduce``, ``broadcast``, ...
-    args: Any  #: ``pb.NeighborAllreduce(...)``, ``pb.Broadcast(root=0)``, ...
-    #: the op never reads the input (it is not copied in; the daemon is told so)
-    blank_input: bool = False
-    #: in place, the result is the input unchanged (it is not copied out)
-    result_is_input: bool = False
-
-
-def neighbor_call(args: pb.NeighborAllreduce, self_weight: float | None,
-                  srcs: dict[int, float] | None, dsts: dict[int, float] | None) -> OpCall:
-    """A neighbor_allreduce call, with the copies its weights make needless: a receive-only
-    call never reads its tensor; one keeping its own tensor whole and adding nothing returns
-    it unchanged."""
-    receives_only = self_weight == 0.0 and dsts == {}
-    adds_nothing = self_weight == 1.0 and srcs is not None and not any(srcs.values())
-    return OpCall("neighbor_allreduce", args, blank_input=receives_only,
-                  result_is_input=adds_nothing)
-
-
-@dataclass(frozen=True)
 class Placement:
     """Where a request's input and result lie (arena or registered offsets)."""
 
@@ -78,6 +57,9 @@ class Placement:
     resident: bool  #: in place on memory the daemon writes: the result needs no copy
     #: the input still has to be copied into its slot (the caller streams it in)
     unfilled: bool = False
+    #: in place on a private tensor, the result slot is for the in-neighbor's tensor, which the
+    #: worker may combine with its own (:mod:`decent.core.combine`)
+    landing: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,7 +125,8 @@ class Submitter(Generic[T]):
         # the ops holding the arena end within their timeouts: wait that long, and this one's
         place = self._place(tensor, name, nbytes, into, out if out != nbytes else None,
                             self.arena_wait + (timeout or 0.0),
-                            copy_in=source is None and not call.blank_input)
+                            copy_in=source is None and not call.blank_input,
+                            landing=source is not None and not call.result_is_input)
         # from here on nothing can fail before the request is sent: the round is spent only now,
         # so a refused argument above does not put this name's rounds out of step with the peers
         round_ = self.next_round(name)
@@ -153,7 +136,8 @@ class Submitter(Generic[T]):
         unchanged = into is not None and call.result_is_input
         self.results.unchanged += unchanged and not place.resident
         p = Pending(next(self._ids), (call.field, name, round_), place.slots, dtype,
-                    shape, nbytes, place.out_offset, tensor, into, place.resident or unchanged)
+                    shape, nbytes, place.out_offset, tensor, into, place.resident or unchanged,
+                    combining=place.landing)
         stamps = (called, time.monotonic_ns())
         if place.unfilled and source is not None:
             p.sink = self._sink(call, into, place, nbytes)
@@ -212,13 +196,17 @@ class Submitter(Generic[T]):
             return 0
         return self.codec.address(into) or 0
 
-    def _drain(self, p: Pending, upto: int) -> int:
-        """Copy ``p``'s result out into its sink up to byte ``upto`` (caller holds ``p.lock``);
-        the bytes copied now."""
-        upto, done = min(upto, p.nbytes), p.drained
+    def _drain(self, p: Pending, upto: int, combine: pb.Combine | None = None) -> int:
+        """Copy ``p``'s result out into its sink up to byte ``upto``, or with ``combine``
+        combine the in-neighbor's tensor that far into it (caller holds ``p.lock``); the bytes
+        done now."""
+        upto, done = whole_elements(min(upto, p.nbytes), p.dtype), p.drained
         if upto > done:
             src = np.frombuffer(self.view(p.out_offset, p.nbytes), np.uint8)
-            ctypes.memmove(p.sink + done, src.ctypes.data + done, upto - done)
+            if combine is None:
+                ctypes.memmove(p.sink + done, src.ctypes.data + done, upto - done)
+            else:
+                combine_into(p.sink, src, p.dtype, done, upto, combine)
             p.drained = upto
         return max(0, upto - done)
 
@@ -240,23 +228,25 @@ class Submitter(Generic[T]):
 
     def _place(self, tensor: T | None, name: str, nbytes: int, into: T | None,
                out_bytes: int | None, wait: float | None = None,
-               copy_in: bool = True) -> Placement:
+               copy_in: bool = True, landing: bool = False) -> Placement:
         """Where the input and the result (``out_bytes`` of it when it is not the input's
         size) go, and the input copied there if it needs a slot of its own (unless not
-        ``copy_in``: the caller streams it in, or the op never reads it)."""
+        ``copy_in``: the caller streams it in, or the op never reads it). ``landing``: in
+        place on a private tensor, the result gets a slot of its own (Placement.landing)."""
         # a shared() tensor is already in the arena: no copy in, and in place no copy out
         at = None if tensor is None or not nbytes else self.codec.address(tensor)
         resident = None if at is None else self.arena.offset_of(at, nbytes)
         in_place = tensor is not None and into is tensor and out_bytes is None
         if resident is None and in_place and at is not None:
             resident = self.registrar.offset(tensor, at, nbytes)
+        landing = landing and in_place and resident is None
         slots: list[tuple[int, int]] = []
         try:
             if resident is None:
                 slots.append((self.alloc(nbytes, f"tensor '{name}'", wait), nbytes))
             # the daemon writes a result over its input once the input is sent, so one slot
             # serves both; a resident tensor gets its own result slot unless the op is in place
-            if out_bytes is not None or (resident is not None and not in_place):
+            if out_bytes is not None or landing or (resident is not None and not in_place):
                 size = nbytes if out_bytes is None else out_bytes
                 slots.append((self.alloc(size, f"tensor '{name}' output", wait), size))
             if tensor is not None and nbytes and resident is None and copy_in:
@@ -270,7 +260,8 @@ class Submitter(Generic[T]):
             return Placement(slots, offset, offset, nbytes, True)
         out_offset, out_capacity = slots[-1] if slots else (offset, nbytes)
         return Placement(slots, offset, out_offset, out_capacity, False,
-                         unfilled=not copy_in and resident is None and bool(nbytes))
+                         unfilled=not copy_in and resident is None and bool(nbytes),
+                         landing=landing)
 
     def alloc(self, nbytes: int, what: str, wait: float | None = None) -> int:
         """A slot for a request: in the arena (reading finished results out first when it is
@@ -302,7 +293,8 @@ class Submitter(Generic[T]):
         req = pb.SubmitRequest(request_id=members[0].request_id if len(members) == 1
                                else next(self._ids), tensors=tensors, timeout_s=timeout,
                                queued_ns=[q for q, _ in stamps], fused_ns=[f for _, f in stamps],
-                               filling=filling, draining=len(members) == 1 and members[0].sink > 0)
+                               filling=filling, draining=len(members) == 1 and members[0].sink > 0,
+                               combining=len(members) == 1 and members[0].combining)
         getattr(req, call.field).CopyFrom(call.args)
         with self._lock:
             self._in_flight[req.request_id] = members
@@ -359,7 +351,8 @@ class Submitter(Generic[T]):
         p = members[0]
         with p.lock:
             if p.state is State.SENT:
-                self.results.drained_early += self._drain(p, int(completion.final_bytes))
+                self.results.drained_early += self._drain(
+                    p, int(completion.final_bytes), combining(completion))
 
     def connection_lost(self, error: DecentError) -> None:
         """The data channel ended: every request still in flight fails with ``error``."""
@@ -412,7 +405,9 @@ class Submitter(Generic[T]):
         nbytes, shape = p.result_layout()
         into = p.into
         if into is not None and p.sink:
-            self._drain(p, nbytes)
+            combine = combining(p.completion)
+            self._drain(p, nbytes, combine)
+            self.results.combined += combine is not None
             return into
         if into is not None:
             taken = self._adopted(p, nbytes, lambda owner: self.codec.take(owner, into))

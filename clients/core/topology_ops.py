@@ -16,9 +16,9 @@ from typing import Any, Generic, TypeVar
 import networkx as nx
 import numpy as np
 
+from decent.core.calls import OpCall
 from decent.core.connection import Connection
 from decent.core.handles import Handle
-from decent.core.submitter import OpCall
 from decent_wire.topology import Topology, build_topology, from_graph, from_spec
 from decent_wire.v1 import decent_pb2 as pb
 

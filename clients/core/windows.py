@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from decent.core.args import WeightsArg, op_args, rank_weights
+from decent.core.calls import OpCall
 from decent.core.connection import Connection
 from decent.core.handles import Handle
-from decent.core.submitter import OpCall
 from decent_wire.errors import DecentError
 from decent_wire.protocol import GROUP_RULES
 from decent_wire.v1 import decent_pb2 as pb

@@ -14,8 +14,8 @@ from typing import Any
 import tensorflow as tf
 
 from decent.core import Client, Handle, adjoints
+from decent.core.calls import OpCall
 from decent.core.shortcuts import DefaultClient
-from decent.core.submitter import OpCall
 from decent.tf.codec import TFCodec
 from decent.tf.gradients import differentiable, tracked
 

@@ -88,6 +88,9 @@ class OpResult:
     #: an agreement's verdict against running its collective (the agreement itself ended well:
     #: every participant draws the same one, so nobody is told to abort)
     verdict: DecentError | None = None
+    #: the output holds the in-neighbor's tensor, which the worker combines with its own so
+    #: (SubmitRequest.combining)
+    combine: pb.Combine | None = None
 
 
 OpFn = Callable[["OpContext"], Awaitable[OpResult]]

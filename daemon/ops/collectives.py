@@ -10,8 +10,8 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.graphs import hops
+from decent_wire.numerics import ACCUM, INTEGER, divide, from_accum, to_accum
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.numerics import ACCUM, INTEGER, divide, from_accum, to_accum
 from decentd.ops.api import DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
 from decentd.ops.faults import live_group
 

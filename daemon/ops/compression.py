@@ -22,10 +22,9 @@ import struct
 
 import numpy as np
 
-from decent_wire import dtypes
+from decent_wire import dtypes, numerics
 from decent_wire.protocol import COMPRESSORS
 from decent_wire.v1 import decent_pb2 as pb
-from decentd import numerics
 
 _HEADER = struct.Struct("<IIQQd")  # kind, reserved, elements, k, scale
 HEADER_BYTES = _HEADER.size

@@ -13,12 +13,13 @@ from typing import Any
 import numpy as np
 
 from decent_wire import dtypes
+from decent_wire.numerics import weighted_sum
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.mailbox import Progress
-from decentd.numerics import weighted_sum
 from decentd.ops import compression
 from decentd.ops.api import Arrival, DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
 from decentd.ops.faults import live_step, unless_lost, without_gone
+from decentd.ops.handoff import HandOff, hands_off
 from decentd.sender import Outgoing
 
 #: a tensor still arriving is folded in once at least this many more elements are usable (the
@@ -271,15 +272,17 @@ async def neighbor_allreduce(ctx: OpContext) -> OpResult:
     if whole:
         jobs.append(exchange_whole(ctx, whole, self_weight, recv, send))
     got = await gather_all(*jobs)
-    srcs = got[-1] if whole else sorted(recv)
-    return OpResult(sum(p.nbytes for p in ctx.parts), ctx.shape, srcs)
+    srcs, combine = got[-1] if whole else (sorted(recv), None)
+    return OpResult(sum(p.nbytes for p in ctx.parts), ctx.shape, srcs, combine=combine)
 
 
 async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: float,
-                         recv: dict[int, float], send: dict[int, float]) -> list[int]:
+                         recv: dict[int, float], send: dict[int, float]
+                         ) -> tuple[list[int], pb.Combine | None]:
     """neighbor_allreduce of ``parts``: whole tensors to and from every neighbor (one message
     per peer); the in-neighbors that contributed (under ``reweight``, one lost while the op
-    ran is left out, its weight given to self)."""
+    ran is left out, its weight given to self), and the weights the worker combines by when
+    it does (:mod:`decentd.ops.handoff`)."""
     srcs = sorted(recv)
     fold = None
     # nothing of our own in the result and nothing to send: the neighbor's tensor is received
@@ -287,7 +290,11 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
     direct = self_weight == 0.0 and not send and len(srcs) == 1
     if direct:  # it lands where the worker may still be copying the input
         await ctx.inputs_whole()
-    if len(srcs) == 1 and len(parts) == 1 and not direct and parts[0].x.size >= FOLD_MIN:
+    drain = None if direct else hands_off(parts[0], parts, srcs)
+    handoff = None if drain is None else HandOff(ctx, parts[0], drain, srcs[0], self_weight,
+                                                 recv[srcs[0]])
+    if len(srcs) == 1 and len(parts) == 1 and not direct and handoff is None \
+            and parts[0].x.size >= FOLD_MIN:
         fold = FoldIn(ctx, parts[0], self_weight, recv[srcs[0]], list(send))
 
     async def send_to(d: int, w: float) -> None:
@@ -300,8 +307,10 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
     # a peer we also receive from checks our tensor against its own and we check its: a
     # disagreement fails both sides without acknowledgements; one-way edges need them.
     # The mailbox waits for every in-neighbor's tensor before ours go out.
-    expected = [ctx.expect_parts(j, 0, ack=j not in send, parts=parts, direct=direct,
-                                 progress=lands_final(parts[0], recv[j]) if direct else fold)
+    expected = [ctx.expect_parts(j, 0, ack=j not in send, parts=parts,
+                                 direct=direct or handoff is not None,
+                                 progress=lands_final(parts[0], recv[j]) if direct
+                                 else handoff or fold)
                 for j in srcs]
     try:
         await gather_all(*(send_to(d, w) for d, w in send.items()))
@@ -319,13 +328,25 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
         check_blank(ctx, self_weight)
         fold = None
     await ctx.inputs_whole()
+    if handoff is not None:
+        return [j for j, _ in arrived], handoff.finish(arrived[0][1][0] if arrived else None,
+                                                       self_weight)
+    combine_whole(ctx, parts, arrived, self_weight, recv, direct, fold)
+    return [j for j, _ in arrived], None
+
+
+def combine_whole(ctx: OpContext, parts: list[PartSpec], arrived: list[tuple[int, list[Arrival]]],
+                  self_weight: float, recv: dict[int, float], direct: bool,
+                  fold: FoldIn | None) -> None:
+    """Each part's result from the in-neighbors' tensors that ``arrived`` (what of it
+    ``direct`` landing or ``fold`` did already is not done again)."""
     for i, p in enumerate(parts):
         storage = dtypes.STORAGE[p.dtype]
         out = ctx.output(p, p.nbytes)
         first = arrived[0][1][i] if arrived else None
         if direct and first is not None and first.message is not None \
                 and first.message.buf is None and np.may_share_memory(first.data, out):
-            scale = recv[srcs[0]] * first.weight  # it landed in the output
+            scale = recv[arrived[0][0]] * first.weight  # it landed in the output
             if scale != 1.0:
                 weighted_sum(out, out, scale, [], p.dtype)
         elif fold is not None and fold.done and not fold.off and first is not None:
@@ -333,7 +354,6 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
         else:
             terms = [(a[i].data.view(storage), recv[j] * a[i].weight) for j, a in arrived]
             weighted_sum(out, out if p.in_place else p.x, self_weight, terms, p.dtype)
-    return [j for j, _ in arrived]
 
 
 async def compressed_neighbor_allreduce(ctx: OpContext) -> OpResult:

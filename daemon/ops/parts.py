@@ -43,6 +43,8 @@ class PartSpec:
     drain: Drain | None = None
     #: the output region starts where the input does: the result is written over it
     in_place: bool = False
+    #: the worker may combine the result itself (SubmitRequest.combining; with ``drain``)
+    combining: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -13,8 +13,8 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.graphs import butterfly_group
+from decent_wire.numerics import weighted_sum
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.numerics import weighted_sum
 from decentd.ops.api import Arrival, DecentError, OpContext, OpResult, OpSpec, gather_all, part
 from decentd.ops.faults import reachable, self_for_gone, unless_lost
 from decentd.windows.groups import GroupSum, group_terms, late_call

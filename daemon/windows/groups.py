@@ -22,6 +22,7 @@ import numpy as np
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.graphs import butterfly_group
+from decent_wire.numerics import weighted_sum
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.arrivals import Arrival
 from decentd.auth import shown
@@ -29,7 +30,6 @@ from decentd.errors import PeerLost
 from decentd.links import Links
 from decentd.mailbox import Mailbox
 from decentd.names import display_name, owner
-from decentd.numerics import weighted_sum
 from decentd.peerlink import part
 from decentd.tasks import TaskSet, gather_all
 from decentd.windows.store import REPLY, REQUEST, WindowStore

@@ -1,4 +1,5 @@
-"""The numpy arithmetic the daemon does on wire dtypes (the table is ``decent_wire.dtypes``).
+"""The numpy arithmetic done on wire dtypes (the table is ``decent_wire.dtypes``): by the daemon,
+and by a worker that combines an in-place result itself (``SubmitRequest.combining``).
 
 numpy has no bfloat16: bfloat16 tensors are stored as uint16 bit patterns and converted to float32
 for arithmetic (round-to-nearest-even on the way back).

@@ -1,0 +1,31 @@
+"""What one call of an op asks of the daemon (:class:`OpCall`), before it becomes a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from decent_wire.v1 import decent_pb2 as pb
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One call of an op: its field of ``SubmitRequest.op`` and its typed arguments."""
+
+    field: str  #: ``neighbor_allreduce``, ``broadcast``, ...
+    args: Any  #: ``pb.NeighborAllreduce(...)``, ``pb.Broadcast(root=0)``, ...
+    #: the op never reads the input (it is not copied in; the daemon is told so)
+    blank_input: bool = False
+    #: in place, the result is the input unchanged (it is not copied out)
+    result_is_input: bool = False
+
+
+def neighbor_call(args: pb.NeighborAllreduce, self_weight: float | None,
+                  srcs: dict[int, float] | None, dsts: dict[int, float] | None) -> OpCall:
+    """A neighbor_allreduce call, with the copies its weights make needless: a receive-only
+    call never reads its tensor; one keeping its own tensor whole and adding nothing returns
+    it unchanged."""
+    receives_only = self_weight == 0.0 and dsts == {}
+    adds_nothing = self_weight == 1.0 and srcs is not None and not any(srcs.values())
+    return OpCall("neighbor_allreduce", args, blank_input=receives_only,
+                  result_is_input=adds_nothing)
