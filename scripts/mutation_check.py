@@ -46,6 +46,9 @@ KERAS_MATCH = "tests/test_tf.py::test_keras_wrapper_matches_the_torch_wrapper"
 COMBINED = STREAMING + "an_in_place_result_is_combined_by_its_worker_with_the_daemons_bits"
 COMBINED_EARLY = (STREAMING + "a_neighbors_tensor_that_arrived_before_the_call_is_combined_by_"
                   "the_worker")
+COMBINED_HALF = (STREAMING + "a_neighbors_tensor_half_here_before_the_call_is_combined_once_"
+                 "whole")
+LOCKED = STREAMING + "an_in_place_request_is_locked_from_before_it_is_sent_until_it_is_copied_in"
 LONE_LOST = FAULTS + "a_lone_in_neighbor_killed_before_sending_is_reweighted_by_the_worker"
 
 #: (file, snippet, replacement, tests, what the change breaks)
@@ -361,13 +364,20 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("daemon/ops/handoff.py", "weight=self.src_weight * weight)", "weight=self.src_weight)",
      [COMBINED], "the sender's dst weight is left out of the worker's combine"),
     ("daemon/ops/handoff.py", "        if data.ctypes.data != out.ctypes.data:\n",
-     "        if False:\n", [COMBINED_EARLY],
+     "        if False:\n", [COMBINED_EARLY, COMBINED_HALF],
      "a tensor that arrived before the op is not put where the worker combines from"),
     ("daemon/ops/handoff.py", "        if buf.ctypes.data == self.start:\n", "        if True:\n",
-     [COMBINED_EARLY], "the worker is told to combine bytes that landed elsewhere"),
+     [COMBINED_HALF], "the worker is told to combine bytes that landed elsewhere"),
     ("daemon/ops/handoff.py", "            return pb.Combine(self_weight=self_weight, weight=0.0)",
      "            return pb.Combine(self_weight=self.self_weight, weight=0.0)", [LONE_LOST],
      "a lost lone in-neighbor's weight does not go to the worker's own tensor"),
+    ("clients/core/submitter.py", "            with p.lock:  # from before the request: what it is "
+     "told waits for the copy in\n                self._send(", "            if True:\n"
+     "                self._send(", [LOCKED],
+     "a partial completion may combine into the tensor before it is copied in"),
+    ("clients/core/submitter.py", "            if landing := spare is not None:\n",
+     "            if landing := spare is not None and False:\n", [COMBINED],
+     "the second slot is taken but never used"),
 ]
 
 

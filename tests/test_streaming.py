@@ -21,7 +21,7 @@ import tensorflow as tf
 import torch
 
 import decent.core.submitter as submitter
-from cluster import delay, run_each, tf_cluster, until
+from cluster import Cluster, delay, run_each, tf_cluster, until
 from conftest import ClusterFactory
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
@@ -274,6 +274,23 @@ def test_a_tensorflow_input_is_streamed_through_dlpack() -> None:
         np.testing.assert_array_equal(var, want)
 
 
+@pytest.fixture
+def fresh_pair() -> Iterator[Cluster]:
+    """Two daemons of this test's own: their links start with full credit, so a 12 MiB tensor
+    goes out at once rather than after its receiver's op asked for it (RTS/CTS)."""
+    c = Cluster(2, "ring")
+    try:
+        c.connect()
+        yield c
+    finally:
+        c.stop()
+
+
+def received_from(cl: Any, peer: int) -> int:
+    """Bytes ``cl``'s daemon has received from ``peer``'s."""
+    return sum(p.bytes_received for p in cl.status().peers if p.rank == peer)
+
+
 def noise(rank: int, dtype: torch.dtype) -> torch.Tensor:
     """Values with every mantissa bit in use (sums of them round), fixed per rank: 12 MiB
     whatever the dtype (streamed)."""
@@ -350,8 +367,8 @@ def test_an_in_place_call_whose_neighbor_sent_another_dtype_fails_and_keeps_its_
 def test_without_arena_room_for_the_neighbors_tensor_the_daemon_combines(
         cluster: ClusterFactory) -> None:
     # each rank holds an earlier 12 MiB result: the in-place call's second slot does not fit
-    # the tests' 32 MiB arena beside its input, so it lies in memory of its own, where payloads
-    # do not land; the daemon combines, as without combining, and the worker copies it out
+    # the tests' 32 MiB arena beside its input, so the call runs in one slot, the daemon
+    # combines, and the worker copies the result out
     c = cluster(3)
 
     def work(cl):  # type: ignore[no-untyped-def]
@@ -370,22 +387,22 @@ def test_without_arena_room_for_the_neighbors_tensor_the_daemon_combines(
 
 
 def test_a_neighbors_tensor_that_arrived_before_the_call_is_combined_by_the_worker(
-        cluster: ClusterFactory) -> None:
+        fresh_pair: Cluster) -> None:
     # rank 1 calls only once rank 0's whole tensor is at its daemon, held there as an early
-    # arrival: the daemon copies it into the call's second slot, and the worker combines
-    c = cluster(2)
-
-    def received_from_peer(cl) -> int:  # type: ignore[no-untyped-def]
-        return sum(p.bytes_received for p in cl.status().peers if p.rank == 0)
-
-    before = received_from_peer(c.clients[1])
+    # arrival: the daemon copies it into the call's second slot, and the worker combines.
+    # Rank 0 starts once rank 1 counted what it had received
+    c = fresh_pair
+    ready = threading.Event()
 
     def work(cl):  # type: ignore[no-untyped-def]
         delay(cl.rank)
         if cl.rank == 0:
+            assert ready.wait(timeout=60)
             return cl.neighbor_allreduce(values(0), name="early", self_weight=1.0,
                                          src_weights={}, dst_weights=[1])
-        until(lambda: received_from_peer(cl) - before >= NUMEL * 4, "rank 0's tensor")
+        before = received_from(cl, 0)
+        ready.set()
+        until(lambda: received_from(cl, 0) - before >= NUMEL * 4, "rank 0's tensor")
         combined = cl.status().worker_results_combined
         mine = values(1)
         cl.neighbor_allreduce_(mine, name="early", self_weight=0.5, src_weights={0: 0.5},
@@ -395,3 +412,73 @@ def test_a_neighbors_tensor_that_arrived_before_the_call_is_combined_by_the_work
     out0, (mine, combined) = c.run(work)
     assert torch.equal(out0, values(0))
     assert combined == 1 and torch.equal(mine, (values(0) + values(1)) / 2)
+
+
+def test_a_neighbors_tensor_half_here_before_the_call_is_combined_once_whole(
+        fresh_pair: Cluster) -> None:
+    # rank 0's client holds its copy after two chunks until rank 1's op runs; rank 1 calls once
+    # part of the tensor is at its daemon: the rest arrives where the first part did, not in
+    # the call's second slot, so nothing may be combined before the daemon copied it there.
+    # Rank 0 starts once rank 1 is ready (a hold of 2 s would cut the frame off)
+    c = fresh_pair
+    held, ready = threading.Event(), threading.Event()
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        if cl.rank == 0:
+            assert ready.wait(timeout=60)
+            with copy_held(cl, 3 * CHUNK, lambda: c.status(1).ops_in_flight > 0, held):
+                return cl.neighbor_allreduce(values(0), name="half", self_weight=1.0,
+                                             src_weights={}, dst_weights=[1])
+        combined, before = cl.status().worker_results_combined, received_from(cl, 0)
+        ready.set()
+        until(lambda: received_from(cl, 0) - before >= CHUNK, "part of rank 0's tensor")
+        mine = values(1)
+        cl.neighbor_allreduce_(mine, name="half", self_weight=0.5, src_weights={0: 0.5},
+                               dst_weights=[])
+        return mine, cl.status().worker_results_combined - combined
+
+    out0, (mine, combined) = c.run(work)
+    assert held.is_set()
+    assert torch.equal(out0, values(0))
+    assert combined == 1 and torch.equal(mine, (values(0) + values(1)) / 2)
+
+
+def test_an_in_place_request_is_locked_from_before_it_is_sent_until_it_is_copied_in(
+        cluster: ClusterFactory) -> None:
+    # what the daemon tells about an in-place request (how much of the in-neighbor's tensor
+    # landed, for the worker to combine into its tensor) waits for the tensor's copy into the
+    # arena: the reader thread cannot take the request's lock between its request and the copy
+    c = cluster(2)
+    free_after_send: list[bool] = []
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        kw = one_way(cl.rank, 2)
+        if cl.rank == 0:
+            return cl.neighbor_allreduce(values(0), name="locked", **kw)
+        send = cl._submitter._send_request
+
+        def probe(req: pb.SubmitRequest) -> None:
+            send(req)
+            if req.WhichOneof("op") == "neighbor_allreduce":
+                (p,) = cl._submitter._in_flight[req.request_id]
+                taken: list[bool] = []
+                thread = threading.Thread(target=lambda: taken.append(
+                    p.lock.acquire(blocking=False) and (p.lock.release() or True)))
+                thread.start()
+                thread.join()
+                free_after_send.extend(taken)
+
+        cl._submitter._send_request = probe
+        try:
+            mine = values(1)
+            cl.neighbor_allreduce_(mine, name="locked", self_weight=0.5, src_weights={0: 0.5},
+                                   dst_weights=[])
+            return mine
+        finally:
+            cl._submitter._send_request = send
+
+    _, mine = c.run(work)
+    assert free_after_send == [False]
+    assert torch.equal(mine, (values(0) + values(1)) / 2)

@@ -1,11 +1,9 @@
 """Turning op calls into requests: arena slots, rounds, fusion, and reading results back.
 
-A request is: place the tensor (allocate a slot in the shared-memory arena and copy it in, or use
-memory the daemon maps already), give it the next round of its name, and send a small
-``SubmitRequest`` without waiting for an answer; the caller gets a ``Handle``. Small
-asynchronous requests may wait in a fusion bucket and go as one request. Completions arrive on
-the connection's reader thread and wake the handles; ``Handle.wait()`` takes the result (a
-tensor over its slot, or copied out) and frees what it does not keep.
+A request: place the tensor (in an arena slot, or memory the daemon maps already), give it its
+name's next round, send a small ``SubmitRequest`` without waiting; the caller gets a ``Handle``.
+Small requests may go together (fusion). Completions wake the handles (reader thread);
+``Handle.wait()`` takes the result (over its slot, or copied out) and frees what it does not keep.
 """
 
 from __future__ import annotations
@@ -108,11 +106,9 @@ class Submitter(Generic[T]):
                into: T | None = None, out_factor: int = 1, fuse: bool = False,
                fuse_limit: int | None = None, out_bytes: int | None = None) -> Handle[T]:
         """Place ``tensor``, spend the next round of ``name`` and send (or bucket) the request.
-
         ``into``: an in-place op's target; ``out_factor``: the result is that many times the
         input (``out_bytes``: that many bytes); ``fuse``: the request may wait in a bucket of
-        compatible ones (at most ``fuse_limit`` bytes).
-        """
+        compatible ones (at most ``fuse_limit`` bytes)."""
         called = time.monotonic_ns()
         self.check_open()
         if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
@@ -122,11 +118,12 @@ class Submitter(Generic[T]):
         nbytes = dtypes.nbytes(dtype, shape)
         out = nbytes * out_factor if out_bytes is None else out_bytes
         source = None if call.blank_input else self._streamable(call, tensor, nbytes)
+        sink = self._sink(call, into, nbytes)
         # the ops holding the arena end within their timeouts: wait that long, and this one's
         place = self._place(tensor, name, nbytes, into, out if out != nbytes else None,
                             self.arena_wait + (timeout or 0.0),
                             copy_in=source is None and not call.blank_input,
-                            landing=source is not None and not call.result_is_input)
+                            landing=source is not None and sink > 0)
         # from here on nothing can fail before the request is sent: the round is spent only now,
         # so a refused argument above does not put this name's rounds out of step with the peers
         round_ = self.next_round(name)
@@ -139,17 +136,19 @@ class Submitter(Generic[T]):
                     shape, nbytes, place.out_offset, tensor, into, place.resident or unchanged,
                     combining=place.landing)
         stamps = (called, time.monotonic_ns())
+        sink = 0 if place.resident else sink  # the daemon writes a resident tensor itself
         if place.unfilled and source is not None:
-            p.sink = self._sink(call, into, place, nbytes)
-            self._send(call, [ref], timeout or 0.0, [p], [stamps], filling=True)
-            self._stream_in(p, source, place.offset)
+            p.sink = sink
+            with p.lock:  # from before the request: what it is told waits for the copy in
+                self._send(call, [ref], timeout or 0.0, [p], [stamps], filling=True)
+                self._stream_in(p, source, place.offset)
         elif fuse and self._fusion.enabled:
             p.state = State.QUEUED
             key = (call.field, call.args.SerializeToString(deterministic=True), round_, timeout)
             self._fusion.add(key, Queued(call, ref, timeout or 0.0, p, stamps), nbytes,
                              fuse_limit)
         else:
-            p.sink = self._sink(call, into, place, nbytes)
+            p.sink = sink
             self._send(call, [ref], timeout or 0.0, [p], [stamps])
         return Handle(self, p)
 
@@ -188,11 +187,11 @@ class Submitter(Generic[T]):
             return None
         return self.codec.host_bytes(tensor)
 
-    def _sink(self, call: OpCall, into: T | None, place: Placement, nbytes: int) -> int:
+    def _sink(self, call: OpCall, into: T | None, nbytes: int) -> int:
         """Where an in-place result large enough to be copied out while it arrives goes (the
         host address of ``into``), or 0."""
-        if into is None or place.resident or call.result_is_input \
-                or call.field not in STREAMED or nbytes < STREAM_MIN_BYTES:
+        if into is None or call.result_is_input or call.field not in STREAMED \
+                or nbytes < STREAM_MIN_BYTES:
             return 0
         return self.codec.address(into) or 0
 
@@ -212,11 +211,13 @@ class Submitter(Generic[T]):
 
     def _stream_in(self, p: Pending, source: np.ndarray, offset: int) -> None:
         """Copy a filling request's input into its slot chunk by chunk, telling the daemon
-        after each (it sends what is there). Its slot is not freed meanwhile: an early failure
-        waits on ``p.lock``."""
+        after each (it sends what is there). Its slot is not freed meanwhile, and its tensor
+        not combined into (:mod:`decent.core.combine`): those wait on ``p.lock``."""
         dst = np.frombuffer(self.view(offset, p.nbytes), np.uint8)
         to, frm = dst.ctypes.data, source.ctypes.data
         with p.lock:
+            if p.state is not State.SENT:
+                return  # the request could not be sent: its slot is free already
             for lo in range(0, p.nbytes, STREAM_CHUNK):
                 n = min(STREAM_CHUNK, p.nbytes - lo)
                 ctypes.memmove(to + lo, frm + lo, n)  # releases the GIL
@@ -232,7 +233,8 @@ class Submitter(Generic[T]):
         """Where the input and the result (``out_bytes`` of it when it is not the input's
         size) go, and the input copied there if it needs a slot of its own (unless not
         ``copy_in``: the caller streams it in, or the op never reads it). ``landing``: in
-        place on a private tensor, the result gets a slot of its own (Placement.landing)."""
+        place on a private tensor, the result gets an arena slot of its own if one is free
+        now (Placement.landing); else the call runs in one slot."""
         # a shared() tensor is already in the arena: no copy in, and in place no copy out
         at = None if tensor is None or not nbytes else self.codec.address(tensor)
         resident = None if at is None else self.arena.offset_of(at, nbytes)
@@ -244,9 +246,12 @@ class Submitter(Generic[T]):
         try:
             if resident is None:
                 slots.append((self.alloc(nbytes, f"tensor '{name}'", wait), nbytes))
+            spare = self.arena.try_alloc(nbytes, self._reclaim) if landing else None
+            if landing := spare is not None:
+                slots.append((spare, nbytes))
             # the daemon writes a result over its input once the input is sent, so one slot
             # serves both; a resident tensor gets its own result slot unless the op is in place
-            if out_bytes is not None or landing or (resident is not None and not in_place):
+            elif out_bytes is not None or (resident is not None and not in_place):
                 size = nbytes if out_bytes is None else out_bytes
                 slots.append((self.alloc(size, f"tensor '{name}' output", wait), size))
             if tensor is not None and nbytes and resident is None and copy_in:

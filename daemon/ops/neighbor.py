@@ -105,7 +105,7 @@ def explicit_weights(ctx: OpContext) -> bool:
 class FoldIn:
     """Folds a lone in-neighbor's tensor into the result while it is still arriving.
 
-    The result overwrites the input (one arena slot), so element k is combined only once the
+    The result may overwrite the input (one arena slot), so element k is combined only once the
     input's element k has gone out to every out-neighbor; on a link where sending and receiving
     run at the same pace that keeps up with the arrival, and only the tail is left at the end.
     The arriving tensor may be the slice of ``count`` elements from ``base`` of ours.
@@ -256,9 +256,10 @@ async def pair_exchange(ctx: OpContext, p: PartSpec, j: int, weight: float) -> N
 async def neighbor_allreduce(ctx: OpContext) -> OpResult:
     """``out = self_w * x + sum_j src_w[j] * d_j * x_j`` over this step's in-neighbors.
 
-    The result is written over the input once it is sent (the client gives both one slot, and
-    in-place ops on shared tensors rely on it); a lone in-neighbor's tensor is folded in while
-    it arrives (FoldIn), the rest once everything is there. Two ranks that are each other's
+    The result is written over the input once it is sent (the client mostly gives both one
+    slot, and in-place ops on shared tensors rely on it); a lone in-neighbor's tensor is folded
+    in while it arrives (FoldIn), or handed to a worker that combines it itself (handoff), the
+    rest once everything is there. Two ranks that are each other's
     only neighbor with equal weights average large tensors by halves (pair_exchange).
     """
     self_weight, recv, send = neighbor_plan(ctx)
