@@ -24,10 +24,9 @@ def combine_into(address: int, landed: np.ndarray, dtype: int, lo: int, hi: int,
     ``combine.self_weight`` times themselves plus ``combine.weight`` times the same bytes of
     ``landed`` (uint8, the in-neighbor's tensor). ``lo`` and ``hi`` are whole elements."""
     storage = dtypes.STORAGE[dtype]
-    x = np.ctypeslib.as_array((ctypes.c_uint8 * (hi - lo)).from_address(address + lo))
-    mine = x.view(storage)
-    weighted_sum(mine, mine, combine.self_weight, [(landed[lo:hi].view(storage), combine.weight)],
-                 dtype)
+    raw = (ctypes.c_uint8 * (hi - lo)).from_address(address + lo)
+    mine, theirs = np.ctypeslib.as_array(raw).view(storage), landed[lo:hi].view(storage)
+    weighted_sum(mine, mine, combine.self_weight, [(theirs, combine.weight)], dtype)
 
 
 def whole_elements(nbytes: int, dtype: int) -> int:
@@ -38,5 +37,6 @@ def whole_elements(nbytes: int, dtype: int) -> int:
 def combining(completion: pb.Completion | None) -> pb.Combine | None:
     """The weights a (partial) completion asks the worker to combine by, or None: the output
     holds the result."""
-    return completion.combine if completion is not None and completion.HasField("combine") \
-        else None
+    if completion is None or not completion.HasField("combine"):
+        return None
+    return completion.combine
