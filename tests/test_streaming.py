@@ -222,12 +222,9 @@ def test_a_receiver_still_copying_its_input_waits_for_it_before_combining(
     # combine must wait for the copy, not only for the arrival
     c = cluster(2)
 
-    def received_from_peer(cl) -> int:  # type: ignore[no-untyped-def]
-        return sum(p.bytes_received for p in cl.status().peers if p.rank == 0)
-
     # counted before either rank starts: rank 0's tensor may reach rank 1's daemon before
     # rank 1 submits (it is held there as an early arrival)
-    before = received_from_peer(c.clients[1])
+    before = received_from(c.clients[1], 0)
 
     def work(cl):  # type: ignore[no-untyped-def]
         delay(cl.rank)
@@ -240,7 +237,7 @@ def test_a_receiver_still_copying_its_input_waits_for_it_before_combining(
         def hold(req: pb.SubmitRequest) -> None:
             if req.WhichOneof("op") == "fill" and req.fill.bytes == 2 * CHUNK:
                 deadline = time.monotonic() + 30
-                while received_from_peer(cl) - before < NUMEL * 4:
+                while received_from(cl, 0) - before < NUMEL * 4:
                     assert time.monotonic() < deadline, "rank 0's tensor never arrived"
                     time.sleep(0.01)
             send(req)

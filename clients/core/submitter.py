@@ -211,21 +211,20 @@ class Submitter(Generic[T]):
 
     def _stream_in(self, p: Pending, source: np.ndarray, offset: int) -> None:
         """Copy a filling request's input into its slot chunk by chunk, telling the daemon
-        after each (it sends what is there). Its slot is not freed meanwhile, and its tensor
-        not combined into (:mod:`decent.core.combine`): those wait on ``p.lock``."""
+        after each (it sends what is there). The caller holds ``p.lock``: its slot is not
+        freed meanwhile, nor its tensor combined into (:mod:`decent.core.combine`)."""
+        if p.state is not State.SENT:
+            return  # the request could not be sent: its slot is free already
         dst = np.frombuffer(self.view(offset, p.nbytes), np.uint8)
         to, frm = dst.ctypes.data, source.ctypes.data
-        with p.lock:
-            if p.state is not State.SENT:
-                return  # the request could not be sent: its slot is free already
-            for lo in range(0, p.nbytes, STREAM_CHUNK):
-                n = min(STREAM_CHUNK, p.nbytes - lo)
-                ctypes.memmove(to + lo, frm + lo, n)  # releases the GIL
-                try:
-                    self._send_request(pb.SubmitRequest(request_id=p.request_id,
-                                                        fill=pb.Fill(bytes=lo + n)))
-                except DecentError:
-                    return  # the channel is gone: the request fails with it
+        for lo in range(0, p.nbytes, STREAM_CHUNK):
+            n = min(STREAM_CHUNK, p.nbytes - lo)
+            ctypes.memmove(to + lo, frm + lo, n)  # releases the GIL
+            try:
+                self._send_request(pb.SubmitRequest(request_id=p.request_id,
+                                                    fill=pb.Fill(bytes=lo + n)))
+            except DecentError:
+                return  # the channel is gone: the request fails with it
 
     def _place(self, tensor: T | None, name: str, nbytes: int, into: T | None,
                out_bytes: int | None, wait: float | None = None,
