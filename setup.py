@@ -38,7 +38,9 @@ class BuildWithProtos(build_py):
         super().run()
 
 
-#: the daemon's SIGBUS guard (daemon/sigbus.c): C, because a Python handler cannot resume a fault
-SIGBUS_GUARD = Extension("decentd.sigbus", ["daemon/sigbus.c"], extra_compile_args=["-O2"])
+#: the daemon's SIGBUS guard (daemon/workers/sigbus.c): C, because a Python handler cannot
+#: resume a fault
+SIGBUS_GUARD = Extension("decentd.workers.sigbus", ["daemon/workers/sigbus.c"],
+                         extra_compile_args=["-O2"])
 
 setup(cmdclass={"build_py": BuildWithProtos}, ext_modules=[SIGBUS_GUARD])

@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:  # `python benchmarks/chaos_run.py` puts only benc
     sys.path.insert(0, str(REPO))
 
 import benchmarks.netns_dsgd as nd  # noqa: E402
-from decentd.auth import write_secret  # noqa: E402
+from decentd.security.auth import write_secret  # noqa: E402
 
 PREFIX = "dchs"
 DECENT_PORT = 7700

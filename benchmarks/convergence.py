@@ -335,7 +335,7 @@ def drive(args: argparse.Namespace) -> list[dict[str, Any]]:
     total = sum(r.epochs for r in runs)
     out_file = Path(args.out) / ".convergence-worker.json"
     # one daemon per worker: each worker's bytes on the wire are its daemon's counters
-    cmd = [sys.executable, "-m", "decentd.launcher", "-np", str(args.workers), "--nodes",
+    cmd = [sys.executable, "-m", "decentd.tools.launcher", "-np", str(args.workers), "--nodes",
            str(args.workers), "--topology",
            "exponential", "--", sys.executable, str(Path(__file__).resolve()), "--worker",
            "--worker-out", str(out_file), "--datasets", ",".join(args.datasets),

@@ -103,8 +103,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from decentd.auth import write_secret
-from decentd.launcher import stop_processes
+from decentd.security.auth import write_secret
+from decentd.tools.launcher import stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/netns_dsgd.py` puts only benchmarks/ on it

@@ -90,8 +90,8 @@ from benchmarks.netns_dsgd import (  # noqa: E402
     warmup_steps,
 )
 from decent_wire.topology import build_topology, from_spec  # noqa: E402
-from decentd.auth import write_secret  # noqa: E402
-from decentd.launcher import worker_env  # noqa: E402
+from decentd.security.auth import write_secret  # noqa: E402
+from decentd.tools.launcher import worker_env  # noqa: E402
 
 PREFIX = "dchr"
 DECENT_PORT = 7700
@@ -257,7 +257,7 @@ def start_daemons(runner: Runner, per_node: int) -> tuple[dict[str, subprocess.P
     sockets = [run_dir / f"decentd-{i}.sock" for i in range(net.nodes)]
     secret = str(write_secret(run_dir / "secret"))  # secret mode: what a real cluster runs
     daemons = {f"decentd-{i}": runner.spawn(i, f"decentd-{i}", [
-        sys.executable, "-m", "decentd.cli", "--rank", str(i), "--peers", peers,
+        sys.executable, "-m", "decentd", "--rank", str(i), "--peers", peers,
         "--socket", str(sockets[i]), "--topology", KIND, "--machine-topology", KIND,
         "--workers-per-node", str(per_node), "--cluster-id", "netns-hier",
         "--log-level", "warning", "--set", f"memory.arena_bytes={128 << 20}",

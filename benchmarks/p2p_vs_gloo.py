@@ -261,7 +261,7 @@ def proc_memory(pid: int) -> dict[str, int]:
 def find_daemon_pid() -> int | None:
     """The pid of our daemon: a ``decentd`` process whose ``--socket`` is $DECENT_DAEMON.
 
-    The status reply carries no pid; decentrun starts each daemon as ``python -m decentd.cli
+    The status reply carries no pid; decentrun starts each daemon as ``python -m decentd
     ... --socket PATH``, so the process is found by its command line.
     """
     sock = os.environ.get("DECENT_DAEMON", "").removeprefix("unix://")

@@ -71,9 +71,9 @@ from benchmarks.netns_dsgd import (  # noqa: E402
     tail,
     write_json,
 )
-from decentd.auth import write_secret  # noqa: E402
-from decentd.certs import write_cluster  # noqa: E402
-from decentd.launcher import free_ports, stop_processes  # noqa: E402
+from decentd.security.auth import write_secret  # noqa: E402
+from decentd.security.certs import write_cluster  # noqa: E402
+from decentd.tools.launcher import free_ports, stop_processes  # noqa: E402
 
 MODES = ("insecure", "secret", "mtls-clear", "mtls-tls")
 LABELS = {"insecure": "insecure", "secret": "secret (HMAC handshakes, bulk in clear)",
@@ -203,7 +203,7 @@ class Clusters:
             for i in (0, 1):
                 with (self.run_dir / f"{mode}-{i}.log").open("ab") as log:
                     self.procs[mode].append(subprocess.Popen(
-                        [sys.executable, "-m", "decentd.cli", "--rank", str(i), "--peers",
+                        [sys.executable, "-m", "decentd", "--rank", str(i), "--peers",
                          peers, "--socket", self.sockets[mode][i], "--topology", "ring",
                          "--cluster-id", "decent", "--log-level", "info",
                          "--set", "timeouts.start=90", *mode_flags(mode, i, secret, pki)],

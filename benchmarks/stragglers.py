@@ -163,7 +163,7 @@ def drive(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="decent-stragglers-",
                                      ignore_cleanup_errors=True) as flags:
         out_file = Path(flags) / "results.json"
-        cmd = [sys.executable, "-m", "decentd.launcher", "-np", str(args.workers), "--nodes",
+        cmd = [sys.executable, "-m", "decentd.tools.launcher", "-np", str(args.workers), "--nodes",
                str(args.workers), "--topology",
                "hypercube", "--", sys.executable, str(Path(__file__).resolve()), "--worker",
                "--worker-out", str(out_file), "--flags", flags, "--steps", str(args.steps),

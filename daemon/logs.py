@@ -27,7 +27,7 @@ from types import TracebackType
 from typing import Any, Literal, Protocol
 
 from decent_wire.protocol import op_label
-from decentd.names import display_name, job_of
+from decentd.keys import display_name, job_of
 
 LogFormat = Literal["text", "json"]
 

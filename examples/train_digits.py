@@ -55,8 +55,8 @@ from torch import nn
 from tqdm import tqdm
 
 import decent.torch as dt
-from decent.core.algorithms import ALGORITHMS as ALGORITHM_NAMES
-from decent.core.algorithms import ALIASES
+from decent.core.training.algorithms import ALGORITHMS as ALGORITHM_NAMES
+from decent.core.training.algorithms import ALIASES
 
 ALGORITHMS = ("dsgd", "allreduce")  # the default comparison
 #: the algorithms with a hierarchical form (``--hierarchical``)

@@ -73,8 +73,8 @@ from decent_wire import framing
 from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
-from decentd.auth import NONCE_BYTES, PeerAuth, new_nonce, write_secret
-from decentd.launcher import free_ports
+from decentd.security.auth import NONCE_BYTES, PeerAuth, new_nonce, write_secret
+from decentd.tools.launcher import free_ports
 
 TARGETS = ("peer-grpc", "bulk-unauth", "bulk-auth", "worker-data", "memory-socket")
 #: each target's share of the messages
@@ -351,7 +351,7 @@ class FuzzCluster:
         self.procs: list[subprocess.Popen[bytes]] = []
         settings = [a for s in DAEMON_SETTINGS for a in ("--set", s)]
         for i in (0, 1):
-            cmd = [sys.executable, "-m", "decentd.cli", "--rank", str(i), "--peers", self.peers,
+            cmd = [sys.executable, "-m", "decentd", "--rank", str(i), "--peers", self.peers,
                    "--socket", self.sockets[i], "--topology", "ring", "--security-mode",
                    "secret", "--secret-file", str(self.secret_path), *settings,
                    "--set", f"transport.data_port={self.data_ports[i]}", *extra]

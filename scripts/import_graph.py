@@ -23,6 +23,19 @@ PACKAGES = {"decent_wire": ROOT / "wire", "decentd": ROOT / "daemon", "decent": 
 #: which top-level package may import which (the design card: clients -> wire <- daemon)
 ALLOWED = {"decent_wire": {"decent_wire"}, "decentd": {"decentd", "decent_wire"},
            "decent": {"decent", "decent_wire"}}
+#: the rooms of each package, bottom up: a module may import its own room, the rooms below it
+#: and its package's root modules (the base every room stands on), never a room above
+ROOMS = {
+    "decentd": ["security", "workers", "net", "mailbox", "windows", "membership", "ops",
+                "engine", "service", "tools"],
+    "decent": ["core.memory", "core.requests", "core.surface", "core.training", "core", "torch",
+               "tf"],
+}
+#: root modules that stand above every room (entry points and maps), not below them
+ROOT_ABOVE = {"decentd.__main__"}
+#: ops reach the network and the mailbox only through their API (``ops.api``, ``ops.parts``)
+OPS_API = {"decentd.ops.api", "decentd.ops.parts"}
+OPS_BELOW_API = ("decentd.net", "decentd.mailbox")
 
 
 @dataclass
@@ -134,6 +147,37 @@ def upward(modules: dict[str, Module]) -> list[str]:
     return bad
 
 
+def room_level(name: str) -> int:
+    """Where module ``name`` stands among its package's rooms: -1 for a root module below them
+    all, len(rooms) for one above them all (an entry point, a package's map)."""
+    package = name.split(".")[0]
+    rooms = ROOMS.get(package, [])
+    if name in ROOT_ABOVE:
+        return len(rooms)
+    inner = name[len(package) + 1:]
+    for level, room in enumerate(rooms):
+        if inner == room or inner.startswith(room + "."):
+            return level
+    return -1
+
+
+def rooms_upward(modules: dict[str, Module]) -> list[str]:
+    """Imports of a room above the importer's (or of the tools by the runtime), and ops that
+    reach the network or the mailbox around their API."""
+    bad = []
+    for mod in modules.values():
+        here = room_level(mod.name)
+        for target in sorted(mod.imports):
+            if target.split(".")[0] != mod.name.split(".")[0]:
+                continue
+            if room_level(target) > here:
+                bad.append(f"{mod.name} -> {target}")
+            elif mod.name.startswith("decentd.ops.") and mod.name not in OPS_API and \
+                    target.startswith(OPS_BELOW_API):
+                bad.append(f"{mod.name} -> {target} (ops use ops.api)")
+    return bad
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the graph, or check it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -146,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     problems += [f"private name across modules: {m.name} imports {p}"
                  for m in modules.values() for p in m.private]
     problems += [f"layer imported upward: {edge}" for edge in upward(modules)]
+    problems += [f"room imported upward: {edge}" for edge in rooms_upward(modules)]
     if not args.check:
         for mod in modules.values():
             deps = ", ".join(sorted(mod.imports)) or "-"
@@ -155,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(problem)
     if args.check and not problems:
         print(f"{len(modules)} modules: no cycles, no private names across modules, "
-              "clients -> wire <- daemon")
+              "clients -> wire <- daemon, rooms call down")
     return 1 if problems else 0
 
 

@@ -53,54 +53,59 @@ LONE_LOST = FAULTS + "a_lone_in_neighbor_killed_before_sending_is_reweighted_by_
 
 #: (file, snippet, replacement, tests, what the change breaks)
 MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
-    ("daemon/mailbox.py", "            self._held.setdefault((name, round_), []).append(arrival)\n"
+    ("daemon/mailbox/slots.py",
+     "            self._held.setdefault((name, round_), []).append(arrival)\n"
      "            fut.set_result(arrival)", "            fut.set_result(arrival)",
      MAILBOX_TESTS, "an early arrival is not held for its op"),
-    ("daemon/mailbox.py", "            if slot.arriving is not None and accepts == "
+    ("daemon/mailbox/slots.py", "            if slot.arriving is not None and accepts == "
      "accepts_of(slot.arriving):", "            if False:", MAILBOX_TESTS,
      "no acknowledgement when the op starts while its part arrives"),
-    ("daemon/mailbox.py", "            if slot.accepts is not None and slot.accepts == "
+    ("daemon/mailbox/slots.py", "            if slot.accepts is not None and slot.accepts == "
      "accepts_of(p):", "            if slot.accepts is not None:", MAILBOX_TESTS,
      "early acknowledgement of a part the op does not accept"),
-    ("daemon/mailbox.py", "            early = self._early_aborts.pop(key, None)",
+    ("daemon/mailbox/slots.py", "            early = self._early_aborts.pop(key, None)",
      "            early = None", MAILBOX_TESTS, "an abort before the op opens is forgotten"),
-    ("daemon/mailbox.py", "                messages.update(self._drop(self._slots.pop(slot_key)))",
+    ("daemon/mailbox/slots.py",
+     "                messages.update(self._drop(self._slots.pop(slot_key)))",
      "                self._slots.pop(slot_key)", MAILBOX_TESTS,
      "closing an op leaves its waiters and early data"),
-    ("daemon/mailbox.py", "        if op_key in self._closed:\n            arrival.release()\n"
+    ("daemon/mailbox/slots.py",
+     "        if op_key in self._closed:\n            arrival.release()\n"
      "            return\n", "", MAILBOX_TESTS, "arrivals for a closed op are kept"),
-    ("daemon/mailbox.py", "            wanted = wanted or slot.waiter is not None or "
+    ("daemon/mailbox/slots.py", "            wanted = wanted or slot.waiter is not None or "
      "(p.name, int(p.round)) in self._open", "            wanted = wanted or slot.waiter "
      "is not None", MAILBOX_TESTS, "an RTS for an open op with no waiter yet is not cleared"),
-    ("daemon/mailbox.py", "        if slot.message is not None and slot.message in "
+    ("daemon/mailbox/slots.py", "        if slot.message is not None and slot.message in "
      "self._announced:\n            self._clear_to_send(slot.message)\n", "", MAILBOX_TESTS,
      "an op that starts after an RTS never clears it"),
-    ("daemon/mailbox.py", "        if header is None or not self._all_closed(header.parts):",
+    ("daemon/mailbox/slots.py", "        if header is None or not self._all_closed(header.parts):",
      "        if header is None:", MAILBOX_TESTS,
      "a message is dropped while one of its ops still wants it"),
-    ("daemon/mailbox.py", "            self._discard[msg] = None\n", "", MAILBOX_TESTS,
+    ("daemon/mailbox/slots.py", "            self._discard[msg] = None\n", "", MAILBOX_TESTS,
      "a cleared payload whose op ended becomes a protocol error"),
-    ("daemon/mailbox.py", "        if self._all_closed(header.parts):\n            return  #",
+    ("daemon/mailbox/slots.py", "        if self._all_closed(header.parts):\n            return  #",
      "        if False:\n            return  #", MAILBOX_TESTS,
      "an RTS after its op ended is taken"),
-    ("daemon/mailbox.py", "            if not reaches(key):\n                continue\n", "",
+    ("daemon/mailbox/slots.py", "            if not reaches(key):\n                continue\n", "",
      MAILBOX_TESTS, "a lost peer fails the waiters of every peer"),
-    ("daemon/mailbox.py", "        if slot.landing is not None:\n            slot.landing.cancel()",
+    ("daemon/mailbox/slots.py",
+     "        if slot.landing is not None:\n            slot.landing.cancel()",
      "        if False:\n            pass", MAILBOX_TESTS,
      "a closed op's payload goes on landing in its memory"),
-    ("daemon/arrivals.py", "        if msg.refs == 0 and msg.on_release is not None:",
+    ("daemon/mailbox/arrivals.py", "        if msg.refs == 0 and msg.on_release is not None:",
      "        if msg.on_release is not None:", MAILBOX_TESTS,
      "a message is released with its first part"),
-    ("daemon/mailbox.py", "            listener.stray(key, arrival)", "            pass",
+    ("daemon/mailbox/slots.py", "            listener.stray(key, arrival)", "            pass",
      MAILBOX_TESTS, "a stray part of an open op is not checked"),
-    ("daemon/flow.py", "        if self.unconsumed + nbytes > self.window:",
+    ("daemon/net/flow.py", "        if self.unconsumed + nbytes > self.window:",
      "        if self.unconsumed + nbytes > 2 * self.window:", MAILBOX_TESTS,
      "a peer may send past its window"),
-    ("daemon/flow.py", "            header.credit += self.owed\n            self.owed = 0",
+    ("daemon/net/flow.py", "            header.credit += self.owed\n            self.owed = 0",
      "            header.credit += self.owed", MAILBOX_TESTS, "owed credit is given back twice"),
-    ("daemon/flow.py", "        if self.flush_pending is not None and self.flush_pending <= delay:",
+    ("daemon/net/flow.py",
+     "        if self.flush_pending is not None and self.flush_pending <= delay:",
      "        if False:", MAILBOX_TESTS, "a credit flush is scheduled per consumed payload"),
-    ("daemon/flow.py", "CREDIT_SOON if 4 * self.owed >= self.window else CREDIT_IDLE",
+    ("daemon/net/flow.py", "CREDIT_SOON if 4 * self.owed >= self.window else CREDIT_IDLE",
      "CREDIT_SOON", MAILBOX_TESTS,
      "a little owed credit is flushed as soon as a quarter of the window (latency)"),
     ("wire/framing.py", "    if length > limit:", "    if length > 2 * limit:", FRAMING_TESTS,
@@ -113,9 +118,10 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "explicit_weights(ctx) or", "    if len(recv) != 1 or set(send) != set(recv) or",
      PLAN_TESTS,
      "a call with its own weights is taken for a pair step"),
-    ("clients/core/state.py", '        return {"u" if isinstance(state, tuple) else "l": items}',
+    ("clients/core/training/state.py",
+     '        return {"u" if isinstance(state, tuple) else "l": items}',
      '        return {"l": items}', STATE_TESTS, "tuples come back as lists"),
-    ("clients/core/state.py", "    if math.prod(shape) > MAX_ELEMENTS:", "    if False:",
+    ("clients/core/training/state.py", "    if math.prod(shape) > MAX_ELEMENTS:", "    if False:",
      STATE_TESTS, "an announced tensor of any size is allocated"),
     ("clients/torch/optim.py", "        return [self.algorithm_state.setdefault(p, {}) for p in "
      "params]", "        return [self.optimizer.state[p] for p in params]", ADAM_TESTS,
@@ -123,7 +129,8 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("wire/numerics.py", "    first_is_out = first is out or (", "    first_is_out = True or (",
      ["tests/test_data_path.py::test_weighted_sums_over_the_input_or_into_memory_of_their_own"],
      "a sum into memory of its own skips copying its first term (one pass, latency)"),
-    ("clients/core/handles.py", "        if self._open:\n            return True\n        if not",
+    ("clients/core/requests/handles.py",
+     "        if self._open:\n            return True\n        if not",
      "        if True:\n            return True\n        if not",
      ["tests/test_concurrency.py::test_a_requests_latch_lets_every_waiter_through_once_it_is_set"],
      "a request's latch lets a waiter through before it is set (latency)"),
@@ -136,58 +143,62 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "arrival):", "        if False:", EARLY_TESTS, "a get before win_create fails at once"),
     ("daemon/ops/api.py", "        rows = (self.spec.rows(self) or {}).get(src)",
      "        rows = None", GATHER_TESTS, "a gather's stray part is checked against our shape"),
-    ("clients/core/algorithms/push.py", "        self.weight = float(c.values(hw.wait())[0])",
+    ("clients/core/training/algorithms/push.py",
+     "        self.weight = float(c.values(hw.wait())[0])",
      "        hw.wait()", PUSH_TESTS, "push-sum forgets its weight"),
     ("clients/tf/optim.py",
      "        rate.assign(keras.ops.cast(wrapper.learning_rate, rate.dtype))", "        pass",
      KERAS_TESTS, "the Keras wrappers ignore model.optimizer.learning_rate"),
-    ("daemon/names.py", "    return key if who == NODE else at_worker(base, rank)",
+    ("daemon/keys.py", "    return key if who == NODE else at_worker(base, rank)",
      "    return key", [MULTI + "neighbor_allreduce_among_workers"],
      "a part travels under its sender's key, not its receiver's"),
-    ("daemon/hierarchy.py", "        divisor = covered if", "        divisor = "
+    ("daemon/engine/hierarchy.py", "        divisor = covered if", "        divisor = "
      "max(1, covered // self.per_node) if", [MULTI + "allreduce_and_broadcast_are_hierarchical"],
      "a node-level average divides by the daemons, not the workers"),
-    ("daemon/hierarchy.py", "        return None\n        what = (", "        return None\n"
+    ("daemon/engine/hierarchy.py", "        return None\n        what = (", "        return None\n"
      "        return None\n        what = (",
      [MULTI + "workers_of_one_node_that_disagree_fail_everywhere_naming_both"],
      "the node's workers may disagree about a collective"),
-    ("daemon/absences.py", "        self._departed[(job, rank)] = error\n", "",
+    ("daemon/mailbox/absences.py", "        self._departed[(job, rank)] = error\n", "",
      [MULTI + "peers_leave_out_a_worker_that_left_at_once_until_it_is_back"],
      "a worker that left is waited for until the timeout"),
-    ("daemon/gathers.py", "    return [(lo, min(lo + step, elements)) for lo in",
+    ("daemon/engine/node_gathers.py", "    return [(lo, min(lo + step, elements)) for lo in",
      "    return [(lo, min(lo + step, elements - 1)) for lo in",
      [MULTI + "large_node_tensors_run_in_segments_exactly"],
      "the last segment of a large node tensor is cut short"),
-    ("daemon/hierarchy.py",
+    ("daemon/engine/hierarchy.py",
      "                if other is not ctx:\n                    other.fail(err)",
      "                if False:\n                    other.fail(err)",
      [MULTI + "daemons_whose_large_tensors_differ_fail_with_both_shapes"],
      "segments only one daemon has wait out the timeout when another segment fails"),
-    ("daemon/sender.py", "        while self._queue:\n            item = self._queue.popleft()\n"
+    ("daemon/net/outbound.py",
+     "        while self._queue:\n            item = self._queue.popleft()\n"
      "            if item.abandoned", "        if self._queue:\n            item = "
      "self._queue.popleft()\n            if item.abandoned", ["tests/test_sender.py"],
      "frames queued for a peer go out one write each"),
-    ("daemon/cli.py", "    sigbus.install()", "    pass", [SENDS],
+    ("daemon/service/cli.py", "    sigbus.install()", "    pass", [SENDS],
      "memory a worker shrinks kills the daemon (no SIGBUS guard)"),
-    ("daemon/sender.py", "        fault_in(buffers)\n", "", [SENDS],
+    ("daemon/net/outbound.py", "        fault_in(buffers)\n", "", [SENDS],
      "sending from memory a worker shrank breaks the connection"),
     ("daemon/ops/api.py", "        dest = None if not p.landable else into", "        dest = into",
      [RECEIVES], "a payload is received straight into memory a worker may shrink"),
-    ("daemon/rpc.py", "            why = links.auth.admit_status(request.from_rank, links.rank, "
+    ("daemon/service/rpc.py",
+     "            why = links.auth.admit_status(request.from_rank, links.rank, "
      "request.server_nonce,", "            why = None and links.auth.admit_status("
      "request.from_rank, links.rank, request.server_nonce,",
      ["tests/test_cluster_status.py::test_the_peer_port_tells_its_status_only_to_proven_peers"],
      "a peer's status is told to anyone who asks"),
-    ("daemon/metrics.py", '"OK" if error is None else pb.ErrorCode.Name(error.code)', '"OK"',
+    ("daemon/service/metrics.py",
+     '"OK" if error is None else pb.ErrorCode.Name(error.code)', '"OK"',
      ["tests/test_metrics.py::test_failed_ops_are_counted_by_their_error"],
      "failed ops are counted as OK"),
     # issue 26: faults
-    ("daemon/rounds.py",
+    ("daemon/net/late_rounds.py",
      "        if not self.ready:\n            return\n        for peer in peers:",
      "        if True:\n            return\n        for peer in peers:",
      [FAULTS + "a_restarted_node_rejoins_and_pairs_with_the_current_rounds"],
      "a late peer's rounds are not mapped onto ours"),
-    ("daemon/rounds.py",
+    ("daemon/net/late_rounds.py",
      "            if peer in self._late and (peer, p.name) not in self._offsets:\n"
      "                return False", "            pass",
      [FAULTS + "a_node_missing_at_start_joins_later_under_min_nodes"],
@@ -210,59 +221,66 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("clients/torch/optim.py", "        if rejoin and self.client.rejoining:\n            "
      "self._take_state()", "        pass",
      ["tests/test_rejoin.py"], "a restarted rank starts from its own state"),
-    ("daemon/liveness.py", "        if self.members.state(rank) is not PeerState.DOWN:  # down: "
+    ("daemon/membership/liveness.py",
+     "        if self.members.state(rank) is not PeerState.DOWN:  # down: "
      "forgotten already\n            self._forget(rank, reason)", "        pass",
      [FAULTS + "daemons_silent_past_the_deadline_are_counted_out_then_pair_again"],
      "an op that started before a counted-out peer came back waits for a round it never ran"),
-    ("daemon/liveness.py", "        self.links.rounds.joined([-(rank + 1), *range(rank * per, "
+    ("daemon/membership/liveness.py",
+     "        self.links.rounds.joined([-(rank + 1), *range(rank * per, "
      "(rank + 1) * per)])", "        pass",
      [FAULTS + "daemons_silent_past_the_deadline_are_counted_out_then_pair_again"],
      "a counted-out peer's rounds are not placed afresh"),
     ("clients/tf/optim.py", "        if self._rejoin and self.client.rejoining:",
      "        if False:",
      [KERAS_REJOIN], "a restarted Keras rank starts from its own state"),
-    ("clients/core/submitter.py", "            off = self.spill.take(nbytes)", "            pass",
+    ("clients/core/requests/submitter.py",
+     "            off = self.spill.take(nbytes)", "            pass",
      ["tests/test_concurrency.py::test_a_full_arena_with_opposite_orders_completes_in_memory_"
       "of_its_own"], "a request waits for room in a full arena (opposite orders deadlock)"),
     # issue 27: inputs sent while copied in
-    ("daemon/fill.py", "        in_frame = self.head + max(0, self.fill.filled - self.base)",
+    ("daemon/workers/staging.py",
+     "        in_frame = self.head + max(0, self.fill.filled - self.base)",
      "        in_frame = frame_bytes", ["tests/test_streaming.py"],
      "a sender writes a frame past what its worker has copied in"),
     ("daemon/ops/neighbor.py", "    await ctx.inputs_whole()\n    if handoff is not None:",
      "    if handoff is not None:", ["tests/test_streaming.py::test_a_receiver_still_"
                                          "copying_its_input_waits_for_it_before_combining"],
      "the weighted sum reads an input still being copied in"),
-    ("daemon/fill.py", "                lambda: self.filled > filled or self.complete or "
+    ("daemon/workers/staging.py",
+     "                lambda: self.filled > filled or self.complete or "
      "self.released, STALL)", "                lambda: self.filled > filled or self.complete "
      "or self.released)",
      ["tests/test_streaming.py::test_a_worker_that_stops_copying_fails_its_op_and_the_link_"
       "carries_the_next"], "a frame waits for ever for a worker that stopped copying"),
     # issue 28: collectives end the same way on every rank; gradients
-    ("daemon/agreement.py", "        outcome = outcome or verdict(p.display, p.round, got)",
+    ("daemon/ops/agreement.py", "        outcome = outcome or verdict(p.display, p.round, got)",
      "        outcome = outcome", ["tests/test_agreement.py"],
      "ranks that disagree run the collective anyway"),
-    ("daemon/agreement.py", "    return OpResult(0, (), group, verdict=outcome)",
+    ("daemon/ops/agreement.py", "    return OpResult(0, (), group, verdict=outcome)",
      "    if outcome is not None:\n        raise outcome\n    return OpResult(0, (), group)",
      ["tests/test_agreement.py"], "the first rank with a verdict aborts the others (messages "
      "differ)"),
-    ("clients/core/adjoints.py", "            \"src_weights\": {int(d): float(w) for d, w in "
+    ("clients/core/surface/adjoints.py",
+     "            \"src_weights\": {int(d): float(w) for d, w in "
      "dst_weights.items()},\n            \"dst_weights\": {int(j): float(w) for j, w in "
      "src_weights.items()}}", "            \"src_weights\": {int(j): float(w) for j, w in "
      "src_weights.items()},\n            \"dst_weights\": {int(d): float(w) for d, w in "
      "dst_weights.items()}}", ["tests/test_gradients.py"],
      "neighbor_allreduce's gradient uses W instead of W transposed"),
-    ("clients/core/adjoints.py", "    return Adjoint(\"allreduce\", back, _identity if rank "
+    ("clients/core/surface/adjoints.py",
+     "    return Adjoint(\"allreduce\", back, _identity if rank "
      "== root else _zero)", "    return Adjoint(\"allreduce\", back)", ["tests/test_gradients.py"],
      "broadcast's gradient reaches the ranks that are not the root"),
-    ("clients/core/shortcuts.py", "        if handle is None or handle.done():",
+    ("clients/core/surface/default_client.py", "        if handle is None or handle.done():",
      "        if True:", ["tests/test_horovod.py::test_two_ops_of_one_name_in_flight_are_a_value_"
                          "error_as_in_horovod"], "a second op of a name in flight is accepted"),
 
-    ("clients/core/calls.py", "    receives_only = self_weight == 0.0 and dsts == {}",
+    ("clients/core/requests/calls.py", "    receives_only = self_weight == 0.0 and dsts == {}",
      "    receives_only = self_weight == 0.0",
      [RESULTS + "weights_of_zero_and_one_on_a_two_way_call_copy_as_usual"],
      "a receive-only call that still sends is left out (one way copies less)"),
-    ("clients/core/calls.py", "    adds_nothing = self_weight == 1.0 and srcs is not None "
+    ("clients/core/requests/calls.py", "    adds_nothing = self_weight == 1.0 and srcs is not None "
      "and not any(srcs.values())", "    adds_nothing = self_weight == 1.0",
      [RESULTS + "weights_of_zero_and_one_on_a_two_way_call_copy_as_usual"],
      "a keep-own call that receives is not copied back (one way copies less)"),
@@ -274,7 +292,7 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "        if len(set(asked.values())) > 1:\n            raise disagreement(*key, asked)\n",
      "", [AGREE + "group_calls_that_disagree_before_their_round_is_decided_fail_every_member"],
      "a group round whose calls disagree is decided anyway (group agreement)"),
-    ("daemon/ops/windows.py", "    if decided != terms:", "    if False:",
+    ("daemon/ops/window_ops.py", "    if decided != terms:", "    if False:",
      [AGREE + "a_group_call_that_disagrees_with_its_decided_round_fails_alone"],
      "a late group call on other terms takes the round's result (group agreement)"),
 
@@ -286,19 +304,21 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("daemon/ops/neighbor.py", "            drain.final(filled)", "            pass",
      [STREAMING + "an_in_place_result_is_copied_out_while_the_rest_arrives"],
      "a landed result is not told to its worker (drain)"),
-    ("clients/core/submitter.py",
+    ("clients/core/requests/submitter.py",
      "ctypes.memmove(p.sink + done, src.ctypes.data + done,",
      "ctypes.memmove(p.sink, src.ctypes.data,",
      [STREAMING + "an_in_place_result_is_copied_out_while_the_rest_arrives"],
      "a drained result's tail is copied over its head (drain)"),
 
-    ("clients/core/algorithms/base.py", "                out[...] = a\n", "                pass\n",
+    ("clients/core/training/algorithms/base.py",
+     "                out[...] = a\n", "                pass\n",
      ["tests/test_algorithms.py"], "a reused tensor keeps its old values (spares)"),
-    ("clients/core/algorithms/gossip.py", "            if p is not s[\"psi\"]:",
+    ("clients/core/training/algorithms/gossip.py", "            if p is not s[\"psi\"]:",
      "            if True:", ["tests/test_algorithms.py"],
      "exact diffusion reuses the psi it keeps for the next step (spares)"),
 
-    ("clients/core/fusion.py", "        with self._cv:\n            self._holds += 1\n        try:",
+    ("clients/core/requests/fusion.py",
+     "        with self._cv:\n            self._holds += 1\n        try:",
      "        try:", [DATA_PATH + "a_fused_block_goes_out_as_one_request_however_slowly"
                                "_it_is_filled"], "the timer splits a fused() block"),
     ("clients/tf/codec.py", "        if value is None or not isinstance(unwrap(into), tf.Variable):"
@@ -331,7 +351,8 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "array (the Keras host buffers stay out of the arena)"),
     ("clients/tf/gradients.py", "    if isinstance(tensor, np.ndarray):\n        return False\n",
      "", [TF_NUMPY], "a blocking op turns a numpy array into a TensorFlow tensor"),
-    ("clients/core/algorithms/gossip.py", "            wx -= d\n            out.append(wx)",
+    ("clients/core/training/algorithms/gossip.py",
+     "            wx -= d\n            out.append(wx)",
      "            out.append(wx - d)", [ALLOCATIONS + "[dsgd-cta]"],
      "combine-then-adapt D-SGD makes W x - d in a new tensor each step"),
     ("clients/torch/optim.py",
@@ -350,16 +371,18 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "        present = list(range(len(grads)))\n        dense = [tf.zeros_like(v) if g is None "
      "else tf.convert_to_tensor(g) for g, v in zip(grads, variables, strict=True)]", [KERAS_GA],
      "a missing gradient becomes zeros (weight decay moves a variable plain Keras leaves)"),
-    ("daemon/cli.py", "    outlive_namespace(cfg.timeouts.shutdown)\n", "",
+    ("daemon/service/cli.py", "    outlive_namespace(cfg.timeouts.shutdown)\n", "",
      ["tests/test_lifecycle.py::test_a_daemon_as_pid_1_outlives_the_trainer_that_stopped_it"],
      "a daemon as PID 1 exits before the trainer that stopped it (the kernel kills it)"),
     ("daemon/ops/handoff.py", "        return None\n    return p.drain\n",
      "        return None\n    return None\n", [COMBINED, COMBINED_EARLY],
      "the daemon never hands the combine to the worker (the copy back stays)"),
-    ("clients/core/submitter.py", "        landing = landing and in_place and resident is None\n",
+    ("clients/core/requests/submitter.py",
+     "        landing = landing and in_place and resident is None\n",
      "        landing = False\n", [COMBINED],
      "an in-place call asks no second slot to combine from"),
-    ("clients/core/submitter.py", "            if combine is None:\n", "            if True:\n",
+    ("clients/core/requests/submitter.py",
+     "            if combine is None:\n", "            if True:\n",
      [COMBINED], "the worker copies the neighbor's tensor as if it were the result"),
     ("daemon/ops/handoff.py", "weight=self.src_weight * weight)", "weight=self.src_weight)",
      [COMBINED], "the sender's dst weight is left out of the worker's combine"),
@@ -371,11 +394,12 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("daemon/ops/handoff.py", "            return pb.Combine(self_weight=self_weight, weight=0.0)",
      "            return pb.Combine(self_weight=self.self_weight, weight=0.0)", [LONE_LOST],
      "a lost lone in-neighbor's weight does not go to the worker's own tensor"),
-    ("clients/core/submitter.py", "            with p.lock:  # from before the request: what it is "
+    ("clients/core/requests/submitter.py",
+     "            with p.lock:  # from before the request: what it is "
      "told waits for the copy in\n                self._send(", "            if True:\n"
      "                self._send(", [LOCKED],
      "a partial completion may combine into the tensor before it is copied in"),
-    ("clients/core/submitter.py", "            if landing := spare is not None:\n",
+    ("clients/core/requests/submitter.py", "            if landing := spare is not None:\n",
      "            if landing := spare is not None and False:\n", [COMBINED],
      "the second slot is taken but never used"),
 ]

@@ -9,8 +9,8 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-want=$(cat pyproject.toml setup.py proto/decent/v1/*.proto daemon/sigbus.c | sha256sum | cut -d' ' -f1)
-# the daemon's SIGBUS guard (daemon/sigbus.c) is compiled at install: a C compiler and the
+want=$(cat pyproject.toml setup.py proto/decent/v1/*.proto daemon/workers/sigbus.c | sha256sum | cut -d' ' -f1)
+# the daemon's SIGBUS guard (daemon/workers/sigbus.c) is compiled at install: a C compiler and the
 # Python headers are needed (installed here when missing, on Debian/Ubuntu or Fedora/RHEL)
 system_install() {
   local as_root=()
@@ -44,7 +44,7 @@ pip_install() {
 }
 stamp=.venv/.decent-setup
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -f wire/v1/decent_pb2.py ] \
-   || ! compgen -G "daemon/sigbus*.so" >/dev/null
+   || ! compgen -G "daemon/workers/sigbus*.so" >/dev/null
 then
   echo "setting up .venv (first run takes a minute or two)"
   pip_install --upgrade pip

@@ -19,7 +19,7 @@ import decent.torch as dt
 from decent.core import Client
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
-from decentd.launcher import free_ports
+from decentd.tools.launcher import free_ports
 
 __all__ = ["Cluster", "delay", "free_ports", "peer_state", "run_each", "tf_cluster", "until",
            "until_running", "until_state"]
@@ -73,7 +73,7 @@ class Cluster:
 
     def spawn(self, i: int, topology: str, *extra: str) -> subprocess.Popen[bytes]:
         """Start daemon ``i``."""
-        cmd = [sys.executable, "-m", "decentd.cli", "--rank", str(i),
+        cmd = [sys.executable, "-m", "decentd", "--rank", str(i),
                "--peers", ",".join(self.peers), "--socket", self.sockets[i],
                "--topology", topology, "--set", "timeouts.start=30",
                "--workers-per-node", str(self.per_node), *extra]

@@ -47,8 +47,42 @@ def test_the_import_check_sees_a_cycle(tmp_path: Path) -> None:
     for root in [*LIBRARY, REPO / "scripts"]:
         shutil.copytree(root, tmp_path / root.name,
                         ignore=shutil.ignore_patterns("__pycache__", "*_pb2*.py"))
-    names = tmp_path / "daemon" / "names.py"
-    names.write_text(names.read_text() + "\nfrom decentd import engine  # noqa\n")
+    keys = tmp_path / "daemon" / "keys.py"
+    keys.write_text(keys.read_text() + "\nfrom decentd.engine import requests  # noqa\n")
     proc = subprocess.run([sys.executable, str(tmp_path / "scripts" / "import_graph.py"),
                            "--check"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "cycle: " in proc.stdout, proc.stdout
+
+
+def test_the_import_check_sees_a_room_imported_upward(tmp_path: Path) -> None:
+    """The rooms hold: the network importing the engine, an op reaching around ``ops.api`` into
+    the mailbox, and the runtime importing a tool are each refused."""
+    import shutil
+
+    for root in [*LIBRARY, REPO / "scripts"]:
+        shutil.copytree(root, tmp_path / root.name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*_pb2*.py"))
+    edits = {"daemon/net/flow.py": "from decentd.engine import requests",
+             "daemon/ops/collectives.py": "from decentd.mailbox import slots",
+             "daemon/service/server.py": "from decentd.tools import launcher"}
+    for path, line in edits.items():
+        target = tmp_path / path
+        target.write_text(target.read_text() + f"\n{line}  # noqa\n")
+    proc = subprocess.run([sys.executable, str(tmp_path / "scripts" / "import_graph.py"),
+                           "--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout
+    assert "room imported upward: decentd.net.flow -> decentd.engine.requests" in proc.stdout
+    assert "decentd.ops.collectives -> decentd.mailbox.slots (ops use ops.api)" in proc.stdout
+    assert "decentd.service.server -> decentd.tools.launcher" in proc.stdout
+
+
+def test_no_library_folder_is_crowded() -> None:
+    """No folder of library code holds more than about 15 modules."""
+    crowded = {}
+    for root in LIBRARY:
+        for folder in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
+            modules = [p for p in folder.glob("*.py") if not p.name.endswith(
+                ("_pb2.py", "_pb2_grpc.py"))]
+            if len(modules) > 15:
+                crowded[str(folder.relative_to(REPO))] = len(modules)
+    assert crowded == {}

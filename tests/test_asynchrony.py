@@ -14,7 +14,7 @@ import torch
 import decent.torch as dt
 from conftest import ClusterFactory
 from decent.core import DecentError
-from decent.core.algorithms import ADPSGD
+from decent.core.training.algorithms import ADPSGD
 from decent_wire.graphs import butterfly_group
 
 N = 8

@@ -17,8 +17,8 @@ import torch
 from cluster import Cluster
 from conftest import ClusterFactory
 from decent.core import Client, DecentError
-from decent.core.algorithms import make_algorithm
-from decent.core.topology_ops import infer_peers
+from decent.core.surface.topology_ops import infer_peers
+from decent.core.training.algorithms import make_algorithm
 from decent_wire.topology import from_graph
 
 T = Client[torch.Tensor]

@@ -1,5 +1,5 @@
-"""``decentctl certs`` and daemon/certs.py: the files, their SANs, --check, and a real TLS 1.3
-mutual handshake between two node certificates."""
+"""``decentctl certs`` and daemon/security/certs.py: the files, their SANs, --check, and a real TLS
+1.3 mutual handshake between two node certificates."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from decentd import certs
+from decentd.security import certs
 
 
 def ctl(*args: str) -> subprocess.CompletedProcess[str]:
     """The real ``decentctl`` in a subprocess."""
-    return subprocess.run([sys.executable, "-m", "decentd.ctl", "certs", *args],
+    return subprocess.run([sys.executable, "-m", "decentd.tools.ctl", "certs", *args],
                           capture_output=True, text=True, timeout=60)
 
 

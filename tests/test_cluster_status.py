@@ -15,14 +15,14 @@ import grpc
 from cluster import Cluster, until
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
-from decentd.auth import PeerAuth, new_nonce, read_secret, write_secret
+from decentd.security.auth import PeerAuth, new_nonce, read_secret, write_secret
 
 SECRET = ("--security-mode", "secret", "--secret-file")
 
 
 def decentctl(*args: str) -> subprocess.CompletedProcess[str]:
     """``decentctl ARGS`` as users run it."""
-    return subprocess.run([sys.executable, "-m", "decentd.ctl", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "decentd.tools.ctl", *args], capture_output=True,
                           text=True, timeout=60)
 
 

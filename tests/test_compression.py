@@ -1,7 +1,7 @@
 """compressed_neighbor_allreduce through real daemons: the values, the bytes, the errors.
 
 The expected ``Q(x)`` of each compressor is computed here from its definition in numpy (not with
-``decentd.ops.compression``); the bytes come from the daemons' per-peer counters.
+``decentd.ops.gossip_compressors``); the bytes come from the daemons' per-peer counters.
 """
 
 from __future__ import annotations

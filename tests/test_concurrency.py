@@ -12,7 +12,7 @@ from test_neighbor_allreduce import expected_matrix
 
 from cluster import Cluster, delay
 from conftest import ClusterFactory
-from decent.core.handles import Latch
+from decent.core.requests.handles import Latch
 from decent_wire.errors import DecentError
 
 

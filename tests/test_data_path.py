@@ -23,9 +23,9 @@ from cluster import Cluster
 from decent.core import Client, DecentError
 from decent_wire.numerics import BLOCK, weighted_sum
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.bulk import SCRATCH
+from decentd.net.inbound import SCRATCH
+from decentd.net.outbound import Sender
 from decentd.ops.neighbor import PAIR_MIN_BYTES
-from decentd.sender import Sender
 
 WINDOW = 1 << 20
 F32 = 4

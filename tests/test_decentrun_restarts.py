@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-RUN = [sys.executable, "-m", "decentd.launcher"]
+RUN = [sys.executable, "-m", "decentd.tools.launcher"]
 
 #: a worker script's helpers: ``wait_for(path)`` polls for a file another worker writes, and
 #: ``publish(path, text)`` writes one atomically (a reader never sees it half-written)

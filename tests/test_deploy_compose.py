@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from decentd.config import NodeConfig, load_config
+from decentd.service.config import NodeConfig, load_config
 from deploy_compose import COMPOSE_FILE, Project, compose, compose_binary, config
 from deploy_image import load as load_image
 from deploy_netns import hosts, namespaces

@@ -74,7 +74,7 @@ def test_torch_pin_matches_the_setup() -> None:
 
 
 def test_build_stage_has_the_compiler_and_runtime_does_not() -> None:
-    """daemon/sigbus.c is compiled by `pip install .` in the build stage (gcc and the C
+    """daemon/workers/sigbus.c is compiled by `pip install .` in the build stage (gcc and the C
     library headers there, a regular install that it then imports); the runtime installs no
     compiler."""
     image = deploy_image.load()
@@ -82,7 +82,7 @@ def test_build_stage_has_the_compiler_and_runtime_does_not() -> None:
     assert re.search(r"apt-get install [^&]*\bgcc\b[^&]*\blibc6-dev\b", build)
     assert 'pip install --no-cache-dir ".[torch,examples]"' in build
     assert "-e ." not in build and "--editable" not in build
-    assert "import decentd.sigbus" in build
+    assert "import decentd.workers.sigbus" in build
     runtime = " ".join(deploy_image.run_lines(image.final))
     assert "gcc" not in runtime and "apt-get install" not in runtime
 

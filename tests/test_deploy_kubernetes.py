@@ -22,8 +22,8 @@ import pytest
 import yaml
 from cryptography import x509
 
-from decentd.config import NodeConfig, load_config
-from decentd.tls import Tls
+from decentd.security.tls import Tls
+from decentd.service.config import NodeConfig, load_config
 from deploy_image import REPO
 from deploy_image import load as load_image
 

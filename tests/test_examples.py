@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RUN = [sys.executable, "-m", "decentd.launcher"]
+RUN = [sys.executable, "-m", "decentd.tools.launcher"]
 
 
 def _example(script: str, *args: str, layout: tuple[str, ...] = ("-np", "2")

@@ -72,7 +72,7 @@ def test_a_daemon_killed_mid_op_is_reweighted_out_exactly() -> None:
 
 def test_a_lone_in_neighbor_killed_before_sending_is_reweighted_by_the_worker() -> None:
     # rank 1 averages a large private tensor in place with rank 2 alone, so its worker
-    # combines its own result (decent.core.combine); rank 2's daemon dies before it sends:
+    # combines its own result (decent.core.requests.combine); rank 2's daemon dies before it sends:
     # its weight goes to rank 1's own tensor, in the worker's arithmetic
     c = Cluster(3, "ring")
     try:

@@ -198,7 +198,7 @@ def test_two_ops_of_one_name_in_flight_are_a_value_error_as_in_horovod() -> None
     from concurrent.futures import ThreadPoolExecutor
 
     from cluster import Cluster, delay
-    from decent.core.shortcuts import DefaultClient
+    from decent.core.surface.default_client import DefaultClient
 
     c = Cluster(2, "ring")
     hvds: list[DefaultClient[torch.Tensor, Any]] = []

@@ -31,17 +31,16 @@ from decent_wire import framing
 from decent_wire.topology import build_topology
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
-from decentd import flow
-from decentd.arrivals import Arrival
-from decentd.bulk import Inbound
-from decentd.config import NodeConfig
-from decentd.launcher import free_ports
-from decentd.mailbox import Key
-from decentd.names import at_worker
+from decentd.keys import at_worker, part
+from decentd.mailbox.arrivals import Arrival
+from decentd.mailbox.receiver import Receiver
+from decentd.mailbox.slots import Key
+from decentd.net import flow
+from decentd.net.inbound import Inbound
 from decentd.ops.api import Services
-from decentd.peerlink import part
-from decentd.receiver import Receiver
-from decentd.server import build_services
+from decentd.service.config import NodeConfig
+from decentd.service.server import build_services
+from decentd.tools.launcher import free_ports
 from decentd.windows import store as window_store
 from decentd.windows.store import WindowStore
 
@@ -139,7 +138,7 @@ def daemon(tmp_path: Path) -> Daemon0:
 
 def closed_with(caplog: pytest.LogCaptureFixture, transport: Transport, text: str) -> bool:
     """The connection was closed, and the log says why in a short line."""
-    lines = [r.getMessage() for r in caplog.records if r.name == "decentd.bulk"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "decentd.net.inbound"]
     assert all(len(line) < 1024 for line in lines), [len(line) for line in lines]
     return transport.aborted and any(text in line for line in lines)
 
@@ -511,7 +510,7 @@ def two_of_three(tmp_path: Path) -> Iterator[TwoOfThree]:
     for i in range(2):
         with c.logs[i].open("ab") as log:
             c.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "decentd.cli", "--rank", str(i), "--peers",
+                [sys.executable, "-m", "decentd", "--rank", str(i), "--peers",
                  ",".join(peers), "--socket", c.sockets[i], "--topology", "ring",
                  # rank 2 (the fake) reaches them only when the test attacks
                  "--set", "timeouts.start=30", "--set", "faults.min_nodes=2"],

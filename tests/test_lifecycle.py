@@ -21,7 +21,7 @@ from decent_wire.v1 import decent_pb2 as pb
 
 
 def decentd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "decentd.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "decentd", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -62,8 +62,8 @@ def test_config_errors_name_key_and_value(tmp_path: Path, yaml_text: str,
 
 
 def test_flags_override_file(tmp_path: Path) -> None:
-    from decentd.cli import build_parser, overrides_from
-    from decentd.config import load_config
+    from decentd.service.cli import build_parser, overrides_from
+    from decentd.service.config import load_config
 
     cfg = tmp_path / "node.yaml"
     cfg.write_text("topology:\n  kind: ring\ntimeouts:\n  op: 5\n")
@@ -87,7 +87,7 @@ def test_cluster_id_mismatch_refused(tmp_path: Path) -> None:
     ports = free_ports(2)
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "decentd.cli", "--rank", str(i), "--peers", peers,
+        [sys.executable, "-m", "decentd", "--rank", str(i), "--peers", peers,
          "--cluster-id", f"cluster-{i}", "--socket", str(tmp_path / f"{i}.sock"),
          "--set", "timeouts.start=5"],
         stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -105,7 +105,7 @@ def test_daemons_with_different_topologies_refuse_each_other(tmp_path: Path) -> 
     ports = free_ports(2)
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "decentd.cli", "--rank", str(i), "--peers", peers,
+        [sys.executable, "-m", "decentd", "--rank", str(i), "--peers", peers,
          "--topology", kind, "--socket", str(tmp_path / f"{i}.sock"),
          "--set", "timeouts.start=5"],
         stderr=subprocess.PIPE, text=True) for i, kind in enumerate(["ring", "full"])]
@@ -190,7 +190,7 @@ def test_sigkill_of_daemon_leaves_no_shared_memory() -> None:
     c.stop()
 
 
-RUN = [sys.executable, "-m", "decentd.launcher"]
+RUN = [sys.executable, "-m", "decentd.tools.launcher"]
 
 
 def test_decentrun_runs_workers_with_rank_prefix(tmp_path: Path) -> None:
@@ -261,8 +261,8 @@ def test_client_without_daemon_says_so_quickly(tmp_path: Path) -> None:
 
 
 def test_rank_auto_from_env_and_hostname(monkeypatch: pytest.MonkeyPatch) -> None:
-    from decentd.config import load_config
     from decentd.errors import StartupError
+    from decentd.service.config import load_config
 
     for var in ("DECENT_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(var, raising=False)
@@ -282,7 +282,7 @@ def test_decentctl_status_and_topology() -> None:
     try:
         c.connect()
         c.run(lambda cl: cl.allreduce(torch.ones(4), name="ctl"))
-        proc = subprocess.run([sys.executable, "-m", "decentd.ctl", "status", "--daemon",
+        proc = subprocess.run([sys.executable, "-m", "decentd.tools.ctl", "status", "--daemon",
                                c.sockets[0]], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         assert "rank 0/2" in proc.stdout and "completed 1" in proc.stdout
@@ -290,8 +290,8 @@ def test_decentctl_status_and_topology() -> None:
         assert "local workers (1 per node)" in proc.stdout
     finally:
         c.stop()
-    proc = subprocess.run([sys.executable, "-m", "decentd.ctl", "topology", "exponential", "-n",
-                           "8"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "decentd.tools.ctl", "topology", "exponential",
+                           "-n", "8"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "rho = 0.5000" in proc.stdout
 
 
@@ -335,7 +335,7 @@ def test_decentrun_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
             and time.monotonic() < deadline:
         time.sleep(0.2)
     workers = [int(p) for p in marker.read_text().split()]
-    daemons = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "decentd.cli"],
+    daemons = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "-m decentd --rank"],
                              capture_output=True, text=True).stdout.split()
     assert len(workers) == 2 and len(daemons) == 2
     proc.send_signal(signal.SIGINT)
@@ -363,7 +363,7 @@ def test_a_daemon_as_pid_1_outlives_the_trainer_that_stopped_it(tmp_path: Path) 
     (port,) = free_ports(1)
     daemon = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-m",
-         "decentd.cli", "--rank", "0", "--peers", f"127.0.0.1:{port}", "--socket", str(sock)],
+         "decentd", "--rank", "0", "--peers", f"127.0.0.1:{port}", "--socket", str(sock)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         children = Path(f"/proc/{daemon.pid}/task/{daemon.pid}/children")

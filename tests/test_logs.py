@@ -19,8 +19,8 @@ import pytest
 from cluster import Cluster
 from decent.core import Client, NumpyCodec
 from decent_wire.errors import DecentError
-from decentd.cli import build_parser, overrides_from
 from decentd.logs import JsonFormatter
+from decentd.service.cli import build_parser, overrides_from
 
 #: what every JSON line holds
 REQUIRED = {"time", "level", "rank", "logger", "message"}
@@ -89,11 +89,11 @@ def test_json_logs_name_the_op_and_the_peer() -> None:
         finally:
             client.close()
         # the engine logs the failure before it completes the op
-        (failed,) = [r for r in json_lines(c.log(0), 0) if r["logger"] == "decentd.engine"]
+        (failed,) = [r for r in json_lines(c.log(0), 0) if r["logger"] == "decentd.engine.requests"]
         assert failed["message"].startswith("neighbor_allreduce 'lonely' round 0 failed: ")
         assert {k: failed.get(k) for k in ("level", "logger", "job", "op", "tensor", "round",
                                            "peer")} == {
-            "level": "warning", "logger": "decentd.engine", "job": "logs-test",
+            "level": "warning", "logger": "decentd.engine.requests", "job": "logs-test",
             "op": "neighbor_allreduce", "tensor": "lonely", "round": 0, "peer": 1}
         assert "timed out after 1s on rank 0" in failed["message"]
 
@@ -101,10 +101,10 @@ def test_json_logs_name_the_op_and_the_peer() -> None:
         assert c.procs[1].wait(WAIT) == 0
         closed = wait_for_line(c, 0, "rank 1: link dropped (stream closed)")
         assert {k: closed.get(k) for k in ("level", "logger", "peer")} == {
-            "level": "info", "logger": "decentd.links", "peer": 1}
+            "level": "info", "logger": "decentd.net.links", "peer": 1}
         down = wait_for_line(c, 0, "rank 1 is down")
         assert {k: down.get(k) for k in ("level", "logger", "peer")} == {
-            "level": "warning", "logger": "decentd.links", "peer": 1}
+            "level": "warning", "logger": "decentd.net.links", "peer": 1}
         assert c.stop() == [0, 0]
         for rank in (0, 1):  # nothing but JSON, from the first line to the last
             messages = [r["message"] for r in json_lines(c.log(rank), rank)]
@@ -115,7 +115,7 @@ def test_json_logs_name_the_op_and_the_peer() -> None:
 
 def test_json_startup_errors_are_json_too(tmp_path: Path) -> None:
     """A config error (exit 2) and a daemon that cannot start (exit 1) say so in JSON alone."""
-    cmd = [sys.executable, "-m", "decentd.cli", "--log-format", "json",
+    cmd = [sys.executable, "-m", "decentd", "--log-format", "json",
            "--socket", str(tmp_path / "d.sock")]
     bad = subprocess.run([*cmd, "--set", "timeouts.op=-1"], capture_output=True, text=True,
                          timeout=WAIT)

@@ -12,10 +12,10 @@ import pytest
 
 from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.arrivals import Arrival, Message
-from decentd.flow import CREDIT_IDLE, CREDIT_SOON, FlowError, LinkFlow, window_per_peer
-from decentd.mailbox import Key, Mailbox
-from decentd.peerlink import part
+from decentd.keys import part
+from decentd.mailbox.arrivals import Arrival, Message
+from decentd.mailbox.slots import Key, Mailbox
+from decentd.net.flow import CREDIT_IDLE, CREDIT_SOON, FlowError, LinkFlow, window_per_peer
 
 OP = pb.NEIGHBOR_ALLREDUCE
 F32 = pb.FLOAT32
@@ -371,7 +371,7 @@ def test_each_peer_gets_a_share_of_the_early_budget_but_at_least_a_mebibyte() ->
 
 def test_a_lost_link_fails_every_message_waiting_for_its_cts() -> None:
     async def body() -> None:
-        from decentd.flow import Rendezvous
+        from decentd.net.flow import Rendezvous
 
         flow = LinkFlow(window=100)
         done = asyncio.get_running_loop().create_future()

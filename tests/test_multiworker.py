@@ -386,8 +386,8 @@ def _exchanges_with_rank_three(cl: T) -> torch.Tensor | None:
 
 def test_a_window_exchange_reaches_a_worker_that_came_back(cluster: ClusterFactory) -> None:
     # a worker that registers again counts its rounds from 0, and its peers place its rounds
-    # afresh (decentd.rounds); its daemon's answers to window requests pair with no round, so
-    # they must not wait for one to be placed
+    # afresh (decentd.net.late_rounds); its daemon's answers to window requests pair with no round,
+    # so they must not wait for one to be placed
     c = cluster(2, "ring", 2)
     _rank_three_comes_back(c)
     got = c.run(_exchanges_with_rank_three)

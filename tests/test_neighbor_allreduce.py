@@ -62,7 +62,7 @@ def test_hypercube_needs_power_of_two(tmp_path: object) -> None:
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "decentd.cli", "--rank", "0", "--peers",
+        [sys.executable, "-m", "decentd", "--rank", "0", "--peers",
          ",".join(f"127.0.0.1:{p}" for p in (47611, 47612, 47613, 47614, 47615)),
          "--topology", "hypercube"],
         capture_output=True, text=True, timeout=60,

@@ -8,14 +8,14 @@ import pytest
 
 from decent_wire.topology import build_topology
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.bufpool import BufferPool
-from decentd.links import Links
-from decentd.mailbox import Mailbox
-from decentd.membership import Membership, PeerState
-from decentd.names import at_worker
+from decentd.keys import at_worker
+from decentd.mailbox.slots import Mailbox
+from decentd.membership.view import Membership, PeerState
+from decentd.net.buffers import BufferPool
+from decentd.net.links import Links
+from decentd.net.peer import is_loopback
 from decentd.ops.api import Level, OpContext, PartSpec, Services
 from decentd.ops.neighbor import NEIGHBOR_OPS, PAIR_MIN_BYTES, neighbor_plan, pair_peer
-from decentd.peerlink import is_loopback
 from decentd.windows.groups import GroupSums
 from decentd.windows.locks import WindowLocks
 from decentd.windows.store import WindowStore

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 import decent.torch as dt
 from conftest import ClusterFactory
 from decent.core import Client
-from decent.core.algorithms import ALGORITHMS, AlgorithmError
+from decent.core.training.algorithms import ALGORITHMS, AlgorithmError
 from decent_wire.topology import build_topology
 
 N, DIM, ROWS, STEPS = 4, 4, 10, 60

@@ -241,7 +241,7 @@ def test_an_arena_the_node_cannot_reserve_is_a_clear_error(tmp_path: Path) -> No
     def small_files() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
 
-    d = subprocess.Popen([sys.executable, "-m", "decentd.cli", "--socket", sock,
+    d = subprocess.Popen([sys.executable, "-m", "decentd", "--socket", sock,
                           "--set", "memory.arena_bytes=67108864"], preexec_fn=small_files,
                          stderr=subprocess.PIPE, text=True)
     try:

@@ -22,7 +22,7 @@ from cluster import Cluster, free_ports
 from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
-from decentd.auth import NONCE_BYTES, PeerAuth, new_nonce, write_secret
+from decentd.security.auth import NONCE_BYTES, PeerAuth, new_nonce, write_secret
 
 
 def secret_file(tmp_path: Path, name: str = "secret") -> str:
@@ -70,7 +70,7 @@ def test_a_daemon_with_another_secret_is_refused(tmp_path: Path) -> None:
     lone = LoneDaemon(tmp_path)  # rank 0, waiting for its rank 1
     try:
         other = secret_file(tmp_path, "other")
-        out = subprocess.run([sys.executable, "-m", "decentd.cli", "--rank", "1", "--peers",
+        out = subprocess.run([sys.executable, "-m", "decentd", "--rank", "1", "--peers",
                               lone.peers, "--socket", str(tmp_path / "r1.sock"),
                               "--set", "timeouts.start=8", *secret_args(other)],
                              capture_output=True, text=True, timeout=120)
@@ -93,7 +93,7 @@ class LoneDaemon:
         self.log = tmp_path / "rank0.log"
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "decentd.cli", "--rank", "0", "--peers", self.peers,
+                [sys.executable, "-m", "decentd", "--rank", "0", "--peers", self.peers,
                  "--socket", str(tmp_path / "r0.sock"), "--set", "timeouts.start=120",
                  "--set", f"transport.data_port={self.data_port}",
                  *secret_args(self.secret), *extra], stdout=log, stderr=subprocess.STDOUT)
@@ -134,7 +134,7 @@ def test_a_spoofed_hello_is_closed_and_the_real_peer_still_gets_in(tmp_path: Pat
         # the real rank 1 connects afterwards: nothing was bound to its rank
         with (tmp_path / "rank1.log").open("ab") as log:
             real = subprocess.Popen(
-                [sys.executable, "-m", "decentd.cli", "--rank", "1", "--peers", lone.peers,
+                [sys.executable, "-m", "decentd", "--rank", "1", "--peers", lone.peers,
                  "--socket", str(tmp_path / "r1.sock"), *secret_args(lone.secret)],
                 stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -209,7 +209,7 @@ def test_unauthenticated_bulk_connections_hold_little_and_not_for_long(
 
 def test_a_listen_address_off_loopback_needs_a_security_mode(tmp_path: Path) -> None:
     port = free_ports(1)[0]
-    base = [sys.executable, "-m", "decentd.cli", "--peers", f"127.0.0.1:{port}",
+    base = [sys.executable, "-m", "decentd", "--peers", f"127.0.0.1:{port}",
             "--listen", f"0.0.0.0:{port}", "--socket", str(tmp_path / "d.sock")]
     refused = subprocess.run(base, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1, refused
@@ -233,7 +233,7 @@ def test_the_default_socket_is_in_a_directory_of_the_users_own(tmp_path: Path) -
     runtime, tmp = tmp_path / "run", tmp_path / "tmp"
     runtime.mkdir(mode=0o700)
     tmp.mkdir()
-    daemon = [sys.executable, "-m", "decentd.cli", "--peers", f"127.0.0.1:{free_ports(1)[0]}"]
+    daemon = [sys.executable, "-m", "decentd", "--peers", f"127.0.0.1:{free_ports(1)[0]}"]
     mine = tmp / f"decentd-{os.getuid()}"
     for given, folder in (({"XDG_RUNTIME_DIR": str(runtime)}, runtime),
                           ({"XDG_RUNTIME_DIR": "", "TMPDIR": str(tmp)}, mine)):
@@ -245,7 +245,7 @@ def test_the_default_socket_is_in_a_directory_of_the_users_own(tmp_path: Path) -
             wait_for(sock.exists, "no socket")
             assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
             address = subprocess.run(
-                [sys.executable, "-c", "from decent.core.connection import default_address; "
+                [sys.executable, "-c", "from decent.core import default_address; "
                  "print(default_address())"], env=env, capture_output=True, text=True,
                 check=True).stdout.strip()
             assert address == f"unix://{sock}"
@@ -278,7 +278,7 @@ def test_a_loopback_daemon_listens_on_loopback_only(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bad", ["--set=listen=127.0.0.1:99999", "--set=timeouts.heartbeat=1e-6"])
 def test_config_values_out_of_range_are_refused(tmp_path: Path, bad: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "decentd.cli", bad, "--socket",
+    out = subprocess.run([sys.executable, "-m", "decentd", bad, "--socket",
                           str(tmp_path / "d.sock")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "config error" in out.stderr, out
 
@@ -288,7 +288,7 @@ def test_a_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", port))
         held.listen()
-        out = subprocess.run([sys.executable, "-m", "decentd.cli", "--peers",
+        out = subprocess.run([sys.executable, "-m", "decentd", "--peers",
                               f"127.0.0.1:{port}", "--socket", str(tmp_path / "d.sock")],
                              capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and f"cannot listen for peers on 127.0.0.1:{port}" in out.stderr
@@ -343,7 +343,7 @@ def test_another_uid_is_refused_on_the_worker_sockets() -> None:
 
 def make_certs(tmp_path: Path, nodes: int, name: str = "pki") -> Path:
     """A CA and ``nodes`` node certificates (``decentctl certs``)."""
-    from decentd.certs import write_cluster
+    from decentd.security.certs import write_cluster
     out = tmp_path / name
     write_cluster(out, nodes, "decent", None, None, 30, False)
     return out
@@ -393,7 +393,7 @@ def _refused_pair(tmp_path: Path, flags: list[tuple[str, ...]]) -> list[str]:
     ports = free_ports(2)
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "decentd.cli", "--rank", str(i), "--peers", peers,
+        [sys.executable, "-m", "decentd", "--rank", str(i), "--peers", peers,
          "--socket", str(tmp_path / f"m{i}.sock"), "--set", "timeouts.start=8", *flags[i]],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
     errs = []
@@ -415,13 +415,13 @@ def test_a_valid_certificate_claiming_another_rank_is_refused(tmp_path: Path) ->
     ports = free_ports(3)
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     # a daemon given another rank's certificate does not start
-    wrong = subprocess.run([sys.executable, "-m", "decentd.cli", "--rank", "1", "--peers", peers,
+    wrong = subprocess.run([sys.executable, "-m", "decentd", "--rank", "1", "--peers", peers,
                             "--socket", str(tmp_path / "w.sock"), *mtls_args(pki, 1, cert_rank=0)],
                            capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 1 and "names ('decent', 0)" in wrong.stderr, wrong.stderr
     # a caller that skips that check: rank 2's valid certificate, claiming rank 1
     with (tmp_path / "rank0.log").open("ab") as log:
-        lone = subprocess.Popen([sys.executable, "-m", "decentd.cli", "--rank", "0", "--peers",
+        lone = subprocess.Popen([sys.executable, "-m", "decentd", "--rank", "0", "--peers",
                                  peers, "--socket", str(tmp_path / "m0.sock"),
                                  "--set", "timeouts.start=120", *mtls_args(pki, 0)],
                                 stdout=log, stderr=subprocess.STDOUT)

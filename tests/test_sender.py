@@ -13,9 +13,9 @@ import numpy as np
 
 from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.bulk import Inbound
-from decentd.loopback import LoopbackSender
-from decentd.sender import Sender
+from decentd.net.inbound import Inbound
+from decentd.net.loopback import LoopbackSender
+from decentd.net.outbound import Sender
 
 
 def _read_all(sock: socket.socket, nbytes: int, started: threading.Event) -> bytes:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from decent.core import state as core_state
+from decent.core.training import state as core_state
 from decent.torch import state as state_format
 from decent.torch.state import KIT
 

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 import torch
 
-import decent.core.submitter as submitter
+import decent.core.requests.submitter as submitter
 from cluster import Cluster, delay, run_each, tf_cluster, until
 from conftest import ClusterFactory
 from decent_wire.errors import DecentError

@@ -26,7 +26,7 @@ import pytest
 
 from decent.core import Client, NumpyCodec
 from decent_wire.errors import DecentError
-from decentd.notify import message, socket_address
+from decentd.service.notify import message, socket_address
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "deploy" / "systemd"

@@ -24,9 +24,9 @@ from PIL import Image
 
 from cluster import Cluster
 from decent.core import DecentError
-from decentd import ctl
-from decentd.timeline import PHASES, trace_path
-from decentd.timeline_plot import read_events
+from decentd.service.timeline import PHASES, trace_path
+from decentd.tools import ctl
+from decentd.tools.timeline_plot import read_events
 
 Event = dict[str, Any]
 #: ops of the job that succeed, by lane name (user's op name): their rounds

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from decent_wire.topology import TopologyError, build_topology, from_graph, kinds
-from decentd import ctl
-from decentd.config import NodeConfig
+from decentd.service.config import NodeConfig
+from decentd.tools import ctl
 
 
 @pytest.mark.parametrize("kind", ["ring", "exponential", "full", "star", "one-peer-exponential"])

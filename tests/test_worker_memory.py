@@ -2,7 +2,7 @@
 
 The arena is a sealed memfd the worker cannot shrink or grow. Shared memory a worker registered
 (a ``share_memory_()`` tensor) it can shrink: the daemon then reads zeros where the pages were
-(its SIGBUS guard, ``decentd.sigbus``), fails that worker's ops, and serves everyone else.
+(its SIGBUS guard, ``decentd.workers.sigbus``), fails that worker's ops, and serves everyone else.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import decent.torch as dt
 from cluster import Cluster
 from decent.core import DecentError
-from decent.core.connection import Connection
+from decent.core.requests.connection import Connection
 from decent_wire.v1 import decent_pb2 as pb
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -56,8 +56,8 @@ def test_the_sigbus_guard_turns_vanished_pages_into_counted_zeros() -> None:
     script = textwrap.dedent("""
         import mmap, os
         import numpy as np
-        from decentd import sigbus
-        from decentd.arena import address_of, fault_in
+        from decentd.workers import sigbus
+        from decentd.workers.arena import address_of, fault_in
         sigbus.install()
         fd = os.memfd_create("guarded")
         os.ftruncate(fd, 16 * 4096)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-RUN = [sys.executable, "-m", "decentd.launcher"]
+RUN = [sys.executable, "-m", "decentd.tools.launcher"]
 
 
 def test_convergence_benchmark_short_run(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ out (``client.shared()`` and memory registration are torch-only).
 from __future__ import annotations
 
 from decent.core import Client, DecentError, Handle
-from decent.core.shortcuts import SHORTCUTS
+from decent.core.surface.default_client import SHORTCUTS
 from decent.tf import callbacks
 from decent.tf.client import TFClient, connect, default_client
 from decent.tf.compression import Compression
@@ -34,7 +34,7 @@ from decent.tf.optim import (
 Average = "average"
 Sum = "sum"
 
-# the module-level shortcuts: the default client's methods (decent.core.shortcuts)
+# the module-level shortcuts: the default client's methods (decent.core.surface.default_client)
 _default = default_client
 init = _default.init
 shutdown = _default.shutdown

@@ -13,9 +13,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from decent.core import Client, Handle, adjoints
-from decent.core.calls import OpCall
-from decent.core.shortcuts import DefaultClient
+from decent.core import Client, Handle
+from decent.core.requests.calls import OpCall
+from decent.core.surface import adjoints
+from decent.core.surface.default_client import DefaultClient
 from decent.tf.codec import TFCodec
 from decent.tf.gradients import differentiable, tracked
 

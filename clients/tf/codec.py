@@ -6,7 +6,7 @@ through ``.numpy()``). A result is a tensor over the memory the daemon wrote it 
 no copy); an in-place op assigns it to its ``tf.Variable``, which then holds that memory.
 Results TensorFlow cannot take so (GPU, bfloat16, misaligned) are copied.
 
-Numpy arrays go through as :class:`decent.core.numpy_codec.NumpyCodec` moves them (their
+Numpy arrays go through as :class:`decent.core.memory.numpy_codec.NumpyCodec` moves them (their
 results are numpy arrays): the Keras optimizer runs the algorithms over host buffers it keeps
 (:mod:`decent.tf.host`).
 """
@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from decent.core.arena import ClientArena
-from decent.core.numpy_codec import NumpyCodec
-from decent.core.regions import SharedStorage
+from decent.core.memory.arena import ClientArena
+from decent.core.memory.numpy_codec import NumpyCodec
+from decent.core.memory.regions import SharedStorage
 from decent_wire.v1 import decent_pb2 as pb
 
 _TO_WIRE = {

@@ -1,7 +1,8 @@
 """Collectives that ``tf.GradientTape`` differentiates: a blocking out-of-place ``allreduce``,
 ``broadcast``, ``allgather`` or ``neighbor_allreduce`` of a floating tensor returns a tensor whose
 gradient is
-the adjoint collective (:mod:`decent.core.adjoints`), through ``tf.custom_gradient`` (also inside
+the adjoint collective (:mod:`decent.core.surface.adjoints`), through ``tf.custom_gradient`` (also
+inside
 ``tf.function``, where a topology's weights are those at tracing)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from decent.core.adjoints import Adjoint
+from decent.core.surface.adjoints import Adjoint
 
 
 def tracked(tensor: Any) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from decent.core.algorithms import GradientAllreduce
+from decent.core.training.algorithms import GradientAllreduce
 from decent.tf.client import default_client
 from decent.tf.optim import (
     TFClientType,
@@ -20,7 +20,7 @@ from decent.tf.optim import (
 
 class DistributedOptimizer(keras.optimizers.Optimizer):
     """Horovod's Keras ``DistributedOptimizer``: the wrapped optimizer steps on gradients
-    averaged over every rank (:class:`decent.core.algorithms.GradientAllreduce`).
+    averaged over every rank (:class:`decent.core.training.algorithms.GradientAllreduce`).
 
     ``op``: ``"average"`` or ``"sum"``; ``compression``: ``Compression.none`` or
     ``Compression.fp16``; ``backward_passes_per_step``: gradients are summed locally (in

@@ -1,4 +1,4 @@
-"""Keras adapter of the decentralized algorithms (:mod:`decent.core.algorithms`).
+"""Keras adapter of the decentralized algorithms (:mod:`decent.core.training.algorithms`).
 
     opt = dtf.DecentralizedOptimizer(keras.optimizers.SGD(0.1), algorithm="dsgd")
     model.compile(optimizer=opt, loss=...)       # model.fit works, compiled or eager
@@ -29,10 +29,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from decent.core.algorithms import Algorithm, AlgorithmError, State, make_algorithm
-from decent.core.client import Client
-from decent.core.rejoin import JoinWatch, own_donor
-from decent.core.transfer import StateLink, Wanted, hand_out
+from decent.core.surface.client import Client
+from decent.core.surface.rejoin import JoinWatch, own_donor
+from decent.core.training.algorithms import Algorithm, AlgorithmError, State, make_algorithm
+from decent.core.training.transfer import StateLink, Wanted, hand_out
 from decent.tf.client import default_client
 from decent.tf.codec import unwrap
 from decent.tf.host import HostSteps, hostable
@@ -68,7 +68,7 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
     ``rejoin``: a rank whose node joined a running job takes the model's variables, the
     wrapped optimizer's variables and the algorithm's state from a live rank when the
     optimizer is built (before its first step); the live ranks send theirs at a step boundary
-    (:mod:`decent.core.rejoin`)."""
+    (:mod:`decent.core.surface.rejoin`)."""
 
     def __init__(self, optimizer: keras.optimizers.Optimizer, algorithm: str = "dsgd",
                  client: TFClientType | None = None, rejoin: bool = True,

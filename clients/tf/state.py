@@ -1,4 +1,4 @@
-"""TensorFlow tensors in a state sent between ranks (:mod:`decent.core.state`): the wire
+"""TensorFlow tensors in a state sent between ranks (:mod:`decent.core.training.state`): the wire
 dtypes as they are, booleans widened to uint8 and cast back exactly."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from decent.core import state as core_state
+from decent.core.training import state as core_state
 
 #: tensors on the wire as they are
 WIRE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, tf.uint8,
@@ -17,7 +17,7 @@ NAMED = {d.name: d for d in (*WIRE_DTYPES, tf.bool)}
 
 
 class TFStateKit:
-    """TensorFlow tensors in a state (:class:`decent.core.state.StateKit`); a variable
+    """TensorFlow tensors in a state (:class:`decent.core.training.state.StateKit`); a variable
     travels as its value."""
 
     def is_tensor(self, value: Any) -> bool:

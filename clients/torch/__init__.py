@@ -14,8 +14,8 @@ hvd`` (``DistributedOptimizer``, ``Compression``, ``allreduce(average=..., op=hv
 from __future__ import annotations
 
 from decent.core import Client, DecentError, Handle
-from decent.core.algorithms import ALGORITHMS, AlgorithmError
-from decent.core.shortcuts import SHORTCUTS
+from decent.core.surface.default_client import SHORTCUTS
+from decent.core.training.algorithms import ALGORITHMS, AlgorithmError
 from decent.torch.client import TorchClient, connect, default_client
 from decent.torch.flat import flatten_parameters
 from decent.torch.horovod import (
@@ -34,7 +34,7 @@ from decent.torch.optim import (
     consensus,
 )
 
-# the module-level shortcuts: the default client's methods (decent.core.shortcuts)
+# the module-level shortcuts: the default client's methods (decent.core.surface.default_client)
 _default = default_client
 init = _default.init
 shutdown = _default.shutdown

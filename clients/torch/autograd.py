@@ -1,7 +1,7 @@
 """Collectives that autograd differentiates (Horovod's and ``torch.distributed.nn``'s rule):
 a blocking out-of-place ``allreduce``, ``broadcast``, ``allgather`` or ``neighbor_allreduce`` of
 a tensor that requires grad returns a tensor whose backward pass runs the adjoint collective
-(:mod:`decent.core.adjoints`)."""
+(:mod:`decent.core.surface.adjoints`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from decent.core.adjoints import Adjoint
+from decent.core.surface.adjoints import Adjoint
 
 #: runs a blocking op (``allreduce``, ``neighbor_allreduce``) without gradients
 PlainOp = Callable[..., torch.Tensor]

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from decent.core import Client, adjoints
-from decent.core.shortcuts import DefaultClient
+from decent.core import Client
+from decent.core.surface import adjoints
+from decent.core.surface.default_client import DefaultClient
 from decent.torch.autograd import differentiable, tracked
 from decent.torch.codec import TorchCodec
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from decent.core.arena import ClientArena
-from decent.core.regions import SharedStorage
+from decent.core.memory.arena import ClientArena
+from decent.core.memory.regions import SharedStorage
 from decent_wire.v1 import decent_pb2 as pb
 
 _TO_WIRE = {

@@ -22,7 +22,7 @@ from collections.abc import Collection, Iterable
 
 import torch
 
-from decent.core.algorithms import AlgorithmError
+from decent.core.training.algorithms import AlgorithmError
 
 
 def _dense_cpu(p: torch.Tensor) -> bool:

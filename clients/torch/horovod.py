@@ -3,7 +3,7 @@
 ``DistributedOptimizer`` averages gradients the way Horovod's does: a hook on each parameter
 starts the reduction of its gradient as soon as backward has accumulated it (so the reductions
 overlap the rest of backward), and ``step()`` waits for them, then runs the wrapped optimizer.
-The reduction is :class:`decent.core.algorithms.GradientAllreduce`, the same as
+The reduction is :class:`decent.core.training.algorithms.GradientAllreduce`, the same as
 ``DecentralizedOptimizer(..., algorithm="gradient-allreduce")``.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from decent.core import Client
-from decent.core.algorithms import GradientAllreduce
-from decent.core.handles import Handle
+from decent.core.requests.handles import Handle
+from decent.core.training.algorithms import GradientAllreduce
 from decent.torch.client import default_client
 from decent.torch.optim import average_gradients
 

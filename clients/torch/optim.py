@@ -1,4 +1,4 @@
-"""PyTorch adapter of the decentralized algorithms (:mod:`decent.core.algorithms`).
+"""PyTorch adapter of the decentralized algorithms (:mod:`decent.core.training.algorithms`).
 
     opt = dt.DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                     model, algorithm="dsgd")   # DmSGD on the daemon's topology
@@ -21,15 +21,15 @@ from typing import Any
 import torch
 
 from decent.core import Client
-from decent.core.algorithms import (
+from decent.core.surface.rejoin import JoinWatch, own_donor
+from decent.core.training.algorithms import (
     Algorithm,
     AlgorithmError,
     State,
     consensus_distance,
     make_algorithm,
 )
-from decent.core.rejoin import JoinWatch, own_donor
-from decent.core.transfer import StateLink, Wanted, hand_out
+from decent.core.training.transfer import StateLink, Wanted, hand_out
 from decent.torch import rejoin
 from decent.torch import state as state_format
 from decent.torch.client import TorchClient, default_client
@@ -204,7 +204,7 @@ class DecentralizedOptimizer:
 
     def _take_state(self) -> None:
         """This rank joined a running job: the parameters and the optimizer's state from its
-        donor (:mod:`decent.core.rejoin`), before the first step."""
+        donor (:mod:`decent.core.surface.rejoin`), before the first step."""
         donor = own_donor(self.client.membership(), self.client.local_size)
         if donor is None or donor == self.client.rank:
             return

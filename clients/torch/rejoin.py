@@ -2,7 +2,7 @@
 
 The state is the parameters plus the optimizer's state dict (the wrapped optimizer's and the
 algorithm's: momentum, trackers, step counters), as tensors and plain values, never a pickle
-(:mod:`decent.core.transfer`).
+(:mod:`decent.core.training.transfer`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from decent.core.algorithms import AlgorithmError
-from decent.core.transfer import StateLink
+from decent.core.training.algorithms import AlgorithmError
+from decent.core.training.transfer import StateLink
 
 
 def snapshot(states: StateLink[torch.Tensor], params: Sequence[torch.Tensor],

@@ -1,4 +1,4 @@
-"""Torch tensors in a state sent between ranks (:mod:`decent.core.state`): the wire dtypes,
+"""Torch tensors in a state sent between ranks (:mod:`decent.core.training.state`): the wire dtypes,
 booleans widened to uint8 and complex tensors as their real view, exactly restored."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from decent.core import state as core_state
-from decent.core.state import StateFormatError
+from decent.core.training import state as core_state
+from decent.core.training.state import StateFormatError
 
 __all__ = ["KIT", "StateFormatError", "TorchStateKit", "decode", "encode"]
 
@@ -25,7 +25,7 @@ NAMED = {str(d).removeprefix("torch."): d for d in (*WIRE_DTYPES, *WIDENED, *COM
 
 
 class TorchStateKit:
-    """Torch tensors in a state (:class:`decent.core.state.StateKit`)."""
+    """Torch tensors in a state (:class:`decent.core.training.state.StateKit`)."""
 
     def is_tensor(self, value: Any) -> bool:
         """Whether ``value`` is a torch tensor."""
@@ -76,5 +76,6 @@ def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
 
 
 def decode(meta: bytes, fetch: Callable[[int, torch.Tensor], torch.Tensor]) -> Any:
-    """The state an :func:`encode` description announces (:func:`decent.core.state.decode`)."""
+    """The state an :func:`encode` description announces
+    (:func:`decent.core.training.state.decode`)."""
     return core_state.decode(meta, fetch, KIT)

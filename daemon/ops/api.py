@@ -24,23 +24,23 @@ from decent_wire.errors import DecentError
 from decent_wire.protocol import op_label
 from decent_wire.topology import Step, Topology
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.arrivals import Arrival
-from decentd.bufpool import BufferPool
+from decentd.concurrency import gather_all
 from decentd.errors import PeerLost
-from decentd.links import Links
-from decentd.mailbox import Accepts, Key, Mailbox, Progress
-from decentd.membership import Membership, PeerState
+from decentd.keys import part
+from decentd.mailbox.arrivals import Arrival
+from decentd.mailbox.slots import Accepts, Key, Mailbox, Progress
+from decentd.membership.view import Membership, PeerState
+from decentd.net.buffers import BufferPool
+from decentd.net.links import Links
+from decentd.net.outbound import Outgoing
 from decentd.ops.parts import Expected, PartSpec
 from decentd.ops.phases import Phases
-from decentd.peerlink import part
-from decentd.sender import Outgoing
-from decentd.tasks import gather_all
 from decentd.windows.groups import GroupSums
 from decentd.windows.locks import WindowLocks
 from decentd.windows.store import WindowStore
 
-__all__ = ["Arrival", "DecentError", "OpContext", "OpResult", "OpSpec", "PartSpec", "Services",
-           "gather_all", "part"]
+__all__ = ["Arrival", "DecentError", "OpContext", "OpResult", "OpSpec", "Outgoing", "PartSpec",
+           "Progress", "Services", "gather_all", "part"]
 
 @dataclass(frozen=True)
 class Services:

@@ -1,6 +1,6 @@
 """What ops do about peers that are gone (``faults.on_peer_loss``).
 
-A peer is gone when its daemon is not up (:mod:`decentd.membership`) or its worker left. Under
+A peer is gone when its daemon is not up (:mod:`decentd.membership.view`) or its worker left. Under
 ``reweight`` (the default) a neighbor op leaves a gone in-neighbor out and gives its weight to
 self, so the row of weights stays as stochastic as it was, and does not send to a gone
 out-neighbor; a peer lost while the op runs is left out the same way, as long as nothing of
@@ -17,7 +17,7 @@ from typing import TypeVar
 from decent_wire.topology import Step, Topology, from_spec
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.errors import PeerLost
-from decentd.membership import PeerState
+from decentd.membership.view import PeerState
 from decentd.ops.api import DecentError, OpContext
 
 T = TypeVar("T")

@@ -15,10 +15,9 @@ import numpy as np
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.arrivals import Arrival
-from decentd.fill import Drain
-from decentd.ops.api import OpContext
+from decentd.ops.api import Arrival, OpContext
 from decentd.ops.parts import PartSpec
+from decentd.workers.staging import Drain
 
 
 def hands_off(p: PartSpec, parts: list[PartSpec], srcs: list[int]) -> Drain | None:

@@ -15,12 +15,20 @@ import numpy as np
 from decent_wire import dtypes
 from decent_wire.numerics import weighted_sum
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.mailbox import Progress
-from decentd.ops import compression
-from decentd.ops.api import Arrival, DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
+from decentd.ops import gossip_compressors as compression
+from decentd.ops.api import (
+    Arrival,
+    DecentError,
+    OpContext,
+    OpResult,
+    OpSpec,
+    Outgoing,
+    PartSpec,
+    Progress,
+    gather_all,
+)
 from decentd.ops.faults import live_step, unless_lost, without_gone
 from decentd.ops.handoff import HandOff, hands_off
-from decentd.sender import Outgoing
 
 #: a tensor still arriving is folded in once at least this many more elements are usable (the
 #: receiver reports progress in large steps, halving toward the end of a payload)

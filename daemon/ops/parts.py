@@ -10,9 +10,9 @@ import numpy as np
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.arrivals import Arrival
 from decentd.errors import PeerLost
-from decentd.fill import Drain, FillGate, FillState
+from decentd.mailbox.arrivals import Arrival
+from decentd.workers.staging import Drain, FillGate, FillState
 
 _EMPTY = np.empty(0, np.uint8)
 _NO_BYTES = memoryview(b"")
@@ -35,7 +35,7 @@ class PartSpec:
     landable: bool = True
     #: while a timeline records: when its client took the call, queued it and sent its request
     submitted: tuple[int, int, int] | None = None
-    #: the worker is still copying the input in (:mod:`decentd.fill`); None: it is whole
+    #: the worker is still copying the input in (:mod:`decentd.workers.staging`); None: it is whole
     fill: FillState | None = None
     #: the worker did not copy the input in (TensorRef.blank): the op must not read ``x``
     blank: bool = False

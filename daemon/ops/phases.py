@@ -1,4 +1,4 @@
-"""An op's phase marks, kept while a timeline records (:mod:`decentd.timeline`)."""
+"""An op's phase marks, kept while a timeline records (:mod:`decentd.service.timeline`)."""
 
 from __future__ import annotations
 

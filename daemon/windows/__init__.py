@@ -1,7 +1,7 @@
 """The daemon's window services: the windows themselves (:mod:`~decentd.windows.store`), WAGMA's
 group sums (:mod:`~decentd.windows.groups`) and window mutexes (:mod:`~decentd.windows.locks`).
 Peers' one-sided requests go to them by op (:func:`one_sided_handlers`); the worker's window ops
-are :mod:`decentd.ops.windows`."""
+are :mod:`decentd.ops.window_ops`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.arrivals import Arrival
+from decentd.mailbox.arrivals import Arrival
 from decentd.windows.groups import GroupSums
 from decentd.windows.locks import LockService
-from decentd.windows.store import WindowStore, check_part
+from decentd.windows.store import WindowStore, check_part, is_one_sided
 
 #: serves one one-sided request: (sender, wire name, round, the request)
 Handler = Callable[[int, str, int, Arrival], None]
@@ -31,6 +31,15 @@ class OneSided(dict[int, Handler]):
         self._store = store
         self._groups = groups
         self._locks = locks
+
+    @staticmethod
+    def serves(part: pb.Part) -> bool:
+        """Whether ``part`` is a window request these services answer (not an op's data)."""
+        return is_one_sided(part)
+
+    def serve(self, part: pb.Part, arrival: Arrival) -> None:
+        """Answer the one-sided request ``part`` with the service of its op."""
+        self[int(part.op)](int(part.src), part.name, int(part.round), arrival)
 
     def check(self, part: pb.Part) -> None:
         """ValueError unless a window message (any other part passes) describes itself

@@ -24,14 +24,13 @@ from decent_wire.errors import DecentError
 from decent_wire.graphs import butterfly_group
 from decent_wire.numerics import weighted_sum
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.arrivals import Arrival
-from decentd.auth import shown
+from decentd.concurrency import TaskSet, gather_all
 from decentd.errors import PeerLost
-from decentd.links import Links
-from decentd.mailbox import Mailbox
-from decentd.names import display_name, owner
-from decentd.peerlink import part
-from decentd.tasks import TaskSet, gather_all
+from decentd.keys import display_name, owner, part
+from decentd.mailbox.arrivals import Arrival
+from decentd.mailbox.slots import Mailbox
+from decentd.net.links import Links
+from decentd.security.auth import shown
 from decentd.windows.store import REPLY, REQUEST, WindowStore
 
 log = logging.getLogger("decentd.windows")

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.arrivals import Arrival
-from decentd.links import Links
-from decentd.peerlink import part
-from decentd.tasks import TaskSet
+from decentd.concurrency import TaskSet
+from decentd.keys import part
+from decentd.mailbox.arrivals import Arrival
+from decentd.net.links import Links
 
 log = logging.getLogger("decentd.windows")
 

@@ -35,12 +35,11 @@ from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.numerics import weighted_sum
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.arrivals import Arrival
-from decentd.links import Links
-from decentd.names import display_name, job_of, owner
-from decentd.peerlink import part
-from decentd.rounds import ONE_SIDED
-from decentd.tasks import TaskSet
+from decentd.concurrency import TaskSet
+from decentd.keys import display_name, job_of, owner, part
+from decentd.mailbox.arrivals import Arrival
+from decentd.net.late_rounds import ONE_SIDED
+from decentd.net.links import Links
 
 log = logging.getLogger("decentd.windows")
 

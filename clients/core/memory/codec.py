@@ -1,0 +1,60 @@
+"""What a framework adapter supplies: how its tensors go into and come out of the arena."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from decent.core.memory.arena import ClientArena
+from decent.core.memory.regions import SharedStorage
+
+T = TypeVar("T")
+
+
+class TensorCodec(Protocol[T]):
+    """How a framework's tensors go into and come out of the arena."""
+
+    framework: str
+
+    def describe(self, tensor: T) -> tuple[int, tuple[int, ...]]:
+        """(wire dtype, shape) of ``tensor``; raise TypeError for an unsupported dtype."""
+
+    def write(self, tensor: T, dst: memoryview) -> None:
+        """Copy ``tensor``'s bytes into ``dst`` (exactly its size), finished on return."""
+
+    def read(self, src: memoryview, dtype: int, shape: tuple[int, ...], like: T | None) -> T:
+        """A new tensor of ``dtype``/``shape`` from ``src``, on ``like``'s device."""
+
+    def read_into(self, src: memoryview, into: T) -> T:
+        """Copy ``src`` (``into``'s dtype and shape) into ``into``, finished on return."""
+
+    def host_bytes(self, tensor: T) -> np.ndarray | None:
+        """``tensor``'s bytes as a flat uint8 array over its own host memory (no copy; valid
+        while ``tensor`` lives and is not changed), or None when getting them needs a copy
+        (device tensors, non-contiguous ones, dtypes without a host view)."""
+
+    def address(self, tensor: T) -> int | None:
+        """The host address of ``tensor``'s bytes if they are contiguous in host memory."""
+
+    def wrap(self, owner: Any, dtype: int, shape: tuple[int, ...], like: T | None = None) -> T:
+        """A tensor over the bytes of buffer ``owner``, keeping ``owner`` alive as long as it
+        (of ``like``'s kind, for a codec that takes more than one)."""
+
+    def result(self, owner: Any, dtype: int, shape: tuple[int, ...], like: T | None
+               ) -> T | None:
+        """The result of an out-of-place op on ``like`` as a tensor over buffer ``owner`` (the
+        memory the daemon wrote it into; kept alive as long as the tensor), or None when it
+        has to be copied out (a device tensor's result, a dtype the framework cannot wrap)."""
+
+    def take(self, owner: Any, into: T) -> T | None:
+        """An in-place op's result, over buffer ``owner``, handed to ``into`` as it lies (no
+        copy; ``owner`` kept alive as long as ``into`` uses it), for frameworks whose tensors
+        never change; None to have it copied into ``into`` (:meth:`read_into`)."""
+
+    def attach(self, arena: ClientArena) -> None:
+        """Called once the arena is mapped (e.g. to pin it for GPU copies)."""
+
+    def shared_storage(self, tensor: T) -> SharedStorage | None:
+        """The memory block holding a contiguous host ``tensor`` if that block is fd-backed
+        shared memory (never moving it there); None otherwise, cheaply for private memory."""

@@ -1,0 +1,152 @@
+"""How a daemon reaches one peer (at start, and again after the link dropped): a gRPC handshake
+(cluster id, protocol version, ranks, topology, workers per node, incarnation; in secret mode
+after a challenge-response both ways, :mod:`decentd.security.auth`), retried until a deadline, then
+its bulk connection, greeted with a HELLO that proves the handshake's session key. Who calls it when
+is :mod:`decentd.membership.liveness`."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Callable
+
+import grpc
+
+from decent_wire import framing
+from decent_wire.protocol import PROTOCOL_VERSION
+from decent_wire.v1 import decent_pb2 as pb
+from decent_wire.v1 import decent_pb2_grpc as pb_grpc
+from decentd.errors import StartupError
+from decentd.net.grpc_options import GRPC_OPTIONS
+from decentd.net.inbound import tune
+from decentd.net.links import Links
+from decentd.net.outbound import Sender
+from decentd.net.peer import PeerLink, host_of
+from decentd.security.auth import new_nonce, shown
+
+log = logging.getLogger("decentd.net.links")
+
+
+async def connect_peer(links: Links, link: PeerLink, deadline: float, was_down: bool = False,
+                       on_broken: Callable[[Sender, BaseException], None] | None = None,
+                       serving: bool = False) -> pb.HandshakeReply:
+    """Handshake with ``link``'s peer (retried until ``deadline``) and open our bulk connection
+    to it, greeted with a HELLO; the peer's reply (its incarnation, whether it serves a job).
+    ConnectionError when it cannot be reached in time; StartupError when it refuses us (another
+    cluster, topology, secret). ``was_down``: we declared the peer down since it was last up;
+    ``on_broken``: told when a write to the peer fails."""
+    tls = links.auth.tls
+    if link.channel is None:
+        link.channel = (grpc.aio.secure_channel(link.address, tls.channel_credentials(),
+                                                options=GRPC_OPTIONS) if tls is not None else
+                        grpc.aio.insecure_channel(link.address, options=GRPC_OPTIONS))
+    reply, key = await _handshake(links, link, pb_grpc.PeerStub(link.channel), deadline,
+                                  was_down, serving)
+    try:
+        bulk_tls = tls.client_context() if tls is not None and tls.encrypt_bulk else None
+        sock = await _open(host_of(link.address), int(reply.data_port), bulk_tls)
+    except OSError as exc:
+        raise ConnectionError(f"rank {link.rank} at {link.address}: cannot open the bulk "
+                              f"connection to port {reply.data_port}: {exc}") from None
+    link.flow.credits = int(reply.window_bytes)
+    link.sender = Sender(sock, asyncio.get_running_loop(), link.rank, on_broken)
+    proof = links.auth.hello_proof(key or bytes(reply.bulk_key), links.rank, link.rank)
+    link.sender.send([framing.encode(pb.BulkHeader(kind=pb.HELLO, cluster_id=links.cluster_id,
+                                                   from_rank=links.rank, proof=proof))])
+    link.connected = True
+    link.last_heartbeat = time.monotonic()
+    log.debug("connected to rank %d at %s (bulk port %d)", link.rank, link.address,
+              reply.data_port)
+    return reply
+
+
+async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub, deadline: float,
+                     was_down: bool, serving: bool) -> tuple[pb.HandshakeReply, bytes]:
+    """The peer's handshake reply and the session key of secret mode (empty otherwise),
+    retried until ``deadline``; ConnectionError saying why it was not reached (refused, or no
+    answer in time)."""
+    delay = 0.05
+    request = pb.HandshakeRequest(cluster_id=links.cluster_id,
+                                  protocol_version=PROTOCOL_VERSION, from_rank=links.rank,
+                                  to_rank=link.rank, topology_digest=links.topology_digest,
+                                  workers_per_node=links.per_node,
+                                  machine_topology_digest=links.machine_digest,
+                                  incarnation=links.incarnation, was_down=was_down,
+                                  serving=serving)
+    while True:
+        timeout = max(0.1, min(2.0, deadline - time.monotonic()))
+        try:
+            key = await _prove(links, link, stub, request, timeout)
+            reply: pb.HandshakeReply = await stub.Handshake(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            # refused (nobody listens: the caller tries again later) or out of time
+            if exc.code() == grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay >= deadline:
+                log.debug("rank %d at %s: %s", link.rank, link.address, exc.code().name)
+                why = ("refused or unreachable" if exc.code() == grpc.StatusCode.UNAVAILABLE
+                       else "did not answer in time")
+                raise ConnectionError(f"rank {link.rank} at {link.address} {why} "
+                                      f"({exc.code().name})") from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+            continue
+        if reply.error.code != pb.OK:
+            raise StartupError(
+                f"handshake with rank {link.rank} at {link.address} refused: "
+                f"{pb.ErrorCode.Name(reply.error.code)}: {shown(reply.error.message, 400)}"
+            )
+        return reply, key
+
+
+async def _prove(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,
+                 request: pb.HandshakeRequest, timeout: float) -> bytes:
+    """Secret mode: the challenge-response before ``request`` (its proof filled in); the
+    session key. Nothing in other modes. StartupError when the peer does not prove it holds
+    the cluster secret."""
+    if links.auth.mode != "secret":
+        return b""
+    nonce = new_nonce()
+    reply: pb.ChallengeReply = await stub.Challenge(pb.ChallengeRequest(
+        cluster_id=links.cluster_id, from_rank=links.rank, to_rank=link.rank,
+        client_nonce=nonce), timeout=timeout)
+    where = f"rank {link.rank} at {link.address}"
+    if reply.error.code != pb.OK:
+        raise StartupError(f"{where} refused our challenge: "
+                           f"{pb.ErrorCode.Name(reply.error.code)}: "
+                           f"{shown(reply.error.message, 400)}")
+    if not links.auth.server_proof_ok(links.rank, link.rank, nonce, reply.server_nonce,
+                                      reply.server_proof):
+        raise StartupError(f"{where} does not hold this cluster's secret (another "
+                           "security.secret_file?)")
+    request.server_nonce = reply.server_nonce
+    request.proof, key = links.auth.client_proof(links.rank, link.rank, nonce,
+                                                 reply.server_nonce)
+    return key
+
+
+async def _open(host: str, port: int, tls: ssl.SSLContext | None) -> socket.socket:
+    """A tuned, blocking bulk connection to ``host:port`` (over TLS with ``tls``, the peer's
+    certificate checked against ``host``)."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, addr)
+    except BaseException:
+        sock.close()
+        raise
+    tune(sock)
+    sock.setblocking(True)  # the sender thread writes with blocking calls
+    if tls is None:
+        return sock
+    try:  # the handshake blocks: off the event loop, which serves the peer's side of ours
+        return await loop.run_in_executor(None, functools.partial(
+            tls.wrap_socket, sock, server_hostname=host))
+    except BaseException:
+        sock.close()
+        raise

@@ -1,0 +1,279 @@
+"""The bulk data path between daemons: raw TCP, protobuf headers, tensor bytes never copied twice.
+
+A frame is a ``BulkHeader`` framed as :mod:`decent_wire.framing` frames it, then the header's
+``payload_bytes`` of raw data. Each direction of a peer pair has its own connection:
+
+* :class:`decentd.net.outbound.Sender` owns the outgoing socket.
+* :class:`Inbound` is an ``asyncio.BufferedProtocol`` on the incoming socket. Headers are parsed
+  from a reused scratch buffer; a payload is received straight into the buffer its consumer
+  provides (``recv_into`` semantics, no per-chunk objects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import Protocol, cast
+
+import numpy as np
+
+from decent_wire import framing
+from decent_wire.v1 import decent_pb2 as pb
+
+log = logging.getLogger("decentd.net.inbound")
+
+#: headers are small (a name and a shape per part); a larger one means a broken stream
+MAX_HEADER = 16 << 20
+#: ... and before it said a valid HELLO (a HELLO is about 100 bytes)
+UNPROVEN_HEADER = 4096
+#: the scratch buffer of a connection that has not said a valid HELLO yet
+UNPROVEN_SCRATCH = 8192
+#: connections that have not said a valid HELLO yet, at once
+MAX_UNPROVEN = 64
+SCRATCH = 256 << 10
+#: a payload being received wakes the event loop (and reports its progress) once this much more
+#: has arrived; fewer wakeups mean less interpreter work per byte
+LOW_WATER = 4 << 20
+#: ... but toward its end at half of what is left, down to this: the last wakeup then has little
+#: left to fold, which is what the op waits for after the last byte
+TAIL = 256 << 10
+
+
+def next_step(remaining: int) -> int:
+    """Bytes of a payload to wait for before the next wakeup, with ``remaining`` still to come."""
+    return max(min(LOW_WATER, remaining // 2), min(remaining, TAIL))
+
+
+def tune(sock: socket.socket) -> None:
+    """TCP options for the bulk path: no Nagle delay. Buffer sizes are left to the kernel's
+    autotuning, which grows them past what SO_SNDBUF/SO_RCVBUF may set (net.core.*mem_max)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class FrameSink(Protocol):
+    """Where an :class:`Inbound` connection delivers what it reads."""
+
+    def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
+        """A header arrived; return the uint8 buffer of exactly its payload's size that the
+        payload is received into (None: no payload)."""
+
+    def on_frame(self, conn: Inbound, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
+        """A whole frame (header and payload) arrived."""
+
+    def on_progress(self, conn: Inbound, header: pb.BulkHeader, dest: np.ndarray,
+                    filled: int) -> None:
+        """``dest[:filled]`` of a payload still being received has arrived."""
+
+    def on_lost(self, conn: Inbound, reason: str) -> None:
+        """The connection ended."""
+
+
+@dataclass
+class _Partial:
+    """A payload being received in place."""
+
+    header: pb.BulkHeader
+    dest: np.ndarray
+    view: memoryview
+    filled: int = 0
+    reported: int = 0  # progress last reported at
+
+
+@dataclass(eq=False)
+class Inbound(asyncio.BufferedProtocol):
+    """One incoming bulk connection: a frame parser that receives payloads in place."""
+
+    sink: FrameSink
+    gate: Gate | None = None  #: bounds connections until their HELLO (None: this daemon's own)
+    src: int = -1  # set by the HELLO frame
+    bytes_received: int = 0
+    frames_received: int = 0
+    transport: asyncio.Transport | None = None
+    _scratch: bytearray = field(default_factory=lambda: bytearray(UNPROVEN_SCRATCH),
+                                repr=False)
+    _start: int = 0
+    _end: int = 0
+    _partial: _Partial | None = None
+    _closed: bool = False
+    _sock: socket.socket | None = None
+    _lowat: int = 1
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Tune the socket."""
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._sock = transport.get_extra_info("socket")
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                tune(self._sock)
+        if self.gate is not None and not self.gate.opened(self):
+            self.fail(f"more than {self.gate.limit} connections have not said HELLO")
+
+    @property
+    def trusted(self) -> bool:
+        """This daemon's own connection to itself (no gate, no proof)."""
+        return self.gate is None
+
+    def _low_water(self, nbytes: int) -> None:
+        """Wake the loop only once ``nbytes`` are readable (SO_RCVLOWAT): a payload trickling
+        in over a slow link is then read in large pieces instead of a packet at a time."""
+        nbytes = max(1, nbytes)
+        # over TLS the socket's bytes are records, not payload: a threshold could wait for
+        # bytes the TLS layer already read
+        if self.transport is not None and self.transport.get_extra_info("sslcontext"):
+            return
+        if nbytes != self._lowat and self._sock is not None:
+            with contextlib.suppress(OSError, AttributeError):
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+                self._lowat = nbytes
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """The payload being received, else free scratch space."""
+        if self._partial is not None:
+            return self._partial.view[self._partial.filled:]
+        if self.src >= 0 and self._start == self._end and len(self._scratch) < SCRATCH:
+            self._scratch = bytearray(SCRATCH)  # proven: the full-size buffer
+            self._start = self._end = 0
+        if self._end == len(self._scratch):
+            pending = self._end - self._start
+            if self._start:
+                self._scratch[:pending] = self._scratch[self._start:self._end]
+                self._start, self._end = 0, pending
+            else:  # one header larger than the scratch buffer (a new one: the old may be exported)
+                grown = bytearray(2 * len(self._scratch))
+                grown[:pending] = self._scratch
+                self._scratch = grown
+        return memoryview(self._scratch)[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """Advance the payload in progress, or parse the frames now complete in scratch."""
+        self.bytes_received += nbytes
+        part = self._partial
+        if part is not None:
+            part.filled += nbytes
+            if part.filled == part.dest.size:
+                self._partial = None
+                self._low_water(1)
+                self._deliver(part.header, part.dest)
+            else:
+                self._low_water(next_step(part.dest.size - part.filled))
+                if part.filled - part.reported >= next_step(part.dest.size - part.reported):
+                    part.reported = part.filled
+                    try:
+                        self.sink.on_progress(self, part.header, part.dest, part.filled)
+                    except Exception:  # a bug in a consumer must not take the link down
+                        log.exception("progress callback failed")
+            return
+        self._end += nbytes
+        try:
+            self._parse()
+        except ValueError as exc:
+            self.fail(f"malformed frame: {exc}")
+
+    def _parse(self) -> None:
+        buf = self._scratch
+        length = framing.LENGTH
+        while not self._closed:
+            limit = MAX_HEADER if self.src >= 0 else UNPROVEN_HEADER
+            hlen = framing.body_length(buf, self._start, self._end, limit)
+            if hlen is None or self._end - self._start < length + hlen:
+                break
+            header = pb.BulkHeader()
+            try:
+                header.ParseFromString(bytes(buf[self._start + length:self._start + length + hlen]))
+            except Exception as exc:  # protobuf's DecodeError
+                raise ValueError(f"undecodable header ({exc})") from None
+            self._start += length + hlen
+            size = header.payload_bytes
+            dest = self.sink.on_header(self, header) if size else None
+            if size and (dest is None or dest.size != size):
+                raise ValueError(f"no buffer for a {size}-byte payload")
+            if dest is None:
+                self._deliver(header, None)
+                continue
+            take = min(size, self._end - self._start)
+            if take:
+                dest[:take] = np.frombuffer(buf, np.uint8, take, self._start)
+                self._start += take
+            if take == size:
+                self._deliver(header, dest)
+                continue
+            self._partial = _Partial(header, dest, dest.data, take)
+            self._low_water(next_step(size - take))
+            break
+        if self._start == self._end:
+            self._start = self._end = 0
+        if self._partial is not None and len(self._scratch) > SCRATCH:
+            self._scratch = bytearray(SCRATCH)  # shrink after a huge header
+
+    def _deliver(self, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
+        self.frames_received += 1
+        try:
+            self.sink.on_frame(self, header, payload)
+        except ValueError as exc:
+            self.fail(f"malformed frame: {exc}")
+
+    def receiving_into(self, dest: np.ndarray) -> bool:
+        """Whether the payload being received goes into ``dest``."""
+        return self._partial is not None and self._partial.dest is dest
+
+    def redirect(self, dest: np.ndarray, into: np.ndarray) -> bool:
+        """If the payload being received goes into ``dest``, send the rest into ``into``
+        instead (same size; what already arrived is not copied). True when it did."""
+        part = self._partial
+        if part is None or part.dest is not dest:
+            return False
+        part.dest, part.view = into, into.data
+        return True
+
+    def take_partial(self) -> tuple[pb.BulkHeader, np.ndarray] | None:
+        """The header and destination of a payload cut off mid-way (to return its buffer)."""
+        part, self._partial = self._partial, None
+        return None if part is None else (part.header, part.dest)
+
+    def fail(self, reason: str) -> None:
+        """Close this connection (and only this one) after a protocol error."""
+        if self._closed:
+            return
+        who = f"rank {self.src}" if self.src >= 0 else "a peer that has not said HELLO"
+        log.error("bulk connection from %s: %s; closing it", who, reason)
+        self._closed = True
+        if self.gate is not None:
+            self.gate.settled(self)
+        if self.transport is not None:
+            self.transport.abort()
+        self.sink.on_lost(self, reason)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The peer closed the connection or it broke."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.gate is not None:
+            self.gate.settled(self)
+        self.sink.on_lost(self, "stream closed" if exc is None else type(exc).__name__)
+
+
+class Gate:
+    """Incoming connections that have not said a valid HELLO yet: at most ``limit`` at once,
+    each closed when it has not within ``timeout`` seconds; they hold a few KiB each."""
+
+    def __init__(self, timeout: float, limit: int = MAX_UNPROVEN) -> None:
+        self.timeout = timeout
+        self.limit = limit
+        self._timers: dict[Inbound, asyncio.TimerHandle] = {}
+
+    def opened(self, conn: Inbound) -> bool:
+        """A new connection; False when too many wait already (close it)."""
+        if len(self._timers) >= self.limit:
+            return False
+        self._timers[conn] = asyncio.get_running_loop().call_later(
+            self.timeout, conn.fail, f"did not authenticate within {self.timeout:g}s")
+        return True
+
+    def settled(self, conn: Inbound) -> None:
+        """The connection proved itself, or closed."""
+        if (timer := self._timers.pop(conn, None)) is not None:
+            timer.cancel()

@@ -1,0 +1,159 @@
+"""Rounds of peers that joined late: a restarted or late node counts its rounds from 0 again.
+
+Every name's rounds count the calls of that name, so two ranks that ran side by side pair their
+n-th calls. A peer that joins while this daemon is running (it restarted, or it was not up at
+start) begins at round 0 while our workers are at round R. From our first op of a name that
+involves such a peer, its round 0 is our round R: we keep that offset per (peer, name) and
+translate what goes to and comes from the peer; the peer translates nothing (its own peers were
+all up when it started). A part that arrives before our first op of its name involves the peer
+waits here, whole frame and payload, until that op starts (its offset is then known).
+
+Peers are ids of their level: a worker rank, or ``-(daemon rank + 1)`` for a node-level key.
+A peer whose daemon restarted or came late is late in every job; a worker that registered again
+in its job is late in that job only (in a later job it is a new worker, at round 0 with
+everyone).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.keys import job_of, owner
+
+#: frames of late peers kept until their ops start here, at most (the oldest are dropped)
+MAX_PARKED = 4096
+#: window requests, which arrive without a local op to match them, and their answers: no
+#: round of theirs pairs with one of the target's
+ONE_SIDED = frozenset({pb.WIN_PUT, pb.WIN_ACCUMULATE, pb.WIN_GET, pb.WIN_EXCHANGE,
+                       pb.GROUP_TRIGGER, pb.GROUP_RESULT, pb.WIN_LOCK, pb.WIN_UNLOCK})
+
+
+def peer_id(rank: int, name: str) -> int:
+    """The id of the peer ``rank`` (of the level of the key ``name``)."""
+    return rank if owner(name) is not None else -(rank + 1)
+
+
+@dataclass(eq=False)
+class Parked:
+    """A frame from a late peer that names a round we cannot place yet."""
+
+    src: int  #: the daemon it came from
+    header: pb.BulkHeader
+    payload: np.ndarray | None
+
+
+class RoundMap:
+    """Round offsets of the peers that joined after this daemon was ready."""
+
+    def __init__(self) -> None:
+        #: set once the daemon is ready: peers that come up later are late
+        self.ready = False
+        self._late: set[int] = set()  #: in every job
+        self._late_in: set[tuple[int, str]] = set()  #: (peer, job): in that job only
+        self._offsets: dict[tuple[int, str], int] = {}
+        self._parked: collections.deque[Parked] = collections.deque()
+        self._replay: Callable[[Parked], None] | None = None
+        self._dropped: Callable[[Parked], None] | None = None
+
+    def on_placeable(self, replay: Callable[[Parked], None],
+                     dropped: Callable[[Parked], None]) -> None:
+        """Who takes parked frames back once they can be placed (``replay``) or when they are
+        given up (``dropped``)."""
+        self._replay, self._dropped = replay, dropped
+
+    @property
+    def any_late(self) -> bool:
+        """Whether any peer is late (else nothing is translated)."""
+        return bool(self._late or self._late_in)
+
+    def joined(self, peers: list[int], job: str | None = None) -> None:
+        """These peers (ids) came up after this daemon was ready: they count from 0 again, in
+        ``job`` only (a worker that registered again in it), or in every job (None)."""
+        if not self.ready:
+            return
+        for peer in peers:
+            if job is None:
+                self._late.add(peer)
+            else:
+                self._late_in.add((peer, job))
+            for key in [k for k in self._offsets
+                        if k[0] == peer and job in (None, job_of(k[1]))]:
+                del self._offsets[key]
+
+    def is_late(self, peer: int, name: str) -> bool:
+        """Whether ``peer`` (an id) joined late for the key ``name`` (its job's)."""
+        return peer in self._late or (peer, job_of(name)) in self._late_in
+
+    def establish(self, peer: int, name: str, round_: int) -> None:
+        """Our op of ``name`` at ``round_`` involves late ``peer``: its round 0 is ``round_``,
+        unless an earlier op placed it; parked frames that can be placed now are replayed."""
+        if not self.is_late(peer, name) or (peer, name) in self._offsets:
+            return
+        self._offsets[(peer, name)] = round_
+        ready = [f for f in self._parked if self.placeable(f.src, f.header)]
+        for frame in ready:
+            self._parked.remove(frame)
+        for frame in ready:
+            if self._replay is not None:
+                self._replay(frame)
+
+    def unplaced(self, peer: int, p: pb.Part) -> bool:
+        """Whether ``peer`` is late and none of our ops of ``p``'s name has placed it yet:
+        what an op that started before it came back would send it names a round it never
+        ran (window messages pair with no round)."""
+        return self.is_late(peer, p.name) and p.op not in ONE_SIDED and p.op != pb.WIN_REPLY \
+            and (peer, p.name) not in self._offsets
+
+    def outgoing(self, peer: int, name: str, round_: int) -> int:
+        """The round the late ``peer`` knows our round ``round_`` of ``name`` by."""
+        off = self._offsets.get((peer, name))
+        return round_ if off is None else round_ - off
+
+    def placeable(self, src: int, header: pb.BulkHeader) -> bool:
+        """Whether every part of ``header`` (from daemon ``src``) that pairs with a round has
+        a known round here (window messages pair with none: a late peer's answer to our
+        window request is placed at once)."""
+        del src
+        for p in header.parts:
+            if p.op in ONE_SIDED or p.op == pb.WIN_REPLY:
+                continue
+            peer = peer_id(int(p.src), p.name)
+            if peer in self._late and (peer, p.name) not in self._offsets:
+                return False
+            if (peer, job_of(p.name)) in self._late_in and (peer, p.name) not in self._offsets:
+                return False
+        return True
+
+    def translate(self, header: pb.BulkHeader) -> None:
+        """Rewrite the rounds of ``header``'s parts into ours (call once per frame, after
+        :meth:`placeable`)."""
+        for p in header.parts:
+            off = self._offsets.get((peer_id(int(p.src), p.name), p.name))
+            if off is not None:
+                p.round = int(p.round) + off
+
+    def park(self, src: int, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
+        """Keep a frame until its parts can be placed."""
+        self._parked.append(Parked(src, header, payload))
+        while len(self._parked) > MAX_PARKED:
+            frame = self._parked.popleft()
+            if self._dropped is not None:
+                self._dropped(frame)
+
+    def drop_from(self, src: int) -> None:
+        """Daemon ``src``'s link dropped: its parked frames are void."""
+        gone = [f for f in self._parked if f.src == src]
+        for frame in gone:
+            self._parked.remove(frame)
+            if self._dropped is not None:
+                self._dropped(frame)
+
+    @property
+    def parked(self) -> int:
+        """Frames waiting for their ops."""
+        return len(self._parked)

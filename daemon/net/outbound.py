@@ -1,0 +1,309 @@
+"""The sending side of the bulk data path: one :class:`Sender` per peer connection.
+
+When nothing is queued, the event loop writes what the socket takes of a frame's head with a
+non-blocking ``sendmsg``; the rest goes to the sender's thread, which writes it with blocking
+``sendmsg`` calls (the GIL is released while the kernel copies) directly from the worker's
+shared-memory slot. Frames are framed as :mod:`decentd.net.inbound` describes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import errno
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from decentd.workers.arena import fault_in
+from decentd.workers.staging import FillGate
+
+#: the sender thread writes at most this much per call, and updates its progress in between
+SLICE = 1 << 20
+#: when nothing is queued, the event loop writes what the socket takes of a frame's first this
+#: many bytes at once; the sender thread writes the rest (the link starts without a thread switch)
+DIRECT_HEAD = 2 << 20
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass
+class Outgoing:
+    """One frame waiting for the sender thread."""
+
+    buffers: list[Buffer]
+    on_done: Callable[[BaseException | None], None] | None
+    abandoned: bool = False  # its op was cancelled: skip it if not started
+    started: bool = False
+    sent: int = 0  # bytes of the whole frame in the kernel so far (header included)
+    write: int = -1  # the sender's write (sendmsg call) that took its last byte
+    #: its payload is an input still being copied in: bytes go out as they are copied
+    gate: FillGate | None = None
+
+
+def _take(buffers: list[Buffer], limit: int, total: int | None = None) -> list[Buffer]:
+    """The first ``limit`` bytes of ``buffers`` (at most 64 of them; ``total``: their bytes,
+    if known). ``buffers`` itself when all of it fits."""
+    if len(buffers) <= 64 and (sum(map(len, buffers)) if total is None else total) <= limit:
+        return buffers
+    out: list[Buffer] = []
+    for b in buffers[:64]:
+        n = len(b)
+        if n >= limit:
+            out.append(memoryview(b)[:limit])
+            break
+        out.append(b)
+        limit -= n
+    return out
+
+
+def _advance(buffers: list[Buffer], sent: int) -> list[Buffer]:
+    """What is left of ``buffers`` after ``sent`` bytes went out."""
+    rest: list[Buffer] = []
+    for b in buffers:
+        n = len(b)
+        if sent >= n:
+            sent -= n
+            continue
+        rest.append(memoryview(b)[sent:] if sent else b)
+        sent = 0
+    return rest
+
+
+def sendmsg(sock: socket.socket, buffers: list[Buffer], flags: int = 0) -> int:
+    """``sock.sendmsg``; memory a worker shrank away (EFAULT) is faulted in as zeros first."""
+    try:
+        return sock.sendmsg(buffers, (), flags)
+    except OSError as exc:
+        if exc.errno != errno.EFAULT:
+            raise
+        fault_in(buffers)
+        return sock.sendmsg(buffers, (), flags)
+
+
+class Sender:
+    """The outgoing connection to one peer: frames go out whole and in order."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, peer: int,
+                 on_broken: Callable[[Sender, BaseException], None] | None = None) -> None:
+        """``on_broken(sender, error)`` runs on ``loop`` once when a write fails."""
+        self.sock = sock
+        self.loop = loop
+        self.peer = peer
+        self._on_broken = on_broken
+        self.bytes_sent = 0
+        #: frames sent, and the writes (sendmsg calls) that carried them: everything queued for
+        #: this peer goes out together, several frames per write
+        self.frames = 0
+        self.writes = 0
+        self.error: BaseException | None = None
+        #: a TLS connection (no sendmsg: buffers are written one by one)
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._cv = threading.Condition()
+        self._queue: collections.deque[Outgoing] = collections.deque()
+        self._busy = False
+        self._closed = False
+        #: the gate of a frame whose input the thread is waiting for (its worker copies it in)
+        self._held: FillGate | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"decentd-send-{peer}")
+        self._thread.start()
+
+    def send(self, buffers: list[Buffer],
+             on_done: Callable[[BaseException | None], None] | None = None,
+             gate: FillGate | None = None) -> Outgoing | None:
+        """Queue one frame (header and payload buffers); ``on_done`` runs on the event loop.
+        ``gate``: the payload is an input still being copied in (the thread writes it).
+
+        Returns the queued item (to abandon it), or None when it went out at once.
+        """
+        total = sum(map(len, buffers))
+        with self._cv:
+            if self.error is not None or self._closed:
+                err = self.error or ConnectionError(f"connection to rank {self.peer} is closed")
+                if on_done is not None:
+                    on_done(err)
+                return None
+            if gate is not None:
+                item = Outgoing(buffers, on_done, gate=gate)
+                self._queue.append(item)
+                self._cv.notify()
+                return item
+            if not self._busy and not self._queue and not self._tls:
+                head = _take(buffers, DIRECT_HEAD, total)  # at most 64 buffers: < IOV_MAX
+                try:
+                    sent = sendmsg(self.sock, head, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as exc:
+                    self._broken(exc)
+                    if on_done is not None:
+                        on_done(exc)
+                    return None
+                self.bytes_sent += sent
+                self.writes += sent > 0
+                if sent == total:
+                    self.frames += 1
+                    if on_done is not None:
+                        on_done(None)
+                    return None
+                buffers = _advance(buffers, sent)
+                total -= sent
+                # part of the frame is on the wire: the rest must follow, whatever happens
+                item = Outgoing(buffers, on_done, started=sent > 0, sent=sent)
+                self._queue.append(item)
+                self._cv.notify()
+                return item
+            item = Outgoing(buffers, on_done)
+            self._queue.append(item)
+            self._cv.notify()
+            return item
+
+    @property
+    def queued(self) -> int:
+        """Frames waiting for the sender thread."""
+        with self._cv:
+            return len(self._queue)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or going out."""
+        with self._cv:
+            return not self._busy and not self._queue
+
+    def abandon(self, item: Outgoing) -> bool:
+        """Skip ``item`` if the thread has not started it; True when it is already going out."""
+        with self._cv:
+            item.abandoned = True
+            return item.started
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                batch = self._take_queued()
+                self._busy = True
+            err: BaseException | None = None
+            try:
+                self._write(batch)
+            except OSError as exc:
+                err = exc
+            with self._cv:
+                self._busy = False
+                if err is not None:
+                    self._broken(err)
+            for item in batch:
+                if item.buffers:  # not all of it went out
+                    self._done(item, err)
+
+    def _take_queued(self) -> list[Outgoing]:
+        """Every frame queued now (lock held), in order; abandoned ones are dropped."""
+        batch = []
+        while self._queue:
+            item = self._queue.popleft()
+            if item.abandoned and not item.started:
+                self._done(item, asyncio.CancelledError())
+                continue
+            item.started = True
+            batch.append(item)
+        return batch
+
+    def _write(self, batch: list[Outgoing]) -> None:
+        """Write the frames of ``batch`` back to back, gathered into as few calls as the
+        kernel allows (in slices, so that each frame's progress is visible)."""
+        pending = list(batch)
+        while pending:
+            buffers = [b for item in pending for b in item.buffers]
+            sent = self._write_slice(_take(buffers, self._ready(pending)))
+            self.bytes_sent += sent
+            self.writes += 1
+            while pending and sent:
+                item = pending[0]
+                left = sum(len(b) for b in item.buffers)
+                step = min(sent, left)
+                if item.gate is not None and not item.gate.fill.complete:
+                    item.gate.fill.early += step
+                item.sent += step
+                item.buffers = _advance(item.buffers, step)
+                sent -= step
+                if step == left:
+                    item.write = self.writes
+                    self.frames += 1
+                    self._done(item, None)
+                    pending.pop(0)
+
+    def _ready(self, pending: list[Outgoing]) -> int:
+        """How much of ``pending`` (at most a slice) may go out now: up to the first byte of
+        a gated frame that its worker has not copied in yet (waiting for one if need be)."""
+        if all(item.gate is None for item in pending):  # the usual case: nothing to wait for
+            return SLICE
+        ahead = 0
+        for item in pending:
+            left = sum(len(b) for b in item.buffers)
+            if item.gate is not None:
+                frame = item.sent + left
+                ready = item.gate.ready(item.sent, frame)
+                if ready == 0 and ahead == 0:
+                    with self._cv:
+                        self._held = item.gate
+                    try:
+                        item.gate.wait(item.sent)
+                    finally:
+                        with self._cv:
+                            self._held = None
+                    ready = item.gate.ready(item.sent, frame)
+                if ready < left:
+                    return min(SLICE, ahead + ready)
+            ahead += left
+            if ahead >= SLICE:
+                break
+        return SLICE
+
+    def _write_slice(self, chunk: list[Buffer]) -> int:
+        """Write ``chunk`` (gathered, or buffer by buffer over TLS); the bytes written."""
+        if not self._tls:
+            return sendmsg(self.sock, chunk)
+        for b in chunk:
+            self.sock.sendall(b)
+        return sum(len(b) for b in chunk)
+
+    def _done(self, item: Outgoing, err: BaseException | None) -> None:
+        item.buffers = []
+        if item.on_done is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                self.loop.call_soon_threadsafe(item.on_done, err)
+
+    def _broken(self, exc: BaseException) -> None:
+        """The connection failed: every queued frame fails with it (lock held)."""
+        if self.error is None:
+            self.error = exc
+            if self._on_broken is not None and not self._closed:
+                with contextlib.suppress(RuntimeError):  # the loop is gone
+                    self.loop.call_soon_threadsafe(self._on_broken, self, exc)
+        while self._queue:
+            self._done(self._queue.popleft(), exc)
+
+    def abort(self) -> None:
+        """Break the connection now: a write blocked on a peer that stopped reading fails, and
+        so does a frame waiting for a worker that stopped copying its input in."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with self._cv:
+            if self._held is not None:
+                self._held.fill.release()
+
+    def close(self) -> None:
+        """Stop after what is queued; the socket is shut down for writing."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=2.0)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+        self.sock.close()

@@ -1,0 +1,201 @@
+"""A collective ends the same way on every rank: its participants agree on what it is.
+
+Before a collective (allreduce, broadcast, barrier among the daemons; allgather among the
+workers) runs, every participant sends every other one, for each of its tensors, what it was
+asked to run (a ``pb.Agreement``: op, dtype, shape, arguments, or why it cannot run it) and
+waits for theirs. Each then has the same set of descriptions and draws the same verdict from
+it: run the op, or fail it with the same error code and a message naming the ranks that
+disagree. Nobody gets a result from an op another rank fails for a disagreement. Only then does
+the op's result go out: node-level collectives run beside their agreement (one round instead of
+two) and hold their results until the verdict, which cancels them if it is against. A
+participant that cannot run it (a root that is not a rank) tells the others and fails at once,
+without waiting for them (if two such fail, each names itself). Neighbor ops keep their pairwise
+checks (an op there involves only its peers).
+
+The agreement is an op of its own (``pb.AGREEMENT``, keys from :func:`decentd.keys.agreement`),
+run by the engine like any other: timeouts, aborts, lost peers and the live view apply to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from decent_wire import dtypes
+from decent_wire.errors import DecentError
+from decent_wire.protocol import op_label
+from decent_wire.v1 import decent_pb2 as pb
+from decentd.keys import agreement
+from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Services, gather_all
+from decentd.ops.faults import live_group
+
+#: the message tag of descriptions
+AGREE_TAG = 1 << 20
+#: the longest description a peer may send (a shape, arguments and a message)
+MAX_DESCRIPTION = 64 << 10
+#: collectives that agree first, by the level they run at
+NODE_AGREED = frozenset({pb.ALLREDUCE, pb.BROADCAST, pb.BARRIER})
+WORKER_AGREED = frozenset({pb.ALLGATHER})
+
+Start = Callable[[OpContext, float, Callable[[OpResult | None, DecentError | None], None]],
+                 None]
+
+
+def description(op: int, args: Any, p: PartSpec, ranks: Sequence[int],
+                error: DecentError | None = None) -> pb.Agreement:
+    """What a participant standing for worker ``ranks`` was asked to run for tensor ``p``."""
+    shape = list(p.shape)
+    if op == pb.ALLGATHER and shape:
+        shape[0] = -1  # the first dimensions may differ; the sizes (in args) must not
+        error = error or _allgather_problem(args, p, ranks)
+    error = error or _output_problem(op, args, p)
+    arg_text = str(args).replace("\n", " ").strip() if args is not None else ""
+    text = f"{op_label(op)} {dtypes.describe(p.dtype, p.shape)}" + \
+        (f" ({arg_text})" if arg_text else "")
+    d = pb.Agreement(op=op, dtype=p.dtype, shape=shape, text=text, ranks=list(ranks),
+                     args=args.SerializeToString(deterministic=True) if args is not None else b"")
+    if error is not None:
+        d.error.CopyFrom(error.to_pb())
+    return d
+
+
+def _output_problem(op: int, args: Any, p: PartSpec) -> DecentError | None:
+    """ARENA_ERROR when the result cannot fit the part's output region."""
+    if op in (pb.ALLREDUCE, pb.BROADCAST):
+        nbytes = p.nbytes
+    elif op == pb.ALLGATHER and p.shape:
+        nbytes = sum(int(s) for s in args.sizes) * dtypes.nbytes(p.dtype, p.shape[1:])
+    else:
+        return None
+    try:
+        p.output(nbytes, f"{op_label(op)} '{p.display}' round {p.round}")
+    except DecentError as err:
+        return err
+    return None
+
+
+def _allgather_problem(args: Any, p: PartSpec, ranks: Sequence[int]) -> DecentError | None:
+    sizes = [int(s) for s in args.sizes]
+    rank = ranks[0]
+    if not p.shape or rank >= len(sizes) or sizes[rank] != p.shape[0]:
+        return DecentError(pb.INVALID_ARGUMENT, f"rank {rank}: allgather needs a tensor of at "
+                           f"least one dimension and one size per rank with this rank's first "
+                           f"({p.shape[0] if p.shape else None}); got sizes {sizes}")
+    return None
+
+
+def verdict(display: str, round_: int, got: dict[int, pb.Agreement]) -> DecentError | None:
+    """The one outcome every participant draws from the same descriptions (by participant)."""
+    first = got[min(got)]
+    label = f"{op_label(first.op)} '{display}' round {round_}"
+    failing = [r for r in sorted(got) if got[r].error.code != pb.OK]
+    if failing:
+        err = got[failing[0]].error
+        return DecentError(err.code, f"{label}: {_ranks(got[failing[0]].ranks)} cannot run "
+                                     f"it: {err.message}")
+    kinds: dict[tuple[Any, ...], list[int]] = {}
+    for r in sorted(got):
+        d = got[r]
+        kinds.setdefault((d.op, d.dtype, tuple(d.shape), d.args), []).extend(d.ranks)
+    if len(kinds) == 1:
+        return None
+    texts = {key: next(got[r].text for r in sorted(got)
+                       if (got[r].op, got[r].dtype, tuple(got[r].shape), got[r].args) == key)
+             for key in kinds}
+    told = "; ".join(f"{_ranks(ranks)} {texts[key]}" for key, ranks in
+                     sorted(kinds.items(), key=lambda kv: kv[1][0]))
+    return DecentError(pb.MISMATCH, f"{label}: the ranks disagree, so none runs it: {told}")
+
+
+#: what a verdict drawn from the descriptions fails with (others are the agreement's own
+#: failures: a timeout, a lost peer)
+VERDICTS = frozenset({pb.MISMATCH, pb.INVALID_ARGUMENT, pb.ARENA_ERROR})
+
+
+def outcome(verdict: DecentError | None, error: DecentError | None) -> DecentError | None:
+    """How a collective that ran beside its agreement ends: a verdict from the descriptions
+    wins (every rank has it); else the op's own error, else the agreement's."""
+    if verdict is not None and (verdict.code in VERDICTS or error is None):
+        return verdict
+    return error
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``rank 3`` or ``ranks 0, 1, 2``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+async def agree(ctx: OpContext) -> OpResult:
+    """The agreement op: descriptions to and from every live participant, then the verdict."""
+    group = live_group(ctx)
+    others = [r for r in group if r != ctx.rank]
+    mine = [pb.Agreement.FromString(bytes(p.raw)) for p in ctx.parts]
+    refused = next((i for i, d in enumerate(mine) if d.error.code != pb.OK), None)
+    if refused is not None:  # it fails whatever the others say: tell them, and fail now
+        await gather_all(*(ctx.send(r, AGREE_TAG) for r in others))
+        p = ctx.parts[refused]
+        return OpResult(0, (), group, verdict=verdict(p.display, p.round,
+                                                       {ctx.rank: mine[refused]}))
+    mailbox = ctx.services.mailbox
+    futs = {r: [mailbox.expect(r, p.name, p.round, AGREE_TAG) for p in ctx.parts]
+            for r in others}
+    try:
+        await gather_all(*(ctx.send(r, AGREE_TAG) for r in others))
+        arrived = {r: await asyncio.gather(*fs) for r, fs in futs.items()}
+    finally:
+        for fs in futs.values():
+            for f in fs:
+                f.cancel()
+    outcome = None
+    for i, p in enumerate(ctx.parts):
+        got = {ctx.rank: mine[i]}
+        for r, arrivals in arrived.items():
+            got[r] = _parse(ctx, r, arrivals[i].data)
+            ctx.release(arrivals[i])
+        outcome = outcome or verdict(p.display, p.round, got)
+    return OpResult(0, (), group, verdict=outcome)
+
+
+def _parse(ctx: OpContext, src: int, data: np.ndarray) -> pb.Agreement:
+    """A peer's description, checked."""
+    if data.nbytes > MAX_DESCRIPTION:
+        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: rank {src} sent a description of "
+                          f"{data.nbytes} bytes (at most {MAX_DESCRIPTION})")
+    try:
+        return pb.Agreement.FromString(data.tobytes())
+    except Exception:  # DecodeError: a peer that speaks another protocol
+        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: rank {src} sent a description "
+                          "that does not parse") from None
+
+
+AGREEMENT_SPEC = OpSpec(agree, lambda ctx: set(live_group(ctx)) - {ctx.rank},
+                        lambda _ctx: {AGREE_TAG}, fusable=True, counted=False)
+
+
+class Agreements:
+    """Starts the agreement that a collective's op waits for."""
+
+    def __init__(self, services: Services, start: Start) -> None:
+        self.services = services
+        self._start = start
+
+    def run(self, level: Level, parts: Sequence[PartSpec], descriptions: Sequence[pb.Agreement],
+            timeout: float, then: Callable[[DecentError | None], None]) -> None:
+        """Agree on ``parts`` (one description each) among ``level``'s live participants;
+        ``then(error)`` once every rank's description is in (None: all agree)."""
+        mine = [_agreement_part(p, d) for p, d in zip(parts, descriptions, strict=True)]
+        ctx = OpContext(self.services, pb.AGREEMENT, None, mine, AGREEMENT_SPEC, level)
+        try:
+            self._start(ctx, timeout, lambda result, err: then(
+                err or (result.verdict if result is not None else None)))
+        except DecentError as err:
+            then(err)
+
+
+def _agreement_part(p: PartSpec, d: pb.Agreement) -> PartSpec:
+    raw = d.SerializeToString()
+    return PartSpec(agreement(p.name), p.display, p.round, pb.UINT8, (0,),
+                    np.frombuffer(raw, np.uint8), memoryview(b""), memoryview(raw))
