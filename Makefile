@@ -1,7 +1,8 @@
 # The two commands of the README: `make run` (set up, then the main job) and `make test`.
 VENV := .venv/bin
 
-.PHONY: setup run test lint bench convergence stragglers chaos mutation imports fuzz clean
+.PHONY: setup run test test-fast lint docs docs-serve bench convergence stragglers chaos mutation \
+	imports fuzz clean
 
 setup:
 	@bash scripts/setup.sh
@@ -13,6 +14,17 @@ run: setup
 ## lint (ruff, mypy) and the whole test suite against real daemons
 test: setup lint
 	$(VENV)/python -m pytest
+
+## the in-process tier: no daemon processes, no namespaces (under a minute)
+test-fast: setup
+	$(VENV)/python -m pytest -m "not slow and not deploy and not netns"
+
+## the documentation site, built with strict checks (site/); docs-serve serves it on :8000
+docs: setup
+	$(VENV)/mkdocs build --strict
+
+docs-serve: setup
+	$(VENV)/mkdocs serve
 
 lint: setup
 	$(VENV)/ruff check wire daemon clients tests benchmarks examples scripts setup.py
