@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/chaos.py [--nodes 8] [--steps 300] [--out benchmarks/results]
     .venv/bin/python benchmarks/chaos.py --cleanup     # leftovers of a killed run (as root)
+    .venv/bin/python benchmarks/chaos.py --replot      # chaos.png again, from chaos.json
 
 In :class:`benchmarks.netns_dsgd.Network`'s namespaces (links at ``--rate`` both ways, ``tc
 tbf``), one ``decentd`` each (topology ``exponential``, ``on_peer_loss: reweight``, heartbeat
@@ -19,8 +20,9 @@ and after the outage; the rejoined node's time to be in sync (first step with ne
 to the mean within the others'); mean test accuracy against the baseline (target: within 0.5
 points); when gloo's job is dead and what its restart costs (this run's cold start plus half of
 ``--checkpoint-every`` steps). Writes ``chaos.json``, ``.md`` and ``.png`` (consensus distance
-and step time over time, events marked) into ``--out``. Exit 0 when the run completes (a missed
-target says MISSED), 1 when it crashes; without root it says why and exits 0.
+and step time over time, one run per row, events labelled; ``--replot`` redraws it from the
+JSON alone) into ``--out``. Exit 0 when the run completes (a missed target says MISSED), 1 when
+it crashes; without root it says why and exits 0.
 """
 
 from __future__ import annotations
@@ -402,54 +404,12 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join([*lines, "", "![chaos](chaos.png)", ""])
 
 
-#: the events marked in the PNG: label, color, line style
-EVENT_STYLE = {"kill": ("kill", "red", "-"), "restart": ("restart", "orange", "-"),
-               "in_sync": ("rejoined: first step with neighbors", "green", "-"),
-               "in_range": ("rejoined: distance within the others'", "green", "--"),
-               "flap_down": ("flap: link down", "purple", "--"),
-               "flap_up": ("flap: link up", "purple", ":")}
-COLORS = {"baseline": "gray", "kill": "tab:blue", "flap": "tab:purple", "gloo": "tab:brown"}
-
-
 def write_png(res: dict[str, Any], path: Path) -> None:
-    """Consensus distance and step time over time, the events as vertical lines."""
-    import matplotlib
+    """``chaos.png``: one row per run on its own clock, consensus distance and step time, every
+    event labelled where it happened (see :mod:`benchmarks.plots`)."""
+    from benchmarks import plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sc, v = res["scenarios"], str(res["config"]["kill_rank"])
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True)
-    for name, color in COLORS.items():
-        if name != "gloo":
-            cons = sc[name]["series"]["consensus"]
-            top.plot([p["t"] for p in cons], [p["mean"] for p in cons], color=color,
-                     label=f"{name}: mean over the ranks")
-        ser = sc[name]["series"]["step_ms"]
-        bottom.plot([p["t"] for p in ser], [p["ms"] for p in ser], color=color, lw=0.8,
-                    label=name, drawstyle="steps-pre")
-    mine = [p for p in sc["kill"]["series"]["consensus"] if v in p["dist"]]
-    top.plot([p["t"] for p in mine], [p["dist"][v] for p in mine], "x", color=COLORS["kill"],
-             label=f"kill: rank {v}")
-    events = [*sc["kill"]["events_s"].items(), *sc["flap"]["events_s"].items()]
-    for ax, text in ((top, "consensus distance ||x_i - mean||^2"),
-                     (bottom, "step time (ms; end to end, waits included),\nmedian over the "
-                      "live ranks")):
-        ax.set_ylabel(text)
-        for key, when in events:
-            if key in EVENT_STYLE and when is not None:
-                label, color, ls = EVENT_STYLE[key]
-                ax.axvline(when, color=color, ls=ls, lw=1, label=label if ax is top else None)
-    top.set_yscale("log")
-    bottom.set_yscale("log")
-    top.legend(fontsize=7, ncol=2)
-    bottom.legend(fontsize=7)
-    bottom.set_xlabel("seconds since the run's first step (each run from its own start)")
-    top.set_title(f"{res['config']['nodes']} nodes, D-SGD: rank {v} killed and restarted; "
-                  f"rank {res['config']['flap_rank']}'s link flapped")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.write_chaos(res, path)
 
 
 #: the command line: name, type, default, help
@@ -479,6 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-logs", action="store_true", help="keep the run directory")
     p.add_argument("--cleanup", action="store_true",
                    help=f"delete leftovers ({cr.PREFIX}*) of dead runs and exit")
+    p.add_argument("--replot", action="store_true",
+                   help="redraw --out/chaos.png from --out/chaos.json and exit (no root needed)")
     return p
 
 
@@ -486,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (exit 0 when it completes, 1 when it crashes), or the cleanup."""
     p = build_parser()
     a = p.parse_args(argv)
+    if a.replot:
+        write_png(json.loads((a.out / "chaos.json").read_text()), a.out / "chaos.png")
+        print(f"wrote {a.out / 'chaos.png'}")
+        return 0
     if not (0 < a.kill_rank < a.nodes and 0 <= a.flap_rank < a.nodes
             and 0 < a.kill_at < a.restart_at < a.steps and 0 < a.flap_at < a.steps):
         p.error("need 0 < --kill-rank < --nodes (rank 0 is the donor and gloo's store), "

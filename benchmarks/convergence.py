@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/convergence.py [--workers 8] [--datasets digits,breast_cancer]
         [--epochs 30] [--algorithms dsgd,decentlam,...] [--out benchmarks/results]
+    .venv/bin/python benchmarks/convergence.py --replot   # the PNGs again, from convergence.json
 
 It starts a local cluster with ``decentrun`` (8 daemons on the exponential graph, one worker
 process each) and trains, one run after the other in the same processes:
@@ -25,10 +26,11 @@ For every run: the test accuracy of the averaged model (parameters averaged over
 the workers' mean, the training-loss curve (after every epoch, each worker's model on the whole
 training set, averaged over the workers), the consensus distance,
 wall time, and the bytes each worker's daemon sent to its peers (its own counters). It writes
-``convergence.json``, ``convergence.md`` and ``convergence_<dataset>.png`` (loss curves) into
-``--out`` and prints the tables; the exit code is 0 when every target is met, 3 when one is
-missed. Targets from the issue: D-SGD on the exponential graph within 1
-point of allreduce's accuracy; DecentLaM at least as good as DmSGD at a large batch.
+``convergence.json``, ``convergence.md`` and ``convergence_<dataset>.png`` (loss curves, one
+panel per algorithm: :mod:`benchmarks.plots`) into ``--out`` and prints the tables (``--replot``:
+only the PNGs, redrawn from ``convergence.json``); the exit code is 0 when every target is
+met, 3 when one is missed. Targets from the issue: D-SGD on the exponential graph within 1 point
+of allreduce's accuracy; DecentLaM at least as good as DmSGD at a large batch.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python benchmarks/convergence.py` puts only benchmarks/ on it
+    sys.path.insert(0, str(REPO))
 #: exit code of a complete run that missed a target (a crash exits 1)
 TARGETS_MISSED = 3
 RESULTS = REPO / "benchmarks" / "results"
@@ -429,44 +433,11 @@ def tables(outcomes: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
 
 
 def plot(outcomes: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Loss curves per dataset: iid, non-iid and large batch side by side."""
-    import matplotlib
+    """``convergence_<dataset>.png`` per dataset: a panel per algorithm, iid and non-iid over
+    allreduce's curves, the large batch and where each one ends (see :mod:`benchmarks.plots`)."""
+    from benchmarks import plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    first_seed = min(o["spec"]["seed"] for o in outcomes)
-    for ds in dict.fromkeys(o["spec"]["dataset"] for o in outcomes):
-        fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-        tab20 = plt.get_cmap("tab20")
-        colors = [tab20(i) for i in (*range(0, 20, 2), *range(1, 20, 2))]  # 20 distinct
-        for ax in axes:
-            ax.set_prop_cycle(color=colors)
-        for ax, (title, pick) in zip(axes, (
-                ("iid", lambda o: o["spec"]["split"] == "iid" and not o["spec"]["large_batch"]),
-                ("non-iid", lambda o: o["spec"]["split"] == "non-iid"
-                 and not o["spec"]["large_batch"]),
-                (f"large batch, non-iid, seed {first_seed}",
-                 lambda o: o["spec"]["large_batch"] and o["spec"]["seed"] == first_seed)),
-                strict=True):
-            for o in outcomes:
-                if o["spec"]["dataset"] == ds and pick(o):
-                    ax.plot(range(1, len(o["losses"]) + 1), o["losses"],
-                            label=f"{o['spec']['label']} ({o['avg_model_acc']:.1f}%)",
-                            linestyle="--" if o["spec"]["label"] == "allreduce" else "-")
-            ax.set_title(f"{ds}, {title}")
-            ax.set_xlabel("step" if title.startswith("large") else "epoch")
-            ax.set_ylabel("loss on the whole training set (mean of the workers' models)")
-            ax.set_yscale("log")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / f"convergence_{ds}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+    return plots.write_convergence(outcomes, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -482,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--rerender", action="store_true",
                    help="redraw the tables and plots from --out/convergence.json, no training")
+    p.add_argument("--replot", action="store_true",
+                   help="redraw only the plots from --out/convergence.json, no training")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -494,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        print("wrote", *plot(json.loads((out / "convergence.json").read_text())["outcomes"], out))
+        return 0
     if args.rerender:
         saved = json.loads((out / "convergence.json").read_text())
         outcomes, header = saved["outcomes"], saved["header"]

@@ -22,6 +22,7 @@ import numpy as np
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from decent_wire import topology
 from decent_wire.local import default_socket
@@ -59,21 +60,28 @@ def status(address: str, console: Console) -> int:
                   f"inputs left out {s.inputs_left_out}")
     console.print(f"membership: epoch {s.view_epoch}, live daemons {list(s.live_daemons)}, "
                   f"live ranks {list(s.live_ranks)} (on peer loss: {s.on_peer_loss})")
-    table = Table("peer", "address", "state", "heartbeat age (s)", "sent (B)", "received (B)",
-                  "reconnects")
-    for p in s.peers:
-        state = p.state if p.state == "up" else f"[red]{escape(p.state)}[/red]: " \
-            f"{escape(p.down_reason)}"
-        table.add_row(str(p.rank), p.address, state, f"{p.last_heartbeat_age_s:.1f}",
-                      str(p.bytes_sent), str(p.bytes_received), str(p.reconnects))
-    console.print(table)
-    workers = Table("worker rank", "local rank", "pid", "framework", "job", "in flight",
-                    title=f"local workers ({s.workers_per_node} per node)")
+    cluster_view.print_uncut(console, peer_table(s))
+    workers = cluster_view.uncut_table("worker rank", "local rank", "pid", "framework", "job",
+                                       "in flight",
+                                       title=f"local workers ({s.workers_per_node} per node)")
     for w in s.local_workers:
-        workers.add_row(str(w.rank), str(w.local_rank), str(w.pid), w.framework, w.job,
-                        str(w.ops_in_flight))
-    console.print(workers)
+        workers.add_row(*map(cluster_view.cell, (w.rank, w.local_rank, w.pid, w.framework, w.job,
+                                                 w.ops_in_flight)))
+    cluster_view.print_uncut(console, workers)
     return 0
+
+
+def peer_table(s: pb.StatusReply) -> Table:
+    """A daemon's peers, one row each, no address ever cut (see ``cluster_view.uncut_table``)."""
+    table = cluster_view.uncut_table("peer", "address", "state", "heartbeat age (s)", "sent (B)",
+                                     "received (B)", "reconnects")
+    for p in s.peers:
+        state = Text(p.state) if p.state == "up" else \
+            Text.assemble((p.state, "red"), f": {p.down_reason}")
+        table.add_row(*map(cluster_view.cell, (p.rank, p.address)), state,
+                      *map(cluster_view.cell, (f"{p.last_heartbeat_age_s:.1f}", p.bytes_sent,
+                                               p.bytes_received, p.reconnects)))
+    return table
 
 
 def _option(text: str) -> tuple[str, int | str]:
