@@ -17,7 +17,7 @@ from conftest import ClusterFactory
 from decent.core import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 
-COMPRESSORS: dict[str, tuple[Any, dict[str, float]]] = {
+COMPRESSORS: dict[str, tuple[Any, dict[str, Any]]] = {
     "topk": (lambda v: topk(v, 0.25), {"ratio": 0.25}),
     "sign": (sign, {}),
     "int8": (int8, {}),

@@ -196,6 +196,7 @@ def test_two_ops_of_one_name_in_flight_are_a_value_error_as_in_horovod() -> None
     # decent.torch used as hvd: Horovod refuses a second op of a name still in flight; a Client
     # runs it as the name's next round (README "Coming from BlueFog or Horovod")
     from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
 
     from cluster import Cluster, delay
     from decent.core.surface.default_client import DefaultClient
@@ -208,7 +209,8 @@ def test_two_ops_of_one_name_in_flight_are_a_value_error_as_in_horovod() -> None
             list(pool.map(lambda i: hvds[i].init(f"unix://{c.sockets[i]}"), range(2)))
 
         def work(i: int) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
-            hvd = hvds[i]
+            hvd = SimpleNamespace(**hvds[i].shortcuts())  # what `import decent.torch as hvd` is
+            cl = hvds[i].get()
             delay(i)
             first = hvd.allreduce_async(torch.full((3,), float(i)), name="dup")
             try:
@@ -223,7 +225,6 @@ def test_two_ops_of_one_name_in_flight_are_a_value_error_as_in_horovod() -> None
             got = first.wait()
             again = hvd.allreduce(torch.full((3,), float(2 * i)), name="dup")  # allowed now
             # the Client itself queues a second one as the next round
-            cl = hvd.get()
             a = cl.allreduce_async(torch.full((3,), float(i)), name="queued")
             b = cl.allreduce_async(torch.full((3,), float(i + 2)), name="queued")
             return refused, got, again, a.wait() + b.wait()

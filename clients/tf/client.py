@@ -13,142 +13,90 @@ from typing import Any
 
 import tensorflow as tf
 
-from decent.core import Client, Handle
-from decent.core.requests.calls import OpCall
+from decent.core import Client
 from decent.core.surface import adjoints
 from decent.core.surface.default_client import DefaultClient
+from decent.core.surface.methods import OpMethods
 from decent.tf.codec import TFCodec
 from decent.tf.gradients import differentiable, tracked
+from decent_wire.ops import BY_NAME, USER_OPS, OpDecl, Result
+
+#: the ops a graph may stage (the window ops hold state a graph cannot replay; they run eagerly)
+STAGED = frozenset(op.name for op in USER_OPS if not op.name.startswith(("win_", "group_")))
+
+
+def _static_shape(op: OpDecl, shape: tf.TensorShape) -> tf.TensorShape:
+    """The static shape of ``op``'s result for an input of ``shape`` (unknown first dimension
+    where it depends on the other ranks)."""
+    if op.result is Result.PAIR:
+        return tf.TensorShape([2]).concatenate(shape)
+    if op.result is Result.STACKED:
+        return tf.TensorShape([None]).concatenate(shape)
+    if op.result is Result.GATHERED:
+        return tf.TensorShape([None]).concatenate(shape[1:])
+    return shape
 
 
 class TFClient(Client[Any]):
     """:class:`decent.core.Client` for TensorFlow (see the module docs for tf.function)."""
 
-    def _call(self, call: OpCall, tensor: Any, name: str | None, timeout: float | None,
-              **options: Any) -> Handle[Any]:
-        if not tf.executing_eagerly():
-            raise RuntimeError("decent.tf: asynchronous ops return handles, which a tf.function "
-                               "cannot hold; inside tf.function use the blocking ops "
-                               "(neighbor_allreduce, allreduce, ...) or start them eagerly")
-        return super()._call(call, tensor, name, timeout, **options)
+    def _blocking(self, op: OpDecl, kwargs: dict[str, Any]) -> Any:
+        """The blocking form of ``op``: differentiable for a floating tensor when the op is,
+        and staged as a ``tf.py_function`` inside a ``tf.function``."""
+        tensor, into = kwargs.get("tensor"), kwargs.get("into")
+        if into is not None:
+            return self._in_place(op, into, kwargs)
+        if not op.differentiable or not tracked(tensor):
+            return self._staged(op, tensor, lambda t: OpMethods._blocking(
+                self, op, kwargs if t is None else {**kwargs, "tensor": t}))
+        if op.name == "allgather":
+            value = tensor.read_value() if isinstance(tensor, tf.Variable) else tensor
+            rows = self._plain_op("allgather")(tf.shape(value, out_type=tf.int64)[:1],
+                                               name=f"{kwargs.get('name') or 'allgather'}.rows")
+            start = tf.reduce_sum(rows[:self.rank])
+            adjoint = adjoints.allgather(start, start + rows[self.rank], kwargs)
+        else:
+            adjoint = adjoints.of(op.name, self, kwargs)
+        return differentiable(tensor, lambda t: self._staged(op, t, lambda x: OpMethods._blocking(
+            self, op, {**kwargs, "tensor": x})), adjoint, self._plain_op)
 
-    def _staged(self, run: Callable[..., Any], tensor: Any,
-                shape: Callable[[tf.TensorShape], tf.TensorShape], **kwargs: Any) -> Any:
-        """``run(tensor, **kwargs)`` now, or as a py_function node inside tf.function (whose
-        result has the static ``shape`` of the input's)."""
-        if tf.executing_eagerly():
-            return run(tensor, **kwargs)
+    def _staged(self, op: OpDecl, tensor: Any, run: Callable[[Any], Any]) -> Any:
+        """``run(tensor)`` now, or as a py_function node inside tf.function."""
+        if tf.executing_eagerly() or op.name not in STAGED:
+            return run(tensor)
+        if tensor is None:  # barrier
+            tf.py_function(lambda: run(None), [], Tout=[])
+            return None
         value = tensor.read_value() if isinstance(tensor, tf.Variable) else tensor
-        out = tf.py_function(lambda t: run(t, **kwargs), [value], Tout=value.dtype)
-        out.set_shape(shape(value.shape))
+        out = tf.py_function(run, [value], Tout=value.dtype)
+        out.set_shape(_static_shape(op, value.shape))
         return out
 
-    def _in_place(self, run: Callable[..., Any], staged: Callable[..., Any], variable: Any,
-                  **kwargs: Any) -> Any:
-        """``run(variable)`` now, or inside tf.function the staged op assigned to it."""
-        if tf.executing_eagerly():
-            return run(variable, **kwargs)
+    def _in_place(self, op: OpDecl, variable: Any, kwargs: dict[str, Any]) -> Any:
+        """The in-place form now, or inside tf.function the staged op assigned to it."""
+        if tf.executing_eagerly() or op.name not in STAGED:
+            return super()._blocking(op, kwargs)
         if not isinstance(variable, tf.Variable):
-            raise TypeError(f"{run.__name__}: in place needs a tf.Variable, got "
+            raise TypeError(f"{op.name}_: in place needs a tf.Variable, got "
                             f"{type(variable).__name__}")
-        variable.assign(staged(variable, **kwargs))
+        variable.assign(self._blocking(op, {**kwargs, "into": None}))
         return variable
 
-    def neighbor_allreduce(self, tensor: Any, **kwargs: Any) -> Any:
-        """Blocking neighbor_allreduce (also inside tf.function); its gradient is the same op
-        with W transposed."""
-        if not tracked(tensor):
-            return self._staged(super().neighbor_allreduce, tensor, _same, **kwargs)
-        return differentiable(tensor, lambda t: self._plain("neighbor_allreduce")(t, **kwargs),
-                              adjoints.neighbor_allreduce(*adjoints.neighbor_plan(self, kwargs),
-                                                          kwargs), self._plain)
-
-    def hierarchical_neighbor_allreduce(self, tensor: Any, **kwargs: Any) -> Any:
-        """Blocking hierarchical_neighbor_allreduce (also inside tf.function)."""
-        return self._staged(super().hierarchical_neighbor_allreduce, tensor, _same, **kwargs)
-
-    def allreduce(self, tensor: Any, **kwargs: Any) -> Any:
-        """Blocking allreduce (also inside tf.function); its gradient is the allreduce of the
-        gradients."""
-        if not tracked(tensor):
-            return self._staged(super().allreduce, tensor, _same, **kwargs)
-        return differentiable(tensor, lambda t: self._plain("allreduce")(t, **kwargs),
-                              adjoints.allreduce(kwargs), self._plain)
-
-    def broadcast(self, tensor: Any, root: int = 0, **kwargs: Any) -> Any:
-        """Blocking broadcast (also inside tf.function); its gradient is the sum of the
-        gradients, on the root."""
-        if not tracked(tensor):
-            return self._staged(super().broadcast, tensor, _same, root=root, **kwargs)
-        return differentiable(tensor, lambda t: self._plain("broadcast")(t, root=root, **kwargs),
-                              adjoints.broadcast(self.rank, root, kwargs), self._plain)
-
-    def allgather(self, tensor: Any, **kwargs: Any) -> Any:
-        """Blocking allgather (also inside tf.function); its gradient is this rank's rows of
-        the summed gradients."""
-        if not tracked(tensor):
-            return self._gather(tensor, **kwargs)
-        value = tensor.read_value() if isinstance(tensor, tf.Variable) else tensor
-        rows = self._gather(tf.shape(value, out_type=tf.int64)[:1],
-                            name=f"{kwargs.get('name') or 'allgather'}.rows")
-        start = tf.reduce_sum(rows[:self.rank])
-        return differentiable(tensor, lambda t: self._gather(t, **kwargs),
-                              adjoints.allgather(start, start + rows[self.rank], kwargs),
-                              self._plain)
-
-    def _gather(self, tensor: Any, **kwargs: Any) -> Any:
-        """The blocking allgather without gradients (also inside tf.function)."""
-        return self._staged(super().allgather, tensor,
-                            lambda s: tf.TensorShape([None]).concatenate(s[1:]), **kwargs)
-
-    def _plain(self, op: str) -> Callable[..., Any]:
+    def _plain_op(self, op: str) -> Callable[..., Any]:
         """The blocking op ``op`` without gradients (also inside tf.function)."""
-        run = getattr(super(), op)
-        return lambda tensor, **kwargs: self._staged(run, tensor, _same, **kwargs)
-
-    def neighbor_allgather(self, tensor: Any, **kwargs: Any) -> Any:
-        """Blocking neighbor_allgather (also inside tf.function)."""
-        return self._staged(super().neighbor_allgather, tensor,
-                            lambda s: tf.TensorShape([None]).concatenate(s), **kwargs)
-
-    def compressed_neighbor_allreduce(self, tensor: Any, compressor: str, **kwargs: Any) -> Any:
-        """Blocking compressed_neighbor_allreduce (also inside tf.function)."""
-        return self._staged(super().compressed_neighbor_allreduce, tensor,
-                            lambda s: tf.TensorShape([2]).concatenate(s),
-                            compressor=compressor, **kwargs)
-
-    def neighbor_allreduce_(self, tensor: Any, **kwargs: Any) -> Any:
-        """Blocking in-place neighbor_allreduce on a tf.Variable (also inside tf.function)."""
-        return self._in_place(super().neighbor_allreduce_, self.neighbor_allreduce, tensor,
-                              **kwargs)
-
-    def allreduce_(self, tensor: Any, **kwargs: Any) -> Any:
-        """Blocking in-place allreduce on a tf.Variable (also inside tf.function)."""
-        return self._in_place(super().allreduce_, self.allreduce, tensor, **kwargs)
-
-    def broadcast_(self, tensor: Any, root: int = 0, **kwargs: Any) -> Any:
-        """Blocking in-place broadcast on a tf.Variable (also inside tf.function)."""
-        return self._in_place(super().broadcast_, self.broadcast, tensor, root=root, **kwargs)
-
-    def barrier(self, name: str | None = None, timeout: float | None = None) -> None:
-        """Wait for every rank (also inside tf.function)."""
-        if tf.executing_eagerly():
-            super().barrier(name=name, timeout=timeout)
-            return
-        wait = super().barrier
-        tf.py_function(lambda: wait(name=name, timeout=timeout), [], Tout=[])
-
-
-def _same(shape: tf.TensorShape) -> tf.TensorShape:
-    return shape
+        decl = BY_NAME[op]
+        return lambda tensor, **kwargs: self._staged(
+            decl, tensor, lambda t: self._plain(op, t, **kwargs))
 
 
 def connect(address: str | None = None, connect_timeout: float = 120.0,
             job: str | None = None, fusion_threshold: int | None = None,
             cycle_time: float | None = None, local_rank: int | None = None) -> TFClient:
     """A new client of the local daemon (the arguments as in ``decent.torch.connect``)."""
-    return TFClient(TFCodec(), address, connect_timeout, job, fusion_threshold, cycle_time,
-                    register=False, local_rank=local_rank)
+    client = TFClient(TFCodec(), address, connect_timeout, job, fusion_threshold, cycle_time,
+                      register=False, local_rank=local_rank)
+    default_client.adopt(client)
+    return client
 
 
 #: the default client of ``decent.tf``: ``init()`` creates it

@@ -204,6 +204,14 @@ class TFCodec:
         into.assign(value)
         return into
 
+    def check_call(self) -> None:
+        """RuntimeError inside a ``tf.function``: an op called there would return a handle,
+        which a graph cannot hold (the blocking ops are staged before they get here)."""
+        if not tf.executing_eagerly():
+            raise RuntimeError("decent.tf: asynchronous ops return handles, which a tf.function "
+                               "cannot hold; inside tf.function use the blocking ops "
+                               "(neighbor_allreduce, allreduce, ...) or start them eagerly")
+
     def attach(self, arena: ClientArena) -> None:
         """Nothing to pin."""
 

@@ -13,52 +13,33 @@ from decent.core.surface import adjoints
 from decent.core.surface.default_client import DefaultClient
 from decent.torch.autograd import differentiable, tracked
 from decent.torch.codec import TorchCodec
+from decent_wire.ops import OpDecl
 
 
 class TorchClient(Client[torch.Tensor]):
     """:class:`decent.core.Client` for torch tensors; the blocking out-of-place collectives of a
     tensor that requires grad are differentiable (:mod:`decent.torch.autograd`)."""
 
-    def allreduce(self, tensor: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """Blocking allreduce; its gradient is the allreduce of the gradients."""
-        if not tracked(tensor):
-            return super().allreduce(tensor, **kwargs)
-        return differentiable(tensor, lambda x: super(TorchClient, self).allreduce(x, **kwargs),
-                              adjoints.allreduce(kwargs), self._plain)
+    def _blocking(self, op: OpDecl, kwargs: dict[str, Any]) -> Any:
+        """The blocking form of ``op``; recorded by autograd, with the adjoint collective as
+        its backward pass, when the op is differentiable and its tensor requires grad."""
+        tensor = kwargs.get("tensor")
+        if not op.differentiable or kwargs.get("into") is not None or not tracked(tensor):
+            return super()._blocking(op, kwargs)
+        assert isinstance(tensor, torch.Tensor)
+        if op.name == "allgather":  # its backward needs every rank's row count
+            out = super()._blocking(op, {**kwargs, "tensor": tensor.detach()})
+            counts = self._plain("allgather", torch.tensor([tensor.shape[0]]),
+                                 name=f"{kwargs.get('name') or 'allgather'}.rows")
+            rows = [int(v) for v in self.values(counts)]
+            return differentiable(tensor, lambda _x: out, adjoints.allgather(
+                *adjoints.own_rows(rows, self.rank), kwargs), self._plain_op)
+        return differentiable(tensor, lambda x: super(TorchClient, self)._blocking(
+            op, {**kwargs, "tensor": x}), adjoints.of(op.name, self, kwargs), self._plain_op)
 
-    def broadcast(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Blocking broadcast; its gradient is the sum of the gradients, on the root."""
-        if not tracked(tensor):
-            return super().broadcast(tensor, *args, **kwargs)
-        root = int(args[0]) if args else int(kwargs.get("root_rank", kwargs.get("root", 0)))
-        return differentiable(
-            tensor, lambda x: super(TorchClient, self).broadcast(x, *args, **kwargs),
-            adjoints.broadcast(self.rank, root, kwargs), self._plain)
-
-    def allgather(self, tensor: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """Blocking allgather; its gradient is this rank's rows of the summed gradients."""
-        if not tracked(tensor):
-            return super().allgather(tensor, **kwargs)
-        out = super().allgather(tensor.detach(), **kwargs)
-        sizes = [int(v) for v in self.values(super().allgather(
-            torch.tensor([tensor.shape[0]]), name=f"{kwargs.get('name') or 'allgather'}.rows"))]
-        return differentiable(tensor, lambda _x: out,
-                              adjoints.allgather(*adjoints.own_rows(sizes, self.rank), kwargs),
-                              self._plain)
-
-    def neighbor_allreduce(self, tensor: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """Blocking neighbor_allreduce; its gradient is the same op with W transposed."""
-        if not tracked(tensor):
-            return super().neighbor_allreduce(tensor, **kwargs)
-        plan = adjoints.neighbor_plan(self, kwargs)
-        return differentiable(
-            tensor, lambda x: super(TorchClient, self).neighbor_allreduce(x, **kwargs),
-            adjoints.neighbor_allreduce(*plan, kwargs), self._plain)
-
-    def _plain(self, op: str) -> Callable[..., torch.Tensor]:
+    def _plain_op(self, op: str) -> Callable[..., torch.Tensor]:
         """The blocking op ``op`` without gradients (a backward pass's)."""
-        plain: Callable[..., torch.Tensor] = getattr(super(), op)
-        return plain
+        return lambda tensor, **kwargs: self._plain(op, tensor, **kwargs)
 
 
 def connect(address: str | None = None, connect_timeout: float = 120.0,
@@ -74,8 +55,10 @@ def connect(address: str | None = None, connect_timeout: float = 120.0,
     among its daemon's (default: $DECENT_LOCAL_RANK, $LOCAL_RANK, $SLURM_LOCALID, else the
     lowest free one).
     """
-    return TorchClient(TorchCodec(), address, connect_timeout, job, fusion_threshold,
-                       cycle_time, register, local_rank)
+    client = TorchClient(TorchCodec(), address, connect_timeout, job, fusion_threshold,
+                         cycle_time, register, local_rank)
+    default_client.adopt(client)
+    return client
 
 
 #: the default client of ``decent.torch``: ``init()`` creates it

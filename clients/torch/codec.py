@@ -70,6 +70,9 @@ class TorchCodec:
             names = ", ".join(str(d).replace("torch.", "") for d in _TO_WIRE)
             raise TypeError(f"dtype {tensor.dtype} is not supported (use one of {names})") from None
 
+    def check_call(self) -> None:
+        """Every call is allowed."""
+
     def attach(self, arena: ClientArena) -> None:
         """Pin the arena for asynchronous GPU copies when CUDA is present."""
         if not torch.cuda.is_available():

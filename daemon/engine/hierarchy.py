@@ -31,6 +31,7 @@ import numpy as np
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.numerics import ACCUM, from_accum, to_accum, weighted_sum
+from decent_wire.ops import op_types
 from decent_wire.protocol import op_label
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.engine.node_gathers import Gather, Launch, Request, Staged, Worker, segment_bounds
@@ -43,7 +44,8 @@ log = logging.getLogger("decentd.engine.hierarchy")
 #: the wire dtype of each accumulation dtype (node sums travel in it)
 ACCUM_WIRE = {np.dtype(np.float32): pb.FLOAT32, np.dtype(np.float64): pb.FLOAT64,
               np.dtype(np.int64): pb.INT64}
-NODE_LEVEL = (pb.ALLREDUCE, pb.BROADCAST, pb.BARRIER, pb.HIERARCHICAL_NEIGHBOR_ALLREDUCE)
+#: ops the daemon runs once for all its workers (the op table's ``node_level``)
+NODE_LEVEL = op_types(node_level=True)
 
 Done = Callable[[OpResult | None, DecentError | None], None]
 Start = Callable[[OpContext, float, Done], None]
@@ -59,7 +61,7 @@ class Hierarchy:
         self.agreements = Agreements(services, start)
         self._spec = dict(ops)
         #: the ops run here, by the op workers submit
-        self.ops: dict[int, OpSpec] = {op: ops[op] for op in NODE_LEVEL[:3]}
+        self.ops: dict[int, OpSpec] = {op: ops[op] for op in NODE_LEVEL if op in ops}
         self.ops[pb.HIERARCHICAL_NEIGHBOR_ALLREDUCE] = dataclasses.replace(
             ops[pb.NEIGHBOR_ALLREDUCE])
         self.gathers: dict[OpKey, Gather] = {}

@@ -22,6 +22,7 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
+from decent_wire.ops import BY_TYPE, OP_OF_FIELD, Result, op_types
 from decent_wire.topology import Topology, from_spec
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.engine.hierarchy import Hierarchy
@@ -43,18 +44,10 @@ _RESERVED = re.compile(f"[{re.escape(RESERVED)}]")
 
 #: characters of a peer's ABORT text that reach the log (the op's error keeps more)
 LOGGED_ABORT = 300
-#: ops whose result has the size of their input: an output region too small fails at once
-SAME_SIZE_RESULT = frozenset({pb.NEIGHBOR_ALLREDUCE, pb.COMPRESSED_NEIGHBOR_ALLREDUCE,
-                              pb.ALLREDUCE, pb.BROADCAST})
-
-#: the OpType of each field of ``SubmitRequest.op`` (a field is named after its OpType)
-OP_OF_FIELD: dict[str, int] = {
-    f.name: pb.OpType.Value(f.name.upper())
-    for f in pb.SubmitRequest.DESCRIPTOR.oneofs_by_name["op"].fields
-    if f.name != "fill"  # a note on another request, not an op
-}
+#: ops whose result is at least their input's size: an output region too small fails at once
+SAME_SIZE_RESULT = op_types(result=Result.SAME) | op_types(result=Result.PAIR)
 #: ops that start while their worker still copies their tensor in (SubmitRequest.filling)
-STREAMED = frozenset({pb.NEIGHBOR_ALLREDUCE})
+STREAMED = op_types(streams=True)
 
 
 #: told how a started op ended: its result, or the error it failed with
@@ -252,7 +245,7 @@ class Engine:
                               f"positive number of seconds, got {req.timeout_s}")
         if not req.tensors:
             raise DecentError(pb.INVALID_ARGUMENT, f"request {req.request_id} carries no tensor")
-        if len(req.tensors) > 1 and not spec.fusable:
+        if len(req.tensors) > 1 and not BY_TYPE[op].fuses:
             raise DecentError(pb.INVALID_ARGUMENT, f"{which} requests cannot be fused")
         return op, spec, getattr(req, which or "")
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
+from decent_wire.ops import BY_TYPE, Agreed, Result, op_types, result_nbytes
 from decent_wire.protocol import op_label
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.keys import agreement
@@ -36,9 +37,9 @@ from decentd.ops.faults import live_group
 AGREE_TAG = 1 << 20
 #: the longest description a peer may send (a shape, arguments and a message)
 MAX_DESCRIPTION = 64 << 10
-#: collectives that agree first, by the level they run at
-NODE_AGREED = frozenset({pb.ALLREDUCE, pb.BROADCAST, pb.BARRIER})
-WORKER_AGREED = frozenset({pb.ALLGATHER})
+#: collectives that agree first, by the level they run at (the op table's ``agreed``)
+NODE_AGREED = op_types(agreed=Agreed.NODES)
+WORKER_AGREED = op_types(agreed=Agreed.WORKERS)
 
 Start = Callable[[OpContext, float, Callable[[OpResult | None, DecentError | None], None]],
                  None]
@@ -64,12 +65,12 @@ def description(op: int, args: Any, p: PartSpec, ranks: Sequence[int],
 
 def _output_problem(op: int, args: Any, p: PartSpec) -> DecentError | None:
     """ARENA_ERROR when the result cannot fit the part's output region."""
-    if op in (pb.ALLREDUCE, pb.BROADCAST):
-        nbytes = p.nbytes
-    elif op == pb.ALLGATHER and p.shape:
-        nbytes = sum(int(s) for s in args.sizes) * dtypes.nbytes(p.dtype, p.shape[1:])
-    else:
+    result = BY_TYPE[op].result
+    if result is Result.NONE or (result is Result.GATHERED and not p.shape):
         return None
+    rows = list(args.sizes) if result is Result.GATHERED else None
+    # a segment of a staged node tensor carries the whole tensor's shape: its own bytes count
+    nbytes = p.nbytes if rows is None else result_nbytes(result, p.dtype, p.shape, rows=rows)
     try:
         p.output(nbytes, f"{op_label(op)} '{p.display}' round {p.round}")
     except DecentError as err:
@@ -172,7 +173,7 @@ def _parse(ctx: OpContext, src: int, data: np.ndarray) -> pb.Agreement:
 
 
 AGREEMENT_SPEC = OpSpec(agree, lambda ctx: set(live_group(ctx)) - {ctx.rank},
-                        lambda _ctx: {AGREE_TAG}, fusable=True, counted=False)
+                        lambda _ctx: {AGREE_TAG}, counted=False)
 
 
 class Agreements:

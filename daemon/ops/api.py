@@ -106,8 +106,6 @@ class OpSpec:
     #: the message tags this op can receive (None: any); another tag means the sender went
     #: another way (e.g. another broadcast root, ring vs. direct allreduce)
     tags: Callable[[OpContext], set[int] | None] = lambda _ctx: None
-    #: whether several tensors may travel as one request (each still matched on its own)
-    fusable: bool = False
     #: what a tag disagreement means, for the MISMATCH message
     tag_hint: str = "different message tags"
     #: gathers: the first-dimension rows each peer sends (None: the same shape as ours)

@@ -232,10 +232,10 @@ def _barrier_peers(ctx: OpContext) -> set[int]:
 
 COLLECTIVE_OPS: dict[int, OpSpec] = {
     pb.ALLREDUCE: OpSpec(
-        allreduce, _allreduce_peers, _allreduce_tags, fusable=True,
+        allreduce, _allreduce_peers, _allreduce_tags,
         tag_hint="ring vs. direct exchange: is transport.ring_threshold_bytes the same "
                  "everywhere?"),
-    pb.BROADCAST: OpSpec(broadcast, _broadcast_peers, lambda ctx: {_root(ctx)}, fusable=True,
+    pb.BROADCAST: OpSpec(broadcast, _broadcast_peers, lambda ctx: {_root(ctx)},
                          tag_hint="different broadcast roots"),
     pb.BARRIER: OpSpec(barrier, _barrier_peers,
                        lambda ctx: set(range(len(hops(len(live_group(ctx))))))),

@@ -488,7 +488,7 @@ def _allgather_peers(ctx: OpContext) -> set[int]:
 
 NEIGHBOR_OPS: dict[int, OpSpec] = {
     pb.NEIGHBOR_ALLREDUCE: OpSpec(
-        neighbor_allreduce, _neighbor_peers, _neighbor_tags, fusable=True,
+        neighbor_allreduce, _neighbor_peers, _neighbor_tags,
         tag_hint="pairwise halves vs. whole tensors: do both ranks have the same topology?"),
     pb.NEIGHBOR_ALLGATHER: OpSpec(neighbor_allgather, _allgather_peers, lambda _ctx: {0},
                                   rows=_concat_rows),

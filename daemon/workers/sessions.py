@@ -104,10 +104,18 @@ class Sessions:
     def __len__(self) -> int:
         return len(self.by_id)
 
-    def _local_rank(self, job: str, asked: int | None) -> int:
+    def _local_rank(self, job: str, asked: int | None, pid: int) -> int:
         """The local rank a new worker of ``job`` gets: the one it asked for, else the lowest
         free one (DecentError when it is taken or out of range)."""
         taken = {s.local_rank: s for s in self.by_id.values() if s.job == job}
+        own = [s for s in taken.values() if s.pid == pid]
+        if own and (asked is None or asked == own[0].local_rank):
+            raise DecentError(pb.INVALID_ARGUMENT, f"this process (pid {pid}) already has a "
+                              f"client of job {shown(job)} on daemon rank {self._machine}, as "
+                              f"local rank {own[0].local_rank}: one process is one worker. Use "
+                              "that client (the module functions and optimizer wrappers of "
+                              "decent.torch and decent.tf use the first one a process "
+                              "connects), or close it before connecting again")
         if asked is None:
             free = [r for r in range(self._per_node) if r not in taken]
             if not free:
@@ -130,7 +138,7 @@ class Sessions:
         taken or no arena can be made); dropped if it does not attach within
         :data:`ATTACH_TIMEOUT`. ``joining``: it joins a running job, and peers include it
         only once it says so (:meth:`joined`), after it took its state."""
-        local = self._local_rank(job, local_rank)
+        local = self._local_rank(job, local_rank, pid)
         waiting = sum(not s.attached for s in self.by_id.values())
         if waiting >= MAX_UNATTACHED:
             raise DecentError(pb.RESOURCE_EXHAUSTED, f"{waiting} registered workers have not "

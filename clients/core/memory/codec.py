@@ -8,6 +8,8 @@ import numpy as np
 
 from decent.core.memory.arena import ClientArena
 from decent.core.memory.regions import SharedStorage
+from decent_wire import dtypes
+from decent_wire.v1 import decent_pb2 as pb
 
 T = TypeVar("T")
 
@@ -55,6 +57,33 @@ class TensorCodec(Protocol[T]):
     def attach(self, arena: ClientArena) -> None:
         """Called once the arena is mapped (e.g. to pin it for GPU copies)."""
 
+    def check_call(self) -> None:
+        """Raise when an op may not be called now (TensorFlow: a handle inside a
+        ``tf.function``); most codecs allow every call."""
+
     def shared_storage(self, tensor: T) -> SharedStorage | None:
         """The memory block holding a contiguous host ``tensor`` if that block is fd-backed
         shared memory (never moving it there); None otherwise, cheaply for private memory."""
+
+
+#: the wire dtype of each numpy dtype the wire has (numpy has no bfloat16)
+DTYPE_OF = {v: k for k, v in dtypes.STORAGE.items() if k != pb.BFLOAT16}
+
+
+def tensor_of(codec: TensorCodec[T], values: Any, like: T | None = None) -> T:
+    """A tensor of ``codec``'s framework holding ``values`` (a numpy array or a list of
+    numbers; on ``like``'s device)."""
+    array = np.ascontiguousarray(values)
+    dtype = DTYPE_OF.get(array.dtype)
+    if dtype is None:
+        raise TypeError(f"no wire dtype for numpy {array.dtype}")
+    return codec.read(array.view(np.uint8).reshape(-1).data, dtype, array.shape, like)
+
+
+def values_of(codec: TensorCodec[T], tensor: T) -> np.ndarray:
+    """The values of a tensor of ``codec``'s framework, as a numpy array (a copy)."""
+    dtype, shape = codec.describe(tensor)
+    raw = bytearray(dtypes.nbytes(dtype, shape))
+    if raw:
+        codec.write(tensor, memoryview(raw))
+    return np.frombuffer(raw, dtypes.STORAGE[dtype]).reshape(shape)

@@ -72,6 +72,9 @@ class NumpyCodec:
         """None: an array takes its result by copy (into its own memory)."""
         return None
 
+    def check_call(self) -> None:
+        """Every call is allowed."""
+
     def attach(self, arena: ClientArena) -> None:
         """Nothing to do for host memory."""
 

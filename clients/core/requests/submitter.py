@@ -32,12 +32,11 @@ from decent.core.requests.fusion import Fusion
 from decent.core.requests.handles import FREED, Handle, Pending, State
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
+from decent_wire.ops import Result, result_nbytes
 from decent_wire.v1 import decent_pb2 as pb
 
 T = TypeVar("T")
 
-#: ops whose tensor goes out while it is copied in (the daemon's ``STREAMED``)
-STREAMED = frozenset({"neighbor_allreduce"})
 #: a private tensor this large is copied in after its request, in chunks of STREAM_CHUNK bytes,
 #: each sent by the daemon as soon as it is in (smaller ones: one copy, then the request)
 STREAM_MIN_BYTES = 8 << 20
@@ -103,12 +102,13 @@ class Submitter(Generic[T]):
     # ------------------------------------------------------------------ submission
 
     def submit(self, call: OpCall, tensor: T | None, name: str | None, timeout: float | None,
-               into: T | None = None, out_factor: int = 1, fuse: bool = False,
-               fuse_limit: int | None = None, out_bytes: int | None = None) -> Handle[T]:
+               into: T | None = None, fuse: bool = False, fuse_limit: int | None = None,
+               sources: int = 1, rows: list[int] | None = None) -> Handle[T]:
         """Place ``tensor``, spend the next round of ``name`` and send (or bucket) the request.
-        ``into``: an in-place op's target; ``out_factor``: the result is that many times the
-        input (``out_bytes``: that many bytes); ``fuse``: the request may wait in a bucket of
-        compatible ones (at most ``fuse_limit`` bytes)."""
+        ``into``: an in-place op's target; the result's size follows the op's table entry
+        (``sources`` stacked inputs, or ``rows`` rows in all: ``decent_wire.ops.result_nbytes``);
+        ``fuse``: the request may wait in a bucket of compatible ones (at most ``fuse_limit``
+        bytes)."""
         called = time.monotonic_ns()
         self.check_open()
         if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
@@ -116,7 +116,8 @@ class Submitter(Generic[T]):
         name = name or f"{call.field}.unnamed"
         dtype, shape = self.describe(tensor, name)
         nbytes = dtypes.nbytes(dtype, shape)
-        out = nbytes * out_factor if out_bytes is None else out_bytes
+        out = nbytes if call.op.result is Result.NONE else \
+            result_nbytes(call.op.result, dtype, shape, sources, rows)  # none: the input's
         source = None if call.blank_input else self._streamable(call, tensor, nbytes)
         sink = self._sink(call, into, nbytes)
         # the ops holding the arena end within their timeouts: wait that long, and this one's
@@ -183,14 +184,14 @@ class Submitter(Generic[T]):
     def _streamable(self, call: OpCall, tensor: T | None, nbytes: int) -> np.ndarray | None:
         """The host bytes of a tensor large enough to go out while it is copied in (an op
         the daemon runs that way), or None."""
-        if call.field not in STREAMED or tensor is None or nbytes < STREAM_MIN_BYTES:
+        if not call.op.streams or tensor is None or nbytes < STREAM_MIN_BYTES:
             return None
         return self.codec.host_bytes(tensor)
 
     def _sink(self, call: OpCall, into: T | None, nbytes: int) -> int:
         """Where an in-place result large enough to be copied out while it arrives goes (the
         host address of ``into``), or 0."""
-        if into is None or call.result_is_input or call.field not in STREAMED \
+        if into is None or call.result_is_input or not call.op.streams \
                 or nbytes < STREAM_MIN_BYTES:
             return 0
         return self.codec.address(into) or 0

@@ -101,7 +101,7 @@ def neighbor_plan(client: Any, kwargs: Mapping[str, Any]
     """(self weight, source weights, destination weights) of a ``neighbor_allreduce`` call:
     its own weights, or the topology's at the name's next round."""
     src = kwargs.get("src_weights")
-    if src is not None and "self_weight" in kwargs:
+    if src is not None and kwargs.get("self_weight") is not None:
         dst = kwargs.get("dst_weights")
         if dst is None:
             dst_map = {int(d): 1.0 for d in client.out_neighbors(kwargs.get("name"))}
@@ -113,3 +113,18 @@ def neighbor_plan(client: Any, kwargs: Mapping[str, Any]
     info = client.topology_at(kwargs.get("name") or "neighbor_allreduce.unnamed")
     return (float(info.self_weight), {int(j): float(w) for j, w in info.src_weights.items()},
             {int(d): 1.0 for d in info.out_neighbors})
+
+
+def of(op: str, client: Any, kwargs: Mapping[str, Any]) -> Adjoint:
+    """The backward pass of a blocking ``op`` (``allreduce``, ``broadcast`` or
+    ``neighbor_allreduce``) called with ``kwargs`` on ``client`` (allgather's needs every
+    rank's row count, which only its adapter can ask for)."""
+    if op == "allreduce":
+        return allreduce(kwargs)
+    if op == "broadcast":
+        root = kwargs.get("root_rank")
+        return broadcast(client.rank, int(kwargs.get("root", 0) if root is None else root),
+                         kwargs)
+    if op == "neighbor_allreduce":
+        return neighbor_allreduce(*neighbor_plan(client, kwargs), kwargs)
+    raise ValueError(f"{op} has no adjoint here")

@@ -1,41 +1,42 @@
 """The framework-agnostic client: the op surface every adapter shares (torch, TensorFlow, numpy).
 
-Each op method builds the op's typed arguments and hands the tensor to the
-:class:`~decent.core.requests.submitter.Submitter`, which places it in the shared-memory arena and
-sends a small request without waiting; the caller gets a
-:class:`~decent.core.requests.handles.Handle`. One background thread reads the daemon's completion
-stream and wakes the handles; ``Handle.wait()`` blocks on an event, it never polls. Adapters supply
-a :class:`~decent.core.memory.codec.TensorCodec`."""
+Each op's methods (``x_async``, ``x``, ``x_async_``, ``x_``) come from the op table
+(:mod:`decent.core.surface.methods`, generated) and call the op's one hand-written call
+(:mod:`~decent.core.surface.op_calls`, :mod:`~decent.core.surface.window_calls`), which hands
+the tensor to the :class:`~decent.core.requests.submitter.Submitter`: it places it in the
+shared-memory arena and sends a small request without waiting; the caller gets a
+:class:`~decent.core.requests.handles.Handle`. One background thread reads the daemon's
+completion stream and wakes the handles; ``Handle.wait()`` blocks on an event, it never polls.
+Adapters supply a :class:`~decent.core.memory.codec.TensorCodec`.
+"""
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
+import networkx as nx
 import numpy as np
 
 from decent.core.memory.arena import ClientArena
-from decent.core.memory.codec import TensorCodec
+from decent.core.memory.codec import TensorCodec, tensor_of, values_of
 from decent.core.memory.regions import RegionTable
 from decent.core.memory.registrar import Registrar
-from decent.core.requests.calls import OpCall, neighbor_call
-from decent.core.requests.connection import Connection, default_address
+from decent.core.requests.connection import Connection, Registration, default_address
 from decent.core.requests.fusion import settings_from_env
 from decent.core.requests.handles import Handle
 from decent.core.requests.submitter import Submitter
-from decent.core.surface.args import WeightsArg, op_args, rank_weights
-from decent.core.surface.hierarchy_ops import HierarchicalOps
-from decent.core.surface.horovod_compression import Compressor, Transform
 from decent.core.surface.membership import View
-from decent.core.surface.rejoin import REJOIN_PREFIX
-from decent.core.surface.topology_ops import TopologyOps
-from decent.core.surface.window_ops import WindowOps, WindowTable
-from decent_wire import dtypes
+from decent.core.surface.methods import OpMethods
+from decent.core.surface.op_calls import Cluster, OpCalls
+from decent.core.surface.topology_ops import TopologyCalls
+from decent.core.surface.window_calls import WindowCalls, WindowState
 from decent_wire.errors import DecentError
-from decent_wire.protocol import COMPRESSORS
+from decent_wire.ops import USER_OPS
+from decent_wire.topology import Topology
 from decent_wire.v1 import decent_pb2 as pb
 
 T = TypeVar("T")
@@ -52,15 +53,7 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
-def _rank_list(ranks: list[int] | None) -> pb.RankList | None:
-    return None if ranks is None else pb.RankList(ranks=ranks)
-
-
-#: the wire dtype of each numpy dtype the wire has
-DTYPE_OF = {v: k for k, v in dtypes.STORAGE.items() if k != pb.BFLOAT16}
-
-
-class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
+class Client(OpMethods[T]):
     """A worker's connection to its daemon. Thread-safe; one per process is typical."""
 
     def __init__(
@@ -93,18 +86,7 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
                                      local_rank if local_rank is not None else _env_int(
                                          *LOCAL_RANK_VARS))
         reg = self.connection.registration
-        self.worker_id = reg.worker_id
-        #: this worker among all (BlueFog's names): ``machine_rank * local_size + local_rank``
-        self.rank, self.size = reg.rank, reg.size
-        #: this worker among its daemon's (pick a GPU by it), and how many that daemon serves
-        self.local_rank, self.local_size = reg.local_rank, reg.local_size
-        #: this worker's daemon (node) among the daemons, and how many there are
-        self.machine_rank, self.machine_size = reg.machine_rank, reg.machine_size
-        self.cluster_id = reg.cluster_id
-        #: the workers' topology, and the daemons' (hierarchical ops), at step 0
-        self.topology, self.machine_topology = reg.topology, reg.machine_topology
-        self.default_timeout = reg.default_timeout
-        self.ring_threshold = reg.ring_threshold
+        self._identity(reg)
         if register is None:
             register = os.environ.get("DECENT_REGISTER", "1") not in ("0", "false", "no")
         self._registrar = Registrar(codec, self.connection, reg.worker_id,
@@ -120,9 +102,30 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
         except BaseException:
             self.arena.close()
             raise
-        self._window_table: WindowTable[T] = WindowTable()
+        #: each op's call, and the window ops' and the topology's
+        self.calls = OpCalls(codec, self._submitter, self.connection, self._registrar,
+                             Cluster(self.rank, self.size, self.ring_threshold))
+        self.windows = WindowCalls(self.calls, self.connection)
+        self.topologies = TopologyCalls(self.calls, self.windows, self.size, reg.topology)
+        super().__init__({op.name: getattr(self.calls, op.name, None) or
+                          getattr(self.windows, op.name) for op in USER_OPS if op.methods})
         self._prefixes: dict[str, itertools.count[int]] = {}
         self._check_rank()
+
+    def _identity(self, reg: Registration) -> None:
+        """This worker's place in the job, as the daemon registered it."""
+        self.worker_id = reg.worker_id
+        #: this worker among all (BlueFog's names): ``machine_rank * local_size + local_rank``
+        self.rank, self.size = reg.rank, reg.size
+        #: this worker among its daemon's (pick a GPU by it), and how many that daemon serves
+        self.local_rank, self.local_size = reg.local_rank, reg.local_size
+        #: this worker's daemon (node) among the daemons, and how many there are
+        self.machine_rank, self.machine_size = reg.machine_rank, reg.machine_size
+        self.cluster_id = reg.cluster_id
+        #: the daemons' topology (hierarchical ops)
+        self.machine_topology = reg.machine_topology
+        self.default_timeout = reg.default_timeout
+        self.ring_threshold = reg.ring_threshold
 
     def _check_rank(self) -> None:
         """DecentError (and the registration undone) when $DECENT_RANK names another rank than
@@ -142,156 +145,7 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
         """The worker memory registered with the daemon."""
         return self._registrar.regions
 
-    def _call(self, call: OpCall, tensor: T | None, name: str | None, timeout: float | None,
-              **options: Any) -> Handle[T]:
-        if self.connection.joining and not (name or "").startswith(REJOIN_PREFIX):
-            self.connection.join()  # the first op of training: peers include this rank now
-        return self._submitter.submit(call, tensor, name, timeout, **options)
-
-    # ------------------------------------------------------------------ neighbor ops
-
-    def neighbor_allreduce_async(
-        self, tensor: T, name: str | None = None, self_weight: float | None = None,
-        src_weights: Mapping[int, float] | None = None, dst_weights: WeightsArg = None,
-        timeout: float | None = None, *, fuse: bool = True,
-    ) -> Handle[T]:
-        """Start ``self_weight*x + sum_j src_weights[j] * d_j * x_j``; returns at once.
-
-        No weights: the topology's at this step. ``dst_weights`` (dict or list of ranks) makes the
-        call dynamic: it sends to exactly those ranks and receives from the ``src_weights`` keys.
-        Requests with the same weights are fused (``fuse=False``: sent alone).
-        """
-        return self._neighbor_allreduce(tensor, None, name, self_weight, src_weights,
-                                        dst_weights, timeout, fuse)
-
-    def _neighbor_allreduce(self, tensor: T, into: T | None, name: str | None,
-                            self_weight: float | None, src_weights: WeightsArg,
-                            dst_weights: WeightsArg, timeout: float | None,
-                            fuse: bool) -> Handle[T]:
-        srcs, dsts = rank_weights(src_weights), rank_weights(dst_weights)
-        args = op_args(name, pb.NeighborAllreduce, self_weight=self_weight, src_weights=srcs,
-                       dst_weights=dsts)
-        return self._call(neighbor_call(args, self_weight, srcs, dsts), tensor, name, timeout,
-                          into=into, fuse=fuse)
-
-    def neighbor_allreduce(self, tensor: T, **kwargs: Any) -> T:
-        """Blocking :meth:`neighbor_allreduce_async`."""
-        return self.neighbor_allreduce_async(tensor, fuse=False, **kwargs).wait()
-
-    def neighbor_allreduce_async_(
-        self, tensor: T, name: str | None = None, self_weight: float | None = None,
-        src_weights: Mapping[int, float] | None = None, dst_weights: WeightsArg = None,
-        timeout: float | None = None, *, fuse: bool = True,
-    ) -> Handle[T]:
-        """In-place :meth:`neighbor_allreduce_async`: ``wait()`` writes the result into
-        ``tensor`` and returns it (no new tensor is allocated). A tensor in shared memory
-        (torch: ``share_memory_()``) is registered with the daemon and never copied; leave it
-        alone until the handle is waited for."""
-        return self._neighbor_allreduce(tensor, tensor, name, self_weight, src_weights,
-                                        dst_weights, timeout, fuse)
-
-    def neighbor_allreduce_(self, tensor: T, **kwargs: Any) -> T:
-        """Blocking in-place :meth:`neighbor_allreduce_async`."""
-        return self.neighbor_allreduce_async_(tensor, fuse=False, **kwargs).wait()
-
-    def compressed_neighbor_allreduce_async(
-        self, tensor: T, compressor: str, ratio: float | None = None, name: str | None = None,
-        self_weight: float | None = None, src_weights: Mapping[int, float] | None = None,
-        dst_weights: WeightsArg = None, timeout: float | None = None,
-    ) -> Handle[T]:
-        """Start a neighbor_allreduce of ``Q(x)``, the tensor compressed by ``compressor``.
-
-        ``compressor``: ``"topk"`` (with ``ratio``, the fraction of entries kept), ``"sign"`` or
-        ``"int8"``. The daemon compresses, sends only the compressed bytes and decodes what
-        arrives. The result has shape ``[2, *shape]``: row 0 is
-        ``self_weight * Q(x) + sum_j src_weights[j] * d_j * Q(x_j)`` (weights as in
-        :meth:`neighbor_allreduce_async`), row 1 is ``Q(x)`` exactly as the neighbors decoded it::
-
-            mixed, own = client.compressed_neighbor_allreduce(t, "topk", ratio=0.01)
-        """
-        kind = COMPRESSORS.get(compressor)
-        if kind is None:
-            raise ValueError(f"tensor '{name}': unknown compressor {compressor!r}; known: "
-                             f"{', '.join(sorted(COMPRESSORS))}")
-        if kind == pb.TOPK and ratio is None:
-            raise ValueError(f"tensor '{name}': compressor 'topk' needs a ratio (0 < ratio <= 1)")
-        args = op_args(name, pb.CompressedNeighborAllreduce, self_weight=self_weight,
-                       src_weights=rank_weights(src_weights),
-                       dst_weights=rank_weights(dst_weights),
-                       compression=pb.Compression(kind=kind, ratio=float(ratio or 0.0)))
-        return self._call(OpCall("compressed_neighbor_allreduce", args), tensor, name, timeout,
-                          out_factor=2)
-
-    def compressed_neighbor_allreduce(self, tensor: T, compressor: str, **kwargs: Any) -> T:
-        """Blocking :meth:`compressed_neighbor_allreduce_async`."""
-        return self.compressed_neighbor_allreduce_async(tensor, compressor, **kwargs).wait()
-
-    def neighbor_allgather_async(
-        self, tensor: T, name: str | None = None, src_ranks: Iterable[int] | None = None,
-        dst_ranks: Iterable[int] | None = None, timeout: float | None = None,
-        concat: bool = False,
-    ) -> Handle[T]:
-        """Start gathering the in-neighbors' tensors, stacked on a new leading dim (rank order).
-
-        ``concat=True`` concatenates them on the first dimension instead (BlueFog's layout), in
-        the order of ``src_ranks`` (default: the in-neighbors, ascending); their first
-        dimensions may differ, and are exchanged first (a small blocking exchange).
-        """
-        srcs = None if src_ranks is None else list(dict.fromkeys(int(r) for r in src_ranks))
-        dsts = None if dst_ranks is None else sorted({int(r) for r in dst_ranks})
-        if concat:
-            return self._concat_neighbors(tensor, name, srcs, dsts, timeout)
-        if srcs is not None:
-            factor = len(srcs)
-        else:  # the output holds one tensor per in-neighbor at the step this call will use
-            factor = len(self.topology_at(name or "neighbor_allgather.unnamed").in_neighbors)
-        args = op_args(name, pb.NeighborAllgather, src_ranks=_rank_list(srcs),
-                       dst_ranks=_rank_list(dsts))
-        return self._call(OpCall("neighbor_allgather", args), tensor, name, timeout,
-                          out_factor=factor)
-
-    def _concat_neighbors(self, tensor: T, name: str | None, srcs: list[int] | None,
-                          dsts: list[int] | None, timeout: float | None) -> Handle[T]:
-        name = name or "neighbor_allgather.unnamed"
-        dtype, shape = self._submitter.describe(tensor, name)
-        if not shape:
-            raise ValueError(f"tensor '{name}': concatenating needs at least one dimension")
-        first = self.tensor([shape[0]])
-        got = self.neighbor_allgather_async(first, name=f"{name}.sizes", src_ranks=srcs,
-                                            dst_ranks=dsts, timeout=timeout)
-        rows = dict(zip(got.src_ranks, self.values(got.wait()).reshape(-1), strict=True))
-        order = srcs if srcs is not None else sorted(rows)
-        sizes = [int(rows[j]) for j in order]
-        args = op_args(name, pb.NeighborAllgather, src_ranks=_rank_list(srcs),
-                       dst_ranks=_rank_list(dsts), concat=True, sizes=sizes)
-        return self._call(OpCall("neighbor_allgather", args), tensor, name, timeout,
-                          out_bytes=sum(sizes) * dtypes.nbytes(dtype, shape[1:]))
-
-    def neighbor_allgather(self, tensor: T, **kwargs: Any) -> T:
-        """Blocking :meth:`neighbor_allgather_async`."""
-        return self.neighbor_allgather_async(tensor, **kwargs).wait()
-
-    # ------------------------------------------------------------------ collectives
-
-    def allgather_async(self, tensor: T, name: str | None = None,
-                        timeout: float | None = None) -> Handle[T]:
-        """Start gathering every rank's tensor, concatenated on the first dimension in rank
-        order (Horovod's ``allgather``); first dimensions may differ (exchanged first, blocking)."""
-        name = name or "allgather.unnamed"
-        dtype, shape = self._submitter.describe(tensor, name)
-        if not shape:
-            raise ValueError(f"tensor '{name}': allgather needs at least one dimension")
-        first = self.tensor([shape[0]])
-        sizes_op = OpCall("allgather", pb.Allgather(sizes=[1] * self.size))
-        rows = self.values(self._call(sizes_op, first, f"{name}.sizes", timeout,
-                                      out_factor=self.size).wait())
-        sizes = [int(r) for r in rows]
-        return self._call(OpCall("allgather", pb.Allgather(sizes=sizes)), tensor, name, timeout,
-                          out_bytes=sum(sizes) * dtypes.nbytes(dtype, shape[1:]))
-
-    def allgather(self, tensor: T, **kwargs: Any) -> T:
-        """Blocking :meth:`allgather_async`."""
-        return self.allgather_async(tensor, **kwargs).wait()
+    # ------------------------------------------------------------------ tensors
 
     def name_prefix(self, kind: str) -> str:
         """``decent.<kind><n>`` for the n-th object of ``kind`` (an optimizer wrapper) this
@@ -301,122 +155,15 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
     def tensor(self, values: Any, like: T | None = None) -> T:
         """A tensor of this client's framework holding ``values`` (a numpy array or a list of
         numbers; on ``like``'s device)."""
-        array = np.ascontiguousarray(values)
-        dtype = DTYPE_OF.get(array.dtype)
-        if dtype is None:
-            raise TypeError(f"no wire dtype for numpy {array.dtype}")
-        return self.codec.read(array.view(np.uint8).reshape(-1).data, dtype, array.shape, like)
+        return tensor_of(self.codec, values, like)
 
     def values(self, tensor: T) -> np.ndarray:
         """The values of a tensor of this client's framework, as a numpy array (a copy)."""
-        dtype, shape = self.codec.describe(tensor)
-        raw = bytearray(dtypes.nbytes(dtype, shape))
-        if raw:
-            self.codec.write(tensor, memoryview(raw))
-        return np.frombuffer(raw, dtypes.STORAGE[dtype]).reshape(shape)
+        return values_of(self.codec, tensor)
 
     def assign(self, target: T, value: T) -> T:
         """Copy ``value`` into ``target`` (same dtype and shape); returns ``target``."""
-        dtype, shape = self.codec.describe(value)
-        raw = bytearray(dtypes.nbytes(dtype, shape))
-        if raw:
-            self.codec.write(value, memoryview(raw))
-        return self.codec.read_into(memoryview(raw), target)
-
-    def allreduce_async(self, tensor: T, op: str = "average", name: str | None = None,
-                        timeout: float | None = None, *, fuse: bool = True,
-                        average: bool | None = None, compression: Compressor | None = None,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0
-                        ) -> Handle[T]:
-        """Start an average (or ``op="sum"``) over all ranks.
-
-        Tensors below the daemon's ring threshold are fused (up to that many bytes per bucket:
-        a fused allreduce is a direct exchange); larger ones run alone as a ring. Horovod's
-        arguments work too: ``average`` (True: average, False: sum), ``compression`` (applied
-        before the reduction and undone after), ``prescale_factor`` and ``postscale_factor``
-        (multiplied in before and after).
-        """
-        return self._allreduce(tensor, None, self._reduce_op(op, average), name, timeout, fuse,
-                               Transform(compression, prescale_factor, postscale_factor))
-
-    @staticmethod
-    def _reduce_op(op: str, average: bool | None) -> str:
-        if average is not None:
-            return "average" if average else "sum"
-        if op not in ("average", "sum"):
-            raise ValueError(f"allreduce op must be 'average' or 'sum', not {op!r}")
-        return op
-
-    def _allreduce(self, tensor: T, into: T | None, op: str, name: str | None,
-                   timeout: float | None, fuse: bool, transform: Transform | None = None
-                   ) -> Handle[T]:
-        args = pb.Allreduce(reduce_op=pb.AVERAGE if op == "average" else pb.SUM)
-        if transform is not None and transform.active:
-            sent, context = transform.before(tensor)
-            handle = self._call(OpCall("allreduce", args), sent, name, timeout, fuse=False)
-            done = handle.then(lambda r: transform.after(r, context))
-            return done if into is None else done.then(lambda r: self.assign(into, r))
-        small = fuse and self._nbytes(tensor) < self.ring_threshold
-        return self._call(OpCall("allreduce", args), tensor, name, timeout, into=into,
-                          fuse=small, fuse_limit=self.ring_threshold)
-
-    def allreduce(self, tensor: T, **kwargs: Any) -> T:
-        """Blocking :meth:`allreduce_async`."""
-        return self.allreduce_async(tensor, fuse=False, **kwargs).wait()
-
-    def allreduce_async_(self, tensor: T, op: str = "average", name: str | None = None,
-                         timeout: float | None = None, *, fuse: bool = True,
-                         average: bool | None = None, compression: Compressor | None = None,
-                         prescale_factor: float = 1.0, postscale_factor: float = 1.0
-                         ) -> Handle[T]:
-        """In-place :meth:`allreduce_async` (the result is written into ``tensor``)."""
-        return self._allreduce(tensor, tensor, self._reduce_op(op, average), name, timeout,
-                               fuse, Transform(compression, prescale_factor, postscale_factor))
-
-    def allreduce_(self, tensor: T, **kwargs: Any) -> T:
-        """Blocking in-place :meth:`allreduce_async`."""
-        return self.allreduce_async_(tensor, fuse=False, **kwargs).wait()
-
-    def broadcast_async(self, tensor: T, root: int = 0, name: str | None = None,
-                        timeout: float | None = None, *, fuse: bool = True,
-                        root_rank: int | None = None) -> Handle[T]:
-        """Start copying ``root``'s tensor to every rank (fused with other broadcasts);
-        ``root_rank`` is Horovod's name for ``root``."""
-        return self._broadcast(tensor, None, root if root_rank is None else root_rank, name,
-                               timeout, fuse)
-
-    def _broadcast(self, tensor: T, into: T | None, root: int, name: str | None,
-                   timeout: float | None, fuse: bool) -> Handle[T]:
-        args = op_args(name, pb.Broadcast, root=root)
-        return self._call(OpCall("broadcast", args), tensor, name, timeout, into=into,
-                          fuse=fuse)
-
-    def broadcast(self, tensor: T, *args: Any, **kwargs: Any) -> T:
-        """Blocking :meth:`broadcast_async`."""
-        return self.broadcast_async(tensor, *args, fuse=False, **kwargs).wait()
-
-    def broadcast_async_(self, tensor: T, root: int = 0, name: str | None = None,
-                         timeout: float | None = None, *, fuse: bool = True,
-                         root_rank: int | None = None) -> Handle[T]:
-        """In-place :meth:`broadcast_async` (root's tensor is written into ``tensor``)."""
-        return self._broadcast(tensor, tensor, root if root_rank is None else root_rank, name,
-                               timeout, fuse)
-
-    def broadcast_(self, tensor: T, *args: Any, **kwargs: Any) -> T:
-        """Blocking in-place :meth:`broadcast_async`."""
-        return self.broadcast_async_(tensor, *args, fuse=False, **kwargs).wait()
-
-    def barrier(self, name: str | None = None, timeout: float | None = None) -> None:
-        """Return once every rank has reached a barrier of the same name and round."""
-        self._submitter.flush()
-        self._registrar.release_dead()
-        self._call(OpCall("barrier", pb.Barrier()), None, name, timeout).join()
-
-    def _nbytes(self, tensor: T) -> int:
-        try:
-            return dtypes.nbytes(*self.codec.describe(tensor))
-        except TypeError:
-            return 0  # the submission reports it with the tensor's name
+        return self.calls.assign(target, value)
 
     # ------------------------------------------------------------------ memory and fusion
 
@@ -440,18 +187,16 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
         does not split them while it lasts, and what is left goes out when it ends."""
         return self._submitter.fused()
 
-    # ------------------------------------------------------------------ queries
+    # ------------------------------------------------------------------ topology
+
+    @property
+    def topology(self) -> pb.TopologyInfo:
+        """The workers' topology at step 0 (the daemon's, or the last :meth:`set_topology`)."""
+        return self.topologies.info
 
     def topology_at(self, name: str | None = None) -> pb.TopologyInfo:
         """Neighbors and weights at the step the next call of op ``name`` will use."""
-        return self.connection.topology(name or "",
-                                        self._submitter.round_of(name) if name else 0)
-
-    def _in_neighbors(self) -> list[int]:
-        return self.in_neighbors()
-
-    def _out_neighbors(self) -> list[int]:
-        return self.out_neighbors()
+        return self.topologies.topology_at(name)
 
     def in_neighbors(self, name: str | None = None) -> list[int]:
         """Ranks this worker receives from (at the next step of ``name``)."""
@@ -460,6 +205,59 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
     def out_neighbors(self, name: str | None = None) -> list[int]:
         """Ranks this worker sends to (at the next step of ``name``)."""
         return list(self.topology_at(name).out_neighbors)
+
+    def set_topology(self, topology: str | Topology | nx.Graph | None = None,
+                     is_weighted: bool = False) -> bool:
+        """Use ``topology`` for this worker's ops from the next one on (see
+        :meth:`TopologyCalls.set_topology`); False while windows exist."""
+        return self.topologies.set_topology(topology, is_weighted)
+
+    def load_topology(self) -> nx.DiGraph:
+        """The current topology as a networkx graph (BlueFog's ``load_topology``)."""
+        return self.topologies.load_topology()
+
+    def is_topo_weighted(self) -> bool:
+        """Whether the last :meth:`set_topology` took the graph's weights."""
+        return self.topologies.weighted
+
+    def in_neighbor_ranks(self) -> list[int]:
+        """BlueFog's name of :meth:`in_neighbors` (at step 0)."""
+        return self.in_neighbors()
+
+    def out_neighbor_ranks(self) -> list[int]:
+        """BlueFog's name of :meth:`out_neighbors` (at step 0)."""
+        return self.out_neighbors()
+
+    # ------------------------------------------------------------------ windows
+
+    def win_free(self, name: str | None = None) -> None:
+        """Free window ``name`` here (None: every window of this client); later writes to it
+        from peers fail with NOT_FOUND."""
+        self.windows.win_free(name)
+
+    def win_mutex(self, name: str, for_self: bool = False,
+                  ranks: Iterable[int] | None = None) -> AbstractContextManager[None]:
+        """Hold window ``name``'s mutex for the block (BlueFog's ``win_mutex``; see
+        :meth:`WindowCalls.win_mutex`)."""
+        return self.windows.win_mutex(name, for_self, ranks)
+
+    def window_names(self) -> list[str]:
+        """The windows this client created and has not freed, in creation order."""
+        return self.windows.window_names()
+
+    def win_info(self, name: str) -> WindowState:
+        """What this rank's daemon holds for window ``name``: versions, steps, staleness."""
+        return self.windows.win_info(name)
+
+    def win_versions(self, name: str) -> dict[int, int]:
+        """Per writer rank: writes into its buffer since :meth:`win_update` last read it."""
+        return self.windows.win_versions(name)
+
+    def win_associated_p(self, name: str) -> float:
+        """Window ``name``'s associated p (push-sum weight) as this rank's daemon holds it."""
+        return self.windows.win_associated_p(name)
+
+    # ------------------------------------------------------------------ queries
 
     def status(self) -> pb.StatusReply:
         """The daemon's counters and peer health, and this worker's results (worker_results_*)."""
@@ -478,6 +276,11 @@ class Client(WindowOps[T], TopologyOps[T], HierarchicalOps[T], Generic[T]):
     def rejoining(self) -> bool:
         """Whether this worker joins a running job (its daemon restarted or came late)."""
         return self.connection.registration.rejoining
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (or the client never finished connecting)."""
+        return self._submitter.closed
 
     def close(self) -> None:
         """Disconnect; the daemon fails this worker's in-flight ops and frees its arena.

@@ -1,48 +1,55 @@
 """Module-level shortcuts (``decent.torch.neighbor_allreduce(t)``, ...) over a default client.
 
-Each framework module makes one :class:`DefaultClient` and exports its methods under the same
-names: ``init()`` creates the client, the op functions call it, ``shutdown()`` closes it. The
-ops are written once here, for every adapter.
+Each framework module has one :class:`DefaultClient` and exports its :meth:`shortcuts`: every
+op method of the op table (``decent_wire.ops``), the client's queries and topology and window
+methods (:data:`CLIENT_METHODS`), its rank attributes as functions (:data:`CLIENT_ATTRIBUTES`),
+BlueFog's peer-inference helpers, and ``init``/``shutdown``. Nothing is forwarded by hand.
+
+The first client a process connects becomes its default (as Horovod's and BlueFog's single
+``init``): ``c = dt.connect()`` followed by ``dt.DecentralizedOptimizer(opt, model)`` runs both
+on ``c``; ``init()`` connects one only when the process has none.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
-
-import networkx as nx
 
 from decent.core.requests.handles import Handle
 from decent.core.surface.client import Client
 from decent.core.surface.topology_ops import infer_peers
-from decent.core.surface.window_ops import WindowState
-from decent_wire.v1 import decent_pb2 as pb
+from decent_wire.ops import USER_OPS
 
 T = TypeVar("T")
 C = TypeVar("C", bound=Client[Any])
 
+#: the client's attributes a module exports as functions (``dt.rank()``)
+CLIENT_ATTRIBUTES = ("rank", "size", "local_rank", "local_size", "machine_rank",
+                     "machine_size")
+#: the client's methods a module exports besides the op methods
+CLIENT_METHODS = ("set_topology", "load_topology", "is_topo_weighted", "in_neighbor_ranks",
+                  "out_neighbor_ranks", "window_names", "win_associated_p", "win_mutex",
+                  "win_free", "win_info", "win_versions", "flush", "fused", "in_neighbors",
+                  "out_neighbors", "status")
+#: BlueFog's helpers that find which ranks name this one (collective)
+INFERENCE = ("InferDestinationFromSourceRanks", "InferSourceFromDestinationRanks")
+#: every op method of the op table
+OP_METHODS = tuple(name for op in USER_OPS for name in op.methods)
+#: every name a framework module exports from its default client
+SHORTCUTS = ("init", "shutdown", *CLIENT_ATTRIBUTES, *CLIENT_METHODS, *OP_METHODS, *INFERENCE)
 
-#: the names a framework module exports from its :class:`DefaultClient` (``decent.torch``,
-#: ``decent.tf``), for their ``__all__``
-SHORTCUTS = (
-    "init", "shutdown", "rank", "size", "local_rank", "local_size", "allgather_async",
-    "allgather", "set_topology", "load_topology", "is_topo_weighted", "in_neighbor_ranks",
-    "out_neighbor_ranks", "InferDestinationFromSourceRanks", "InferSourceFromDestinationRanks",
-    "window_names", "win_associated_p", "win_mutex",
-    "neighbor_allreduce_async", "neighbor_allreduce", "neighbor_allreduce_async_",
-    "neighbor_allreduce_", "compressed_neighbor_allreduce_async", "compressed_neighbor_allreduce",
-    "neighbor_allgather_async", "neighbor_allgather", "allreduce_async", "allreduce",
-    "allreduce_async_", "allreduce_", "broadcast_async", "broadcast", "broadcast_async_",
-    "broadcast_", "barrier", "flush", "fused", "in_neighbors", "out_neighbors", "win_create",
-    "win_put_async", "win_put", "win_accumulate_async", "win_accumulate", "win_get_async",
-    "win_get", "win_update", "win_publish", "win_free", "win_info", "win_versions",
-    "win_exchange_async", "win_exchange", "win_add", "group_allreduce_async", "group_allreduce",
-    "machine_rank", "machine_size", "hierarchical_neighbor_allreduce_async",
-    "hierarchical_neighbor_allreduce", "hierarchical_neighbor_allreduce_async_",
-    "hierarchical_neighbor_allreduce_",
-)
+
+def _guarded(op: Any) -> bool:
+    """Whether the ops of ``op``'s methods name tensors Horovod-style: an optional ``name``
+    (one op per name at a time); window ops name their window instead."""
+    return op.name not in ("barrier",) and not op.name.startswith(("win_", "group_"))
+
+
+#: the op methods Horovod's one-op-per-name rule applies to
+GUARDED = frozenset(name for op in USER_OPS if _guarded(op) for name in op.methods)
 
 
 class DefaultClient(Generic[T, C]):
@@ -53,24 +60,39 @@ class DefaultClient(Generic[T, C]):
         self.module = module
         self._connect = connect
         self.client: C | None = None
+        self._lock = threading.RLock()  # init() connects, and connect() adopts
         #: the handles of asynchronous ops by name (weakly: a result is not kept alive here)
         self._in_flight: dict[str, weakref.ref[Handle[Any]]] = {}
 
     def init(self, address: str | None = None) -> C:
-        """Create (once) the default client the module-level functions use, and return it."""
-        if self.client is None:
-            self.client = self._connect(address)
-        return self.client
+        """The default client the module-level functions use: the first one this process
+        connected, else a new one (connected to ``address``)."""
+        with self._lock:
+            if self.client is None or self.client.closed:
+                self.client = self._connect(address)
+            return self.client
 
-    def _guarded(self, start: Callable[..., Handle[T]], tensor: T, *args: Any,
-                 **kwargs: Any) -> Handle[T]:
-        """``start(tensor, ...)``, refused while an op of the same ``name`` is in flight."""
-        name = kwargs.get("name")
-        self._refuse_duplicate(start.__name__, name)
-        handle = start(tensor, *args, **kwargs)
-        if name is not None:
-            self._in_flight[name] = weakref.ref(handle)
-        return handle
+    def adopt(self, client: C) -> None:
+        """Make ``client`` the default unless the process has an open one already (the
+        adapters' ``connect()`` calls this for every client it makes)."""
+        with self._lock:
+            if self.client is None or self.client.closed:
+                self.client = client
+
+    def get(self) -> C:
+        """The default client; RuntimeError before ``init()``."""
+        client = self.client
+        if client is None or client.closed:
+            raise RuntimeError(f"{self.module} is not initialized: call {self.module}.init() "
+                               "first")
+        return client
+
+    def shutdown(self) -> None:
+        """Close the default client."""
+        with self._lock:
+            client, self.client = self.client, None
+        if client is not None:
+            client.close()
 
     def _refuse_duplicate(self, op: str, name: str | None) -> None:
         """Horovod's rule for its API (this module used as ``hvd``): ValueError while an op of
@@ -86,284 +108,43 @@ class DefaultClient(Generic[T, C]):
                          f"{self.get().rank}; wait for it first (Horovod allows one op per name "
                          "at a time; decent.core.Client runs it as the name's next round)")
 
-    def get(self) -> C:
-        """The default client; RuntimeError before ``init()``."""
-        if self.client is None:
-            raise RuntimeError(f"{self.module} is not initialized: call {self.module}.init() "
-                               "first")
-        return self.client
-
-    def shutdown(self) -> None:
-        """Close the default client."""
-        if self.client is not None:
-            self.client.close()
-            self.client = None
-
-    def rank(self) -> int:
-        """This worker's rank."""
-        return self.get().rank
-
-    def size(self) -> int:
-        """Number of workers."""
-        return self.get().size
-
-    def local_rank(self) -> int:
-        """This worker's rank among the workers of its node."""
-        return self.get().local_rank
-
-    def local_size(self) -> int:
-        """Number of workers on this node."""
-        return self.get().local_size
-
-    def machine_rank(self) -> int:
-        """This worker's daemon (node) among the daemons."""
-        return self.get().machine_rank
-
-    def machine_size(self) -> int:
-        """How many daemons (nodes) there are."""
-        return self.get().machine_size
-
-    def hierarchical_neighbor_allreduce_async(self, tensor: T, **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.hierarchical_neighbor_allreduce_async`."""
-        return self._guarded(self.get().hierarchical_neighbor_allreduce_async, tensor, **kwargs)
-
-    def hierarchical_neighbor_allreduce(self, tensor: T, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.hierarchical_neighbor_allreduce`."""
-        self._refuse_duplicate("hierarchical_neighbor_allreduce", kwargs.get("name"))
-        return self.get().hierarchical_neighbor_allreduce(tensor, **kwargs)
-
-    def hierarchical_neighbor_allreduce_async_(self, tensor: T, **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.hierarchical_neighbor_allreduce_async_`."""
-        return self._guarded(self.get().hierarchical_neighbor_allreduce_async_, tensor, **kwargs)
-
-    def hierarchical_neighbor_allreduce_(self, tensor: T, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.hierarchical_neighbor_allreduce_`."""
-        self._refuse_duplicate("hierarchical_neighbor_allreduce_", kwargs.get("name"))
-        return self.get().hierarchical_neighbor_allreduce_(tensor, **kwargs)
-
-    # ------------------------------------------------------------------ topology
-
-    def set_topology(self, topology: Any = None, is_weighted: bool = False) -> bool:
-        """See :meth:`decent.core.Client.set_topology`."""
-        return self.get().set_topology(topology, is_weighted)
-
-    def load_topology(self) -> nx.DiGraph:
-        """See :meth:`decent.core.Client.load_topology`."""
-        return self.get().load_topology()
-
-    def is_topo_weighted(self) -> bool:
-        """See :meth:`decent.core.Client.is_topo_weighted`."""
-        return self.get().is_topo_weighted()
-
-    def in_neighbor_ranks(self) -> list[int]:
-        """See :meth:`decent.core.Client.in_neighbor_ranks`."""
-        return self.get().in_neighbor_ranks()
-
-    def out_neighbor_ranks(self) -> list[int]:
-        """See :meth:`decent.core.Client.out_neighbor_ranks`."""
-        return self.get().out_neighbor_ranks()
-
-    def InferDestinationFromSourceRanks(
-            self, src_ranks: Sequence[int], construct_adjacency_matrix: bool = False) -> Any:
-        """BlueFog's helper: the ranks that list this rank as a source (collective)."""
-        return infer_peers(self.get(), src_ranks, "src", construct_adjacency_matrix)
-
-    def InferSourceFromDestinationRanks(
-            self, dst_ranks: Sequence[int], construct_adjacency_matrix: bool = False) -> Any:
-        """BlueFog's helper: the ranks that list this rank as a destination (collective)."""
-        return infer_peers(self.get(), dst_ranks, "dst", construct_adjacency_matrix)
-
-    # ------------------------------------------------------------------ ops
-
-    def neighbor_allreduce_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.neighbor_allreduce_async`."""
-        return self._guarded(self.get().neighbor_allreduce_async, tensor, *args, **kwargs)
-
-    def neighbor_allreduce(self, tensor: T, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.neighbor_allreduce`."""
-        self._refuse_duplicate("neighbor_allreduce", kwargs.get("name"))
-        return self.get().neighbor_allreduce(tensor, **kwargs)
-
-    def neighbor_allreduce_async_(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.neighbor_allreduce_async_`."""
-        return self._guarded(self.get().neighbor_allreduce_async_, tensor, *args, **kwargs)
-
-    def neighbor_allreduce_(self, tensor: T, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.neighbor_allreduce_`."""
-        self._refuse_duplicate("neighbor_allreduce_", kwargs.get("name"))
-        return self.get().neighbor_allreduce_(tensor, **kwargs)
-
-    def compressed_neighbor_allreduce_async(self, tensor: T, compressor: str, *args: Any,
-                                            **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.compressed_neighbor_allreduce_async`."""
-        return self._guarded(self.get().compressed_neighbor_allreduce_async, tensor, compressor,
-                             *args, **kwargs)
-
-    def compressed_neighbor_allreduce(self, tensor: T, compressor: str, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.compressed_neighbor_allreduce`."""
-        self._refuse_duplicate("compressed_neighbor_allreduce", kwargs.get("name"))
-        return self.get().compressed_neighbor_allreduce(tensor, compressor, **kwargs)
-
-    def neighbor_allgather_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.neighbor_allgather_async`."""
-        return self._guarded(self.get().neighbor_allgather_async, tensor, *args, **kwargs)
-
-    def neighbor_allgather(self, tensor: T, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.neighbor_allgather`."""
-        self._refuse_duplicate("neighbor_allgather", kwargs.get("name"))
-        return self.get().neighbor_allgather(tensor, **kwargs)
-
-    def allgather_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.allgather_async`."""
-        return self._guarded(self.get().allgather_async, tensor, *args, **kwargs)
-
-    def allgather(self, tensor: T, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.allgather`."""
-        self._refuse_duplicate("allgather", kwargs.get("name"))
-        return self.get().allgather(tensor, **kwargs)
-
-    def allreduce_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.allreduce_async`."""
-        return self._guarded(self.get().allreduce_async, tensor, *args, **kwargs)
-
-    def allreduce(self, tensor: T, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.allreduce`."""
-        self._refuse_duplicate("allreduce", kwargs.get("name"))
-        return self.get().allreduce(tensor, **kwargs)
-
-    def allreduce_async_(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.allreduce_async_`."""
-        return self._guarded(self.get().allreduce_async_, tensor, *args, **kwargs)
-
-    def allreduce_(self, tensor: T, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.allreduce_`."""
-        self._refuse_duplicate("allreduce_", kwargs.get("name"))
-        return self.get().allreduce_(tensor, **kwargs)
-
-    def broadcast_async(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.broadcast_async`."""
-        return self._guarded(self.get().broadcast_async, tensor, *args, **kwargs)
-
-    def broadcast(self, tensor: T, *args: Any, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.broadcast`."""
-        self._refuse_duplicate("broadcast", kwargs.get("name"))
-        return self.get().broadcast(tensor, *args, **kwargs)
-
-    def broadcast_async_(self, tensor: T, *args: Any, **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.broadcast_async_`."""
-        return self._guarded(self.get().broadcast_async_, tensor, *args, **kwargs)
-
-    def broadcast_(self, tensor: T, *args: Any, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.broadcast_`."""
-        self._refuse_duplicate("broadcast_", kwargs.get("name"))
-        return self.get().broadcast_(tensor, *args, **kwargs)
-
-    def barrier(self, name: str | None = None, timeout: float | None = None) -> None:
-        """See :meth:`decent.core.Client.barrier`."""
-        self.get().barrier(name=name, timeout=timeout)
-
-    def flush(self) -> None:
-        """See :meth:`decent.core.Client.flush`."""
-        self.get().flush()
-
-    def fused(self) -> AbstractContextManager[None]:
-        """See :meth:`decent.core.Client.fused`."""
-        return self.get().fused()
-
-    def in_neighbors(self, name: str | None = None) -> list[int]:
-        """See :meth:`decent.core.Client.in_neighbors`."""
-        return self.get().in_neighbors(name)
-
-    def out_neighbors(self, name: str | None = None) -> list[int]:
-        """See :meth:`decent.core.Client.out_neighbors`."""
-        return self.get().out_neighbors(name)
-
-    def status(self) -> pb.StatusReply:
-        """See :meth:`decent.core.Client.status`."""
-        return self.get().status()
-
-    # ------------------------------------------------------------------ windows
-
-    def win_create(self, tensor: T, name: str, zero_init: bool = False) -> bool:
-        """See :meth:`decent.core.Client.win_create`."""
-        return self.get().win_create(tensor, name, zero_init)
-
-    def win_put_async(self, tensor: T, name: str, *args: Any, **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.win_put_async`."""
-        return self.get().win_put_async(tensor, name, *args, **kwargs)
-
-    def win_put(self, tensor: T, name: str, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.win_put`."""
-        return self.get().win_put(tensor, name, **kwargs)
-
-    def win_accumulate_async(self, tensor: T, name: str, *args: Any,
-                             **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.win_accumulate_async`."""
-        return self.get().win_accumulate_async(tensor, name, *args, **kwargs)
-
-    def win_accumulate(self, tensor: T, name: str, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.win_accumulate`."""
-        return self.get().win_accumulate(tensor, name, **kwargs)
-
-    def win_get_async(self, name: str, *args: Any, **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.win_get_async`."""
-        return self.get().win_get_async(name, *args, **kwargs)
-
-    def win_get(self, name: str, **kwargs: Any) -> None:
-        """See :meth:`decent.core.Client.win_get`."""
-        self.get().win_get(name, **kwargs)
-
-    def win_update(self, name: str, *args: Any, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.win_update`."""
-        return self.get().win_update(name, *args, **kwargs)
-
-    def win_publish(self, tensor: T, name: str, step: int = 0) -> None:
-        """See :meth:`decent.core.Client.win_publish`."""
-        self.get().win_publish(tensor, name, step)
-
-    def win_free(self, name: str) -> None:
-        """See :meth:`decent.core.Client.win_free`."""
-        self.get().win_free(name)
-
-    def win_exchange_async(self, tensor: T, name: str, peer: int, *args: Any,
-                           **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.win_exchange_async`."""
-        return self.get().win_exchange_async(tensor, name, peer, *args, **kwargs)
-
-    def win_exchange(self, tensor: T, name: str, peer: int, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.win_exchange`."""
-        return self.get().win_exchange(tensor, name, peer, **kwargs)
-
-    def win_add(self, tensor: T, name: str, *args: Any, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.win_add`."""
-        return self.get().win_add(tensor, name, *args, **kwargs)
-
-    def group_allreduce_async(self, tensor: T, name: str, group_size: int, *args: Any,
-                              **kwargs: Any) -> Handle[T]:
-        """See :meth:`decent.core.Client.group_allreduce_async`."""
-        return self.get().group_allreduce_async(tensor, name, group_size, *args, **kwargs)
-
-    def group_allreduce(self, tensor: T, name: str, group_size: int, **kwargs: Any) -> T:
-        """See :meth:`decent.core.Client.group_allreduce`."""
-        return self.get().group_allreduce(tensor, name, group_size, **kwargs)
-
-    def win_info(self, name: str) -> WindowState:
-        """See :meth:`decent.core.Client.win_info`."""
-        return self.get().win_info(name)
-
-    def win_versions(self, name: str) -> dict[int, int]:
-        """See :meth:`decent.core.Client.win_versions`."""
-        return self.get().win_versions(name)
-
-    def window_names(self) -> list[str]:
-        """See :meth:`decent.core.Client.window_names`."""
-        return self.get().window_names()
-
-    def win_associated_p(self, name: str) -> float:
-        """See :meth:`decent.core.Client.win_associated_p`."""
-        return self.get().win_associated_p(name)
-
-    def win_mutex(self, name: str, for_self: bool = False,
-                  ranks: Iterable[int] | None = None) -> AbstractContextManager[None]:
-        """See :meth:`decent.core.Client.win_mutex`."""
-        return self.get().win_mutex(name, for_self, ranks)
+    def _method(self, method: str) -> Callable[..., Any]:
+        """The module function for the client method ``method``."""
+        guarded = method in GUARDED
+
+        def shortcut(*args: Any, **kwargs: Any) -> Any:
+            name = kwargs.get("name") if guarded else None
+            self._refuse_duplicate(method, name)
+            result = getattr(self.get(), method)(*args, **kwargs)
+            if name is not None and isinstance(result, Handle):
+                self._in_flight[name] = weakref.ref(result)
+            return result
+
+        return functools.update_wrapper(shortcut, getattr(Client, method))
+
+    def _attribute(self, attribute: str) -> Callable[[], Any]:
+        """The module function returning the client's ``attribute``."""
+
+        def shortcut() -> Any:
+            return getattr(self.get(), attribute)
+
+        shortcut.__name__ = shortcut.__qualname__ = attribute
+        shortcut.__doc__ = f"The default client's ``{attribute}``."
+        return shortcut
+
+    def _inference(self, given: str) -> Callable[..., Any]:
+        def shortcut(ranks: Sequence[int], construct_adjacency_matrix: bool = False) -> Any:
+            return infer_peers(self.get(), ranks, given, construct_adjacency_matrix)
+
+        shortcut.__doc__ = (f"BlueFog's helper: the ranks that list this rank as a "
+                            f"{'source' if given == 'src' else 'destination'} (collective).")
+        return shortcut
+
+    def shortcuts(self) -> dict[str, Callable[..., Any]]:
+        """Every module-level function, by name (:data:`SHORTCUTS`)."""
+        out: dict[str, Callable[..., Any]] = {"init": self.init, "shutdown": self.shutdown}
+        out.update({a: self._attribute(a) for a in CLIENT_ATTRIBUTES})
+        out.update({m: self._method(m) for m in (*CLIENT_METHODS, *OP_METHODS)})
+        out["InferDestinationFromSourceRanks"] = self._inference("src")
+        out["InferSourceFromDestinationRanks"] = self._inference("dst")
+        return out

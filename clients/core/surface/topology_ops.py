@@ -1,5 +1,5 @@
-"""The client's runtime topology (BlueFog's ``set_topology`` and friends): part of
-:class:`decent.core.Client`'s op surface.
+"""The client's runtime topology (BlueFog's ``set_topology`` and friends), behind
+:class:`decent.core.Client`'s topology methods.
 
 ``set_topology`` gives this worker's job a topology of its own, from its next op on: every rank
 calls it at the same point of its own sequence of ops. An op already in flight keeps the
@@ -16,9 +16,9 @@ from typing import Any, Generic, TypeVar
 import networkx as nx
 import numpy as np
 
-from decent.core.requests.calls import OpCall
-from decent.core.requests.connection import Connection
-from decent.core.requests.handles import Handle
+from decent.core.requests.calls import op_call
+from decent.core.surface.op_calls import OpCalls
+from decent.core.surface.window_calls import WindowCalls
 from decent_wire.topology import Topology, build_topology, from_graph, from_spec
 from decent_wire.v1 import decent_pb2 as pb
 
@@ -48,26 +48,24 @@ def bluefog_graph(graph: nx.Graph, weighted: bool) -> Topology:
     return from_graph(g)
 
 
-class TopologyOps(Generic[T]):
-    """Runtime topology over the client's ``_call`` (see :class:`decent.core.Client`)."""
+class TopologyCalls(Generic[T]):
+    """This worker's topology: the ``set_topology`` control request, and what reads it."""
 
-    connection: Connection
-    size: int
-    rank: int
-    topology: pb.TopologyInfo
-
-    def _call(self, call: OpCall, tensor: T | None, name: str | None, timeout: float | None,
-              **options: Any) -> Handle[T]:
-        raise NotImplementedError
-
-    def flush(self) -> None:
-        raise NotImplementedError
-
-    def window_names(self) -> list[str]:
-        raise NotImplementedError
+    def __init__(self, calls: OpCalls[T], windows: WindowCalls[T], size: int,
+                 info: pb.TopologyInfo) -> None:
+        self.calls = calls
+        self.windows = windows
+        self.size = size
+        #: neighbors and weights at step 0 of the current topology
+        self.info = info
+        #: whether the last set_topology took the graph's weights
+        self.weighted = False
 
     def topology_at(self, name: str | None = None) -> pb.TopologyInfo:
-        raise NotImplementedError
+        """Neighbors and weights at the step the next call of op ``name`` will use."""
+        submitter = self.calls.submitter
+        return self.calls.connection.topology(name or "",
+                                              submitter.round_of(name) if name else 0)
 
     def set_topology(self, topology: str | Topology | nx.Graph | None = None,
                      is_weighted: bool = False) -> bool:
@@ -78,17 +76,18 @@ class TopologyOps(Generic[T]):
 
         False, as BlueFog, while windows exist (free them first).
         """
-        if self.window_names():
+        names = self.windows.window_names()
+        if names:
             log.warning("set_topology: windows %s exist; free them first (topology unchanged)",
-                        self.window_names())
+                        names)
             return False
         built = self._build(topology, is_weighted)
-        self.flush()  # what was submitted before goes on the topology it was submitted with
+        self.calls.submitter.flush()  # what was submitted before keeps its topology
         spec = "" if built is None else built.spec_json()
-        self._call(OpCall("set_topology", pb.SetTopology(spec_json=spec)), None,
-                   "set_topology", None).join()
-        self._weighted = bool(is_weighted) and built is not None
-        self.topology = self.topology_at()
+        self.calls.call(op_call("set_topology", pb.SetTopology(spec_json=spec)), None,
+                        "set_topology", None).join()
+        self.weighted = bool(is_weighted) and built is not None
+        self.info = self.topology_at()
         return True
 
     def _build(self, topology: str | Topology | nx.Graph | None,
@@ -110,7 +109,7 @@ class TopologyOps(Generic[T]):
         """The current topology as a networkx graph (BlueFog's ``load_topology``): edge
         ``j -> i`` carries the weight ``i`` gives ``j``, and a self-loop each rank's self
         weight (at step 0 of a dynamic schedule)."""
-        topo = from_spec(json.loads(self.topology.spec_json), self.size)
+        topo = from_spec(json.loads(self.info.spec_json), self.size)
         w = topo.matrix(0)
         g = topo.graph(0)
         for j, i in g.edges:
@@ -118,18 +117,6 @@ class TopologyOps(Generic[T]):
         for i in g.nodes:
             g.add_edge(i, i, weight=float(w[i, i]))
         return g
-
-    def is_topo_weighted(self) -> bool:
-        """Whether the last :meth:`set_topology` took the graph's weights."""
-        return getattr(self, "_weighted", False)
-
-    def in_neighbor_ranks(self) -> list[int]:
-        """BlueFog's name of :meth:`in_neighbors` (at step 0)."""
-        return list(self.topology_at().in_neighbors)
-
-    def out_neighbor_ranks(self) -> list[int]:
-        """BlueFog's name of :meth:`out_neighbors` (at step 0)."""
-        return list(self.topology_at().out_neighbors)
 
 
 def _check_ranks(ranks: Sequence[int], size: int, rank: int, what: str) -> list[int]:

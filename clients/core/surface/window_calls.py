@@ -1,5 +1,6 @@
-"""The client's one-sided window ops (BlueFog's vocabulary), AD-PSGD's exchange and WAGMA's
-group allreduce: a part of :class:`decent.core.Client`'s op surface."""
+"""The calls of the one-sided window ops (BlueFog's vocabulary), AD-PSGD's exchange and WAGMA's
+group allreduce (:class:`WindowCalls`), and the windows a client created (:class:`WindowTable`).
+:class:`decent.core.Client`'s window methods call them."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from decent.core.requests.calls import OpCall
+from decent.core.requests.calls import op_call
 from decent.core.requests.connection import Connection
 from decent.core.requests.handles import Handle
 from decent.core.surface.args import WeightsArg, op_args, rank_weights
+from decent.core.surface.op_calls import OpCalls
 from decent_wire.errors import DecentError
 from decent_wire.protocol import GROUP_RULES
 from decent_wire.v1 import decent_pb2 as pb
@@ -55,33 +57,35 @@ class WindowTable(Generic[T]):
             return r
 
 
-class WindowOps(Generic[T]):
-    """Window ops over the client's ``_call`` (see :class:`decent.core.Client`)."""
+class WindowCalls(Generic[T]):
+    """The window ops' calls, over :meth:`OpCalls.call`, and the windows they created."""
 
-    connection: Connection
-    _window_table: WindowTable[T]
+    def __init__(self, calls: OpCalls[T], connection: Connection) -> None:
+        self.calls = calls
+        self.connection = connection
+        self.table: WindowTable[T] = WindowTable()
 
-    def _call(self, call: OpCall, tensor: T | None, name: str | None, timeout: float | None,
-              **options: Any) -> Handle[T]:
-        raise NotImplementedError
+    def _call(self, field_name: str, args: Any, tensor: T | None, name: str,
+              timeout: float | None, into: T | None = None) -> Handle[T]:
+        return self.calls.call(op_call(field_name, args), tensor, name, timeout, into=into)
 
-    def win_create(self, tensor: T, name: str, zero_init: bool = False) -> bool:
+    def win_create(self, tensor: T, name: str, zero_init: bool = False) -> Handle[T]:
         """Create window ``name`` holding ``tensor`` (BlueFog's ``win_create``).
 
-        The daemon keeps a copy (the *own copy*, what peers' :meth:`win_get_async` read) and one
+        The daemon keeps a copy (the *own copy*, what peers' :meth:`win_get` read) and one
         buffer per in-neighbor of a static topology, starting as a copy of ``tensor`` (zeros with
         ``zero_init``); other ranks get a buffer when they first write. Local: no other rank
         needs to take part, and ranks may create windows in any order. :meth:`win_update` writes
         its result into ``tensor``.
         """
-        if name in self._window_table.tensors:
+        if name in self.table.tensors:
             raise ValueError(f"window '{name}' already exists in this client (win_free it first)")
-        self._call(OpCall("win_create", pb.WinCreate(zero_init=zero_init)), tensor, name,
-                   None).wait()
-        self._window_table.tensors[name] = tensor
-        return True
+        handle = self._call("win_create", pb.WinCreate(zero_init=zero_init), tensor, name, None)
+        handle.wait()
+        self.table.tensors[name] = tensor
+        return handle
 
-    def win_put_async(self, tensor: T, name: str, dst_weights: WeightsArg = None,
+    def win_put(self, tensor: T, name: str, dst_weights: WeightsArg = None,
                       step: int = 0, timeout: float | None = None,
                       self_weight: float | None = None, require_mutex: bool = False
                       ) -> Handle[T]:
@@ -103,15 +107,15 @@ class WindowOps(Generic[T]):
     def _win_write(self, field_name: str, tensor: T, name: str, dst_weights: WeightsArg,
                    step: int, timeout: float | None, self_weight: float | None,
                    require_mutex: bool) -> Handle[T]:
-        self._window_table.tensor(name)
+        self.table.tensor(name)
         args = op_args(name, pb.WinWrite, dst_weights=rank_weights(dst_weights), step=step,
                        self_weight=self_weight)
         into = tensor if self_weight is not None else None
         if not require_mutex:
-            return self._call(OpCall(field_name, args), tensor, name, timeout, into=into)
+            return self._call(field_name, args, tensor, name, timeout, into=into)
         ranks = self._write_targets(name, dst_weights)
         with self.win_mutex(name, ranks=ranks):
-            handle = self._call(OpCall(field_name, args), tensor, name, timeout, into=into)
+            handle = self._call(field_name, args, tensor, name, timeout, into=into)
             handle.join()
         return handle
 
@@ -121,30 +125,22 @@ class WindowOps(Generic[T]):
         return sorted(given) if given is not None else self._out_neighbors()
 
     def _out_neighbors(self) -> list[int]:
-        raise NotImplementedError
+        return list(self.connection.topology("", 0).out_neighbors)
 
     def _in_neighbors(self) -> list[int]:
-        raise NotImplementedError
+        return list(self.connection.topology("", 0).in_neighbors)
 
-    def win_put(self, tensor: T, name: str, **kwargs: Any) -> T:
-        """Blocking :meth:`win_put_async`."""
-        return self.win_put_async(tensor, name, **kwargs).wait()
-
-    def win_accumulate_async(self, tensor: T, name: str, dst_weights: WeightsArg = None,
+    def win_accumulate(self, tensor: T, name: str, dst_weights: WeightsArg = None,
                              step: int = 0, timeout: float | None = None,
                              self_weight: float | None = None, require_mutex: bool = False
                              ) -> Handle[T]:
-        """Like :meth:`win_put_async`, but each destination *adds* ``d_j * tensor`` (and
+        """Like :meth:`win_put`, but each destination *adds* ``d_j * tensor`` (and
         ``d_j * p``) to its buffer for this rank (concurrent writers from several ranks all
         land)."""
         return self._win_write("win_accumulate", tensor, name, dst_weights, step, timeout,
                                self_weight, require_mutex)
 
-    def win_accumulate(self, tensor: T, name: str, **kwargs: Any) -> T:
-        """Blocking :meth:`win_accumulate_async`."""
-        return self.win_accumulate_async(tensor, name, **kwargs).wait()
-
-    def win_get_async(self, name: str, src_weights: WeightsArg = None,
+    def win_get(self, name: str, src_weights: WeightsArg = None,
                       timeout: float | None = None, require_mutex: bool = False) -> Handle[T]:
         """Fetch ``w_j * (j's own copy)`` into this rank's buffer for each source ``j`` (default:
         the static topology's in-neighbors, weight 1). The sources' daemons answer from their
@@ -152,25 +148,21 @@ class WindowOps(Generic[T]):
         to average the same round everywhere, put a barrier between the gets and the next
         update. ``wait()`` returns an empty tensor once every buffer is filled;
         :meth:`win_update` combines them."""
-        self._window_table.tensor(name)
+        self.table.tensor(name)
         args = op_args(name, pb.WinGet, src_weights=rank_weights(src_weights))
         if not require_mutex:
-            return self._call(OpCall("win_get", args), None, name, timeout)
+            return self._call("win_get", args, None, name, timeout)
         given = rank_weights(src_weights)
         ranks = sorted(given) if given is not None else self._in_neighbors()
         with self.win_mutex(name, ranks=ranks):
-            handle = self._call(OpCall("win_get", args), None, name, timeout)
+            handle = self._call("win_get", args, None, name, timeout)
             handle.join()
         return handle
-
-    def win_get(self, name: str, **kwargs: Any) -> None:
-        """Blocking :meth:`win_get_async`."""
-        self.win_get_async(name, **kwargs).join()
 
     def win_update(self, name: str, self_weight: float | None = None,
                    neighbor_weights: Mapping[int, float] | None = None, reset: bool = False,
                    step: int = 0, timeout: float | None = None, clone: bool = False,
-                   require_mutex: bool = False, value: T | None = None) -> T:
+                   require_mutex: bool = False, value: T | None = None) -> Handle[T]:
         """``self_weight * t + sum_j neighbor_weights[j] * buffer[j]``, where ``t`` is the
         tensor given to :meth:`win_create` (its current value): written into ``t``, returned,
         and made the own copy. Defaults: the static topology's weights. The buffers read get
@@ -182,39 +174,37 @@ class WindowOps(Generic[T]):
         during the update (:meth:`win_mutex` with ``for_self=True``). ``value``: combine this
         tensor instead of ``t`` (same dtype and shape).
         """
-        tensor = self._window_table.tensor(name) if value is None else value
+        tensor = self.table.tensor(name) if value is None else value
         args = op_args(name, pb.WinUpdate, self_weight=self_weight,
                        src_weights=rank_weights(neighbor_weights), reset=reset, step=step,
                        clone=clone)
         into = None if clone else tensor
         if not require_mutex:
-            return self._call(OpCall("win_update", args), tensor, name, timeout,
-                              into=into).wait()
+            return self._call("win_update", args, tensor, name, timeout, into=into)
         given = rank_weights(neighbor_weights)
         ranks = sorted(given) if given is not None else self._in_neighbors()
         with self.win_mutex(name, for_self=True, ranks=ranks):
-            return self._call(OpCall("win_update", args), tensor, name, timeout,
-                              into=into).wait()
+            return self._call("win_update", args, tensor, name, timeout, into=into)
 
-    def win_publish(self, tensor: T, name: str, step: int = 0) -> None:
+    def win_publish(self, tensor: T, name: str, step: int = 0) -> Handle[T]:
         """Make ``tensor`` window ``name``'s own copy (what peers' gets are served from) at
         ``step`` (0: one more than before). Local and cheap: one copy into the daemon."""
-        self._window_table.tensor(name)
-        self._call(OpCall("win_publish", pb.WinPublish(step=step)), tensor, name, None).wait()
+        self.table.tensor(name)
+        return self._call("win_publish", pb.WinPublish(step=step), tensor, name, None)
 
     def win_free(self, name: str | None = None) -> None:
         """Free window ``name`` here (None: every window of this client); later writes to it
         from peers fail with NOT_FOUND."""
         for each in [name] if name is not None else self.window_names():
-            self._window_table.tensor(each)
-            self._call(OpCall("win_free", pb.WinFree()), None, each, None).join()
-            del self._window_table.tensors[each]
-            self._window_table.group_rounds.pop(each, None)
+            self.table.tensor(each)
+            self._call("win_free", pb.WinFree(), None, each, None).join()
+            del self.table.tensors[each]
+            self.table.group_rounds.pop(each, None)
 
     def window_names(self) -> list[str]:
         """The windows this client created and has not freed, in creation order (BlueFog's
         ``get_current_created_window_names``)."""
-        return list(self._window_table.tensors)
+        return list(self.table.tensors)
 
     def win_associated_p(self, name: str) -> float:
         """Window ``name``'s associated p (push-sum weight) as this rank's daemon holds it: 1
@@ -235,35 +225,31 @@ class WindowOps(Generic[T]):
         """
         chosen = sorted({int(r) for r in ranks}) if ranks is not None else self._out_neighbors()
         lock = pb.WinLock(ranks=chosen, for_self=for_self)
-        self._call(OpCall("win_lock", lock), None, name, None).join()
+        self._call("win_lock", lock, None, name, None).join()
         try:
             yield
         finally:
-            self._call(OpCall("win_unlock", lock), None, name, None).join()
+            self._call("win_unlock", lock, None, name, None).join()
 
-    def win_exchange_async(self, tensor: T, name: str, peer: int, step: int = 0,
+    def win_exchange(self, tensor: T, name: str, peer: int, step: int = 0,
                            timeout: float | None = None) -> Handle[T]:
         """Atomically average ``tensor`` with ``peer``'s own copy of window ``name``: the peer's
         daemon sets its own copy to ``(own + tensor) / 2`` and answers with it, without its
         worker (AD-PSGD's pairwise averaging). ``wait()`` gives that average, which is also this
         rank's own copy now."""
-        self._window_table.tensor(name)
-        return self._call(OpCall("win_exchange", pb.WinExchange(peer=int(peer), step=step)),
-                          tensor, name, timeout)
+        self.table.tensor(name)
+        return self._call("win_exchange", pb.WinExchange(peer=int(peer), step=step), tensor,
+                          name, timeout)
 
-    def win_exchange(self, tensor: T, name: str, peer: int, **kwargs: Any) -> T:
-        """Blocking :meth:`win_exchange_async`."""
-        return self.win_exchange_async(tensor, name, peer, **kwargs).wait()
-
-    def win_add(self, tensor: T, name: str, step: int = 0, timeout: float | None = None) -> T:
+    def win_add(self, tensor: T, name: str, step: int = 0, timeout: float | None = None
+                ) -> Handle[T]:
         """Own copy of window ``name`` += ``tensor``, atomically with peers' exchanges; the new
         own copy is written into ``tensor`` and returned (AD-PSGD: a gradient step applied to
         the current model)."""
-        self._window_table.tensor(name)
-        return self._call(OpCall("win_add", pb.WinAdd(step=step)), tensor, name, timeout,
-                          into=tensor).wait()
+        self.table.tensor(name)
+        return self._call("win_add", pb.WinAdd(step=step), tensor, name, timeout, into=tensor)
 
-    def group_allreduce_async(self, tensor: T, name: str, group_size: int,
+    def group_allreduce(self, tensor: T, name: str, group_size: int,
                               rule: str = "mean", timeout: float | None = None) -> Handle[T]:
         """Wait-avoiding average over this call's butterfly group of ``group_size`` ranks
         (WAGMA). ``tensor`` becomes window ``name``'s own copy (``win_create`` it on every rank
@@ -271,17 +257,13 @@ class WindowOps(Generic[T]):
         contribute their last own copy, and find the result ready when they call. ``rule``:
         ``"mean"`` (group sum / S) or ``"with-self"`` ((group sum + tensor) / (S + 1), the
         reference code's)."""
-        self._window_table.tensor(name)
+        self.table.tensor(name)
         if rule not in GROUP_RULES:
             raise ValueError(f"tensor '{name}': rule must be one of {sorted(GROUP_RULES)}, "
                              f"not {rule!r}")
         args = pb.GroupAllreduce(group_size=int(group_size), rule=GROUP_RULES[rule],
-                                 group_round=self._window_table.next_group_round(name))
-        return self._call(OpCall("group_allreduce", args), tensor, name, timeout)
-
-    def group_allreduce(self, tensor: T, name: str, group_size: int, **kwargs: Any) -> T:
-        """Blocking :meth:`group_allreduce_async`."""
-        return self.group_allreduce_async(tensor, name, group_size, **kwargs).wait()
+                                 group_round=self.table.next_group_round(name))
+        return self._call("group_allreduce", args, tensor, name, timeout)
 
     def win_info(self, name: str) -> WindowState:
         """What this rank's daemon holds for window ``name``: versions, steps, staleness."""
