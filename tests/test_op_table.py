@@ -103,3 +103,19 @@ def test_the_first_client_a_process_connects_is_its_default(tmp_path: Path) -> N
         assert c.closed
         with pytest.raises(RuntimeError, match="not initialized"):
             dt.rank()
+
+
+def test_every_compatibility_name_exists() -> None:
+    """The compatibility block names only what is there: aliases are the same method,
+    Horovod's arguments are parameters, and the projects' module names are exported."""
+    import inspect
+
+    from decent.core.surface.compat import ARGUMENT_ALIASES, METHOD_ALIASES, MODULE_NAMES
+
+    for alias, method in METHOD_ALIASES.items():
+        assert getattr(Client, alias) is getattr(Client, method), alias
+        assert alias in SHORTCUTS
+    for method, arguments in ARGUMENT_ALIASES.items():
+        assert set(arguments) <= set(inspect.signature(getattr(Client, method)).parameters)
+    for names in MODULE_NAMES.values():
+        assert all(hasattr(dt, n) for n in names), [n for n in names if not hasattr(dt, n)]

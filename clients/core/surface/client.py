@@ -220,13 +220,9 @@ class Client(OpMethods[T]):
         """Whether the last :meth:`set_topology` took the graph's weights."""
         return self.topologies.weighted
 
-    def in_neighbor_ranks(self) -> list[int]:
-        """BlueFog's name of :meth:`in_neighbors` (at step 0)."""
-        return self.in_neighbors()
-
-    def out_neighbor_ranks(self) -> list[int]:
-        """BlueFog's name of :meth:`out_neighbors` (at step 0)."""
-        return self.out_neighbors()
+    # BlueFog's names of the two above (decent.core.surface.compat.METHOD_ALIASES)
+    in_neighbor_ranks = in_neighbors
+    out_neighbor_ranks = out_neighbors
 
     # ------------------------------------------------------------------ windows
 
