@@ -31,11 +31,13 @@ def context(kind: str, n: int, rank: int, round_: int = 0, host: str = "127.0.0.
     members = Membership(rank, n, 1)
     for r in members.members:
         members.set_state(r, PeerState.UP)
-    services = Services(rank, n, 1, topo, topo, links, mailbox, BufferPool(0), windows,
-                        GroupSums(windows, links, mailbox), WindowLocks(), 1 << 18, members)
+    services = Services(machine=rank, machines=n, per_node=1, topology=topo,
+                        machine_topology=topo, links=links, mailbox=mailbox, pool=BufferPool(0),
+                        windows=windows, groups=GroupSums(windows, links, mailbox),
+                        locks=WindowLocks(), ring_threshold=1 << 18, members=members)
     x = np.zeros(nbytes // 4, np.float32)
     raw = x.view(np.uint8).data
-    part = PartSpec(at_worker("t", rank), "t", round_, pb.FLOAT32, x.shape, x, raw, raw)
+    part = PartSpec.over(at_worker("t", rank), "t", round_, pb.FLOAT32, x.shape, x, raw, raw)
     return OpContext(services, pb.NEIGHBOR_ALLREDUCE, args or pb.NeighborAllreduce(), [part],
                      NEIGHBOR_OPS[pb.NEIGHBOR_ALLREDUCE], Level(rank, n, topo))
 

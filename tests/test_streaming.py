@@ -20,14 +20,14 @@ import pytest
 import tensorflow as tf
 import torch
 
-import decent.core.requests.submitter as submitter
+import decent.core.requests.placement as placement
 from cluster import Cluster, delay, run_each, tf_cluster, until
 from conftest import ClusterFactory
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 
-NUMEL = 3 * submitter.STREAM_MIN_BYTES // 4 // 2  # 12 MiB of float32: six chunks
-CHUNK = submitter.STREAM_CHUNK
+NUMEL = 3 * placement.STREAM_MIN_BYTES // 4 // 2  # 12 MiB of float32: six chunks
+CHUNK = placement.STREAM_CHUNK
 
 
 def values(rank: int) -> torch.Tensor:

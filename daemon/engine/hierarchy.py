@@ -186,7 +186,7 @@ class Hierarchy:
         members = [next(iter(g.members.values())) for g in ready]
         ranks = [s.machine * self.per_node + k for k in range(self.per_node)]
         descriptions = [description(req.op, req.args, p, ranks, refused) for _, p in members]
-        parts = [dataclasses.replace(p, name=at_node(p.name)) for _, p in members]
+        parts = [p.copy(at_node(p.name)) for _, p in members]
         level = Level(s.machine, s.machines, s.machine_topology, node=True)
         timeout = min(m.timeout for g in ready for m, _ in g.members.values())
         self.agreements.run(level, parts, descriptions, timeout,
@@ -250,10 +250,7 @@ class Hierarchy:
     def _segment_part(whole: PartSpec, k: int, lo: int, hi: int) -> PartSpec:
         """Elements ``lo:hi`` of a staged tensor under segment ``k``'s key (the wire part
         keeps the whole tensor's shape)."""
-        size = whole.x.itemsize
-        return dataclasses.replace(whole, name=segment(whole.name, k), x=whole.x[lo:hi],
-                                   out=whole.out[lo * size:hi * size],
-                                   raw=whole.raw[lo * size:hi * size])
+        return whole.segment(segment(whole.name, k), lo, hi)
 
     def _run_segment(self, launch: Launch, ctx: OpContext,
                      bounds: list[list[tuple[int, int]]] | None = None, k: int = 0) -> None:
@@ -322,9 +319,9 @@ class Hierarchy:
         op drops its views when it ends), else on the one local worker's own tensors."""
         op, args, spec = self._machine_op(req.op, req.args)
         if staged is not None:
-            parts = [dataclasses.replace(p) for p in staged]
+            parts = [p.copy() for p in staged]
         else:
-            parts = [dataclasses.replace(p, name=at_node(p.name))
+            parts = [p.copy(at_node(p.name))
                      for p in (next(iter(g.members.values()))[1] for g in gathers)]
         s = self.services
         level = Level(s.machine, s.machines, s.machine_topology, node=True)
@@ -355,7 +352,7 @@ class Hierarchy:
         dtype = ACCUM_WIRE[ACCUM[p.dtype]] if op == pb.ALLREDUCE else p.dtype
         buf = self.services.pool.get(dtypes.nbytes(dtype, p.shape))
         view = buf.data
-        staged = Staged(PartSpec(at_node(p.name), p.display, p.round, dtype, p.shape,
+        staged = Staged(PartSpec.over(at_node(p.name), p.display, p.round, dtype, p.shape,
                                  buf.view(dtypes.STORAGE[dtype]), view, view), buf)
         return staged
 

@@ -12,22 +12,18 @@ import asyncio
 import json
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
-
-from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.ops import BY_TYPE, OP_OF_FIELD, Result, op_types
 from decent_wire.topology import Topology, from_spec
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.engine.hierarchy import Hierarchy
 from decentd.engine.node_gathers import Request
-from decentd.keys import RESERVED, OpKey, at_worker, qualify
+from decentd.engine.placement import request_parts
+from decentd.keys import OpKey, at_worker
 from decentd.logs import op_fields
 from decentd.net.late_rounds import peer_id
 from decentd.ops.agreement import WORKER_AGREED, Agreements, description
@@ -35,19 +31,14 @@ from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Servic
 from decentd.ops.phases import Phases
 from decentd.security.auth import shown
 from decentd.workers.sessions import WorkerSession
-from decentd.workers.staging import Drain, FillState
 
 log = logging.getLogger("decentd.engine.requests")
-
-#: a name may not contain the separators of wire keys
-_RESERVED = re.compile(f"[{re.escape(RESERVED)}]")
 
 #: characters of a peer's ABORT text that reach the log (the op's error keeps more)
 LOGGED_ABORT = 300
 #: ops whose result is at least their input's size: an output region too small fails at once
 SAME_SIZE_RESULT = op_types(result=Result.SAME) | op_types(result=Result.PAIR)
-#: ops that start while their worker still copies their tensor in (SubmitRequest.filling)
-STREAMED = op_types(streams=True)
+
 
 
 #: told how a started op ended: its result, or the error it failed with
@@ -79,8 +70,12 @@ class Engine:
     """Runs requests; one per daemon."""
 
     def __init__(self, services: Services, ops: Mapping[int, OpSpec], default_timeout: float,
-                 stall_warning: float, observers: Sequence[OpObserver] = ()) -> None:
+                 stall_warning: float, observers: Sequence[OpObserver] = (),
+                 replay_parked: Callable[[], None] = lambda: None) -> None:
+        """``replay_parked``: dispatch the frames of late peers that an op just made
+        placeable (the receiver's)."""
         self.services = services
+        self._replay_parked = replay_parked
         self.observers = tuple(observers)
         self.tracers = tuple(o for o in self.observers if isinstance(o, PhaseObserver))
         self.machine = services.machine
@@ -119,24 +114,10 @@ class Engine:
         if session.arena.faulted():
             raise session.arena.fault_error(f"{pb.OpType.Name(op)} request {req.request_id}")
         timeout = req.timeout_s or self.default_timeout
-        parts = [self._part(session, t) for t in req.tensors]
-        blank = any(p.blank for p in parts)
-        if blank and op != pb.NEIGHBOR_ALLREDUCE:
-            raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{parts[0].display}': only a "
-                              "neighbor_allreduce may leave its input out (TensorRef.blank), not "
-                              f"{pb.OpType.Name(op)}")
-        self.left_out += blank
-        if len({p.round for p in parts}) != 1:
-            raise DecentError(pb.INVALID_ARGUMENT, f"fused request '{parts[0].display}' mixes "
-                              f"rounds {sorted({p.round for p in parts})}; fuse one step's "
-                              "tensors")
+        parts = request_parts(session, req, op)
+        self.left_out += any(p.input.blank for p in parts)
         if self.tracers:
             self._stamp(req, parts)
-        if req.filling:
-            self._filling(session, req.request_id, op, parts)
-        if req.draining and op in STREAMED and len(parts) == 1:
-            parts[0].drain = Drain(partial(session.tell_final, req.request_id), parts[0].nbytes)
-            parts[0].combining = req.combining and not parts[0].in_place
         if op in self.hierarchy.ops:
             self.hierarchy.submit(Request(session, req.request_id, op, args, parts, timeout))
             return
@@ -167,16 +148,6 @@ class Engine:
                 err = exc
         ctx.release_views()
         self._complete(session, ctx, request_id, None, err)
-
-    def _filling(self, session: WorkerSession, request_id: int, op: int,
-                 parts: list[PartSpec]) -> None:
-        """A request whose tensor its worker is still copying in: sent as it is copied."""
-        if op not in STREAMED or len(parts) != 1:
-            raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{parts[0].display}': only a "
-                              "single-tensor neighbor_allreduce may be sent while it is copied "
-                              "in")
-        fill = FillState(parts[0].nbytes, asyncio.get_running_loop())
-        parts[0].fill = session.filling[request_id] = fill
 
     @staticmethod
     def _filled(session: WorkerSession, request_id: int, nbytes: int) -> None:
@@ -211,7 +182,7 @@ class Engine:
                   result: OpResult | None, err: DecentError | None) -> None:
         """A worker-level op ended: its completion to its worker."""
         session.in_flight.difference_update(ctx.keys)
-        fill = session.filling.pop(request_id, None) or ctx.parts[0].fill
+        fill = session.filling.pop(request_id, None) or ctx.parts[0].input.fill
         if fill is not None:
             self.streamed[0] += 1
             self.streamed[1] += fill.early
@@ -264,36 +235,6 @@ class Engine:
         if len(req.queued_ns) == len(req.fused_ns) == len(parts):
             for p, queued, fused in zip(parts, req.queued_ns, req.fused_ns, strict=True):
                 p.submitted = (queued, fused, req.sent_ns)
-
-    @staticmethod
-    def _part(session: WorkerSession, t: pb.TensorRef) -> PartSpec:
-        """Validate one tensor of a request and map its arena views."""
-        name = t.name
-        if not name:
-            raise DecentError(pb.INVALID_ARGUMENT, "request has an empty name")
-        if _RESERVED.search(name):
-            raise DecentError(pb.INVALID_ARGUMENT,
-                              f"op name {name!r} contains one of {RESERVED!r}")
-        meta = t.meta
-        if meta.dtype not in dtypes.STORAGE:
-            raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{name}': unsupported dtype "
-                                                   f"{meta.dtype}")
-        shape = tuple(meta.shape)
-        if min(shape, default=0) < 0:
-            raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{name}': negative dimension in "
-                                                   f"shape {list(shape)}")
-        x_bytes = session.arena.view(t.offset, t.nbytes, f"tensor '{name}' input")
-        out_bytes = session.arena.view(t.out_offset, t.out_capacity, f"tensor '{name}' output")
-        want = dtypes.nbytes(meta.dtype, shape)
-        if want != len(x_bytes):
-            raise DecentError(pb.INVALID_ARGUMENT, f"tensor '{name}': "
-                              f"{dtypes.describe(meta.dtype, shape)} is {want} bytes but the "
-                              f"request says {len(x_bytes)}")
-        x = np.frombuffer(x_bytes, dtypes.STORAGE[meta.dtype])
-        return PartSpec(qualify(session.job, name), name, int(t.round), int(meta.dtype), shape,
-                        x, out_bytes, x_bytes,
-                        landable=session.arena.holds(t.out_offset, t.out_capacity),
-                        blank=t.blank, in_place=t.offset == t.out_offset)
 
     # ------------------------------------------------------------------ running
 
@@ -362,11 +303,14 @@ class Engine:
         rounds = self.services.links.rounds
         if not rounds.any_late:
             return
+        placed = False
         for peer in ctx.participants:
             pid = peer_id(peer, ctx.name)
             if rounds.is_late(pid, ctx.name):
                 for p in ctx.parts:
-                    rounds.establish(pid, p.name, p.round)
+                    placed = rounds.establish(pid, p.name, p.round) or placed
+        if placed:
+            self._replay_parked()
 
     def _time_out(self, ctx: OpContext, timeout: float) -> None:
         ctx.fail(DecentError(pb.TIMEOUT, f"{ctx.label} timed out after {timeout:g}s on rank "

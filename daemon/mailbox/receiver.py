@@ -30,11 +30,11 @@ from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.errors import PeerLost
 from decentd.mailbox.arrivals import Arrival, Message
+from decentd.mailbox.parking import Parked, ParkedFrames
 from decentd.mailbox.slots import Mailbox
 from decentd.net.buffers import BufferPool
 from decentd.net.flow import LinkFlow
 from decentd.net.inbound import Inbound
-from decentd.net.late_rounds import Parked
 from decentd.net.links import Links
 from decentd.security.auth import shown
 
@@ -118,8 +118,11 @@ class Receiver:
     """Where every incoming bulk connection delivers its frames (a ``bulk.FrameSink``)."""
 
     def __init__(self, links: Links, mailbox: Mailbox, pool: BufferPool, one_sided: OneSided,
-                 group_failed: Callable[[str, int, pb.Error], None], peers: PeerEvents) -> None:
+                 group_failed: Callable[[str, int, pb.Error], None], peers: PeerEvents,
+                 parking: ParkedFrames) -> None:
         self._links = links
+        #: frames of late peers kept until an op here places their rounds
+        self.parking = parking
         self._peers = peers
         self._mailbox = mailbox
         self._pool = pool
@@ -130,7 +133,6 @@ class Receiver:
         #: the DATA frame whose header just arrived on a connection: whether its rounds were
         #: placed, and its parts, checked
         self._heard: dict[Inbound, tuple[bool, list[pb.Part]]] = {}
-        links.rounds.on_placeable(self._replay, self._drop_parked)
 
     def on_header(self, conn: Inbound, header: pb.BulkHeader) -> np.ndarray | None:
         """Where a frame's payload goes: a pooled buffer of exactly its size, or the memory of
@@ -251,7 +253,7 @@ class Receiver:
         if placed is None and kind != pb.PAYLOAD:
             placed = self._place(src, header)
         if placed is False:
-            self._links.rounds.park(src, header, payload)
+            self.parking.park(src, header, payload)
             return
         self._dispatch(src, header, payload, pooled, described)
 
@@ -290,6 +292,12 @@ class Receiver:
         rounds.translate(header)
         return True
 
+    def replay_placeable(self) -> None:
+        """Dispatch the parked frames that can be placed now (an op just placed a late peer's
+        rounds, :meth:`decentd.net.late_rounds.RoundMap.establish`)."""
+        for frame in self.parking.placeable(self._links.rounds):
+            self._replay(frame)
+
     def _replay(self, frame: Parked) -> None:
         """A parked frame can be placed now."""
         self._links.rounds.translate(frame.header)
@@ -298,13 +306,6 @@ class Receiver:
         except Exception as exc:  # its connection may be gone: only this frame is lost
             log.warning("a frame from rank %d kept for a late op failed: %s", frame.src,
                         shown(str(exc), SHOWN), extra={"peer": frame.src})
-
-    def _drop_parked(self, frame: Parked) -> None:
-        """A parked frame is given up: its buffer back to the pool, its credit to the peer."""
-        if frame.payload is not None:
-            self._pool.put(frame.payload)
-        if frame.header.kind == pb.DATA:
-            self._links.consumed(frame.src, int(frame.header.payload_bytes))
 
     def _control(self, src: int, header: pb.BulkHeader) -> None:
         """A frame without payload: RTS, CTS, ACK or ABORT."""

@@ -29,6 +29,7 @@ import grpc
 
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.errors import PeerLost, StartupError
+from decentd.mailbox.parking import ParkedFrames
 from decentd.mailbox.slots import Mailbox
 from decentd.membership.view import Member, Membership, PeerState
 from decentd.net.dial import connect_peer
@@ -49,11 +50,13 @@ class Supervisor:
     """Connects, watches and reconnects the links of one daemon; keeps its membership view."""
 
     def __init__(self, links: Links, members: Membership, mailbox: Mailbox,
+                 parking: ParkedFrames,
                  windows_lost: Callable[[Callable[[int, str], bool]], None],
                  heartbeat: float, dead_after: float, max_delay: float) -> None:
         self.links = links
         self.members = members
         self.mailbox = mailbox
+        self.parking = parking
         self._windows_lost = windows_lost
         self.heartbeat = heartbeat
         self.dead_after = dead_after
@@ -311,7 +314,7 @@ class Supervisor:
         err = PeerLost(f"rank {rank} is unreachable: {reason}")
         links = self.links
         self.mailbox.peer_lost(rank, lambda key: links.machine_of(key[0], key[1]) == rank, err)
-        links.rounds.drop_from(rank)
+        self.parking.drop_from(rank)
         self._windows_lost(lambda peer, name: links.machine_of(peer, name) == rank)
 
     def _declare_down(self, rank: int, reason: str) -> None:

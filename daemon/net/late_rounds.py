@@ -6,7 +6,8 @@ start) begins at round 0 while our workers are at round R. From our first op of 
 involves such a peer, its round 0 is our round R: we keep that offset per (peer, name) and
 translate what goes to and comes from the peer; the peer translates nothing (its own peers were
 all up when it started). A part that arrives before our first op of its name involves the peer
-waits here, whole frame and payload, until that op starts (its offset is then known).
+waits, whole frame and payload, until that op starts and its offset is known
+(:mod:`decentd.mailbox.parking`: this map only says which frames can be placed).
 
 Peers are ids of their level: a worker rank, or ``-(daemon rank + 1)`` for a node-level key.
 A peer whose daemon restarted or came late is late in every job; a worker that registered again
@@ -16,17 +17,9 @@ everyone).
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import numpy as np
-
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.keys import job_of, owner
 
-#: frames of late peers kept until their ops start here, at most (the oldest are dropped)
-MAX_PARKED = 4096
 #: window requests, which arrive without a local op to match them, and their answers: no
 #: round of theirs pairs with one of the target's
 ONE_SIDED = frozenset({pb.WIN_PUT, pb.WIN_ACCUMULATE, pb.WIN_GET, pb.WIN_EXCHANGE,
@@ -38,15 +31,6 @@ def peer_id(rank: int, name: str) -> int:
     return rank if owner(name) is not None else -(rank + 1)
 
 
-@dataclass(eq=False)
-class Parked:
-    """A frame from a late peer that names a round we cannot place yet."""
-
-    src: int  #: the daemon it came from
-    header: pb.BulkHeader
-    payload: np.ndarray | None
-
-
 class RoundMap:
     """Round offsets of the peers that joined after this daemon was ready."""
 
@@ -56,15 +40,6 @@ class RoundMap:
         self._late: set[int] = set()  #: in every job
         self._late_in: set[tuple[int, str]] = set()  #: (peer, job): in that job only
         self._offsets: dict[tuple[int, str], int] = {}
-        self._parked: collections.deque[Parked] = collections.deque()
-        self._replay: Callable[[Parked], None] | None = None
-        self._dropped: Callable[[Parked], None] | None = None
-
-    def on_placeable(self, replay: Callable[[Parked], None],
-                     dropped: Callable[[Parked], None]) -> None:
-        """Who takes parked frames back once they can be placed (``replay``) or when they are
-        given up (``dropped``)."""
-        self._replay, self._dropped = replay, dropped
 
     @property
     def any_late(self) -> bool:
@@ -89,18 +64,14 @@ class RoundMap:
         """Whether ``peer`` (an id) joined late for the key ``name`` (its job's)."""
         return peer in self._late or (peer, job_of(name)) in self._late_in
 
-    def establish(self, peer: int, name: str, round_: int) -> None:
+    def establish(self, peer: int, name: str, round_: int) -> bool:
         """Our op of ``name`` at ``round_`` involves late ``peer``: its round 0 is ``round_``,
-        unless an earlier op placed it; parked frames that can be placed now are replayed."""
+        unless an earlier op placed it. Whether this placed it (frames kept for it may be
+        placeable now)."""
         if not self.is_late(peer, name) or (peer, name) in self._offsets:
-            return
+            return False
         self._offsets[(peer, name)] = round_
-        ready = [f for f in self._parked if self.placeable(f.src, f.header)]
-        for frame in ready:
-            self._parked.remove(frame)
-        for frame in ready:
-            if self._replay is not None:
-                self._replay(frame)
+        return True
 
     def unplaced(self, peer: int, p: pb.Part) -> bool:
         """Whether ``peer`` is late and none of our ops of ``p``'s name has placed it yet:
@@ -136,24 +107,3 @@ class RoundMap:
             off = self._offsets.get((peer_id(int(p.src), p.name), p.name))
             if off is not None:
                 p.round = int(p.round) + off
-
-    def park(self, src: int, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
-        """Keep a frame until its parts can be placed."""
-        self._parked.append(Parked(src, header, payload))
-        while len(self._parked) > MAX_PARKED:
-            frame = self._parked.popleft()
-            if self._dropped is not None:
-                self._dropped(frame)
-
-    def drop_from(self, src: int) -> None:
-        """Daemon ``src``'s link dropped: its parked frames are void."""
-        gone = [f for f in self._parked if f.src == src]
-        for frame in gone:
-            self._parked.remove(frame)
-            if self._dropped is not None:
-                self._dropped(frame)
-
-    @property
-    def parked(self) -> int:
-        """Frames waiting for their ops."""
-        return len(self._parked)

@@ -198,5 +198,5 @@ class Agreements:
 
 def _agreement_part(p: PartSpec, d: pb.Agreement) -> PartSpec:
     raw = d.SerializeToString()
-    return PartSpec(agreement(p.name), p.display, p.round, pb.UINT8, (0,),
+    return PartSpec.over(agreement(p.name), p.display, p.round, pb.UINT8, (0,),
                     np.frombuffer(raw, np.uint8), memoryview(b""), memoryview(raw))

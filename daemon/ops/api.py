@@ -33,7 +33,7 @@ from decentd.membership.view import Membership, PeerState
 from decentd.net.buffers import BufferPool
 from decentd.net.links import Links
 from decentd.net.outbound import Outgoing
-from decentd.ops.parts import Expected, PartSpec
+from decentd.ops.parts import Expected, Input, PartSpec, Sink
 from decentd.ops.phases import Phases
 from decentd.windows.groups import GroupSums
 from decentd.windows.locks import WindowLocks
@@ -42,9 +42,9 @@ from decentd.windows.store import WindowStore
 __all__ = ["Arrival", "DecentError", "OpContext", "OpResult", "OpSpec", "Outgoing", "PartSpec",
            "Progress", "Services", "gather_all", "part"]
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Services:
-    """The daemon services ops use, handed to every op explicitly."""
+    """The daemon services ops use, handed to every op explicitly (built by keyword)."""
 
     machine: int  #: this daemon's rank among the daemons
     machines: int  #: daemons in the cluster
@@ -243,7 +243,7 @@ class OpContext:
         want = self.parts if parts is None else parts
         payload = self.payload if parts is None else [p.raw for p in parts]
         wire = self.wire_parts(tag, weight, want)
-        gate = want[0].gate() if len(want) == 1 else None
+        gate = want[0].input.gate() if len(want) == 1 else None
         if data is not None:
             payload = [data]
             wire[0].nbytes = len(data)
@@ -274,7 +274,7 @@ class OpContext:
         await self.services.links.send_data(dst, p.name, p.round, tag, self.op, p.dtype,
                                             p.shape, payload,
                                             gate=None if input_from is None else
-                                            p.gate(input_from))
+                                            p.input.gate(input_from))
         if phases is not None:
             phases.sent()
 
@@ -310,7 +310,7 @@ class OpContext:
         arrivals' bytes stay valid until the op ends (or :meth:`release`). ``direct``: a part
         that travels alone is received straight into its output region; ``into`` (uint8, for
         one part, a view of its output): straight into that buffer when the payload has its
-        size. Only into the arena (:attr:`PartSpec.landable`). Either may still
+        size. Only where the sink lets payloads land (:meth:`Sink.landing`). Either may still
         arrive elsewhere (it came before the op ran): compare ``Arrival.data`` with it.
         ``shape``: the one part's expected shape when it is not ours (gathers).
         """
@@ -362,10 +362,8 @@ class OpContext:
     def _expect(self, src: int, tag: int, p: PartSpec, ack: bool, progress: Progress | None,
                 into: np.ndarray | None, direct: bool) -> asyncio.Future[Arrival]:
         accepts: Accepts = (self.op, p.dtype, p.shape)
-        dest = None if not p.landable else into if into is not None else (
-            # an output region too small for the tensor: the op's output() says so later
-            np.frombuffer(p.out, np.uint8, p.nbytes) if direct and len(p.out) >= p.nbytes
-            else None)
+        dest = None if not p.sink.landable else into if into is not None else (
+            p.sink.landing(p.nbytes) if direct else None)
         return self.services.mailbox.expect(src, p.name, p.round, tag,
                                             accepts if ack else None, progress,
                                             None if dest is None else (dest, accepts))
@@ -477,8 +475,18 @@ class OpContext:
     async def inputs_whole(self) -> None:
         """Wait until the worker has copied every input in (at once for most ops)."""
         for p in self.parts:
-            if p.fill is not None and not p.fill.complete:
-                await p.fill.whole()
+            await p.input.whole()
+
+    @staticmethod
+    def input(p: PartSpec) -> Input:
+        """Tensor ``p``'s input: what the op reads and sends (whole, still being copied in,
+        or left out: chosen by the engine's placement, never by the op)."""
+        return p.input
+
+    @staticmethod
+    def sink(p: PartSpec) -> Sink:
+        """Where tensor ``p``'s result goes, and who hears of it as it becomes final."""
+        return p.sink
 
     def fail(self, error: DecentError) -> None:
         """Fail this op from outside (an ABORT from a peer, a timeout, shutdown).

@@ -17,26 +17,27 @@ from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.ops.api import Arrival, OpContext
 from decentd.ops.parts import PartSpec
-from decentd.workers.staging import Drain
 
 
-def hands_off(p: PartSpec, parts: list[PartSpec], srcs: list[int]) -> Drain | None:
-    """``p``'s drain when its worker can combine the result itself: it asked to, the op has
-    one tensor and a lone in-neighbor, and the output is a slot of its own that payloads may
-    land in. None otherwise (the daemon combines, as always)."""
-    if not (p.combining and p.drain is not None and p.landable and len(parts) == 1
-            and len(srcs) == 1 and not p.in_place and len(p.out) >= p.nbytes):
+def hand_off(ctx: OpContext, parts: list[PartSpec], srcs: list[int], self_weight: float,
+             recv: dict[int, float]) -> HandOff | None:
+    """A hand-off of the op's result to its worker when the worker can combine it itself: it
+    asked to, the op has one tensor and a lone in-neighbor, and the sink is a slot of its own
+    that payloads may land in (:meth:`Sink.hands_off`). None otherwise (the daemon combines,
+    as always)."""
+    p = parts[0]
+    if len(parts) != 1 or len(srcs) != 1 or not p.sink.hands_off(p.nbytes):
         return None
-    return p.drain
+    return HandOff(ctx, p, srcs[0], self_weight, recv[srcs[0]])
 
 
 class HandOff:
-    """Tells the worker how much of its in-neighbor's tensor has landed in the output (a
-    progress callback of the mailbox), with the weights to combine it by."""
+    """Tells the worker how much of its in-neighbor's tensor has landed in the output (as the
+    op follows its arrival), with the weights to combine it by."""
 
-    def __init__(self, ctx: OpContext, p: PartSpec, drain: Drain, src: int, self_weight: float,
+    def __init__(self, ctx: OpContext, p: PartSpec, src: int, self_weight: float,
                  src_weight: float) -> None:
-        self.ctx, self.p, self.drain, self.src = ctx, p, drain, src
+        self.ctx, self.p, self.sink, self.src = ctx, p, p.sink, src
         self.self_weight, self.src_weight = self_weight, src_weight
         self.start = np.frombuffer(p.out, np.uint8).ctypes.data
         self.itemsize = dtypes.itemsize(p.dtype)
@@ -45,19 +46,19 @@ class HandOff:
         """The weights for an arrival sent with ``weight`` (the sender's dst weight)."""
         return pb.Combine(self_weight=self.self_weight, weight=self.src_weight * weight)
 
-    def __call__(self, buf: np.ndarray, filled: int, weight: float, _part: pb.Part) -> None:
+    def arrived(self, buf: np.ndarray, filled: int, weight: float, _part: pb.Part) -> None:
         """``buf[:filled]`` of the neighbor's tensor has arrived: tell the worker if it
         landed in the output (the mailbox lands only a tensor the op accepts there; one that
         arrived before the op did lies elsewhere)."""
         if buf.ctypes.data == self.start:
-            self.drain.final(filled - filled % self.itemsize, self.combine(weight))
+            self.sink.final(filled - filled % self.itemsize, self.combine(weight))
 
     def finish(self, arrival: Arrival | None, self_weight: float) -> pb.Combine:
         """The completion's weights once the neighbor's tensor is all here (copied into the
         output if it arrived elsewhere), or, with ``arrival`` None (the neighbor was lost
         before any of it reached the worker), ``self_weight`` alone."""
         if arrival is None:
-            if self.drain.told:
+            if self.sink.told:
                 raise DecentError(pb.PEER_UNAVAILABLE, f"{self.ctx.label}: rank {self.src} was "
                                   "lost while its tensor was being combined; the result cannot "
                                   "be reweighted")

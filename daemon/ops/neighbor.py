@@ -6,8 +6,8 @@ involves only the peers its weights name, and each pair checks the other's tenso
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,17 +22,14 @@ from decentd.ops.api import (
     OpContext,
     OpResult,
     OpSpec,
-    Outgoing,
     PartSpec,
-    Progress,
     gather_all,
 )
+from decentd.ops.arriving import Arriving, OnArrival, closing, follow
 from decentd.ops.faults import live_step, unless_lost, without_gone
-from decentd.ops.handoff import HandOff, hands_off
-
-#: a tensor still arriving is folded in once at least this many more elements are usable (the
-#: receiver reports progress in large steps, halving toward the end of a payload)
-FOLD_MIN = 1 << 16
+from decentd.ops.folding import FOLD_MIN, FoldIn, lands_final
+from decentd.ops.handoff import HandOff, hand_off
+from decentd.ops.pairs import PAIR_MIN_BYTES, pair_exchange, pair_peer
 
 
 def _weights(field: pb.RankWeights) -> dict[int, float]:
@@ -91,7 +88,7 @@ def check_blank(ctx: OpContext, self_weight: float) -> None:
     """A request whose worker left the input out (``PartSpec.blank``) must be a call that never
     reads it: INVALID_ARGUMENT if it is not one, PEER_UNAVAILABLE once a lost in-neighbor's
     weight fell to this rank's own tensor."""
-    if not any(p.blank for p in ctx.parts):
+    if not any(p.input.blank for p in ctx.parts):
         return
     args = ctx.args
     if not (args.HasField("self_weight") and args.self_weight == 0.0
@@ -102,163 +99,6 @@ def check_blank(ctx: OpContext, self_weight: float) -> None:
         raise DecentError(pb.PEER_UNAVAILABLE, f"{ctx.label}: an in-neighbor is gone and its "
                           f"weight ({self_weight}) would go to this rank's own tensor, which "
                           "this receive-only call (self_weight 0, no dst_weights) did not send")
-
-
-def explicit_weights(ctx: OpContext) -> bool:
-    """Whether the call gave any weights (else the topology's apply)."""
-    args = ctx.args
-    return any(args.HasField(f) for f in ("self_weight", "src_weights", "dst_weights"))
-
-
-class FoldIn:
-    """Folds a lone in-neighbor's tensor into the result while it is still arriving.
-
-    The result may overwrite the input (one arena slot), so element k is combined only once the
-    input's element k has gone out to every out-neighbor; on a link where sending and receiving
-    run at the same pace that keeps up with the arrival, and only the tail is left at the end.
-    The arriving tensor may be the slice of ``count`` elements from ``base`` of ours.
-    """
-
-    def __init__(self, ctx: OpContext, p: PartSpec, self_weight: float, src_weight: float,
-                 dsts: list[int], base: int = 0, count: int | None = None) -> None:
-        self.ctx, self.p = ctx, p
-        self.self_weight, self.src_weight = self_weight, src_weight
-        self.itemsize = dtypes.itemsize(p.dtype)
-        self.base = base
-        self.count = p.x.size if count is None else count
-        self.done = 0  # elements combined (of the arriving tensor)
-        self.sends: dict[int, list[tuple[Outgoing, int]]] = {d: [] for d in dsts}
-        self.finished: set[int] = set()  # destinations whose send returned
-        self.off = False
-
-    def sent(self) -> int:
-        """Input bytes known to be in the kernel for every destination (and copied in by
-        the worker)."""
-        fill = self.p.fill
-        low = self.p.nbytes if fill is None else fill.filled
-        for d, items in self.sends.items():
-            if d not in self.finished:
-                low = min(low, max((i.sent - h for i, h in items), default=0))
-        return low
-
-    def __call__(self, buf: np.ndarray, filled: int, weight: float, part: pb.Part) -> None:
-        """``buf[:filled]`` of the neighbor's tensor has arrived."""
-        p = self.p
-        if self.off or not (part.op == self.ctx.op and part.meta.dtype == p.dtype
-                            and tuple(part.meta.shape) == p.shape
-                            and part.nbytes == self.count * self.itemsize):
-            self.off = True  # anything odd: leave it to the checks after the arrival
-            return
-        upto = min(filled, self.sent() - self.base * self.itemsize) // self.itemsize
-        if upto - self.done < FOLD_MIN:
-            return
-        try:
-            self.fold(buf, weight, upto)
-        except Exception:  # e.g. an output region too small: the op reports it at the end
-            self.off = True
-            self.done = 0
-
-    def fold(self, buf: np.ndarray, weight: float, upto: int) -> None:
-        """Combine elements ``[done, upto)`` of the arriving tensor."""
-        p = self.p
-        y = buf[:upto * self.itemsize].view(dtypes.STORAGE[p.dtype])
-        out = self.ctx.output(p, p.nbytes)
-        lo, b = self.done, self.base
-        weighted_sum(out[b + lo:b + upto], p.x[b + lo:b + upto], self.self_weight,
-                     [(y[lo:upto], self.src_weight * weight)], p.dtype)
-        self.done = upto
-        if p.drain is not None and b == 0:
-            p.drain.final(upto * self.itemsize)
-
-
-def lands_final(p: PartSpec, src_weight: float) -> Progress | None:
-    """For a worker that copies ``p``'s result out as it becomes final (``PartSpec.drain``):
-    the progress of a tensor received straight into the output, final as it lands unless it
-    is to be scaled. None for any other request."""
-    drain = p.drain
-    if drain is None or not len(p.out):
-        return None
-    start = np.frombuffer(p.out, np.uint8).ctypes.data
-
-    def landed(buf: np.ndarray, filled: int, weight: float, _part: pb.Part) -> None:
-        if src_weight * weight == 1.0 and buf.ctypes.data == start:
-            drain.final(filled)
-    return landed
-
-
-#: the smallest tensor a pair of ranks on one host averages by halves: below it, one message each
-#: way is faster than two rounds (measured on loopback: halves lose at 1 and 4 MiB, win from
-#: 16 MiB). Both ranks decide per tensor, by its size alone, so the decision agrees however each
-#: side fused its requests.
-PAIR_MIN_BYTES = 8 << 20
-
-
-def pair_peer(ctx: OpContext, self_weight: float, recv: dict[int, float],
-              send: dict[int, float]) -> int | None:
-    """The peer of a symmetric pair step, whose large tensors both ranks average by halves.
-
-    That is: topology weights (so the peer derives the same answer from the same schedule),
-    this rank and the peer each other's only neighbor, all four weights equal
-    (``w * x_a + w * x_b`` is the same sum on both sides), and both on one host. Halves save
-    half the arithmetic, which pays where memory is the limit (loopback); across a network the
-    link is, and halves move the same bytes with a wait between the rounds (measured on the
-    1 Gbit/s netns benchmark: the pair step took 265-275 ms by halves, 230-246 ms whole).
-    """
-    if len(recv) != 1 or set(send) != set(recv) or explicit_weights(ctx) or ctx.live_schedule:
-        return None
-    (j,) = recv
-    if not ctx.same_host(j):
-        return None
-    theirs = ctx.topology_step(j)
-    if tuple(theirs.src_weights) != (ctx.rank,) or theirs.dst_ranks != (ctx.rank,):
-        return None
-    weights = {self_weight, recv[j], theirs.self_weight, theirs.src_weights[ctx.rank]}
-    return j if len(weights) == 1 else None
-
-
-async def pair_exchange(ctx: OpContext, p: PartSpec, j: int, weight: float) -> None:
-    """Average tensor ``p`` with ``j`` by halves, like a 2-rank ring allreduce.
-
-    Each rank combines one half (folded in while the peer's copy of it arrives) and sends the
-    result to the other, which receives it straight into its output. The same bytes travel as
-    with whole tensors, and each rank does half the arithmetic. The lower rank combines the
-    first half.
-    """
-    size, isz = p.x.size, dtypes.itemsize(p.dtype)
-    mid = size // 2
-    mine, theirs = ((0, mid), (mid, size)) if ctx.rank < j else ((mid, size), (0, mid))
-    landing = np.frombuffer(p.out, np.uint8, p.nbytes)[theirs[0] * isz:theirs[1] * isz]
-    fold = FoldIn(ctx, p, weight, weight, [], base=mine[0], count=mine[1] - mine[0])
-
-    def send(tag: int, data: memoryview, lo: int, hi: int) -> Awaitable[None]:
-        return ctx.send_bytes(j, tag, data[lo * isz:hi * isz], p,
-                              lo * isz if data is p.raw else None)
-
-    def check(arrival: Arrival, count: int) -> None:
-        if arrival.data.nbytes != count * isz:
-            raise DecentError(pb.MISMATCH, f"tensor '{p.display}' round {p.round}: rank {j} sent "
-                          f"half a tensor of {arrival.data.nbytes} bytes, rank {ctx.rank} "
-                          f"expected {count * isz}")
-
-    # the peer's half of the result may come as soon as it has ours: expected from the start
-    second = asyncio.ensure_future(ctx.recv_parts(j, 2, parts=[p], sized=False, into=landing,
-                                                  progress=lands_final(p, 1.0)))
-    try:
-        (first,), _ = await gather_all(
-            ctx.recv_parts(j, 1, parts=[p], sized=False, progress=fold),
-            send(1, p.raw, *theirs))
-        check(first, fold.count)
-        await ctx.inputs_whole()
-        fold.fold(first.data, first.weight, fold.count)  # the rest of it
-        ctx.release(first)
-        (result,), _ = await gather_all(second, send(2, p.out, *mine))
-    except BaseException:
-        second.cancel()
-        await asyncio.gather(second, return_exceptions=True)
-        raise
-    check(result, theirs[1] - theirs[0])
-    if not np.may_share_memory(result.data, landing):  # it came before the op ran
-        landing[...] = result.data
 
 
 async def neighbor_allreduce(ctx: OpContext) -> OpResult:
@@ -285,26 +125,43 @@ async def neighbor_allreduce(ctx: OpContext) -> OpResult:
     return OpResult(sum(p.nbytes for p in ctx.parts), ctx.shape, srcs, combine=combine)
 
 
-async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: float,
-                         recv: dict[int, float], send: dict[int, float]
-                         ) -> tuple[list[int], pb.Combine | None]:
-    """neighbor_allreduce of ``parts``: whole tensors to and from every neighbor (one message
-    per peer); the in-neighbors that contributed (under ``reweight``, one lost while the op
-    ran is left out, its weight given to self), and the weights the worker combines by when
-    it does (:mod:`decentd.ops.handoff`)."""
+@dataclass(slots=True)
+class Taking:
+    """How an op takes a lone in-neighbor's tensor, when it does anything while it arrives:
+    received straight into the output (``direct``), handed to a worker that combines its
+    result itself (``handoff``), or folded in (``fold``); ``arriving`` is followed in the op's
+    task by ``on_arrival``."""
+
+    direct: bool = False
+    handoff: HandOff | None = None
+    fold: FoldIn | None = None
+    arriving: Arriving | None = None
+    on_arrival: OnArrival | None = None
+
+
+def taking(ctx: OpContext, parts: list[PartSpec], self_weight: float, recv: dict[int, float],
+           send: dict[int, float]) -> Taking:
+    """How this op takes what its in-neighbors send (the sinks decide what is possible)."""
     srcs = sorted(recv)
-    fold = None
     # nothing of our own in the result and nothing to send: the neighbor's tensor is received
     # straight into the output and only scaled there
-    direct = self_weight == 0.0 and not send and len(srcs) == 1
-    if direct:  # it lands where the worker may still be copying the input
-        await ctx.inputs_whole()
-    drain = None if direct else hands_off(parts[0], parts, srcs)
-    handoff = None if drain is None else HandOff(ctx, parts[0], drain, srcs[0], self_weight,
-                                                 recv[srcs[0]])
-    if len(srcs) == 1 and len(parts) == 1 and not direct and handoff is None \
-            and parts[0].x.size >= FOLD_MIN:
+    if self_weight == 0.0 and not send and len(srcs) == 1:
+        final = lands_final(parts[0], recv[srcs[0]])
+        return Taking(True, arriving=Arriving() if final else None, on_arrival=final)
+    handoff = hand_off(ctx, parts, srcs, self_weight, recv)
+    if handoff is not None:
+        return Taking(handoff=handoff, arriving=Arriving(), on_arrival=handoff.arrived)
+    if len(srcs) == 1 and len(parts) == 1 and parts[0].x.size >= FOLD_MIN:
         fold = FoldIn(ctx, parts[0], self_weight, recv[srcs[0]], list(send))
+        return Taking(fold=fold, arriving=Arriving(), on_arrival=fold.arrived)
+    return Taking()
+
+
+async def trade(ctx: OpContext, parts: list[PartSpec], recv: dict[int, float],
+                send: dict[int, float], how: Taking) -> list[list[Arrival] | None]:
+    """Send ``parts`` to every out-neighbor and receive every in-neighbor's (None for one
+    lost under ``reweight``), following a lone tensor's arrival as ``how`` says."""
+    fold = how.fold
 
     async def send_to(d: int, w: float) -> None:
         await unless_lost(ctx, d, ctx.send(d, 0, weight=w, ack=d not in recv,
@@ -317,30 +174,51 @@ async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: flo
     # disagreement fails both sides without acknowledgements; one-way edges need them.
     # The mailbox waits for every in-neighbor's tensor before ours go out.
     expected = [ctx.expect_parts(j, 0, ack=j not in send, parts=parts,
-                                 direct=direct or handoff is not None,
-                                 progress=lands_final(parts[0], recv[j]) if direct
-                                 else handoff or fold)
-                for j in srcs]
-    try:
+                                 direct=how.direct or how.handoff is not None,
+                                 progress=how.arriving) for j in sorted(recv)]
+
+    async def exchange() -> list[list[Arrival] | None]:
         await gather_all(*(send_to(d, w) for d, w in send.items()))
-        got = [await unless_lost(ctx, e.src, ctx.arrivals(e)) for e in expected]
+        return [await unless_lost(ctx, e.src, ctx.arrivals(e)) for e in expected]
+
+    try:
+        if how.arriving is None or how.on_arrival is None:
+            return await exchange()
+        got, _ = await gather_all(closing(exchange(), how.arriving),
+                                  follow(how.arriving, how.on_arrival))
+        return got
     except BaseException:  # what the op no longer awaits is not left failing unseen
         for e in expected:
             e.drop()
         raise
+
+
+async def exchange_whole(ctx: OpContext, parts: list[PartSpec], self_weight: float,
+                         recv: dict[int, float], send: dict[int, float]
+                         ) -> tuple[list[int], pb.Combine | None]:
+    """neighbor_allreduce of ``parts``: whole tensors to and from every neighbor (one message
+    per peer); the in-neighbors that contributed (under ``reweight``, one lost while the op
+    ran is left out, its weight given to self), and the weights the worker combines by when
+    it does (:mod:`decentd.ops.handoff`)."""
+    srcs = sorted(recv)
+    if self_weight == 0.0 and not send and len(srcs) == 1:
+        await ctx.inputs_whole()  # it lands where the worker may still be copying the input
+    how = taking(ctx, parts, self_weight, recv, send)
+    got = await trade(ctx, parts, recv, send, how)
     arrived = [(j, a) for j, a in zip(srcs, got, strict=True) if a is not None]
+    fold = how.fold
     if len(arrived) < len(srcs):
-        if (fold is not None and fold.done) or direct:  # part of it is in the result already
+        if (fold is not None and fold.done) or how.direct:  # part of it is in the result
             raise DecentError(pb.PEER_UNAVAILABLE, f"{ctx.label}: rank {srcs[0]} was lost while "
                               "its tensor was being combined; the result cannot be reweighted")
         self_weight += sum(recv[j] for j in srcs if all(j != k for k, _ in arrived))
         check_blank(ctx, self_weight)
         fold = None
     await ctx.inputs_whole()
-    if handoff is not None:
-        return [j for j, _ in arrived], handoff.finish(arrived[0][1][0] if arrived else None,
-                                                       self_weight)
-    combine_whole(ctx, parts, arrived, self_weight, recv, direct, fold)
+    if how.handoff is not None:
+        return [j for j, _ in arrived], how.handoff.finish(
+            arrived[0][1][0] if arrived else None, self_weight)
+    combine_whole(ctx, parts, arrived, self_weight, recv, how.direct, fold)
     return [j for j, _ in arrived], None
 
 
@@ -362,7 +240,7 @@ def combine_whole(ctx: OpContext, parts: list[PartSpec], arrived: list[tuple[int
             fold.fold(first.data, first.weight, p.x.size)  # the head is combined already
         else:
             terms = [(a[i].data.view(storage), recv[j] * a[i].weight) for j, a in arrived]
-            weighted_sum(out, out if p.in_place else p.x, self_weight, terms, p.dtype)
+            weighted_sum(out, out if p.sink.in_place else p.x, self_weight, terms, p.dtype)
 
 
 async def compressed_neighbor_allreduce(ctx: OpContext) -> OpResult:

@@ -20,6 +20,7 @@ from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.engine.requests import Engine
 from decentd.keys import at_worker, qualify
+from decentd.mailbox.parking import ParkedFrames
 from decentd.net.handshake import check_handshake
 from decentd.net.links import Links
 from decentd.net.outbound import Sender
@@ -73,8 +74,10 @@ class WorkerService(pb_grpc.WorkerServicer):
     """Local workers: register, status, topology, window queries."""
 
     def __init__(self, services: Services, sessions: Sessions, engine: Engine,
-                 endpoints: WorkerEndpoints, ready: asyncio.Event) -> None:
+                 endpoints: WorkerEndpoints, ready: asyncio.Event,
+                 parking: ParkedFrames) -> None:
         self._services = services
+        self._parking = parking
         self._sessions = sessions
         self._engine = engine
         self._endpoints = endpoints
@@ -194,7 +197,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             incarnation=members.incarnation,
             on_peer_loss=self._services.on_peer_loss,
             serving_daemons=[r for r, m in members.members.items() if m.serving],
-            parked_frames=self._services.links.rounds.parked,
+            parked_frames=len(self._parking),
             peers=[self._peer_status(link, now)
                    for link in self._services.links.links.values()],
         )

@@ -31,6 +31,7 @@ from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.engine.requests import Engine
 from decentd.errors import StartupError
+from decentd.mailbox.parking import ParkedFrames
 from decentd.mailbox.receiver import Receiver
 from decentd.mailbox.slots import Mailbox
 from decentd.membership.liveness import Supervisor
@@ -104,15 +105,19 @@ def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver, Supe
                           cfg.memory.window_early_bytes)
     groups = GroupSums(windows, links, mailbox, lambda w: not members.worker_gone(w))
     locks = WindowLocks()
-    services = Services(rank, cfg.size, cfg.workers_per_node, topology, machine_topology, links,
-                        mailbox, pool, windows, groups, locks, cfg.transport.ring_threshold_bytes,
-                        members, cfg.faults.on_peer_loss)
+    services = Services(machine=rank, machines=cfg.size, per_node=cfg.workers_per_node,
+                        topology=topology, machine_topology=machine_topology, links=links,
+                        mailbox=mailbox, pool=pool, windows=windows, groups=groups, locks=locks,
+                        ring_threshold=cfg.transport.ring_threshold_bytes, members=members,
+                        on_peer_loss=cfg.faults.on_peer_loss)
     handlers = one_sided_handlers(windows, groups, LockService(locks, links))
     faults = cfg.faults
-    supervisor = Supervisor(links, members, mailbox, handlers.peer_lost, cfg.timeouts.heartbeat,
+    parking = ParkedFrames(links, pool)
+    supervisor = Supervisor(links, members, mailbox, parking, handlers.peer_lost,
+                            cfg.timeouts.heartbeat,
                             faults.peer_dead_after or 3 * cfg.timeouts.heartbeat,
                             faults.reconnect_max_delay)
-    receiver = Receiver(links, mailbox, pool, handlers, groups.failed, supervisor)
+    receiver = Receiver(links, mailbox, pool, handlers, groups.failed, supervisor, parking)
     return services, receiver, supervisor
 
 
@@ -138,7 +143,8 @@ class Daemon:
         observers = [OpMetrics(self.registry)] if cfg.metrics.port is not None else []
         self.timeline = open_timeline(cfg.timeline.path, self.rank, cfg.workers_per_node)
         self.engine = Engine(self.services, OPS, cfg.timeouts.op, cfg.timeouts.stall_warning,
-                             observers + ([self.timeline] if self.timeline else []))
+                             observers + ([self.timeline] if self.timeline else []),
+                             self.receiver.replay_placeable)
         try:
             self.access = LocalAccess(cfg.security.allowed_uids, cfg.security.worker_group)
         except ValueError as exc:
@@ -177,7 +183,7 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         peer_server = grpc.aio.server(options=PEER_SERVER_OPTIONS)
         worker_service = WorkerService(self.services, self.sessions, self.engine,
-                                       self.endpoints, self.ready)
+                                       self.endpoints, self.ready, self.receiver.parking)
         add_peer_service(PeerService(self.links, worker_service.status,
                                      self.supervisor.handshake_from,
                                      lambda: self.engine.completed > 0), peer_server)

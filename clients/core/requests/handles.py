@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+from decent.core.requests.placement import Delivery
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 
@@ -89,13 +90,10 @@ class Pending:
     out_offset: int
     like: Any  #: the input tensor (its device and kind shape the result)
     into: Any = None  #: in-place ops: the tensor the result is written into
-    resident: bool = False  #: in place on memory the daemon wrote directly: nothing to copy
-    #: in place into host memory at this address, copied out as the result becomes final
-    #: (``drained`` bytes so far); 0: copied out once it is all there
-    sink: int = 0
+    #: how its result reaches the caller (:mod:`decent.core.requests.placement`)
+    delivery: Delivery = field(default_factory=Delivery)
+    #: bytes of the result copied (or combined) into ``delivery.sink`` so far
     drained: int = 0
-    #: the worker may combine the result into its sink itself (:mod:`decent.core.requests.combine`)
-    combining: bool = False
     state: State = State.SENT
     #: the result's size and shape are this request's own, not the completion's (fused: one
     #: completion answers several requests)

@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -30,34 +31,13 @@ from decent.core.requests.calls import OpCall
 from decent.core.requests.combine import combine_into, combining, whole_elements
 from decent.core.requests.fusion import Fusion
 from decent.core.requests.handles import FREED, Handle, Pending, State
+from decent.core.requests.placement import Placer
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.ops import Result, result_nbytes
 from decent_wire.v1 import decent_pb2 as pb
 
 T = TypeVar("T")
-
-#: a private tensor this large is copied in after its request, in chunks of STREAM_CHUNK bytes,
-#: each sent by the daemon as soon as it is in (smaller ones: one copy, then the request)
-STREAM_MIN_BYTES = 8 << 20
-STREAM_CHUNK = 2 << 20
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a request's input and result lie (arena or registered offsets)."""
-
-    slots: list[tuple[int, int]]  #: arena memory the request holds: (offset, bytes)
-    offset: int
-    out_offset: int
-    out_capacity: int
-    resident: bool  #: in place on memory the daemon writes: the result needs no copy
-    #: the input still has to be copied into its slot (the caller streams it in)
-    unfilled: bool = False
-    #: in place on a private tensor, the result slot is for the in-neighbor's tensor, which the
-    #: worker may combine with its own (:mod:`decent.core.requests.combine`)
-    landing: bool = False
-
 
 @dataclass(frozen=True)
 class Queued:
@@ -86,6 +66,8 @@ class Submitter(Generic[T]):
         self.registrar = registrar
         self.spill = SpillMemory(registrar)
         self.results = ResultMemory[T](arena, self.spill, self.free_shared)
+        #: where each request's input and result go (the placement layer)
+        self.placer = Placer(codec, arena, registrar, self.spill, self._reclaim)
         self._send_request = send
         # reentrant: a Handle finalizer (which takes it) may run during GC while it is held
         self._lock = threading.RLock()
@@ -118,38 +100,33 @@ class Submitter(Generic[T]):
         nbytes = dtypes.nbytes(dtype, shape)
         out = nbytes if call.op.result is Result.NONE else \
             result_nbytes(call.op.result, dtype, shape, sources, rows)  # none: the input's
-        source = None if call.blank_input else self._streamable(call, tensor, nbytes)
-        sink = self._sink(call, into, nbytes)
+        fused = fuse and self._fusion.enabled
         # the ops holding the arena end within their timeouts: wait that long, and this one's
-        place = self._place(tensor, name, nbytes, into, out if out != nbytes else None,
-                            self.arena_wait + (timeout or 0.0),
-                            copy_in=source is None and not call.blank_input,
-                            landing=source is not None and sink > 0)
+        place = self.placer.place(call, tensor, into, name, nbytes, out, not fused,
+                                  self.arena_wait + (timeout or 0.0))
         # from here on nothing can fail before the request is sent: the round is spent only now,
         # so a refused argument above does not put this name's rounds out of step with the peers
         round_ = self.next_round(name)
         ref = pb.TensorRef(name=name, round=round_, meta=pb.TensorMeta(dtype=dtype, shape=shape),
                            offset=place.offset, nbytes=nbytes, out_offset=place.out_offset,
-                           out_capacity=place.out_capacity, blank=call.blank_input)
-        unchanged = into is not None and call.result_is_input
-        self.results.unchanged += unchanged and not place.resident
+                           out_capacity=place.out_capacity, blank=place.blank)
+        self.results.unchanged += into is not None and call.result_is_input and \
+            not place.resident
         p = Pending(next(self._ids), (call.field, name, round_), place.slots, dtype,
-                    shape, nbytes, place.out_offset, tensor, into, place.resident or unchanged,
-                    combining=place.landing)
+                    shape, nbytes, place.out_offset, tensor, into, place.delivery)
         stamps = (called, time.monotonic_ns())
-        sink = 0 if place.resident else sink  # the daemon writes a resident tensor itself
-        if place.unfilled and source is not None:
-            p.sink = sink
+        if place.source is not None:
             with p.lock:  # from before the request: what it is told waits for the copy in
                 self._send(call, [ref], timeout or 0.0, [p], [stamps], filling=True)
-                self._stream_in(p, source, place.offset)
-        elif fuse and self._fusion.enabled:
+                if p.state is State.SENT:  # else it could not be sent: its slot is free already
+                    self.placer.stream_in(place.source, place.offset, nbytes,
+                                          partial(self._filled, p.request_id))
+        elif fused:
             p.state = State.QUEUED
             key = (call.field, call.args.SerializeToString(deterministic=True), round_, timeout)
             self._fusion.add(key, Queued(call, ref, timeout or 0.0, p, stamps), nbytes,
                              fuse_limit)
         else:
-            p.sink = sink
             self._send(call, [ref], timeout or 0.0, [p], [stamps])
         return Handle(self, p)
 
@@ -181,125 +158,42 @@ class Submitter(Generic[T]):
         with self._lock:
             return self._rounds.get(name, 0)
 
-    def _streamable(self, call: OpCall, tensor: T | None, nbytes: int) -> np.ndarray | None:
-        """The host bytes of a tensor large enough to go out while it is copied in (an op
-        the daemon runs that way), or None."""
-        if not call.op.streams or tensor is None or nbytes < STREAM_MIN_BYTES:
-            return None
-        return self.codec.host_bytes(tensor)
-
-    def _sink(self, call: OpCall, into: T | None, nbytes: int) -> int:
-        """Where an in-place result large enough to be copied out while it arrives goes (the
-        host address of ``into``), or 0."""
-        if into is None or call.result_is_input or not call.op.streams \
-                or nbytes < STREAM_MIN_BYTES:
-            return 0
-        return self.codec.address(into) or 0
-
     def _drain(self, p: Pending, upto: int, combine: pb.Combine | None = None) -> int:
         """Copy ``p``'s result out into its sink up to byte ``upto``, or with ``combine``
         combine the in-neighbor's tensor that far into it (caller holds ``p.lock``); the bytes
         done now."""
-        upto, done = whole_elements(min(upto, p.nbytes), p.dtype), p.drained
+        upto, done, sink = whole_elements(min(upto, p.nbytes), p.dtype), p.drained, \
+            p.delivery.sink
         if upto > done:
-            src = np.frombuffer(self.view(p.out_offset, p.nbytes), np.uint8)
+            src = np.frombuffer(self.placer.view(p.out_offset, p.nbytes), np.uint8)
             if combine is None:
-                ctypes.memmove(p.sink + done, src.ctypes.data + done, upto - done)
+                ctypes.memmove(sink + done, src.ctypes.data + done, upto - done)
             else:
-                combine_into(p.sink, src, p.dtype, done, upto, combine)
+                combine_into(sink, src, p.dtype, done, upto, combine)
             p.drained = upto
         return max(0, upto - done)
 
-    def _stream_in(self, p: Pending, source: np.ndarray, offset: int) -> None:
-        """Copy a filling request's input into its slot chunk by chunk, telling the daemon
-        after each (it sends what is there). The caller holds ``p.lock``: its slot is not
-        freed meanwhile, nor its tensor combined into (:mod:`decent.core.requests.combine`)."""
-        if p.state is not State.SENT:
-            return  # the request could not be sent: its slot is free already
-        dst = np.frombuffer(self.view(offset, p.nbytes), np.uint8)
-        to, frm = dst.ctypes.data, source.ctypes.data
-        for lo in range(0, p.nbytes, STREAM_CHUNK):
-            n = min(STREAM_CHUNK, p.nbytes - lo)
-            ctypes.memmove(to + lo, frm + lo, n)  # releases the GIL
-            try:
-                self._send_request(pb.SubmitRequest(request_id=p.request_id,
-                                                    fill=pb.Fill(bytes=lo + n)))
-            except DecentError:
-                return  # the channel is gone: the request fails with it
-
-    def _place(self, tensor: T | None, name: str, nbytes: int, into: T | None,
-               out_bytes: int | None, wait: float | None = None,
-               copy_in: bool = True, landing: bool = False) -> Placement:
-        """Where the input and the result (``out_bytes`` of it when it is not the input's
-        size) go, and the input copied there if it needs a slot of its own (unless not
-        ``copy_in``: the caller streams it in, or the op never reads it). ``landing``: in
-        place on a private tensor, the result gets an arena slot of its own if one is free
-        now (Placement.landing); else the call runs in one slot."""
-        # a shared() tensor is already in the arena: no copy in, and in place no copy out
-        at = None if tensor is None or not nbytes else self.codec.address(tensor)
-        resident = None if at is None else self.arena.offset_of(at, nbytes)
-        in_place = tensor is not None and into is tensor and out_bytes is None
-        if resident is None and in_place and at is not None:
-            resident = self.registrar.offset(tensor, at, nbytes)
-        landing = landing and in_place and resident is None
-        slots: list[tuple[int, int]] = []
+    def _filled(self, request_id: int, nbytes: int) -> bool:
+        """Tell the daemon the first ``nbytes`` of a streamed input are in (False once the
+        channel is gone: the request fails with it)."""
         try:
-            if resident is None:
-                slots.append((self.alloc(nbytes, f"tensor '{name}'", wait), nbytes))
-            spare = self.arena.try_alloc(nbytes, self._reclaim) if landing else None
-            if landing := spare is not None:
-                slots.append((spare, nbytes))
-            # the daemon writes a result over its input once the input is sent, so one slot
-            # serves both; a resident tensor gets its own result slot unless the op is in place
-            elif out_bytes is not None or (resident is not None and not in_place):
-                size = nbytes if out_bytes is None else out_bytes
-                slots.append((self.alloc(size, f"tensor '{name}' output", wait), size))
-            if tensor is not None and nbytes and resident is None and copy_in:
-                self.codec.write(tensor, self.view(slots[0][0], nbytes))
-        except BaseException:
-            for s in slots:
-                self.free_slot(*s)
-            raise
-        offset = slots[0][0] if resident is None else resident
-        if resident is not None and in_place:
-            return Placement(slots, offset, offset, nbytes, True)
-        out_offset, out_capacity = slots[-1] if slots else (offset, nbytes)
-        return Placement(slots, offset, out_offset, out_capacity, False,
-                         unfilled=not copy_in and resident is None and bool(nbytes),
-                         landing=landing)
-
-    def alloc(self, nbytes: int, what: str, wait: float | None = None) -> int:
-        """A slot for a request: in the arena (reading finished results out first when it is
-        full), else memory of its own that the daemon maps (:mod:`decent.core.memory.spill`), else
-        an arena slot once requests in flight free one (waiting at most ``wait`` seconds)."""
-        off = self.arena.try_alloc(nbytes, self._reclaim)
-        if off is None and nbytes <= self.arena.nbytes:
-            off = self.spill.take(nbytes)
-        return off if off is not None else self.arena.alloc(nbytes, what, self._reclaim, wait)
-
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        """The bytes of a request's slot."""
-        if self.spill.owns(offset):
-            return self.spill.view(offset, nbytes)
-        return self.arena.view(offset, nbytes)
-
-    def free_slot(self, offset: int, nbytes: int) -> None:
-        """Let go of a request's slot."""
-        if self.spill.owns(offset):
-            self.spill.free(offset)
-        else:
-            self.arena.free(offset, nbytes)
+            self._send_request(pb.SubmitRequest(request_id=request_id,
+                                                fill=pb.Fill(bytes=nbytes)))
+        except DecentError:
+            return False
+        return True
 
     def _send(self, call: OpCall, tensors: list[pb.TensorRef], timeout: float,
               members: list[Pending], stamps: list[tuple[int, int]],
               filling: bool = False) -> None:
         """Send one request of ``tensors`` (``stamps``: call and queueing times; ``filling``:
-        its one tensor is copied in after it, :meth:`_stream_in`)."""
+        its one tensor is copied in after it, :meth:`Placer.stream_in`)."""
         req = pb.SubmitRequest(request_id=members[0].request_id if len(members) == 1
                                else next(self._ids), tensors=tensors, timeout_s=timeout,
                                queued_ns=[q for q, _ in stamps], fused_ns=[f for _, f in stamps],
-                               filling=filling, draining=len(members) == 1 and members[0].sink > 0,
-                               combining=len(members) == 1 and members[0].combining)
+                               filling=filling,
+                               draining=len(members) == 1 and members[0].delivery.sink > 0,
+                               combining=len(members) == 1 and members[0].delivery.combining)
         getattr(req, call.field).CopyFrom(call.args)
         with self._lock:
             self._in_flight[req.request_id] = members
@@ -351,7 +245,7 @@ class Submitter(Generic[T]):
         """Part of a draining request's result is final: copy it out now."""
         with self._lock:
             members = self._in_flight.get(completion.request_id)
-        if members is None or len(members) != 1 or not members[0].sink:
+        if members is None or len(members) != 1 or not members[0].delivery.sink:
             return
         p = members[0]
         with p.lock:
@@ -405,11 +299,11 @@ class Submitter(Generic[T]):
             self._free(p, State.READ)
 
     def _read(self, p: Pending) -> Any:
-        if p.resident:
+        if p.delivery.resident:
             return p.into
         nbytes, shape = p.result_layout()
         into = p.into
-        if into is not None and p.sink:
+        if into is not None and p.delivery.sink:
             combine = combining(p.completion)
             self._drain(p, nbytes, combine)
             self.results.combined += combine is not None
@@ -417,12 +311,12 @@ class Submitter(Generic[T]):
         if into is not None:
             taken = self._adopted(p, nbytes, lambda owner: self.codec.take(owner, into))
             return taken if taken is not None else \
-                self.codec.read_into(self.view(p.out_offset, nbytes), into)
+                self.codec.read_into(self.placer.view(p.out_offset, nbytes), into)
         result = self._adopted(p, nbytes, lambda o: self.codec.result(o, p.dtype, shape, p.like))
         if result is not None:
             return result
         self.results.copied += 1
-        return self.codec.read(self.view(p.out_offset, nbytes), p.dtype, shape, p.like)
+        return self.codec.read(self.placer.view(p.out_offset, nbytes), p.dtype, shape, p.like)
 
     def _adopted(self, p: Pending, nbytes: int, make: Callable[[np.ndarray], T | None]) -> Any:
         """``p``'s result as ``make`` builds it over its own slot (which it then owns), or None."""
@@ -443,7 +337,7 @@ class Submitter(Generic[T]):
             self._unread.pop(p.request_id, None)
         if not self.closed:
             for off, n in p.slots:
-                self.free_slot(off, n)
+                self.placer.free_slot(off, n)
         p.slots = []
 
     def _reclaim(self) -> bool:
