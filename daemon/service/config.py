@@ -28,19 +28,23 @@ class _Strict(BaseModel):
 class TopologyConfig(_Strict):
     """Which graph the daemon averages over, and its weights."""
 
-    kind: str = "ring"
-    #: ``uniform`` (1/(in_degree+1)) or ``metropolis`` (Metropolis-Hastings, undirected graphs)
-    scheme: Literal["uniform", "metropolis"] = "uniform"
-    #: the kind's options: ``rows`` (torus), ``seed`` (random-matching), ``group_size`` and
-    #: ``mean`` (wagma)
-    options: dict[str, int | str] = Field(default_factory=dict)
-    #: kind ``custom``: ``[[src, dst], ...]`` or ``[[src, dst, weight], ...]`` (the weight dst
-    #: gives src), and optionally ``self_weights: {rank: w}``
-    edges: list[list[float]] | None = None
-    self_weights: dict[int, float] | None = None
-    #: optional explicit weights: ``{receiver: {sender: w}}``; a receiver's self weight is
-    #: ``weights[i][i]``. Edges listed here replace the kind's edges for that receiver.
-    weights: dict[int, dict[int, float]] | None = None
+    kind: str = Field("ring", description="the graph's kind, static or dynamic (``decentctl "
+                      "topology KIND -n N`` prints its mixing matrix)")
+    scheme: Literal["uniform", "metropolis"] = Field(
+        "uniform", description="``uniform`` (1/(in_degree+1)) or ``metropolis`` "
+        "(Metropolis-Hastings, undirected graphs)")
+    options: dict[str, int | str] = Field(
+        default_factory=dict, description="the kind's options: ``rows`` (torus), ``seed`` "
+        "(random-matching), ``group_size`` and ``mean`` (wagma)")
+    edges: list[list[float]] | None = Field(
+        None, description="kind ``custom``: ``[[src, dst], ...]`` or ``[[src, dst, weight], "
+        "...]`` (the weight dst gives src)")
+    self_weights: dict[int, float] | None = Field(
+        None, description="kind ``custom``: ``{rank: w}``, each rank's weight of its own tensor")
+    weights: dict[int, dict[int, float]] | None = Field(
+        None, description="optional explicit weights: ``{receiver: {sender: w}}``; a "
+        "receiver's self weight is ``weights[i][i]``. Edges listed here replace the kind's edges "
+        "for that receiver")
 
     def build(self, size: int) -> topology.Topology:
         """The topology over ``size`` ranks (TopologyError says what is wrong)."""
@@ -113,24 +117,29 @@ class TransportConfig(_Strict):
 
 
 class SecurityConfig(_Strict):
-    """Who may talk to this daemon (README, Security)."""
+    """Who may talk to this daemon (docs/security.md)."""
 
-    #: unset: loopback only (a listen address off loopback refuses to start); ``secret``:
-    #: every peer proves it holds ``secret_file``'s secret; ``mtls``: certificates (``ca``,
-    #: ``cert``, ``key``; ``decentctl certs``); ``insecure``: nothing proven (a warning at start)
-    mode: Literal["secret", "mtls", "insecure"] | None = None
-    secret_file: str | None = None
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    #: mtls: TLS on the bulk data connections too (else they are bound to the TLS session by an
-    #: HMAC, and travel in clear)
-    encrypt_bulk: bool = True
-    #: local workers: the group that may use the worker sockets and arenas (mode 0660); unset:
-    #: only this daemon's user (0600)
-    worker_group: str | None = None
-    #: local workers: uids allowed besides the daemon's own (checked with SO_PEERCRED)
-    allowed_uids: list[int] = Field(default_factory=list)
+    mode: Literal["secret", "mtls", "insecure"] | None = Field(
+        None, description="unset: loopback only (a listen address off loopback refuses to "
+        "start); ``secret``: every peer proves it holds ``secret_file``'s secret; ``mtls``: "
+        "certificates (``ca``, ``cert``, ``key``; ``decentctl certs``); ``insecure``: nothing "
+        "proven (a warning at start)")
+    secret_file: str | None = Field(
+        None, description="mode ``secret``: a file holding the cluster secret (at least 16 "
+        "bytes, mode 600), the same on every node")
+    ca: str | None = Field(None, description="mode ``mtls``: the cluster's CA certificate")
+    cert: str | None = Field(None, description="mode ``mtls``: this node's certificate")
+    key: str | None = Field(None, description="mode ``mtls``: this node's private key "
+                            "(mode 600)")
+    encrypt_bulk: bool = Field(
+        True, description="mode ``mtls``: TLS on the bulk data connections too (else they are "
+        "bound to the TLS session by an HMAC, and travel in clear)")
+    worker_group: str | None = Field(
+        None, description="local workers: the group that may use the worker sockets and arenas "
+        "(mode 0660; the group must exist); unset: only this daemon's user (0600)")
+    allowed_uids: list[int] = Field(
+        default_factory=list, description="local workers: uids allowed besides the daemon's own "
+        "(checked with SO_PEERCRED)")
 
     @model_validator(mode="after")
     def _complete(self) -> SecurityConfig:
@@ -159,7 +168,7 @@ class PeerPattern(_Strict):
 
     dns_pattern: str = Field(min_length=1, description="host:port with {i} for the rank, e.g. "
                              "'decent-{i}.decent.default.svc:7700'")
-    size: int = Field(ge=1, le=65536)
+    size: int = Field(ge=1, le=65536, description="the number of ranks")
 
     @field_validator("dns_pattern")
     @classmethod
@@ -180,53 +189,64 @@ class PeerPattern(_Strict):
 class MetricsConfig(_Strict):
     """Prometheus metrics over HTTP (``/metrics``); off unless ``port`` is set."""
 
-    port: int | None = Field(None, ge=0, le=65535, description="0: any free port")
+    port: int | None = Field(None, ge=0, le=65535, description="serve /metrics on this port "
+                             "(0: any free port); unset: no metrics")
     host: str = Field("127.0.0.1", description="0.0.0.0 to be scraped from other hosts")
 
 
 class TimelineConfig(_Strict):
     """A Chrome trace of every op's phases (``$DECENT_TIMELINE`` also sets ``path``)."""
 
-    path: str | None = None
+    path: str | None = Field(
+        None, description="the trace file; ``{rank}`` in it is replaced by the daemon's rank, "
+        "else ``.rank<N>`` goes before the suffix. Unset: no recording")
 
 
 class FaultConfig(_Strict):
     """What a daemon does when peers die, drop or come back (docs/faults.md)."""
 
-    #: a peer silent on every connection this long (seconds) is dead; default: 3 heartbeats
-    peer_dead_after: float | None = Field(None, gt=0, le=3600)
-    #: ``reweight``: a neighbor op completes without a dead in-neighbor, whose weight goes to
-    #: self; ``fail``: the op fails with PEER_UNAVAILABLE naming the rank
-    on_peer_loss: Literal["reweight", "fail"] = "reweight"
-    #: start once this many daemons (this one included) are up; the rest may join later
-    #: (default: all of them)
-    min_nodes: int | None = Field(None, ge=1)
-    #: the longest wait between two attempts to reach a peer that is down (seconds)
-    reconnect_max_delay: float = Field(1.0, gt=0, le=60)
+    peer_dead_after: float | None = Field(
+        None, gt=0, le=3600, description="a peer silent on every connection this long "
+        "(seconds) is dead; default: 3 heartbeats")
+    on_peer_loss: Literal["reweight", "fail"] = Field(
+        "reweight", description="``reweight``: a neighbor op completes without a dead "
+        "in-neighbor, whose weight goes to self; ``fail``: the op fails with PEER_UNAVAILABLE "
+        "naming the rank")
+    min_nodes: int | None = Field(
+        None, ge=1, description="start once this many daemons (this one included) are up; the "
+        "rest may join later (default: all of them)")
+    reconnect_max_delay: float = Field(
+        1.0, gt=0, le=60, description="the longest wait between two attempts to reach a peer "
+        "that is down (seconds)")
 
 
 class NodeConfig(_Strict):
     """Everything one ``decentd`` needs to know."""
 
-    cluster_id: str = Field("decent", min_length=1)
-    #: this node's rank, or "auto": $DECENT_RANK, $RANK, $SLURM_PROCID, else the trailing ordinal
-    #: of the hostname (Kubernetes StatefulSet pods are ``name-0``, ``name-1``, ...)
-    rank: int | Literal["auto"] = 0
-    #: peer addresses ``host:port`` indexed by rank, this node included; empty: a one-node
-    #: cluster. Or ``{dns_pattern, size}`` (:class:`PeerPattern`), expanded into that list
-    peers: list[str] = Field(default_factory=list)
-    #: where to listen for peers; default ``<host>:<port of peers[rank]>`` where host is
-    #: 127.0.0.1 when peers[rank] is a loopback address, else 0.0.0.0
-    listen: str | None = None
-    #: Unix socket for local workers
-    socket: str = Field(default_factory=default_socket)
-    #: workers each daemon serves (the same on every node): worker ranks are
-    #: ``rank * workers_per_node + local_rank``, and ``topology`` is over all workers
-    workers_per_node: int = Field(1, ge=1, le=1024)
+    cluster_id: str = Field("decent", min_length=1, description="peers with another id are "
+                            "refused at handshake")
+    rank: int | Literal["auto"] = Field(
+        0, description="this node's rank, or ``auto``: $DECENT_RANK, $RANK, $SLURM_PROCID, else "
+        "the trailing ordinal of the hostname (Kubernetes StatefulSet pods are ``name-0``, "
+        "``name-1``, ...)")
+    peers: list[str] = Field(
+        default_factory=list, description="peer addresses ``host:port`` indexed by rank, this "
+        "node included; empty: a one-node cluster. Or ``{dns_pattern, size}``, expanded into "
+        "that list")
+    listen: str | None = Field(
+        None, description="where to listen for peers; default ``<host>:<port of peers[rank]>`` "
+        "where host is 127.0.0.1 when peers[rank] is a loopback address, else 0.0.0.0")
+    socket: str = Field(
+        default_factory=default_socket, description="Unix socket for local workers; default "
+        "``$XDG_RUNTIME_DIR/decentd.sock``, else ``/tmp/decentd-<uid>/decentd.sock``")
+    workers_per_node: int = Field(
+        1, ge=1, le=1024, description="workers each daemon serves (the same on every node): "
+        "worker ranks are ``rank * workers_per_node + local_rank``, and ``topology`` is over "
+        "all workers")
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
-    #: the daemons' graph for hierarchical averaging (same schema as ``topology``); default:
-    #: ``topology``'s kind and scheme over the daemons
-    machine_topology: TopologyConfig | None = None
+    machine_topology: TopologyConfig | None = Field(
+        None, description="the daemons' graph for hierarchical averaging (same keys as "
+        "``topology``); default: ``topology``'s kind and scheme over the daemons")
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
@@ -234,9 +254,11 @@ class NodeConfig(_Strict):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     timeline: TimelineConfig = Field(default_factory=TimelineConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    #: json: one JSON object per line (time, level, rank, message; job, op and peer when known)
-    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="the daemon's log level")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="``json``: one JSON object per line (time, level, rank, message; "
+        "job, op and peer when known)")
 
     @field_validator("peers", mode="before")
     @classmethod
