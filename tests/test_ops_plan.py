@@ -26,7 +26,7 @@ def context(kind: str, n: int, rank: int, round_: int = 0, host: str = "127.0.0.
     """A neighbor_allreduce of rank ``rank`` as its daemon would run it."""
     topo = build_topology(kind, n)
     links = Links(rank, [f"{host}:{7000 + r}" for r in range(n)], "c", 1 << 20, topo.digest())
-    mailbox = Mailbox(links)
+    mailbox = Mailbox(links.outbox)
     windows = WindowStore(n, links, 1.0, 1 << 20)
     members = Membership(rank, n, 1)
     for r in members.members:

@@ -154,7 +154,7 @@ class Hierarchy:
         except DecentError:
             peers = set(range(ctx.size)) - {ctx.rank}
         for peer in peers:
-            self.services.links.send_abort(peer, ctx.keys, err.to_pb())
+            self.services.links.outbox.send_abort(peer, ctx.keys, err.to_pb())
         log.warning("%s", err.message)
         for member, _ in g.members.values():
             self._resolve(member, err)

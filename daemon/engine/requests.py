@@ -276,7 +276,7 @@ class Engine:
         else:
             self.completed += ctx.spec.counted
             for peer in ctx.left_out & ctx.participants:  # its op may still wait for us
-                self.services.links.send_skip(peer, ctx.keys)
+                self.services.links.outbox.send_skip(peer, ctx.keys)
         finally:
             for key in ctx.keys:
                 self.running.pop(key, None)
@@ -322,7 +322,7 @@ class Engine:
             text = str(err) if ctx.aborted_by < 0 else shown(str(err), LOGGED_ABORT)
             log.warning("%s failed: %s", ctx.label, text, extra=op_fields(ctx))
         for peer in ctx.participants - {ctx.aborted_by}:
-            self.services.links.send_abort(peer, ctx.keys, err.to_pb())
+            self.services.links.outbox.send_abort(peer, ctx.keys, err.to_pb())
 
     # ------------------------------------------------------------------ housekeeping
 
@@ -344,7 +344,7 @@ class Engine:
         session.gone = True
         for fill in session.filling.values():  # nothing more of them comes
             fill.release()
-        self.services.links.tell_all(pb.BulkHeader(kind=pb.WORKER_LEFT, parts=[
+        self.services.links.outbox.tell_all(pb.BulkHeader(kind=pb.WORKER_LEFT, parts=[
             pb.Part(name=session.job, src=session.rank)]))
         tasks = self.hierarchy.fail_session(session)
         for key in list(session.in_flight):
@@ -359,7 +359,7 @@ class Engine:
         """A worker registered: it takes part in the node's collectives, and peers wait for it,
         again."""
         self.hierarchy.joined(session)
-        self.services.links.tell_all(pb.BulkHeader(kind=pb.WORKER_JOINED, parts=[
+        self.services.links.outbox.tell_all(pb.BulkHeader(kind=pb.WORKER_JOINED, parts=[
             pb.Part(name=session.job, src=session.rank)]))
 
     def forget_history(self) -> None:

@@ -68,4 +68,4 @@ class ParkedFrames:
         if frame.payload is not None:
             self._pool.put(frame.payload)
         if frame.header.kind == pb.DATA:
-            self._links.consumed(frame.src, int(frame.header.payload_bytes))
+            self._links.outbox.consumed(frame.src, int(frame.header.payload_bytes))

@@ -318,7 +318,7 @@ class Receiver:
             else:
                 self._mailbox.announce(src, mid, header)
         elif kind == pb.CTS:
-            self._links.cleared(src, int(header.message_id))
+            self._links.outbox.cleared(src, int(header.message_id))
         elif kind == pb.SKIP:
             self._mailbox.skipped(self._checked(src, header.parts), lambda p: PeerLost(
                 f"rank {p.src} ran round {p.round} without this rank (their link dropped)"))
@@ -360,7 +360,7 @@ class Receiver:
         elif p.op == pb.GROUP_RESULT:
             self._group_failed(p.name, int(p.round), refused.to_pb())
         else:
-            self._links.send_abort(int(p.src), [(p.name, int(p.round))], refused.to_pb())
+            self._links.outbox.send_abort(int(p.src), [(p.name, int(p.round))], refused.to_pb())
 
     def _worker_news(self, src: int, header: pb.BulkHeader) -> None:
         """Daemon ``src`` says one of its workers left or (re)joined."""
@@ -407,7 +407,7 @@ class Receiver:
         link = self._links.link(msg.src)
         if link is None or link.generation != msg.generation:
             return  # it came over connections that are gone: nothing to give back
-        self._links.consumed(msg.src, msg.credit)
+        self._links.outbox.consumed(msg.src, msg.credit)
         if msg.parts:
             link.flow.parts_consumed(msg.parts)
 

@@ -327,7 +327,7 @@ class Supervisor:
                     self.members.epoch, self.members.live_daemons(), extra={"peer": rank})
 
     def _tell_view(self) -> None:
-        self.links.tell_all(self.view_frame())
+        self.links.outbox.tell_all(self.view_frame())
 
     def view_frame(self) -> pb.BulkHeader:
         """This daemon's view as a frame (also its heartbeat)."""

@@ -254,7 +254,7 @@ class OpContext:
         phases = self.phases
         if phases is not None:
             phases.sending()
-        await self.services.links.send_parts(dst, wire, payload, track, gate)
+        await self.services.links.outbox.send_parts(dst, wire, payload, track, gate)
         if futs:
             await asyncio.gather(*futs)
         if phases is not None:
@@ -271,7 +271,7 @@ class OpContext:
         phases = self.phases
         if phases is not None:
             phases.sending()
-        await self.services.links.send_data(dst, p.name, p.round, tag, self.op, p.dtype,
+        await self.services.links.outbox.send_data(dst, p.name, p.round, tag, self.op, p.dtype,
                                             p.shape, payload,
                                             gate=None if input_from is None else
                                             p.input.gate(input_from))
@@ -283,7 +283,7 @@ class OpContext:
         phases = self.phases
         if phases is not None:
             phases.sending()
-        await self.services.links.send_parts(dst, [wire], [payload])
+        await self.services.links.outbox.send_parts(dst, [wire], [payload])
         if phases is not None:
             phases.sent()
 
@@ -356,7 +356,7 @@ class OpContext:
         if expected.ack:
             late = [(p.name, p.round) for p, a in zip(want, arrivals, strict=True) if not a.acked]
             if late:
-                self.services.links.send_acks(src, late, expected.tag, True)
+                self.services.links.outbox.send_acks(src, late, expected.tag, True)
         return arrivals
 
     def _expect(self, src: int, tag: int, p: PartSpec, ack: bool, progress: Progress | None,
@@ -380,7 +380,7 @@ class OpContext:
         p = self.parts[0]
         (arrival,) = await self.recv_parts(src, tag, parts=[p], shape=(rows, *p.shape[1:]))
         if ack:
-            self.services.links.send_acks(src, [(p.name, p.round)], tag, True)
+            self.services.links.outbox.send_acks(src, [(p.name, p.round)], tag, True)
         return arrival
 
     @staticmethod

@@ -364,7 +364,7 @@ async def win_lock(ctx: OpContext) -> OpResult:
             else:  # still in line or granted meanwhile: give it back
                 unlock = part(p.name, p.round, REQUEST, pb.WIN_UNLOCK, pb.FLOAT32, (0,), 0)
                 unlock.step = ctx.rank
-                ctx.services.links.send_nowait(r, [unlock])
+                ctx.services.links.outbox.send_nowait(r, [unlock])
         raise
     return OpResult(0, (0,))
 

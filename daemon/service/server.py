@@ -100,7 +100,7 @@ def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver, Supe
                   topology.digest(), cfg.workers_per_node, machine_topology.digest(),
                   build_auth(cfg, rank), cfg.timeouts.auth, incarnation=time.time_ns())
     members = Membership(rank, len(addresses), links.incarnation, cfg.workers_per_node)
-    mailbox = Mailbox(links)
+    mailbox = Mailbox(links.outbox)
     windows = WindowStore(cfg.worker_count, links, cfg.timeouts.op,
                           cfg.memory.window_early_bytes)
     groups = GroupSums(windows, links, mailbox, lambda w: not members.worker_gone(w))

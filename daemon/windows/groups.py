@@ -124,7 +124,7 @@ class GroupSums:
             self.lead(name, round_, src, int(arrival.weight), arrival.dtype, arrival.shape,
                       arrival.topology)
         except DecentError as err:
-            self._links.send_abort(src, [(name, round_)], err.to_pb(), pb.GROUP_RESULT)
+            self._links.outbox.send_abort(src, [(name, round_)], err.to_pb(), pb.GROUP_RESULT)
 
     def on_result(self, src: int, name: str, round_: int, arrival: Arrival) -> None:
         """The leader's sum of a group round this rank is a member of."""
@@ -174,7 +174,8 @@ class GroupSums:
             result = part(name, round_, REQUEST, pb.GROUP_RESULT, dtype, shape, total.nbytes)
             result.step, result.p, result.topology = staleness, float(count), terms
             self._arrived((name, round_), (total, staleness, count, terms))
-            await gather_all(*(self._links.send_parts(m, [result], [total.view(np.uint8).data])
+            payload = [total.view(np.uint8).data]
+            await gather_all(*(self._links.outbox.send_parts(m, [result], payload)
                                for m in others))
         except (DecentError, TimeoutError, ConnectionError) as exc:
             err = exc if isinstance(exc, DecentError) else DecentError(
@@ -183,7 +184,7 @@ class GroupSums:
                 f"{rank}, members {members}): {exc!r}")
             log.warning("%s", shown(str(err), 400))
             for m in others:
-                self._links.send_abort(m, [(name, round_)], err.to_pb(), pb.GROUP_RESULT)
+                self._links.outbox.send_abort(m, [(name, round_)], err.to_pb(), pb.GROUP_RESULT)
             self.failed(name, round_, err.to_pb())
         finally:
             self._mailbox.close([(name, fetch)])
@@ -205,7 +206,7 @@ class GroupSums:
         futs = {m: self._mailbox.expect(m, name, fetch, REPLY) for m in others}
         ask = part(name, fetch, REQUEST, pb.WIN_GET, dtype, shape, 0)
         await asyncio.wait_for(gather_all(
-            *(self._links.send_parts(m, [ask], [memoryview(b"")]) for m in others)), timeout)
+            *(self._links.outbox.send_parts(m, [ask], [memoryview(b"")]) for m in others)), timeout)
         for m, fut in futs.items():
             try:
                 a = await asyncio.wait_for(fut, timeout)

@@ -119,7 +119,7 @@ class LockService:
         granted (refused past :data:`LOCK_MEMORY` requests)."""
         arrival.release()
         if self._locks.requests >= LOCK_MEMORY:
-            self._links.send_abort(src, [(name, round_)], pb.Error(
+            self._links.outbox.send_abort(src, [(name, round_)], pb.Error(
                 code=pb.RESOURCE_EXHAUSTED, message=f"rank {src} asks for a window lock past the "
                 f"{LOCK_MEMORY} lock requests kept at once"))
             return
@@ -139,6 +139,6 @@ class LockService:
     async def _answer(self, dst: int, name: str, round_: int) -> None:
         reply = part(name, round_, REPLY, pb.WIN_REPLY, pb.FLOAT32, (0,), 0)
         try:
-            await self._links.send_parts(dst, [reply], [memoryview(b"")])
+            await self._links.outbox.send_parts(dst, [reply], [memoryview(b"")])
         except Exception as exc:  # the requester is gone: its op fails there by itself
             log.info("window lock answer to rank %d not sent: %s", dst, exc)

@@ -283,7 +283,7 @@ class WindowStore:
         try:
             payload = self._apply(src, name, arrival)
         except DecentError as err:
-            self._links.send_abort(src, [(name, round_)], err.to_pb())
+            self._links.outbox.send_abort(src, [(name, round_)], err.to_pb())
             return
         finally:
             arrival.release()
@@ -301,7 +301,7 @@ class WindowStore:
         held = sum(p.arrival.data.nbytes for v in self._parked.values() for p in v)
         if self.parked >= PARKED_MEMORY or held + arrival.data.nbytes > self.early_limit:
             arrival.release()
-            self._links.send_abort(src, [(name, round_)], pb.Error(
+            self._links.outbox.send_abort(src, [(name, round_)], pb.Error(
                 code=pb.RESOURCE_EXHAUSTED, message=f"rank {src} reads window "
                 f"'{display_name(name)}', which rank {owner(name)} has not created, past the "
                 f"{PARKED_MEMORY} reads or {self.early_limit} bytes kept for such reads"))
@@ -319,11 +319,11 @@ class WindowStore:
             self._parked[name] = [p for p in waiting if p.arrival is not kept]
             err = DecentError(pb.NOT_FOUND, f"rank {src} reads window '{display_name(name)}', "
                               f"which rank {owner(name)} did not create within {self.timeout:g}s")
-            self._links.send_abort(src, [(name, round_)], err.to_pb())
+            self._links.outbox.send_abort(src, [(name, round_)], err.to_pb())
 
     async def _reply(self, dst: int, reply: pb.Part, data: memoryview) -> None:
         try:
-            await self._links.send_parts(dst, [reply], [data])
+            await self._links.outbox.send_parts(dst, [reply], [data])
         except Exception as exc:  # the requester is gone: its op fails there by itself
             log.info("window reply to rank %d not sent: %s", dst, exc)
 
