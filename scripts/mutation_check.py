@@ -1,6 +1,7 @@
 """Proof that tests can fail: break the code on purpose, one change at a time, and see a test fail.
 
     python scripts/mutation_check.py          # every mutation below; exit 1 if one survives
+    python scripts/mutation_check.py --check  # only check that every snippet is still there
 
 Each mutation replaces one snippet of a module (it must occur exactly once) and runs the tests
 that claim to cover it; a mutation the tests do not notice *survives*. The file is restored
@@ -112,9 +113,9 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "a frame past the reader's limit is accepted"),
     ("wire/framing.py", "        del buf[:start]", "        pass", FRAMING_TESTS,
      "a frame is read twice"),
-    ("daemon/ops/neighbor.py", "    if not ctx.same_host(j):\n        return None\n", "",
+    ("daemon/ops/pairs.py", "    if not ctx.same_host(j):\n        return None\n", "",
      PLAN_TESTS, "pairs across a network average by halves"),
-    ("daemon/ops/neighbor.py", "    if len(recv) != 1 or set(send) != set(recv) or "
+    ("daemon/ops/pairs.py", "    if len(recv) != 1 or set(send) != set(recv) or "
      "explicit_weights(ctx) or", "    if len(recv) != 1 or set(send) != set(recv) or",
      PLAN_TESTS,
      "a call with its own weights is taken for a pair step"),
@@ -180,7 +181,8 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "memory a worker shrinks kills the daemon (no SIGBUS guard)"),
     ("daemon/net/outbound.py", "        fault_in(buffers)\n", "", [SENDS],
      "sending from memory a worker shrank breaks the connection"),
-    ("daemon/ops/api.py", "        dest = None if not p.landable else into", "        dest = into",
+    ("daemon/ops/api.py", "        dest = None if not p.sink.landable else into",
+     "        dest = into",
      [RECEIVES], "a payload is received straight into memory a worker may shrink"),
     ("daemon/service/rpc.py",
      "            why = links.auth.admit_status(request.from_rank, links.rank, "
@@ -234,7 +236,7 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("clients/tf/optim.py", "        if self._rejoin and self.client.rejoining:",
      "        if False:",
      [KERAS_REJOIN], "a restarted Keras rank starts from its own state"),
-    ("clients/core/requests/submitter.py",
+    ("clients/core/requests/placement.py",
      "            off = self.spill.take(nbytes)", "            pass",
      ["tests/test_concurrency.py::test_a_full_arena_with_opposite_orders_completes_in_memory_"
       "of_its_own"], "a request waits for room in a full arena (opposite orders deadlock)"),
@@ -243,8 +245,8 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "        in_frame = self.head + max(0, self.fill.filled - self.base)",
      "        in_frame = frame_bytes", ["tests/test_streaming.py"],
      "a sender writes a frame past what its worker has copied in"),
-    ("daemon/ops/neighbor.py", "    await ctx.inputs_whole()\n    if handoff is not None:",
-     "    if handoff is not None:", ["tests/test_streaming.py::test_a_receiver_still_"
+    ("daemon/ops/neighbor.py", "    await ctx.inputs_whole()\n    if how.handoff is not None:",
+     "    if how.handoff is not None:", ["tests/test_streaming.py::test_a_receiver_still_"
                                          "copying_its_input_waits_for_it_before_combining"],
      "the weighted sum reads an input still being copied in"),
     ("daemon/workers/staging.py",
@@ -301,12 +303,12 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      ["tests/test_gradients.py::test_tensorflow_allgather_gradient_is_each_ranks_rows_of_the_"
       "summed_gradient"], "TensorFlow's allgather gradient takes rank 0's rows (tf allgather)"),
 
-    ("daemon/ops/neighbor.py", "            drain.final(filled)", "            pass",
+    ("daemon/ops/folding.py", "            sink.final(filled)", "            pass",
      [STREAMING + "an_in_place_result_is_copied_out_while_the_rest_arrives"],
      "a landed result is not told to its worker (drain)"),
     ("clients/core/requests/submitter.py",
-     "ctypes.memmove(p.sink + done, src.ctypes.data + done,",
-     "ctypes.memmove(p.sink, src.ctypes.data,",
+     "ctypes.memmove(sink + done, src.ctypes.data + done,",
+     "ctypes.memmove(sink, src.ctypes.data,",
      [STREAMING + "an_in_place_result_is_copied_out_while_the_rest_arrives"],
      "a drained result's tail is copied over its head (drain)"),
 
@@ -374,10 +376,11 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("daemon/service/cli.py", "    outlive_namespace(cfg.timeouts.shutdown)\n", "",
      ["tests/test_lifecycle.py::test_a_daemon_as_pid_1_outlives_the_trainer_that_stopped_it"],
      "a daemon as PID 1 exits before the trainer that stopped it (the kernel kills it)"),
-    ("daemon/ops/handoff.py", "        return None\n    return p.drain\n",
-     "        return None\n    return None\n", [COMBINED, COMBINED_EARLY],
+    ("daemon/ops/handoff.py",
+     "    if len(parts) != 1 or len(srcs) != 1 or not p.sink.hands_off(p.nbytes):\n",
+     "    if True:\n", [COMBINED, COMBINED_EARLY],
      "the daemon never hands the combine to the worker (the copy back stays)"),
-    ("clients/core/requests/submitter.py",
+    ("clients/core/requests/placement.py",
      "        landing = landing and in_place and resident is None\n",
      "        landing = False\n", [COMBINED],
      "an in-place call asks no second slot to combine from"),
@@ -399,7 +402,7 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "told waits for the copy in\n                self._send(", "            if True:\n"
      "                self._send(", [LOCKED],
      "a partial completion may combine into the tensor before it is copied in"),
-    ("clients/core/requests/submitter.py", "            if landing := spare is not None:\n",
+    ("clients/core/requests/placement.py", "            if landing := spare is not None:\n",
      "            if landing := spare is not None and False:\n", [COMBINED],
      "the second slot is taken but never used"),
 ]
@@ -424,11 +427,16 @@ def run(path: str, old: str, new: str, tests: list[str]) -> bool:
 def main(argv: list[str]) -> int:
     """Run every mutation (or those whose file or description contains one of ``argv``);
     exit 1 if one survives. Every snippet is checked before any test runs."""
+    check_only = "--check" in argv
+    argv = [a for a in argv if a != "--check"]
     chosen = [m for m in MUTATIONS if not argv or any(w in m[0] or w in m[4] for w in argv)]
     for path, old, *_ in chosen:
         count = (ROOT / path).read_text().count(old)
         if count != 1:
             raise SystemExit(f"{path}: the snippet to mutate occurs {count} times:\n{old}")
+    if check_only:
+        print(f"{len(chosen)} mutations: every snippet occurs once")
+        return 0
     survived = 0
     for path, old, new, tests, what in chosen:
         caught = run(path, old, new, tests)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = [REPO / "wire", REPO / "daemon", REPO / "clients"]
 #: the design card's limits ("about" 500 lines a module, 60 a function), generated code aside
@@ -23,6 +25,7 @@ def library_files() -> list[Path]:
             if not p.as_posix().endswith(GENERATED)]
 
 
+@pytest.mark.slow
 def test_no_cycles_no_private_imports_and_clients_never_meet_the_daemon() -> None:
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "import_graph.py"), "--check"],
                           capture_output=True, text=True, timeout=60)
@@ -44,6 +47,7 @@ def test_modules_and_functions_stay_small() -> None:
     assert too_long == []
 
 
+@pytest.mark.slow
 def test_the_import_check_sees_a_cycle(tmp_path: Path) -> None:
     """The check itself can fail: a copy of the tree with a cycle added is refused."""
     import shutil
@@ -58,6 +62,7 @@ def test_the_import_check_sees_a_cycle(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "cycle: " in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
 def test_the_import_check_sees_a_room_imported_upward(tmp_path: Path) -> None:
     """The rooms hold: the network importing the engine, an op reaching around ``ops.api`` into
     the mailbox, and the runtime importing a tool are each refused."""
@@ -90,3 +95,11 @@ def test_no_library_folder_is_crowded() -> None:
             if len(modules) > 15:
                 crowded[str(folder.relative_to(REPO))] = len(modules)
     assert crowded == {}
+
+
+def test_every_mutation_still_finds_its_code() -> None:
+    """scripts/mutation_check.py's snippets follow the code they break (a restructure that moves
+    one fails here, not only when someone runs the mutations)."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "mutation_check.py"),
+                           "--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
