@@ -18,7 +18,9 @@ system_install() {
   if command -v apt-get >/dev/null; then
     "${as_root[@]}" apt-get update -qq && "${as_root[@]}" apt-get install -y -qq "$@"
   elif command -v dnf >/dev/null; then
-    "${as_root[@]}" dnf install -y -q "$@"
+    # Fedora/RHEL name two of Debian's packages otherwise
+    local names=("${@/libc6-dev/glibc-devel}")
+    "${as_root[@]}" dnf install -y -q "${names[@]/python3-dev/python3-devel}"
   else
     echo "install a C compiler and the Python headers ($*), then run this again" >&2
     exit 1
