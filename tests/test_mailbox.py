@@ -213,11 +213,12 @@ def test_a_large_message_is_cleared_to_send_when_its_op_waits() -> None:
         box.announce(1, 5, header)
         assert out.cts == []  # nothing here takes it yet: it stays with the sender
         with pytest.raises(ValueError, match="not cleared to send"):
-            box.payload_parts(1, 5)
+            box.announced.payload_parts((1, 5))
         box.expect(1, "x", 0, 0)
         assert out.cts == [(1, 5)]
-        assert [p.name for p in box.payload_parts(1, 5) or []] == ["x"]
-        assert box.payload_done(1, 5) is not None and box.payload_done(1, 5) is None
+        assert [p.name for p in box.announced.payload_parts((1, 5)) or []] == ["x"]
+        done = box.announced.payload_done
+        assert done((1, 5)) is not None and done((1, 5)) is None
     run(body())
 
 
@@ -238,8 +239,8 @@ def test_a_cleared_payload_whose_op_ended_is_read_and_dropped() -> None:
         box.expect(1, "x", 0, 0)
         box.announce(1, 5, pb.BulkHeader(kind=pb.RTS, message_id=5, parts=[wire()]))
         box.close([("x", 0)])  # the op timed out before the payload came
-        assert box.payload_parts(1, 5) is None  # dropped, not a protocol error
-        assert box.payload_done(1, 5) is None
+        assert box.announced.payload_parts((1, 5)) is None  # dropped, not a protocol error
+        assert box.announced.payload_done((1, 5)) is None
 
 
     run(body())
@@ -266,9 +267,10 @@ def test_a_message_is_dropped_only_when_all_its_ops_ended() -> None:
         box.expect(1, "y", 0, 0)
         box.announce(1, 5, header)
         box.close([("x", 0)])
-        assert [p.name for p in box.payload_parts(1, 5) or []] == ["x", "y"]  # y still wants it
+        parts = box.announced.payload_parts((1, 5)) or []
+        assert [p.name for p in parts] == ["x", "y"]  # y still wants it
         box.close([("y", 0)])
-        assert box.payload_parts(1, 5) is None
+        assert box.announced.payload_parts((1, 5)) is None
     run(body())
 
 

@@ -148,7 +148,7 @@ class Receiver:
         size = int(header.payload_bytes)
         if header.kind == pb.PAYLOAD:
             self._announced_size(conn.src, int(header.message_id), size)
-            parts = self._mailbox.payload_parts(conn.src, int(header.message_id))
+            parts = self._mailbox.announced.payload_parts((conn.src, int(header.message_id)))
             if parts is None:  # its ops ended here: read and dropped
                 return self._pool.get(size)
         elif header.kind == pb.DATA:
@@ -213,7 +213,7 @@ class Receiver:
         if heard is not None and not heard[0]:
             return
         if header.kind == pb.PAYLOAD:
-            parts = self._mailbox.payload_parts(conn.src, int(header.message_id))
+            parts = self._mailbox.announced.payload_parts((conn.src, int(header.message_id)))
         else:
             parts = heard[1] if heard is not None else list(header.parts)
         if parts is not None and len(parts) == 1:
@@ -271,7 +271,7 @@ class Receiver:
         elif kind == pb.PAYLOAD:
             if not size:
                 self._announced_size(src, int(header.message_id), 0)
-            cleared = self._mailbox.payload_done(src, int(header.message_id))
+            cleared = self._mailbox.announced.payload_done((src, int(header.message_id)))
             if cleared is None:  # its ops ended here meanwhile
                 if payload is not None and pooled:
                     self._pool.put(payload)

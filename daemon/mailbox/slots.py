@@ -441,23 +441,6 @@ class Mailbox:
             self._cleared[msg] = header
             self._outbox.send_cts(*msg)
 
-    def payload_parts(self, link: int, message_id: int) -> list[pb.Part] | None:
-        """The parts of a payload that follows a CTS; None when it is to be dropped.
-
-        ValueError for a payload that was never cleared to send.
-        """
-        msg = (link, message_id)
-        self.announced.nbytes(msg)
-        return None if msg in self._discard else list(self._cleared[msg].parts)
-
-    def payload_done(self, link: int, message_id: int) -> list[pb.Part] | None:
-        """A payload after CTS is complete: its parts (None: drop it)."""
-        msg = (link, message_id)
-        dropped, header = msg in self._discard, self._cleared.get(msg)
-        if header is not None:
-            self.announced.pop(msg)
-        return None if header is None or dropped else list(header.parts)
-
     # ------------------------------------------------------------------ counters
 
     @property

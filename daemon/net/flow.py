@@ -220,6 +220,19 @@ class Announced:
             raise FlowError(f"a payload for message {msg[1]}, which was not cleared to send")
         return sum(int(p.nbytes) for p in header.parts)
 
+    def payload_parts(self, msg: MessageId) -> list[pb.Part] | None:
+        """The parts of a payload that follows our CTS; None when it is to be dropped.
+        FlowError for a payload that was never cleared to send."""
+        self.nbytes(msg)
+        return None if msg in self.discard else list(self.cleared[msg].parts)
+
+    def payload_done(self, msg: MessageId) -> list[pb.Part] | None:
+        """A payload after our CTS is complete: its parts (None: drop it)."""
+        dropped, header = msg in self.discard, self.cleared.get(msg)
+        if header is not None:
+            self.pop(msg)
+        return None if header is None or dropped else list(header.parts)
+
     def drop_link(self, link: int) -> None:
         """Daemon ``link`` is gone: its messages will not come."""
         for msg in [m for m in (*self.waiting, *self.cleared) if m[0] == link]:

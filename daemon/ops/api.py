@@ -33,7 +33,7 @@ from decentd.membership.view import Membership, PeerState
 from decentd.net.buffers import BufferPool
 from decentd.net.links import Links
 from decentd.net.outbound import Outgoing
-from decentd.ops.parts import Expected, Input, PartSpec, Sink
+from decentd.ops.parts import Expected, PartSpec
 from decentd.ops.phases import Phases
 from decentd.windows.groups import GroupSums
 from decentd.windows.locks import WindowLocks
@@ -476,17 +476,6 @@ class OpContext:
         """Wait until the worker has copied every input in (at once for most ops)."""
         for p in self.parts:
             await p.input.whole()
-
-    @staticmethod
-    def input(p: PartSpec) -> Input:
-        """Tensor ``p``'s input: what the op reads and sends (whole, still being copied in,
-        or left out: chosen by the engine's placement, never by the op)."""
-        return p.input
-
-    @staticmethod
-    def sink(p: PartSpec) -> Sink:
-        """Where tensor ``p``'s result goes, and who hears of it as it becomes final."""
-        return p.sink
 
     def fail(self, error: DecentError) -> None:
         """Fail this op from outside (an ABORT from a peer, a timeout, shutdown).
