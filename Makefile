@@ -11,9 +11,13 @@ setup:
 run: setup
 	$(VENV)/decentrun -np 4 --topology exponential -- $(VENV)/python examples/train_digits.py
 
-## lint (ruff, mypy) and the whole test suite against real daemons
+## lint (ruff, mypy) and the whole test suite against real daemons: first every test that may
+## share the machine, on 2 pytest-xdist workers (a file's tests on one worker, which keeps its
+## daemons for them), then those marked serial (namespaces, timing measured), one at a time
 test: setup lint
-	$(VENV)/python -m pytest
+	$(VENV)/python -m pytest -n 2 --dist loadfile -m "not serial"; shared=$$?; \
+	$(VENV)/python -m pytest -m serial; serial=$$?; \
+	[ $$shared -eq 0 ] && { [ $$serial -eq 0 ] || [ $$serial -eq 5 ]; }
 
 ## the in-process tier: no daemon processes, no namespaces (under a minute)
 test-fast: setup

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import grpc
+from decentd_fork import ForkedDaemon
 
 import decent.torch as dt
 from decent.core import Client
@@ -23,6 +24,14 @@ from decentd.tools.launcher import free_ports
 
 __all__ = ["Cluster", "delay", "free_ports", "peer_state", "run_each", "tf_cluster", "until",
            "until_running", "until_state"]
+
+
+#: each worker's arena in a test cluster, unless the test sets ``memory.arena_bytes`` (the
+#: daemon's default, 256 MiB, is touched whole at registration: eight workers would hold 2 GiB)
+ARENA_BYTES = 64 << 20
+#: daemons are forked from a process that imported decentd once (:mod:`decentd_fork`), unless
+#: ``$DECENT_TEST_FORK`` is 0: then each is ``python -m decentd``
+FORK = os.environ.get("DECENT_TEST_FORK", "1") != "0"
 
 
 def delay(rank: int) -> None:
@@ -72,11 +81,17 @@ class Cluster:
         Cluster.started.append(self)
 
     def spawn(self, i: int, topology: str, *extra: str) -> subprocess.Popen[bytes]:
-        """Start daemon ``i``."""
+        """Start daemon ``i`` (with arenas of :data:`ARENA_BYTES` unless ``extra`` sets
+        ``memory.arena_bytes``): forked from this process's fork server
+        (:mod:`decentd_fork`), or with ``$DECENT_TEST_FORK=0`` as ``python -m decentd``."""
+        arena = [] if any("memory.arena_bytes" in a for a in extra) \
+            else ["--set", f"memory.arena_bytes={ARENA_BYTES}"]
         cmd = [sys.executable, "-m", "decentd", "--rank", str(i),
                "--peers", ",".join(self.peers), "--socket", self.sockets[i],
                "--topology", topology, "--set", "timeouts.start=30",
-               "--workers-per-node", str(self.per_node), *extra]
+               "--workers-per-node", str(self.per_node), *arena, *extra]
+        if FORK:
+            return ForkedDaemon(cmd[3:], self.logs[i])
         with open(self.logs[i], "ab") as log:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
@@ -163,6 +178,7 @@ class Cluster:
         """Close clients, SIGTERM every daemon, return their exit codes."""
         for c in self.clients:
             c.close()
+        self.clients = []  # Cluster.started keeps the cluster: not its clients' arenas
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

@@ -3,13 +3,18 @@ test gets clients of its own, in a job of its own, so no test meets another's op
 
 ``cluster`` gives daemon processes (:mod:`cluster`); ``inprocess`` gives daemons running in this
 process (:mod:`inprocess`), for the fast tier (``make test-fast``: ``-m "not slow and not deploy
-and not netns"``). The markers are registered in pyproject.toml."""
+and not netns"``). The markers are registered in pyproject.toml; in a run that leaves slow tests
+out, a test that starts a program without being marked slow fails, saying so (the fast tier stays
+in-process)."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import subprocess
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from inprocess import InProcessCluster, job_of
@@ -19,9 +24,37 @@ from cluster import Cluster
 ClusterFactory = Callable[..., Cluster]
 InProcessFactory = Callable[..., InProcessCluster]
 
-#: clusters kept running at once, and each worker's arena size (tests use small tensors)
-KEEP = 3
+#: clusters kept running at once (per pytest-xdist worker: two when several share the machine),
+#: and each worker's arena size (tests use small tensors)
+KEEP = 2 if os.environ.get("PYTEST_XDIST_WORKER") else 3
 ARENA_BYTES = 32 << 20
+
+_running: list[pytest.Item] = []
+_popen_init = subprocess.Popen.__init__
+
+
+def _in_process_only(self: subprocess.Popen[Any], args: Any, *more: Any, **kw: Any) -> None:
+    """``Popen.__init__`` while slow tests are left out: refused to a test not marked slow."""
+    if _running and _running[-1].get_closest_marker("slow") is None:
+        raise RuntimeError(f"{_running[-1].nodeid} starts a program ({str(args)[:120]}) but is "
+                           "not marked slow; the fast tier runs in-process tests only: mark it "
+                           "@pytest.mark.slow")
+    _popen_init(self, args, *more, **kw)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run that leaves out slow tests (``-m "not slow ..."``) refuses programs to the rest."""
+    if "not slow" in (config.option.markexpr or ""):
+        subprocess.Popen.__init__ = _in_process_only  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()
 
 
 @pytest.fixture(scope="session", autouse=True)

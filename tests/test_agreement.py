@@ -20,6 +20,8 @@ from cluster import Cluster, delay, until
 from conftest import ClusterFactory
 from decent_wire.errors import DecentError
 
+pytestmark = pytest.mark.slow
+
 N = 4
 RUNS = 20
 

@@ -144,6 +144,7 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("algorithm", "options"), CASES, ids=[c[0] for c in CASES])
 def test_iterates_match_the_numpy_recursion(cluster: Cluster, algorithm: str,
                                             options: dict[str, Any]) -> None:
@@ -154,6 +155,7 @@ def test_iterates_match_the_numpy_recursion(cluster: Cluster, algorithm: str,
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("algorithm", "options"),
                          [c for c in CASES if c[0] in IN_PLACE],
                          ids=[c[0] for c in CASES if c[0] in IN_PLACE])
@@ -164,6 +166,7 @@ def test_adapt_then_combine_without_flattening_gives_the_same_iterates(
     np.testing.assert_allclose(got, simulate(algorithm, w, **options), rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_flattened_parameters_are_averaged_in_place_in_shared_memory(cluster: Cluster) -> None:
     # mixed dtypes, an empty parameter, one large enough to be registered with the daemon; and
     # a transposed (non-contiguous) parameter, which keeps the general path
@@ -217,6 +220,7 @@ def test_flattened_parameters_are_averaged_in_place_in_shared_memory(cluster: Cl
         np.testing.assert_allclose(odd.numpy(), np.full((3, 4), want[r]), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_flat_layout_follows_the_parameters(cluster: Cluster) -> None:
     # communication every 2nd step; a param group added, then the model made float64, between
     # steps: each step averages what the parameters are now. Tied or already-shared parameters
@@ -289,6 +293,7 @@ def test_the_flat_layout_follows_the_parameters(cluster: Cluster) -> None:
                                        rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_dmsgd_is_dsgd_around_a_momentum_optimizer(cluster: Cluster) -> None:
     w = build_topology(cluster.clients[0].topology.kind, N).matrix()
     got = _train(cluster, "dmsgd",
@@ -296,6 +301,7 @@ def test_dmsgd_is_dsgd_around_a_momentum_optimizer(cluster: Cluster) -> None:
     np.testing.assert_allclose(got, simulate("dmsgd", w), rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_own_topology_with_explicit_weights_runs_d2(cluster: Cluster) -> None:
     # D2 needs lambda_min(W) > -1/3: ring 8 and hypercube 8 with uniform weights are refused;
     # the lazy ring (1/2 self, 1/4 each neighbor) is fine, and the optimizer passes its weights
@@ -315,6 +321,7 @@ CHOCO: list[tuple[str, dict[str, Any], Callable[[np.ndarray], np.ndarray]]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("compressor", "options", "q"), CHOCO, ids=[c[0] for c in CHOCO])
 def test_choco_matches_its_recursion_with_each_compressor(
         cluster: Cluster, compressor: str, options: dict[str, Any],
@@ -325,6 +332,7 @@ def test_choco_matches_its_recursion_with_each_compressor(
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_choco_uncompressed_with_full_step_is_dsgd(cluster: Cluster) -> None:
     w = build_topology(cluster.clients[0].topology.kind, N).matrix()
     got = _train(cluster, "choco", _sgd, steps=50, compressor="topk", ratio=1.0,
@@ -332,6 +340,7 @@ def test_choco_uncompressed_with_full_step_is_dsgd(cluster: Cluster) -> None:
     np.testing.assert_allclose(got, simulate("dsgd", w, steps=50), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("algorithm", "options"), [
     ("gradient-tracking", {}), ("extra", {}), ("decentlam", {"beta": BETA}),
     ("choco", {"compressor": "topk", "ratio": 0.4, "consensus_step": 0.3})])
@@ -375,6 +384,7 @@ def test_a_checkpoint_resumes_the_same_iterates(cluster: Cluster, algorithm: str
         np.testing.assert_allclose(resumed, whole, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_symmetric_algorithms_refuse_a_directed_graph(cluster: Cluster) -> None:
     cl = cluster.clients[0]
     for name in ("decentlam", "extra", "exact-diffusion"):
@@ -410,7 +420,11 @@ EXACT: dict[str, dict[str, tuple[float, int]]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["gradient-tracking", "extra", "exact-diffusion", "d2"])
+# one topology through the daemons (300-600 steps each): on the hypercube the iterates equal the
+# recursion's (test_iterates_match_the_numpy_recursion), which reaches x* (the simulation below)
+@pytest.mark.parametrize("cluster", ["ring"], indirect=True)
 def test_exact_algorithms_reach_the_optimum_through_the_daemons(cluster: Cluster,
                                                                  algorithm: str) -> None:
     lr, steps = EXACT[cluster.clients[0].topology.kind][algorithm]
@@ -420,6 +434,7 @@ def test_exact_algorithms_reach_the_optimum_through_the_daemons(cluster: Cluster
     assert err < 1e-12, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cluster", ["hypercube"], indirect=True)
 def test_momentum_bias_dmsgd_against_dsgd_and_decentlam(cluster: Cluster) -> None:
     # from consensus at x*, small steps: each method settles at its fixed point. DmSGD's
@@ -449,11 +464,14 @@ def test_exact_algorithms_reach_the_optimum_in_the_simulation() -> None:
     # the recursions checked above: gradient tracking, EXTRA and exact diffusion converge to
     # x* = argmin sum_i f_i exactly; D-SGD keeps a bias
     xstar = np.linalg.solve(np.einsum("nrd,nre->de", A, A), np.einsum("nrd,nr->d", A, B))
-    w = build_topology("ring", N).matrix()
     scale = np.abs(xstar).max()
-    for name in ("gradient-tracking", "extra", "exact-diffusion"):
-        err = np.abs(simulate(name, w, steps=2000) - xstar).max()
-        assert err < 1e-11 * scale, (name, err)  # float64 rounding, accumulated
+    for kind, exact in EXACT.items():  # at the daemon test's step sizes and step counts
+        for name in ("gradient-tracking", "extra", "exact-diffusion"):
+            lr, steps = exact[name]
+            err = np.abs(simulate(name, build_topology(kind, N).matrix(), steps=steps, lr=lr)
+                         - xstar).max()
+            assert err < 1e-11 * scale, (kind, name, err)  # float64 rounding, accumulated
+    w = build_topology("ring", N).matrix()
     assert np.abs(simulate("dsgd", w, steps=2000) - xstar).max() > 1e-2 * scale
     # DmSGD's limit is D-SGD's with step lr/(1-beta) (algorithms.md), DecentLaM's D-SGD's
     dmsgd = simulate("dmsgd", w, steps=3000, lr=0.02, beta=0.5)
@@ -463,6 +481,7 @@ def test_exact_algorithms_reach_the_optimum_in_the_simulation() -> None:
                                simulate("dsgd", w, steps=3000, lr=0.02), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_helpers_broadcast_state_and_consensus() -> None:
     c = Cluster(3, "ring")
     try:

@@ -17,6 +17,8 @@ from decent.core import DecentError
 from decent.core.training.algorithms import ADPSGD
 from decent_wire.graphs import butterfly_group
 
+pytestmark = pytest.mark.slow
+
 N = 8
 #: (daemons, workers per daemon): 8 workers on 8 daemons, and on 2 daemons of 4
 LAYOUTS = [(8, 1), (2, 4)]

@@ -28,6 +28,7 @@ def near_fifty(rank: int, n: int = 1000) -> torch.Tensor:
     return torch.tensor(np.random.default_rng(rank).uniform(45, 55, n).astype(np.float32))
 
 
+@pytest.mark.slow
 def test_uniform_averages_sum_first_and_divide_once(cluster: ClusterFactory) -> None:
     # ring of 3: weights 1/3; BlueFog sums and divides by 3, which rounds once
     c = cluster(3, "ring")
@@ -50,6 +51,7 @@ def test_uniform_averages_sum_first_and_divide_once(cluster: ClusterFactory) -> 
 # ---------------------------------------------------------------------- windows in any order
 
 
+@pytest.mark.slow
 def test_a_write_before_win_create_is_applied_at_creation(cluster: ClusterFactory) -> None:
     c = cluster(2, "ring")
     zero, one = c.clients
@@ -70,6 +72,7 @@ def test_a_write_before_win_create_is_applied_at_creation(cluster: ClusterFactor
         cl.win_free()
 
 
+@pytest.mark.slow
 def test_a_read_before_win_create_waits_for_the_window(cluster: ClusterFactory) -> None:
     c = cluster(2, "ring")
     zero, one = c.clients
@@ -87,6 +90,7 @@ def test_a_read_before_win_create_waits_for_the_window(cluster: ClusterFactory) 
         cl.win_free()
 
 
+@pytest.mark.slow
 def test_early_writes_are_bounded() -> None:
     c = Cluster(2, "ring", "--set", "memory.window_early_bytes=4096")
     try:
@@ -103,6 +107,7 @@ def test_early_writes_are_bounded() -> None:
 # ---------------------------------------------------------------------- window extras
 
 
+@pytest.mark.slow
 def test_two_ranks_never_hold_a_window_mutex_at_once(cluster: ClusterFactory) -> None:
     # the lock at rank 0: rank 1 takes it remotely, then rank 0 asks for it for itself
     c = cluster(2, "ring")
@@ -126,6 +131,7 @@ def test_two_ranks_never_hold_a_window_mutex_at_once(cluster: ClusterFactory) ->
     assert c.status(0).window_lock_waiters == 0
 
 
+@pytest.mark.slow
 def test_associated_p_travels_with_writes_and_updates(cluster: ClusterFactory) -> None:
     # BlueFog's ring test: rank 0 accumulates with self weight 0.5 and 0.5 to each side, then
     # every rank collects (all weights 1, reset): p is 0.5 at the sender, 1.5 next to it
@@ -150,6 +156,7 @@ def test_associated_p_travels_with_writes_and_updates(cluster: ClusterFactory) -
     assert torch.equal(got[0][1], torch.zeros(3))  # 0 * 0.5: the sender's tensor is scaled
 
 
+@pytest.mark.slow
 def test_clone_leaves_the_window_and_free_all_frees_every_window(
         cluster: ClusterFactory) -> None:
     c = cluster(2, "ring")
@@ -182,6 +189,7 @@ def test_clone_leaves_the_window_and_free_all_frees_every_window(
 # ---------------------------------------------------------------------- runtime topology
 
 
+@pytest.mark.slow
 def test_set_topology_applies_to_later_ops_and_in_flight_ops_keep_theirs(
         cluster: ClusterFactory) -> None:
     c = cluster(4, "ring")
@@ -206,6 +214,7 @@ def test_set_topology_applies_to_later_ops_and_in_flight_ops_keep_theirs(
         assert graph.number_of_edges() == 16 and graph.edges[r, r]["weight"] == 0.25
 
 
+@pytest.mark.slow
 def test_ranks_on_different_topologies_fail_with_mismatch_naming_both(
         cluster: ClusterFactory) -> None:
     c = cluster(4, "ring")
@@ -223,6 +232,7 @@ def test_ranks_on_different_topologies_fail_with_mismatch_naming_both(
         assert "full#" in err.message and "ring#" in err.message, err.message
 
 
+@pytest.mark.slow
 def test_weighted_graphs_as_bluefog_reads_them(cluster: ClusterFactory) -> None:
     # edge j -> i carries i's weight for j; the self-loop is the self weight
     c = cluster(4, "ring")
@@ -243,6 +253,7 @@ def test_weighted_graphs_as_bluefog_reads_them(cluster: ClusterFactory) -> None:
         assert weighted and not after
 
 
+@pytest.mark.slow
 def test_set_topology_refuses_while_windows_exist(cluster: ClusterFactory) -> None:
     cl = cluster(2, "ring").clients[0]
     cl.win_create(torch.zeros(1), "topo.win")
@@ -250,6 +261,7 @@ def test_set_topology_refuses_while_windows_exist(cluster: ClusterFactory) -> No
     cl.win_free("topo.win")
 
 
+@pytest.mark.slow
 def test_infer_peers_from_the_other_side(cluster: ClusterFactory) -> None:
     c = cluster(4, "ring")
 
@@ -268,6 +280,7 @@ def test_infer_peers_from_the_other_side(cluster: ClusterFactory) -> None:
 # ---------------------------------------------------------------------- dtypes and gathers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16])
 def test_small_integer_dtypes(cluster: ClusterFactory, dtype: torch.dtype) -> None:
     c = cluster(3, "ring")
@@ -281,6 +294,7 @@ def test_small_integer_dtypes(cluster: ClusterFactory, dtype: torch.dtype) -> No
         assert torch.equal(s, torch.full((4,), 300, dtype=torch.int64).to(dtype))  # wraps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", [1, 100_000])  # the large one passes flow control's window
 def test_allgather_concatenates_variable_first_dimensions(cluster: ClusterFactory,
                                                           scale: int) -> None:
@@ -295,6 +309,7 @@ def test_allgather_concatenates_variable_first_dimensions(cluster: ClusterFactor
         assert g.shape == (4 * scale, 3) and torch.equal(g, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", [1, 100_000])
 def test_neighbor_allgather_concatenates_in_the_order_given(cluster: ClusterFactory,
                                                             scale: int) -> None:
@@ -314,6 +329,7 @@ def test_neighbor_allgather_concatenates_in_the_order_given(cluster: ClusterFact
         assert torch.equal(g, want)
 
 
+@pytest.mark.slow
 def test_neighbor_allgather_stacks_by_default_and_concat_checks_the_other_dims(
         cluster: ClusterFactory) -> None:
     c = cluster(4, "ring")
@@ -352,6 +368,7 @@ def _consensus(cl: T, graph: nx.DiGraph, steps: int) -> float:
     return float(z[0])
 
 
+@pytest.mark.slow
 def test_push_sum_reaches_the_exact_average_on_directed_graphs(cluster: ClusterFactory) -> None:
     c = cluster(4, "ring")
     exponential = nx.DiGraph([(i, (i + h) % 4) for i in range(4) for h in (1, 2)])

@@ -135,6 +135,7 @@ def test_identity_of_without_san_or_garbage() -> None:
     assert certs.identity_of(ok) == ("c", 3)  # other URIs do not count
 
 
+@pytest.mark.slow
 def test_cli_writes_and_checks(tmp_path: Path) -> None:
     out = tmp_path / "certs"
     made = ctl("--out", str(out), "--nodes", "2", "--cluster-id", "k8s",
@@ -149,6 +150,7 @@ def test_cli_writes_and_checks(tmp_path: Path) -> None:
     assert "(365 days left)" in lines[1]
 
 
+@pytest.mark.slow
 def test_cli_hosts_count_mismatch(tmp_path: Path) -> None:
     proc = ctl("--out", str(tmp_path / "x"), "--nodes", "3", "--hosts", "a,b")
     assert proc.returncode == 2
@@ -156,6 +158,7 @@ def test_cli_hosts_count_mismatch(tmp_path: Path) -> None:
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_cli_no_overwrite_without_force(tmp_path: Path) -> None:
     assert ctl("--out", str(tmp_path), "--nodes", "3").returncode == 0
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
@@ -168,6 +171,7 @@ def test_cli_no_overwrite_without_force(tmp_path: Path) -> None:
     assert after["ca.key"] != before["ca.key"]
 
 
+@pytest.mark.slow
 def test_cli_check_fails_for_another_ca(tmp_path: Path) -> None:
     for name in ("a", "b"):
         certs.write_cluster(tmp_path / name, 2, "c1", None, None, 30, False)
@@ -180,6 +184,7 @@ def test_cli_check_fails_for_another_ca(tmp_path: Path) -> None:
     assert lines[2].startswith("node-1.crt") and "does not verify against ca.crt" in lines[2]
 
 
+@pytest.mark.slow
 def test_check_reports_expired_and_misnamed(tmp_path: Path) -> None:
     certs.write_cluster(tmp_path, 2, "c1", None, None, 30, False)
     ca_key = serialization.load_pem_private_key((tmp_path / "ca.key").read_bytes(), None)

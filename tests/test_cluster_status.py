@@ -11,11 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from cluster import Cluster, until
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.security.auth import PeerAuth, new_nonce, read_secret, write_secret
+
+pytestmark = pytest.mark.slow
 
 SECRET = ("--security-mode", "secret", "--secret-file")
 

@@ -13,6 +13,8 @@ import torch
 from conftest import ClusterFactory
 from decent.core import Client
 
+pytestmark = pytest.mark.slow
+
 
 def test_neighbor_allgather_ring(cluster: ClusterFactory) -> None:
     c = cluster(4, "ring")

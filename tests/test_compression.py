@@ -17,6 +17,8 @@ from conftest import ClusterFactory
 from decent.core import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 
+pytestmark = pytest.mark.slow
+
 COMPRESSORS: dict[str, tuple[Any, dict[str, Any]]] = {
     "topk": (lambda v: topk(v, 0.25), {"ratio": 0.25}),
     "sign": (sign, {}),

@@ -16,6 +16,7 @@ from decent.core.requests.handles import Latch
 from decent_wire.errors import DecentError
 
 
+@pytest.mark.slow
 def test_many_concurrent_named_ops(cluster: ClusterFactory) -> None:
     n, k = 4, 64
     c = cluster(n, "exponential")
@@ -34,6 +35,7 @@ def test_many_concurrent_named_ops(cluster: ClusterFactory) -> None:
             np.testing.assert_allclose(got[i][t], w[i] @ xs[:, t], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_ranks_submit_in_different_orders(cluster: ClusterFactory) -> None:
     n, k = 5, 24
     c = cluster(n, "ring")
@@ -59,6 +61,7 @@ def test_ranks_submit_in_different_orders(cluster: ClusterFactory) -> None:
             np.testing.assert_allclose(got[i][t], want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_repeated_rounds_of_one_name(cluster: ClusterFactory) -> None:
     n = 4
     c = cluster(n, "ring")
@@ -76,6 +79,7 @@ def test_repeated_rounds_of_one_name(cluster: ClusterFactory) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_more_in_flight_than_the_arena_holds(cluster: ClusterFactory) -> None:
     # 48 MiB submitted before any wait into 32 MiB arenas: finished results are moved out of the
     # arena to make room instead of deadlocking
@@ -95,6 +99,7 @@ def test_more_in_flight_than_the_arena_holds(cluster: ClusterFactory) -> None:
             assert abs(got[i][t] - want) <= 1e-5 * want, (i, t, got[i][t])
 
 
+@pytest.mark.slow
 def test_a_full_arena_with_opposite_orders_completes_in_memory_of_its_own() -> None:
     # two ranks submit x, y and y, x; each arena (1 MiB) holds one 600 KiB tensor: each rank's
     # second op would wait for room that only the peer's second op frees. It goes to memory of
@@ -127,6 +132,8 @@ def test_a_full_arena_with_opposite_orders_completes_in_memory_of_its_own() -> N
         c.stop()
 
 
+@pytest.mark.slow
+@pytest.mark.serial  # its ops time out after 3 s on purpose: a loaded host must not beat that
 def test_without_registered_memory_a_full_arena_with_opposite_orders_fails_naming_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # the same, with workers that may not hand memory to the daemon (DECENT_REGISTER=0): the

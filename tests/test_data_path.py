@@ -74,6 +74,7 @@ def test_weighted_sums_over_the_input_or_into_memory_of_their_own(n: int, out_is
         np.testing.assert_array_equal(out, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", SIZES)
 def test_neighbor_allreduce_exact_at_boundaries(small_window: Cluster, n: int) -> None:
     # ring of 3, uniform weights 1/3: (x_{r-1} + x_r + x_{r+1}) / 3 = (arange % 7) * 6 / 3
@@ -84,6 +85,7 @@ def test_neighbor_allreduce_exact_at_boundaries(small_window: Cluster, n: int) -
         assert torch.allclose(out, want, rtol=0, atol=1e-12), (n, out[:4])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", SIZES)
 def test_allreduce_and_broadcast_exact_at_boundaries(small_window: Cluster, n: int) -> None:
     sums = small_window.run(lambda cl: cl.allreduce(_pattern(n, cl.rank), op="sum",
@@ -95,6 +97,7 @@ def test_allreduce_and_broadcast_exact_at_boundaries(small_window: Cluster, n: i
         assert torch.equal(b, _pattern(n, 2))
 
 
+@pytest.mark.slow
 def test_in_place_ops_write_into_the_tensor(small_window: Cluster) -> None:
     def run(cl: Client[torch.Tensor]) -> tuple[bool, torch.Tensor]:
         t = _pattern(1000, cl.rank)
@@ -117,6 +120,7 @@ def _mixed_tensors(rank: int) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_fusion_mixed_dtypes_and_shapes(small_window: Cluster) -> None:
     before = [cl.status().ops_completed for cl in small_window.clients]
 
@@ -142,6 +146,7 @@ def test_fusion_mixed_dtypes_and_shapes(small_window: Cluster) -> None:
     assert all(a - b < 42 for a, b in zip(after, before, strict=True)), (before, after)
 
 
+@pytest.mark.slow
 def test_a_fused_block_goes_out_as_one_request_however_slowly_it_is_filled(
         small_window: Cluster) -> None:
     # the requests of a `fused()` block wait for its end (or the size threshold), not for the
@@ -164,6 +169,7 @@ def test_a_fused_block_goes_out_as_one_request_however_slowly_it_is_filled(
     assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1, 1]
 
 
+@pytest.mark.slow
 def test_fused_allreduce_and_broadcast(small_window: Cluster) -> None:
     def run(cl: Client[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         ts = _mixed_tensors(cl.rank)
@@ -178,6 +184,7 @@ def test_fused_allreduce_and_broadcast(small_window: Cluster) -> None:
             assert torch.equal(b, _mixed_tensors(1)[i]), i
 
 
+@pytest.mark.slow
 def test_ranks_fusing_differently_still_match() -> None:
     # rank 0 sends every tensor alone, rank 1 fuses them all, rank 2 in buckets of ~3 tensors:
     # each tensor is matched by its own key, whatever message it travelled in
@@ -197,6 +204,7 @@ def test_ranks_fusing_differently_still_match() -> None:
         assert c.stop() == [0, 0, 0]
 
 
+@pytest.mark.slow
 def test_many_ops_in_flight_random_order(small_window: Cluster) -> None:
     sizes = [random.Random(7).randint(0, 300_000) for _ in range(60)]
 
@@ -213,6 +221,7 @@ def test_many_ops_in_flight_random_order(small_window: Cluster) -> None:
             assert torch.equal(t, (torch.arange(n) % 7).float() * 2), n
 
 
+@pytest.mark.slow
 def test_shared_tensors_skip_the_copies(small_window: Cluster) -> None:
     def run(cl: Client[torch.Tensor]) -> tuple[bool, torch.Tensor, torch.Tensor, int]:
         free = cl.arena.free_bytes
@@ -239,6 +248,7 @@ def test_shared_tensors_skip_the_copies(small_window: Cluster) -> None:
         assert leaked == 0  # the shared tensors' arena space came back
 
 
+@pytest.mark.slow
 def test_streamed_results_stay_exact_under_repetition() -> None:
     # a lone neighbor (2 ranks), tensors larger than the sockets' buffers, so sending and
     # receiving overlap: the result must never be written over an input still being sent
@@ -261,6 +271,7 @@ def test_streamed_results_stay_exact_under_repetition() -> None:
         assert c.stop() == [0, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, BLOCK + 1, WINDOW // F32 + 1])
 def test_one_way_received_straight_into_the_output(small_window: Cluster, n: int) -> None:
     # rank 1 keeps nothing of its own and sends nothing: rank 0's tensor (sent with weight 2)
@@ -279,6 +290,7 @@ def test_one_way_received_straight_into_the_output(small_window: Cluster, n: int
     assert torch.equal(got[1], _pattern(n, 0) * 0.5)
 
 
+@pytest.mark.slow
 def test_in_place_ops_register_shared_memory_tensors(small_window: Cluster) -> None:
     # a tensor in torch's shared memory (share_memory_()) is handed to the daemon at its first
     # in-place op; from then on the daemon reads and writes it in place, views included
@@ -314,6 +326,7 @@ def test_in_place_ops_register_shared_memory_tensors(small_window: Cluster) -> N
         assert torch.allclose(r["copied"], want + 2, rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_private_tensors_are_copied_never_moved(small_window: Cluster) -> None:
     # moving private memory into shared memory would leave numpy views of it dangling
     n = (2 << 20) // F32
@@ -336,6 +349,7 @@ def test_private_tensors_are_copied_never_moved(small_window: Cluster) -> None:
         assert ok and not moved and size == 0
 
 
+@pytest.mark.slow
 def test_concurrent_first_uses_register_a_storage_once(small_window: Cluster) -> None:
     n = (1 << 20) // F32
 
@@ -356,6 +370,7 @@ def test_concurrent_first_uses_register_a_storage_once(small_window: Cluster) ->
         assert ok and size == 2 * n * F32
 
 
+@pytest.mark.slow
 def test_registered_memory_is_released_when_its_tensor_is_gone(small_window: Cluster) -> None:
     n = (2 << 20) // F32
 
@@ -381,6 +396,7 @@ def test_registered_memory_is_released_when_its_tensor_is_gone(small_window: Clu
         assert held >= n * F32 and after == held - n * F32 and again == after + n * F32
 
 
+@pytest.mark.slow
 def test_registration_can_be_turned_off(small_window: Cluster) -> None:
     n = (2 << 20) // F32
     off = [Client(cl.codec, cl.address, register=False, job="noreg")
@@ -402,6 +418,7 @@ def test_registration_can_be_turned_off(small_window: Cluster) -> None:
             cl.close()
 
 
+@pytest.mark.slow
 def test_past_the_region_limit_tensors_are_copied() -> None:
     c = Cluster(2, "ring", "--set", "memory.max_regions=2")
     try:
@@ -422,6 +439,7 @@ def test_past_the_region_limit_tensors_are_copied() -> None:
         assert c.stop() == [0, 0]
 
 
+@pytest.mark.slow
 def test_file_backed_tensors_are_copied_and_registration_stays_on(
         small_window: Cluster, tmp_path_factory: pytest.TempPathFactory) -> None:
     # torch.from_file storages say is_shared() but are not torch's shared memory: copied
@@ -443,6 +461,7 @@ def test_file_backed_tensors_are_copied_and_registration_stays_on(
         assert ok and after_file == 0 and after == n * F32
 
 
+@pytest.mark.slow
 def test_a_registration_whose_answer_is_lost_is_released() -> None:
     c = Cluster(2, "ring")
     try:
@@ -512,6 +531,7 @@ def test_sender_is_idle_only_when_nothing_is_queued_or_going_out() -> None:
         b.close()
 
 
+@pytest.mark.slow
 def test_pairs_average_large_tensors_by_halves_exactly() -> None:
     # one-peer exponential graph on 4 ranks: round 0 sends to r+1 (one-way edges), round 1
     # pairs r with r+2 (each other's only neighbor, weights 1/2): there every tensor of at
@@ -545,6 +565,7 @@ def test_pairs_average_large_tensors_by_halves_exactly() -> None:
         assert c.stop() == [0, 0, 0, 0]
 
 
+@pytest.mark.slow
 def test_pair_halves_of_different_shapes_fail_with_mismatch() -> None:
     c = Cluster(2, "ring")
     try:
@@ -571,6 +592,7 @@ def _from(cl: Client[torch.Tensor], peer: int) -> pb.PeerStatus:
     return link
 
 
+@pytest.mark.slow
 def test_an_op_started_while_its_tensor_arrives_acknowledges_it_at_once() -> None:
     # a one-way edge: rank 0's op ends once rank 1's op has taken its tensor, which rank 1 says
     # with an ACK. An op that starts while the tensor is still arriving acknowledges at once (the

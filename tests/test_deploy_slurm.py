@@ -21,6 +21,8 @@ import pytest
 from deploy_image import REPO
 from deploy_netns import hosts, namespaces
 
+pytestmark = [pytest.mark.deploy, pytest.mark.netns, pytest.mark.serial, pytest.mark.slow]
+
 SBATCH = REPO / "deploy" / "slurm" / "decent.sbatch"
 FAKE = Path(__file__).resolve().parent / "fake_slurm.py"
 VENV_BIN = Path(sys.executable).parent

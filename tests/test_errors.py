@@ -9,6 +9,8 @@ from cluster import Cluster
 from conftest import ClusterFactory
 from decent.core import DecentError
 
+pytestmark = pytest.mark.slow
+
 
 def test_dtype_mismatch_fails_on_both_sides(cluster: ClusterFactory) -> None:
     c = cluster(4, "ring")

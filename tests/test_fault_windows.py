@@ -10,6 +10,8 @@ import torch
 from cluster import Cluster, until_state
 from decent_wire.topology import build_topology
 
+pytestmark = pytest.mark.slow
+
 
 def test_window_ops_skip_a_dead_peer_and_groups_shrink() -> None:
     c = Cluster(4, "ring")

@@ -23,6 +23,8 @@ from cluster import Cluster, delay, until, until_running, until_state
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 
+pytestmark = pytest.mark.slow
+
 #: a ring of 3 with uniform weights: every rank gives itself and each in-neighbor 1/3
 THIRD = np.float32(1 / 3)
 

@@ -33,6 +33,8 @@ from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -72,6 +74,7 @@ def fuzz_cluster(request: pytest.FixtureRequest) -> Iterator[Any]:
             print(f"\ndaemon logs kept in {cluster.dir}")
 
 
+@pytest.mark.serial
 def test_ten_thousand_hostile_messages_leave_the_daemons_up_and_every_op_exact(
         fuzz_cluster: Any) -> None:
     start = time.monotonic()

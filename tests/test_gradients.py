@@ -18,6 +18,8 @@ import torch
 from cluster import Cluster, delay, run_each, tf_cluster
 from decent_wire.topology import build_topology
 
+pytestmark = pytest.mark.slow
+
 N = 4
 SHAPE = (3, 5)
 # every rank of a TensorFlow test is a thread of this process, and a blocking op staged in a

@@ -15,6 +15,8 @@ from conftest import ClusterFactory
 from decent.core import Client
 from least_squares import LR, X0, N, grads, train
 
+pytestmark = pytest.mark.slow
+
 T = Client[torch.Tensor]
 STEPS = 40
 

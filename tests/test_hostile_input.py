@@ -534,6 +534,7 @@ def bulk_port_as_rank_2(peer: str) -> int:
         machine_topology_digest=digest)).data_port)
 
 
+@pytest.mark.slow
 def test_hostile_frames_close_only_their_connection_and_ops_go_on(
         two_of_three: TwoOfThree) -> None:
     c = two_of_three
@@ -586,6 +587,7 @@ def test_hostile_frames_close_only_their_connection_and_ops_go_on(
 
 
 
+@pytest.mark.slow
 def test_a_peers_abort_text_reaches_the_log_escaped_and_cut(two_of_three: TwoOfThree) -> None:
     c = two_of_three
     clients = [dt.connect(f"unix://{s}", 60, local_rank=0) for s in c.sockets]

@@ -14,6 +14,16 @@ Sizes come from the documented thresholds (64 Ki elements for folding in; 8 MiB 
 draining, combining and pairs) with room to spare. A tensor meant to arrive in several pieces is
 larger than the kernel can buffer on one loopback connection (:func:`kernel_buffered_bytes`), so
 its receiver cannot read it whole at once.
+
+Which counter proves which variant: streaming in, ``inputs_streamed``; a receive-only call,
+``inputs_left_out``; the worker combining, ``worker_results_combined``; an in-place call whose
+result is its input, ``worker_results_unchanged``; fusion, ``ops_completed`` (one op for the
+block). Three variants have no counter of their own and are proven by what only they do: a fold
+while the tensor arrives and a landing in the output both make part of an in-place result final
+before the op ends (``worker_results_drained_early_bytes``; only a fold or a landing can, when the
+worker does not combine), and a pair step by halves is told from a whole exchange by
+``worker_results_combined`` (the worker combines a whole exchange's lone in-neighbor, never a
+pair's half).
 """
 
 from __future__ import annotations

@@ -76,6 +76,7 @@ def test_json_formatter_keeps_one_record_on_one_line() -> None:
     assert out["exception"].endswith("ValueError: bad\nthing")
 
 
+@pytest.mark.slow
 def test_json_logs_name_the_op_and_the_peer() -> None:
     c = Cluster(2, "ring", "--log-format", "json", "--set", "memory.arena_bytes=4194304")
     try:
@@ -113,6 +114,7 @@ def test_json_logs_name_the_op_and_the_peer() -> None:
         c.kill()
 
 
+@pytest.mark.slow
 def test_json_startup_errors_are_json_too(tmp_path: Path) -> None:
     """A config error (exit 2) and a daemon that cannot start (exit 1) say so in JSON alone."""
     cmd = [sys.executable, "-m", "decentd", "--log-format", "json",

@@ -24,6 +24,8 @@ from cluster import Cluster, free_ports
 from decent.core import Client, DecentError
 from decent_wire.v1 import decent_pb2 as pb
 
+pytestmark = pytest.mark.slow
+
 #: the dashboard shipped for these metrics
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "decent.json"
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -18,6 +18,8 @@ from conftest import ClusterFactory
 from decent.core import Client, DecentError
 from decent_wire.topology import build_topology
 
+pytestmark = pytest.mark.slow
+
 T = Client[torch.Tensor]
 SHAPES = [(2, 4), (4, 2)]  # (daemons, workers per daemon)
 

@@ -8,6 +8,8 @@ import torch
 
 from conftest import ClusterFactory
 
+pytestmark = pytest.mark.slow
+
 
 def expected_matrix(kind: str, n: int) -> np.ndarray:
     """Mixing matrix from the definitions (not from decent_wire.topology): uniform 1/(indeg+1)."""

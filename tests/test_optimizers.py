@@ -25,6 +25,8 @@ from decent.core import Client
 from decent.core.training.algorithms import ALGORITHMS, AlgorithmError
 from decent_wire.topology import build_topology
 
+pytestmark = pytest.mark.slow
+
 N, DIM, ROWS, STEPS = 4, 4, 10, 60
 RNG = np.random.default_rng(7)
 A = RNG.normal(size=(N, ROWS, DIM)) / np.sqrt(ROWS)

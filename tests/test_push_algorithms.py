@@ -13,6 +13,8 @@ from conftest import ClusterFactory
 from decent_wire.topology import build_topology, from_graph
 from least_squares import LR, X0, N, grads, train
 
+pytestmark = pytest.mark.slow
+
 STEPS = 60
 
 

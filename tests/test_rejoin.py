@@ -17,6 +17,8 @@ import decent.tf as dtf
 import decent.torch as dt
 from cluster import Cluster, delay, until_state
 
+pytestmark = pytest.mark.slow
+
 X = torch.linspace(-1, 1, 32).reshape(8, 4)
 
 

@@ -24,6 +24,7 @@ def in_arena(cl, t: torch.Tensor) -> bool:  # type: ignore[no-untyped-def]
     return cl.arena.offset_of(t.data_ptr(), t.numel() * t.element_size()) is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.bfloat16])
 def test_an_out_of_place_result_is_a_tensor_over_the_arena_of_the_inputs_shape_and_dtype(
         cluster: ClusterFactory, dtype: torch.dtype) -> None:
@@ -42,6 +43,7 @@ def test_an_out_of_place_result_is_a_tensor_over_the_arena_of_the_inputs_shape_a
         assert torch.equal(out, torch.full((3, 5, 7), 3.0).to(dtype))  # (2 + 4) / 2
 
 
+@pytest.mark.slow
 def test_results_kept_past_the_arena_are_exact_and_later_ops_still_run() -> None:
     # a 1 MiB arena; every rank keeps 8 results of 256 KiB: the arena cannot hold them, so later
     # ops go to memory of their own; every kept result stays exact
@@ -70,6 +72,7 @@ def test_results_kept_past_the_arena_are_exact_and_later_ops_still_run() -> None
         c.stop()
 
 
+@pytest.mark.slow
 def test_a_result_passed_to_another_op_in_and_out_of_place(cluster: ClusterFactory) -> None:
     c = cluster(2)
 
@@ -86,6 +89,7 @@ def test_a_result_passed_to_another_op_in_and_out_of_place(cluster: ClusterFacto
         assert torch.equal(second, want) and torch.equal(first, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("numel", [1000, 3 << 20], ids=["4 KB", "12 MiB"])
 def test_a_one_way_transfer_copies_only_what_it_needs(cluster: ClusterFactory,
                                                        numel: int) -> None:
@@ -117,6 +121,7 @@ def test_a_one_way_transfer_copies_only_what_it_needs(cluster: ClusterFactory,
             assert same and torch.equal(t, torch.arange(numel, dtype=torch.float32) + k), rank
 
 
+@pytest.mark.slow
 def test_weights_of_zero_and_one_on_a_two_way_call_copy_as_usual(
         cluster: ClusterFactory) -> None:
     # self_weight 0 but sending: the tensor is read; self_weight 1 but receiving: it changes
@@ -138,6 +143,7 @@ def test_weights_of_zero_and_one_on_a_two_way_call_copy_as_usual(
         assert torch.equal(summed, 2 * base + 1000), rank
 
 
+@pytest.mark.slow
 def test_a_result_outlives_its_client_and_its_daemon() -> None:
     c = Cluster(2, "ring")
     try:
@@ -154,6 +160,7 @@ def test_a_result_outlives_its_client_and_its_daemon() -> None:
 
 
 
+@pytest.mark.slow
 def test_tensorflow_results_are_tensors_over_the_arena_through_dlpack() -> None:
     def work(cl):  # type: ignore[no-untyped-def]
         delay(cl.rank)
@@ -188,6 +195,7 @@ def test_tensorflow_is_given_only_memory_aligned_as_its_kernels_require() -> Non
     assert tensor_over(memory[aligned:aligned + 8], tf.bfloat16, (4,), None) is None
 
 
+@pytest.mark.slow
 def test_a_tf_variable_takes_its_in_place_result_where_the_daemon_wrote_it() -> None:
     # a 1 MiB arena, a 256 KiB variable averaged in place 12 times: each time the variable
     # takes the slot the result is in (no copy) and gives back the one it held, so the arena

@@ -17,10 +17,12 @@ import pytest
 import torch
 
 import decent.torch as dt
-from cluster import Cluster
+from cluster import Cluster, until
 from conftest import ClusterFactory
 from decent.core import Client, DecentError
 from decent_wire.v1 import decent_pb2 as pb
+
+pytestmark = pytest.mark.slow
 
 
 def _aborts_from(cl: Client[torch.Tensor], peer: int) -> int:
@@ -30,9 +32,9 @@ def _aborts_from(cl: Client[torch.Tensor], peer: int) -> int:
 
 
 def _await_abort(cl: Client[torch.Tensor], peer: int, before: int) -> None:
-    """Wait until ``cl``'s daemon has an ABORT from ``peer`` it did not have before."""
-    while _aborts_from(cl, peer) == before:
-        time.sleep(0.01)
+    """Wait until ``cl``'s daemon has an ABORT from ``peer`` it did not have before (at most
+    60 s: then fail, naming what did not come)."""
+    until(lambda: _aborts_from(cl, peer) != before, f"an ABORT from rank {peer}", timeout=60)
 
 
 def test_abort_that_arrives_before_the_local_submit_fails_the_op_at_once(

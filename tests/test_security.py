@@ -24,6 +24,8 @@ from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.security.auth import NONCE_BYTES, PeerAuth, new_nonce, write_secret
 
+pytestmark = pytest.mark.slow
+
 
 def secret_file(tmp_path: Path, name: str = "secret") -> str:
     return str(write_secret(tmp_path / name))

@@ -26,6 +26,8 @@ from conftest import ClusterFactory
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 
+pytestmark = pytest.mark.slow
+
 NUMEL = 3 * placement.STREAM_MIN_BYTES // 4 // 2  # 12 MiB of float32: six chunks
 CHUNK = placement.STREAM_CHUNK
 

@@ -28,6 +28,8 @@ from decent.core import Client, NumpyCodec
 from decent_wire.errors import DecentError
 from decentd.service.notify import message, socket_address
 
+pytestmark = pytest.mark.deploy
+
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "deploy" / "systemd"
 #: the decentd this test suite runs (the project's venv)
@@ -67,6 +69,7 @@ def commands(unit: Unit) -> list[list[str]]:
 # ---------------------------------------------------------------------------- the unit files
 
 
+@pytest.mark.slow
 def test_units_verify_as_shipped(tmp_path: Path) -> None:
     """``systemd-analyze verify`` in a root where decentd is installed at the path the units
     name (a launcher of this venv's decentd there); nothing to report, not even a warning."""
@@ -191,6 +194,7 @@ def monotonic_usec() -> int:
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
 
 
+@pytest.mark.slow
 def test_ready_after_peers_reload_and_stop(workdir: Path) -> None:
     # rank 1's address is a plain listener of this test at first: rank 0 connecting to it
     # shows rank 0 is past its start and waiting for its peer

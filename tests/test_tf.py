@@ -61,6 +61,7 @@ def x_of(r: int, dtype: Any = tf.float64) -> tf.Tensor:
     return tf.cast(tf.range(6, dtype=tf.float64) + 8.0 * r, dtype)
 
 
+@pytest.mark.slow
 def test_ops_give_exact_values_eagerly_and_in_place(tfc: Any) -> None:
     _, clients = tfc
 
@@ -92,6 +93,7 @@ def test_ops_give_exact_values_eagerly_and_in_place(tfc: Any) -> None:
         np.testing.assert_array_equal(g["v"], xs.mean(axis=0).astype(np.float32))
 
 
+@pytest.mark.slow
 def test_window_ops_on_variables_give_exact_values(tfc: Any) -> None:
     _, clients = tfc
 
@@ -126,6 +128,7 @@ def test_window_ops_on_variables_give_exact_values(tfc: Any) -> None:
         np.testing.assert_array_equal(g["got"], 0.5 * (upd[(r - 1) % N] + upd[(r + 1) % N]))
 
 
+@pytest.mark.slow
 def test_blocking_ops_run_inside_tf_function(tfc: Any) -> None:
     _, clients = tfc
 
@@ -152,6 +155,7 @@ def test_blocking_ops_run_inside_tf_function(tfc: Any) -> None:
         np.testing.assert_allclose(g[2], 2 * xs.mean(axis=0), rtol=1e-15)
 
 
+@pytest.mark.slow
 def test_async_ops_inside_tf_function_are_refused(tfc: Any) -> None:
     cl = tfc[1][0]
 
@@ -163,6 +167,7 @@ def test_async_ops_inside_tf_function_are_refused(tfc: Any) -> None:
         bad(tf.zeros(3))
 
 
+@pytest.mark.slow
 def test_mismatch_names_the_tensor_and_both_ranks(tfc: Any) -> None:
     _, clients = tfc
 
@@ -180,6 +185,7 @@ def test_mismatch_names_the_tensor_and_both_ranks(tfc: Any) -> None:
         assert "rank 1" in got[r]
 
 
+@pytest.mark.slow
 def test_torch_and_tensorflow_workers_are_neighbors(cluster: ClusterFactory) -> None:
     c = cluster(2, "ring")
     c.clients[0].close()  # rank 0's worker is a TensorFlow one
@@ -210,6 +216,7 @@ def _problem(r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             np.random.default_rng(5).normal(size=DIM) * (r + 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("algorithm", "compiled"), [
     ("dsgd", True), ("dsgd", False), ("gradient-tracking", True), ("gradient-tracking", False),
     ("extra", True), ("exact-diffusion", True), ("decentlam", True), ("choco", False),
@@ -267,6 +274,7 @@ KERAS_REDUCING = ("gradient-allreduce",)
 LARGE_VARIABLE_BYTES = 256 * 256 * 4
 
 
+@pytest.mark.slow
 def test_a_keras_step_makes_no_model_sized_tensor() -> None:
     # beyond the wrapped optimizer's own ops, a step makes no model-sized tensor (2 variables
     # of >= 2560 elements): adapt-then-combine combines in the variables, which take their
@@ -290,6 +298,7 @@ def test_a_keras_step_makes_no_model_sized_tensor() -> None:
         assert c["compiled_python_peak"] < LARGE_VARIABLE_BYTES, c
 
 
+@pytest.mark.slow
 def test_model_fit_with_callbacks_keeps_the_replicas_identical(tfc: Any) -> None:
     _, clients = tfc
 
@@ -316,6 +325,7 @@ def test_model_fit_with_callbacks_keeps_the_replicas_identical(tfc: Any) -> None
     assert got[0]["loss"][1] < got[0]["loss"][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("compiled", "op"), [(True, "average"), (False, "sum")])
 def test_keras_gradient_allreduce_steps_on_the_reduced_gradients(tfc: Any, compiled: bool,
                                                                   op: str) -> None:
@@ -359,6 +369,7 @@ def test_keras_gradient_allreduce_steps_on_the_reduced_gradients(tfc: Any, compi
         np.testing.assert_array_equal(unused, np.ones(2))
 
 
+@pytest.mark.slow
 def test_the_tf_client_takes_numpy_arrays_and_gives_numpy_arrays(tfc: Any) -> None:
     # what the Keras optimizer's host buffers rely on: out of place, in place, and in the
     # arena (shared), each exact on a ring of 4 (weights 1/3); a TensorFlow tensor still
@@ -386,6 +397,7 @@ def test_the_tf_client_takes_numpy_arrays_and_gives_numpy_arrays(tfc: Any) -> No
         assert "numpy arrays work" in refused
 
 
+@pytest.mark.slow
 def test_set_topology_and_small_integers_on_the_tf_client(tfc: Any) -> None:
     _, clients = tfc
 
@@ -415,6 +427,7 @@ def test_the_tf_module_has_the_bluefog_and_horovod_names() -> None:
         assert hasattr(dtf, name), name
 
 
+@pytest.mark.slow
 def test_keras_distributed_optimizer_sums_passes_in_a_compiled_fit(tfc: Any) -> None:
     # 4 epochs of one full batch, backward_passes_per_step=2 (averaged): two real updates,
     # each on the ranks' average gradient; the second at the learning rate a callback set

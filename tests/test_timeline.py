@@ -105,6 +105,7 @@ def phases_by_op(events: list[Event]) -> dict[tuple[str, int], dict[str, Event]]
     return ops
 
 
+@pytest.mark.slow
 def test_every_op_has_all_its_phases_on_every_rank_in_order(
         traces: tuple[Path, list[str]]) -> None:
     _, files = traces
@@ -136,6 +137,7 @@ def test_every_op_has_all_its_phases_on_every_rank_in_order(
                                                  "bytes": 4000}
 
 
+@pytest.mark.slow
 def test_a_broadcast_sends_on_the_root_and_receives_elsewhere_and_failures_are_marked(
         traces: tuple[Path, list[str]]) -> None:
     _, files = traces
@@ -149,6 +151,7 @@ def test_a_broadcast_sends_on_the_root_and_receives_elsewhere_and_failures_are_m
         assert {e["args"]["error"] for e in bad.values()} == {"MISMATCH"}
 
 
+@pytest.mark.slow
 def test_decentctl_timeline_draws_a_png_and_merges_the_ranks(
         traces: tuple[Path, list[str]], tmp_path: Path) -> None:
     base, _ = traces
@@ -170,6 +173,7 @@ def test_trace_path_gives_each_daemon_its_own_file() -> None:
     assert trace_path("/tmp/{rank}/t.json", 2) == "/tmp/2/t.json"
 
 
+@pytest.mark.slow
 def test_a_killed_daemon_leaves_a_loadable_file(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     base = tmp_path / "killed.json"

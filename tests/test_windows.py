@@ -13,6 +13,8 @@ from conftest import ClusterFactory
 from decent.core import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 
+pytestmark = pytest.mark.slow
+
 N = 4  # ring: rank r's neighbors are r - 1 and r + 1
 
 

@@ -22,6 +22,8 @@ from decent.core import DecentError
 from decent.core.requests.connection import Connection
 from decent_wire.v1 import decent_pb2 as pb
 
+pytestmark = pytest.mark.slow
+
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 #: floats of a tensor large enough to be registered (64 KiB and more) and to be sent only once
 #: its receiver asks (RTS/CTS: past the 2 MiB eager window), into the op's memory

@@ -16,9 +16,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.netns, pytest.mark.serial, pytest.mark.slow, pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-    reason="needs root and iproute2: it creates network namespaces (ip netns add)")
+    reason="needs root and iproute2: it creates network namespaces (ip netns add)")]
 
 #: 3 nodes, 40 steps of 150 ms: the restart (at rank 0's step 8) has 30 steps to rejoin in
 ARGS = ["--nodes", "3", "--steps", "40", "--pad-ms", "150", "--kill-rank", "2", "--kill-at", "4",

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, "-m", "decentd.tools.launcher"]
 
 
+@pytest.mark.slow
 def test_convergence_benchmark_short_run(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "convergence.py"), "--workers", "2",
@@ -45,6 +46,7 @@ def test_convergence_benchmark_short_run(tmp_path: Path) -> None:
     assert (tmp_path / "convergence_breast_cancer.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_straggler_benchmark_short_run(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "stragglers.py"), "--workers", "2",
@@ -92,6 +94,7 @@ def _with_p2p(run: Path, into: Path) -> None:
     shutil.copytree(run, into, dirs_exist_ok=True)
 
 
+@pytest.mark.slow
 def test_p2p_benchmark_quick(quick_p2p_run: Path) -> None:
     tmp_path = quick_p2p_run
     report = (tmp_path / "p2p_vs_gloo.md").read_text()
@@ -99,6 +102,7 @@ def test_p2p_benchmark_quick(quick_p2p_run: Path) -> None:
     assert (tmp_path / "p2p_vs_gloo.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_optimizer_step_benchmark_quick(tmp_path: Path) -> None:
     out = tmp_path / "optimizer_step.json"
     proc = subprocess.run(
@@ -115,6 +119,7 @@ def test_optimizer_step_benchmark_quick(tmp_path: Path) -> None:
     assert out.with_suffix(".png").stat().st_size > 5_000
 
 
+@pytest.mark.slow
 def test_tf_vs_torch_benchmark_quick(tmp_path: Path) -> None:
     out = tmp_path / "tf_vs_torch.json"
     proc = subprocess.run(
@@ -128,6 +133,7 @@ def test_tf_vs_torch_benchmark_quick(tmp_path: Path) -> None:
     assert out.with_suffix(".png").stat().st_size > 5_000
 
 
+@pytest.mark.slow
 def test_report_rows_for_the_optimizer_and_tf(tmp_path: Path) -> None:
     (tmp_path / "optimizer_step.json").write_text(json.dumps({
         "mbytes": 25, "decent_source": "abc", "flat": {"wall_ms": 20.0},
@@ -150,6 +156,7 @@ def test_report_rows_for_the_optimizer_and_tf(tmp_path: Path) -> None:
     assert "1.25x (50.0 vs 40.0 ms)" in rows["7t"] and "PASS" in rows["7t"]
 
 
+@pytest.mark.slow
 def test_report_merges_the_benchmark_results(tmp_path: Path, quick_p2p_run: Path) -> None:
     _with_p2p(quick_p2p_run, tmp_path)
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"),
@@ -164,6 +171,7 @@ def test_report_merges_the_benchmark_results(tmp_path: Path, quick_p2p_run: Path
     assert re.search(r"64 MiB memmove \d+\.\d ms", (tmp_path / "README_TABLE.md").read_text())
 
 
+@pytest.mark.slow
 def test_report_rows_for_the_netns_variants(tmp_path: Path, quick_p2p_run: Path) -> None:
     """Rows 4, 4', 4o from the netns runs' JSON, each its own run's ratio and host."""
     _with_p2p(quick_p2p_run, tmp_path)
@@ -215,6 +223,7 @@ def _hier_result(gloo_ms: float, flat_ms: float, hier_ms: float,
             "decent_source": {"repo_commit": "abc1234"}, "date": "d"}
 
 
+@pytest.mark.slow
 def test_report_rows_for_netns_hier(tmp_path: Path, quick_p2p_run: Path) -> None:
     """Rows 4h and 4f from netns_hier.json, each against its own target; a REPORT section."""
     _with_p2p(quick_p2p_run, tmp_path)
@@ -286,6 +295,7 @@ def _report_rows(results: Path, prefix: str = "| 9") -> dict[str, str]:
             (results / "REPORT.md").read_text().splitlines() if line.startswith(prefix)}
 
 
+@pytest.mark.slow
 def test_report_rows_for_security_cost(tmp_path: Path) -> None:
     """Rows 9s, 9m against 1.05x insecure, 9t reported without a target; a REPORT section;
     a miss, a wrong result, an error and a missing file each say so."""
@@ -370,6 +380,7 @@ def test_security_cost_summary() -> None:
     assert "daemon 1 logged" in res["modes"]["mtls-tls"]["errors"][0]
 
 
+@pytest.mark.slow
 def test_security_cost_short_run(tmp_path: Path) -> None:
     """4 MiB, 4 rounds: every mode ran and was exact, its daemons said which mode they ran,
     the exit code is the JSON's verdict, the plot is written, every daemon stopped."""
@@ -553,6 +564,9 @@ def _netns_left() -> list[str]:
     return [line for line in out.splitlines() if line.startswith("dcnt")]
 
 
+@pytest.mark.slow
+@pytest.mark.serial
+@pytest.mark.netns
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                     reason="network namespaces need root and iproute2")
 def test_netns_benchmark_runs_and_cleans_up(tmp_path: Path) -> None:
@@ -576,6 +590,9 @@ def test_netns_benchmark_runs_and_cleans_up(tmp_path: Path) -> None:
     assert _netns_left() == []
 
 
+@pytest.mark.slow
+@pytest.mark.serial
+@pytest.mark.netns
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                     reason="network namespaces need root and iproute2")
 def test_netns_hier_benchmark_short_run(tmp_path: Path) -> None:
@@ -604,6 +621,7 @@ def test_netns_hier_benchmark_short_run(tmp_path: Path) -> None:
     assert res["leftover_processes"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                     reason="needs root to run the benchmark as an unprivileged user")
 @pytest.mark.parametrize("script", ["netns_dsgd.py", "netns_hier.py"])

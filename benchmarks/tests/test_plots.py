@@ -68,6 +68,7 @@ def texts(axes: Any) -> list[str]:
     return [t.get_text() for ax in axes for t in [*ax.texts, ax.title]]
 
 
+@pytest.mark.slow
 def test_chaos_replot_draws_the_png_from_the_json(tmp_path: Path) -> None:
     (tmp_path / "chaos.json").write_text(json.dumps(chaos_result()))
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--replot",
