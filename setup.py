@@ -39,8 +39,10 @@ class BuildWithProtos(build_py):
 
 
 #: the daemon's SIGBUS guard (daemon/workers/sigbus.c): C, because a Python handler cannot
-#: resume a fault
+#: resume a fault. It uses only Python's stable ABI, so one build (sigbus.abi3.so) loads in
+#: every CPython from 3.11 on
 SIGBUS_GUARD = Extension("decentd.workers.sigbus", ["daemon/workers/sigbus.c"],
-                         extra_compile_args=["-O2"])
+                         extra_compile_args=["-O2"], py_limited_api=True,
+                         define_macros=[("Py_LIMITED_API", "0x030B0000")])
 
 setup(cmdclass={"build_py": BuildWithProtos}, ext_modules=[SIGBUS_GUARD])

@@ -61,7 +61,7 @@ from decent.core.training.algorithms import ALIASES
 ALGORITHMS = ("dsgd", "allreduce")  # the default comparison
 #: the algorithms with a hierarchical form (``--hierarchical``)
 HIERARCHICAL = ("dsgd", "dmsgd", "pga", "allreduce")
-TorchClient = dt.Client[torch.Tensor]
+TorchClient = dt.TorchClient
 
 
 @dataclass
@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The script's command line."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the model trains: cuda puts worker r on cuda:LOCAL_RANK "
+                        "(default auto: cuda where present)")
     p.add_argument("--epochs", type=int, default=10,
                    help="epochs per algorithm (default 10: 110 steps of 32 samples per worker; "
                         "about 10 s per algorithm with 4 workers on 2 cores)")
@@ -202,7 +205,7 @@ def evaluate(client: TorchClient, algo: str, model: nn.Module, data: Data, train
     """Per-worker and averaged-model accuracy, consensus distance; gathered on every rank."""
     own = accuracy(model, data.x_test, data.y_test)
     avg_model = copy.deepcopy(model)
-    dist = torch.zeros((), dtype=torch.float64)
+    dist = torch.zeros((), dtype=torch.float64, device=data.x_test.device)
     with torch.no_grad():
         for i, (p, q) in enumerate(zip(model.parameters(), avg_model.parameters(), strict=True)):
             mean = client.allreduce(p.data, op="average", name=f"eval.{algo}.avg.{i}")
@@ -224,7 +227,7 @@ def evaluate(client: TorchClient, algo: str, model: nn.Module, data: Data, train
 def train(client: TorchClient, algo: str, init: dict[str, torch.Tensor], data: Data,
           args: argparse.Namespace) -> Result:
     """Train ``algo`` from the initial weights ``init`` and evaluate it."""
-    model = make_model()
+    model = make_model().to(data.x_train.device)
     model.load_state_dict(init)
     model.train()
     # the wrapped optimizer's step is the local update; the algorithm turns it into the
@@ -293,9 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     client = dt.init()
     try:
         data = load_data(client.rank, client.size, args.batch_size, args.seed, args.test_size)
+        device = client.device if args.device == "cuda" or (
+            args.device == "auto" and torch.cuda.is_available()) else torch.device("cpu")
+        data = Data(data.x_train.to(device), data.y_train.to(device), data.x_test.to(device),
+                    data.y_test.to(device), data.steps_per_epoch)
         init = {k: v.clone() for k, v in initial_model(client, args.seed).state_dict().items()}
         if client.rank == 0:
-            print(f"{client.size} workers, topology {client.topology.kind} "
+            print(f"{client.size} workers on {device.type}, topology {client.topology.kind} "
                   f"(rank 0 receives from {list(client.topology.in_neighbors)}): "
                   f"{len(data.y_train)} train samples on rank 0, {len(data.y_test)} test, "
                   f"{data.steps_per_epoch} steps/epoch", flush=True)

@@ -14,6 +14,7 @@ results are numpy arrays): the Keras optimizer runs the algorithms over host buf
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -203,6 +204,18 @@ class TFCodec:
             return value
         into.assign(value)
         return into
+
+    def stager(self, tensor: Any) -> None:
+        """None: every tensor of this codec is read from host memory."""
+        return None
+
+    @staticmethod
+    def release_after_read(release: Callable[[], None]) -> None:
+        """Reads are done when they return: release now."""
+        release()
+
+    def close(self) -> None:
+        """Nothing runs after a call returns."""
 
     def check_call(self) -> None:
         """RuntimeError inside a ``tf.function``: an op called there would return a handle,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from decent.core import Client, DecentError, Handle
 from decent.core.surface.default_client import SHORTCUTS
 from decent.core.training.algorithms import ALGORITHMS, AlgorithmError
@@ -41,6 +43,11 @@ from decent.torch.optim import (
 globals().update(default_client.shortcuts())
 
 
+def device() -> torch.device:
+    """The default client's device (``cuda:LOCAL_RANK`` where CUDA is present, else the CPU)."""
+    return default_client.get().device
+
+
 def __getattr__(name: str) -> Any:
     """Only for names that do not exist (the shortcuts above are set when the module loads)."""
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -49,4 +56,4 @@ def __getattr__(name: str) -> Any:
 __all__ = ["ALGORITHMS", "Adasum", "AlgorithmError", "Average", "Client", "Compression",
            "DecentError", "DecentralizedOptimizer", "DistributedOptimizer", "Handle", "Sum",
            "TorchClient", "broadcast_optimizer_state", "broadcast_parameters", "connect",
-           "consensus", "flatten_parameters", "poll", "synchronize", *SHORTCUTS]
+           "consensus", "device", "flatten_parameters", "poll", "synchronize", *SHORTCUTS]

@@ -20,6 +20,14 @@ class TorchClient(Client[torch.Tensor]):
     """:class:`decent.core.Client` for torch tensors; the blocking out-of-place collectives of a
     tensor that requires grad are differentiable (:mod:`decent.torch.autograd`)."""
 
+    @property
+    def device(self) -> torch.device:
+        """This worker's device: ``cuda:LOCAL_RANK`` (modulo the devices there are) where CUDA
+        is present, one GPU per local worker, else the CPU."""
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+
     def _blocking(self, op: OpDecl, kwargs: dict[str, Any]) -> Any:
         """The blocking form of ``op``; recorded by autograd, with the adjoint collective as
         its backward pass, when the op is differentiable and its tensor requires grad."""

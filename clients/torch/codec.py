@@ -1,9 +1,11 @@
 """Moves torch tensors in and out of the shared-memory arena.
 
-CPU tensors are copied straight into the arena. CUDA tensors take the same path: the arena is
-registered as pinned host memory once, the device-to-host copy is issued non-blocking on the
-tensor's current stream and synchronized before the request is submitted; results come back with a
-non-blocking host-to-device copy that is synchronized before the arena slot is reused.
+CPU tensors are copied straight into the arena. CUDA tensors are staged through it
+(:mod:`decent.torch.cuda`): the arena is registered as pinned host memory once; a tensor is
+copied out on a side stream ordered after its producer's stream by an event (in chunks for a
+large one, which the daemon sends as they land), and a result comes back on the side stream
+with the caller's stream ordered on it; its slot is freed once that copy is done. Nothing
+waits for the whole device or a whole stream.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import contextlib
 import ctypes
 import math
 import os
+import threading
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -19,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from decent.core.memory.arena import ClientArena
 from decent.core.memory.regions import SharedStorage
+from decent.torch.cuda import DevicePool, Releases, Staging
 from decent_wire.v1 import decent_pb2 as pb
 
 _TO_WIRE = {
@@ -59,6 +64,13 @@ class TorchCodec:
 
     def __init__(self) -> None:
         self._pinned = False
+        self._registered: int | None = None  #: the arena's address while it is pinned
+        #: the CUDA side of the hand-off (made at attach when CUDA is present)
+        self._staging: Staging | None = None
+        self._releases: Releases | None = None
+        self._pool: DevicePool | None = None
+        #: the copy the last read on this thread issued (its slot is freed after it)
+        self._last = threading.local()
 
     def describe(self, tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
         """Wire dtype and shape of ``tensor``."""
@@ -77,11 +89,48 @@ class TorchCodec:
         """Pin the arena for asynchronous GPU copies when CUDA is present."""
         if not torch.cuda.is_available():
             return
+        self._staging, self._releases, self._pool = Staging(), Releases(), DevicePool()
         base = np.frombuffer(arena.buf, np.uint8)
         ptr = base.ctypes.data_as(ctypes.c_void_p).value
         with contextlib.suppress(Exception):
             err = torch.cuda.cudart().cudaHostRegister(ptr, arena.nbytes, 0)
             self._pinned = int(err) == 0
+        # unregistered before the arena is unmapped (close): a registration left behind would
+        # send later copies to its old pages when another arena is mapped at the same address
+        self._registered = ptr if self._pinned else None
+
+    def stager(self, tensor: torch.Tensor) -> Callable[[memoryview], Iterator[int]] | None:
+        """A CUDA tensor staged into a slot in chunks (each chunk's bytes yielded once its
+        event fired); None for a host tensor."""
+        staging = self._staging
+        if staging is None or not tensor.is_cuda:
+            return None
+        src = tensor.detach()
+
+        def stage(dst: memoryview) -> Iterator[int]:
+            for event, done in staging.to_host(src, torch.frombuffer(dst, dtype=torch.uint8)):
+                event.synchronize()  # this chunk's copy only
+                yield done
+        return stage
+
+    def release_after_read(self, release: Callable[[], None]) -> None:
+        """Free the slot the last read on this thread copied to a device once that copy is
+        done (at once when it copied nothing to a device)."""
+        event = getattr(self._last, "event", None)
+        self._last.event = None
+        if event is None or self._releases is None:
+            release()
+        else:
+            self._releases.after(event, release)
+
+    def close(self) -> None:
+        """Wait for the copies still running, free what they read, and unpin the arena (before
+        the client unmaps it)."""
+        if self._releases is not None:
+            self._releases.close()
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
 
     def write(self, tensor: torch.Tensor, dst: memoryview) -> None:
         """Copy ``tensor`` into ``dst`` (device tensors: non-blocking D2H, then synchronize)."""
@@ -89,21 +138,23 @@ class TorchCodec:
         if _plain(src) and len(dst):
             ctypes.memmove(_address(dst), src.data_ptr(), len(dst))
             return
+        if src.is_cuda and self._staging is not None:
+            host = torch.frombuffer(dst, dtype=torch.uint8) if len(dst) else None
+            if host is not None:  # one chunk: its event, not the device, is waited for
+                self._staging.to_host(src, host, chunk=len(dst))[-1][0].synchronize()
+            return
         host = _host_view(dst, tensor.dtype, tuple(tensor.shape))
-        if src.is_cuda:
-            host.copy_(src, non_blocking=self._pinned)
-            torch.cuda.current_stream(src.device).synchronize()
-        else:
-            host.copy_(src)
+        host.copy_(src)
 
     def read(self, src: memoryview, dtype: int, shape: tuple[int, ...],
              like: torch.Tensor | None) -> torch.Tensor:
         """A new tensor with the result, on ``like``'s device."""
         host = _host_view(src, _FROM_WIRE[dtype], shape)
-        if like is not None and like.is_cuda:
-            out = torch.empty(shape, dtype=host.dtype, device=like.device)
-            out.copy_(host, non_blocking=self._pinned)
-            torch.cuda.current_stream(like.device).synchronize()
+        if like is not None and like.is_cuda and self._staging is not None \
+                and self._pool is not None:
+            out = self._pool.take(shape, host.dtype, like.device)
+            if host.numel():
+                self._last.event = self._staging.to_device(host, out)
             return out
         out = torch.empty(shape, dtype=host.dtype)
         if len(src):
@@ -117,9 +168,11 @@ class TorchCodec:
             return into
         host = _host_view(src, into.dtype, tuple(into.shape))
         with torch.no_grad():
-            into.copy_(host, non_blocking=into.is_cuda and self._pinned)
-        if into.is_cuda:
-            torch.cuda.current_stream(into.device).synchronize()
+            if into.is_cuda and self._staging is not None:
+                if host.numel():
+                    self._last.event = self._staging.to_device(host, into)
+            else:
+                into.copy_(host)
         return into
 
     def host_bytes(self, tensor: torch.Tensor) -> np.ndarray | None:

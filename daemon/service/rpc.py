@@ -8,11 +8,11 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import version
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+import decentd
 from decent_wire.errors import DecentError
 from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.topology import Topology
@@ -187,7 +187,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             group_calls_led=self._services.groups.calls_led,
             window_staleness=self._services.windows.staleness(),
             metrics_port=self._endpoints.metrics_port,
-            version=version("decent"),
+            version=decentd.__version__,
             uptime_s=now - self._started,
             security_mode=self._services.links.auth.mode,
             address=self._services.links.own.address,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -53,6 +54,19 @@ class TensorCodec(Protocol[T]):
         """An in-place op's result, over buffer ``owner``, handed to ``into`` as it lies (no
         copy; ``owner`` kept alive as long as ``into`` uses it), for frameworks whose tensors
         never change; None to have it copied into ``into`` (:meth:`read_into`)."""
+
+    def stager(self, tensor: T) -> Callable[[memoryview], Iterator[int]] | None:
+        """For a device tensor: a function that copies it into host memory (a slot of its
+        size) chunk by chunk, yielding the bytes there so far, so that the daemon sends the
+        first chunks while the rest is staged; None for a tensor in host memory."""
+
+    def release_after_read(self, release: Callable[[], None]) -> None:
+        """Run ``release`` (it frees the slot the last read on this thread read from) once
+        nothing reads that slot any more: at once for a codec whose reads are done when they
+        return; after its copy for one that copies to a device asynchronously."""
+
+    def close(self) -> None:
+        """The client closes: finish what still runs (copies a slot waits on)."""
 
     def attach(self, arena: ClientArena) -> None:
         """Called once the arena is mapped (e.g. to pin it for GPU copies)."""

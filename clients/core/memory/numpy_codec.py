@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from decent.core.memory.arena import ClientArena
@@ -71,6 +74,18 @@ class NumpyCodec:
     def take(self, owner: np.ndarray, into: np.ndarray) -> np.ndarray | None:
         """None: an array takes its result by copy (into its own memory)."""
         return None
+
+    def stager(self, tensor: Any) -> None:
+        """None: every tensor of this codec is read from host memory."""
+        return None
+
+    @staticmethod
+    def release_after_read(release: Callable[[], None]) -> None:
+        """Reads are done when they return: release now."""
+        release()
+
+    def close(self) -> None:
+        """Nothing runs after a call returns."""
 
     def check_call(self) -> None:
         """Every call is allowed."""

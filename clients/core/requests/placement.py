@@ -17,7 +17,7 @@ The submitter sends what the placement says; the daemon's own placement layer
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -36,6 +36,22 @@ T = TypeVar("T")
 #: in-place result this large is copied out as it becomes final
 STREAM_MIN_BYTES = 8 << 20
 STREAM_CHUNK = 2 << 20
+
+#: copies an input into its slot (the memoryview) chunk by chunk, yielding the bytes in so far
+Source = Callable[[memoryview], Iterator[int]]
+
+
+def host_source(source: np.ndarray) -> Source:
+    """A host tensor's bytes, copied in :data:`STREAM_CHUNK` memmoves (they release the GIL)."""
+
+    def copy(dst: memoryview) -> Iterator[int]:
+        to = np.frombuffer(dst, np.uint8).ctypes.data
+        frm, nbytes = source.ctypes.data, len(dst)
+        for lo in range(0, nbytes, STREAM_CHUNK):
+            n = min(STREAM_CHUNK, nbytes - lo)
+            ctypes.memmove(to + lo, frm + lo, n)
+            yield lo + n
+    return copy
 
 
 @dataclass(frozen=True)
@@ -64,8 +80,9 @@ class Placement:
     delivery: Delivery = field(default_factory=Delivery)
     #: in place on memory the daemon writes directly (the arena or registered memory)
     resident: bool = False
-    #: the input's host bytes, streamed into its slot after the request is sent
-    source: np.ndarray | None = None
+    #: the input, streamed into its slot after the request is sent (host bytes copied, or a
+    #: device tensor staged, chunk by chunk)
+    source: Source | None = None
     #: the op never reads the input: it is not copied in (TensorRef.blank)
     blank: bool = False
 
@@ -101,12 +118,17 @@ class Placer(Generic[T]):
                          delivery, resident, source if place.source is not None else None,
                          call.blank_input)
 
-    def _streamable(self, call: OpCall, tensor: T | None, nbytes: int) -> np.ndarray | None:
-        """The host bytes of a tensor large enough to go out while it is copied in (an op
-        the daemon runs that way), or None."""
+    def _streamable(self, call: OpCall, tensor: T | None, nbytes: int) -> Source | None:
+        """How a tensor large enough to go out while it is copied in (an op the daemon runs
+        that way) is copied: a device tensor staged by its codec, host bytes copied; None
+        when it is not."""
         if not call.op.streams or tensor is None or nbytes < STREAM_MIN_BYTES:
             return None
-        return self.codec.host_bytes(tensor)
+        staged = self.codec.stager(tensor)
+        if staged is not None:
+            return staged
+        host = self.codec.host_bytes(tensor)
+        return None if host is None else host_source(host)
 
     def _sink(self, call: OpCall, into: T | None, nbytes: int) -> int:
         """Where an in-place result large enough to be copied out while it arrives goes (the
@@ -156,7 +178,7 @@ class Placer(Generic[T]):
         out_offset, out_capacity = slots[-1] if slots else (offset, nbytes)
         unfilled = not copy_in and resident is None and bool(nbytes)
         return Placement(slots, offset, out_offset, out_capacity, Delivery(combining=landing),
-                         source=np.empty(0, np.uint8) if unfilled else None)
+                         source=_UNFILLED if unfilled else None)
 
     def alloc(self, nbytes: int, what: str, wait: float | None = None) -> int:
         """A slot for a request: in the arena (reading finished results out first when it is
@@ -180,15 +202,19 @@ class Placer(Generic[T]):
         else:
             self.arena.free(offset, nbytes)
 
-    def stream_in(self, source: np.ndarray, offset: int, nbytes: int,
+    def stream_in(self, source: Source, offset: int, nbytes: int,
                   copied: Callable[[int], bool]) -> None:
         """Copy a streamed input into its slot chunk by chunk, telling ``copied(bytes in so
         far)`` after each (the daemon sends what is there); it returns False once the
         request's channel is gone."""
-        dst = np.frombuffer(self.view(offset, nbytes), np.uint8)
-        to, frm = dst.ctypes.data, source.ctypes.data
-        for lo in range(0, nbytes, STREAM_CHUNK):
-            n = min(STREAM_CHUNK, nbytes - lo)
-            ctypes.memmove(to + lo, frm + lo, n)  # releases the GIL
-            if not copied(lo + n):
+        for done in source(self.view(offset, nbytes)):
+            if not copied(done):
                 return
+
+
+def _unfilled(dst: memoryview) -> Iterator[int]:
+    """A marker source: the input is still to be streamed in (the caller has the real one)."""
+    yield len(dst)
+
+
+_UNFILLED: Source = _unfilled

@@ -296,7 +296,7 @@ class Submitter(Generic[T]):
                 self._free(p, State.FAILED)
                 return
             p.result = self._read(p)
-            self._free(p, State.READ)
+            self._free(p, State.READ, after_read=True)
 
     def _read(self, p: Pending) -> Any:
         if p.delivery.resident:
@@ -328,17 +328,26 @@ class Submitter(Generic[T]):
             p.slots.remove(slot)
         return result
 
-    def _free(self, p: Pending, state: State) -> None:
-        """Move ``p`` to a state whose slots are free (caller holds ``p.lock``)."""
+    def _free(self, p: Pending, state: State, after_read: bool = False) -> None:
+        """Move ``p`` to a state whose slots are free (caller holds ``p.lock``); ``after_read``:
+        once the codec's copy of the result out of them is done (a device copy may still run)."""
         assert state in FREED
         p.state = state
         p.like = None
         with self._lock:
             self._unread.pop(p.request_id, None)
+        slots, p.slots = p.slots, []
+        if not slots or self.closed:
+            return
+        if after_read:
+            self.codec.release_after_read(lambda: self._free_slots(slots))
+        else:
+            self._free_slots(slots)
+
+    def _free_slots(self, slots: list[tuple[int, int]]) -> None:
         if not self.closed:
-            for off, n in p.slots:
+            for off, n in slots:
                 self.placer.free_slot(off, n)
-        p.slots = []
 
     def _reclaim(self) -> bool:
         """Arena full: read finished-but-unread results out to free their slots."""

@@ -286,6 +286,7 @@ class Client(OpMethods[T]):
         if self._submitter.closed:
             return
         self._submitter.close()
+        self.codec.close()
         self.connection.close(patience=5)
         self.arena.close()
 
