@@ -20,9 +20,12 @@ pytestmark = [pytest.mark.netns, pytest.mark.serial, pytest.mark.slow, pytest.ma
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
     reason="needs root and iproute2: it creates network namespaces (ip netns add)")]
 
-#: 3 nodes, 40 steps of 150 ms: the restart (at rank 0's step 8) has 30 steps to rejoin in
-ARGS = ["--nodes", "3", "--steps", "40", "--pad-ms", "150", "--kill-rank", "2", "--kill-at", "4",
-        "--restart-at", "8", "--flap-rank", "1", "--flap-at", "6", "--flap-s", "2",
+#: 3 nodes, 70 steps of 150 ms: the restarted worker (started at rank 0's step 6) must take its
+#: state from a survivor before the survivors end; 64 steps (~10 s) leave room for its start (a
+#: torch import and a daemon) on a 2-core host after a busy run (30 steps, 4.5 s, were too few
+#: there: the donor had ended and the rejoin failed)
+ARGS = ["--nodes", "3", "--steps", "70", "--pad-ms", "150", "--kill-rank", "2", "--kill-at", "4",
+        "--restart-at", "6", "--flap-rank", "1", "--flap-at", "6", "--flap-s", "2",
         "--gloo-timeout", "10", "--op-timeout", "15", "--snapshot-every", "5"]
 
 #: every field the JSON must have, per part
@@ -67,7 +70,7 @@ def test_chaos_tiny_run(tmp_path: Path) -> None:
     assert kill["lost_steps"] == {"0": 0, "1": 0}, kill["lost_steps"]
     rejoin = kill["rejoin"]
     assert rejoin["state_equals_donor"] and rejoin["donor"] == 0, rejoin
-    assert 8 <= rejoin["iteration"] < 40, rejoin
+    assert 6 <= rejoin["iteration"] < 70, rejoin
     assert kill["detection"]["detect_s"] is not None
     assert res["verdicts"]["lost"]["met"] and res["verdicts"]["rejoin"]["met"]
     # gloo: every survivor failed or hung; none trained on
