@@ -14,13 +14,13 @@ results are numpy arrays): the Keras optimizer runs the algorithms over host buf
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from decent.core.memory.arena import ClientArena
+from decent.core.memory.codec import HostCodec
 from decent.core.memory.numpy_codec import NumpyCodec
 from decent.core.memory.regions import SharedStorage
 from decent_wire.v1 import decent_pb2 as pb
@@ -104,7 +104,7 @@ def tensor_over(src: memoryview, dtype: tf.DType, shape: tuple[int, ...],
     return tf.experimental.dlpack.from_dlpack(typed.__dlpack__())
 
 
-class TFCodec:
+class TFCodec(HostCodec):
     """The TensorFlow side of the arena hand-off."""
 
     framework = "tf"
@@ -204,18 +204,6 @@ class TFCodec:
             return value
         into.assign(value)
         return into
-
-    def stager(self, tensor: Any) -> None:
-        """None: every tensor of this codec is read from host memory."""
-        return None
-
-    @staticmethod
-    def release_after_read(release: Callable[[], None]) -> None:
-        """Reads are done when they return: release now."""
-        release()
-
-    def close(self) -> None:
-        """Nothing runs after a call returns."""
 
     def check_call(self) -> None:
         """RuntimeError inside a ``tf.function``: an op called there would return a handle,

@@ -101,3 +101,20 @@ def values_of(codec: TensorCodec[T], tensor: T) -> np.ndarray:
     if raw:
         codec.write(tensor, memoryview(raw))
     return np.frombuffer(raw, dtypes.STORAGE[dtype]).reshape(shape)
+
+
+class HostCodec:
+    """What a codec whose tensors all live in host memory does about staging (nothing): its
+    reads are done when they return, and nothing runs after a call."""
+
+    def stager(self, tensor: Any) -> None:
+        """None: every tensor of this codec is read from host memory."""
+        return None
+
+    @staticmethod
+    def release_after_read(release: Callable[[], None]) -> None:
+        """Reads are done when they return: release now."""
+        release()
+
+    def close(self) -> None:
+        """Nothing runs after a call returns."""

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import numpy as np
 
 from decent.core.memory.arena import ClientArena
+from decent.core.memory.codec import HostCodec
 from decent.core.memory.regions import SharedStorage
 from decent_wire.v1 import decent_pb2 as pb
 
@@ -24,7 +22,7 @@ _TO_WIRE: dict[np.dtype, int] = {
 _FROM_WIRE: dict[int, np.dtype] = {v: k for k, v in _TO_WIRE.items()}
 
 
-class NumpyCodec:
+class NumpyCodec(HostCodec):
     """Moves ``numpy.ndarray`` in and out of the arena."""
 
     framework = "numpy"
@@ -74,18 +72,6 @@ class NumpyCodec:
     def take(self, owner: np.ndarray, into: np.ndarray) -> np.ndarray | None:
         """None: an array takes its result by copy (into its own memory)."""
         return None
-
-    def stager(self, tensor: Any) -> None:
-        """None: every tensor of this codec is read from host memory."""
-        return None
-
-    @staticmethod
-    def release_after_read(release: Callable[[], None]) -> None:
-        """Reads are done when they return: release now."""
-        release()
-
-    def close(self) -> None:
-        """Nothing runs after a call returns."""
 
     def check_call(self) -> None:
         """Every call is allowed."""
