@@ -63,7 +63,6 @@ class TorchCodec:
     framework = "torch"
 
     def __init__(self) -> None:
-        self._pinned = False
         self._registered: int | None = None  #: the arena's address while it is pinned
         #: the CUDA side of the hand-off (made at attach when CUDA is present)
         self._staging: Staging | None = None
@@ -92,12 +91,11 @@ class TorchCodec:
         self._staging, self._releases, self._pool = Staging(), Releases(), DevicePool()
         base = np.frombuffer(arena.buf, np.uint8)
         ptr = base.ctypes.data_as(ctypes.c_void_p).value
-        with contextlib.suppress(Exception):
-            err = torch.cuda.cudart().cudaHostRegister(ptr, arena.nbytes, 0)
-            self._pinned = int(err) == 0
         # unregistered before the arena is unmapped (close): a registration left behind would
         # send later copies to its old pages when another arena is mapped at the same address
-        self._registered = ptr if self._pinned else None
+        with contextlib.suppress(Exception):
+            if int(torch.cuda.cudart().cudaHostRegister(ptr, arena.nbytes, 0)) == 0:
+                self._registered = ptr
 
     def stager(self, tensor: torch.Tensor) -> Callable[[memoryview], Iterator[int]] | None:
         """A CUDA tensor staged into a slot in chunks (each chunk's bytes yielded once its
@@ -133,7 +131,8 @@ class TorchCodec:
             self._registered = None
 
     def write(self, tensor: torch.Tensor, dst: memoryview) -> None:
-        """Copy ``tensor`` into ``dst`` (device tensors: non-blocking D2H, then synchronize)."""
+        """Copy ``tensor`` into ``dst`` (a device tensor on the side stream, waiting for that
+        copy's event only)."""
         src = tensor.detach()
         if _plain(src) and len(dst):
             ctypes.memmove(_address(dst), src.data_ptr(), len(dst))
