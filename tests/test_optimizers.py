@@ -27,7 +27,9 @@ from decent_wire.topology import build_topology
 
 pytestmark = pytest.mark.slow
 
-N, DIM, ROWS, STEPS = 4, 4, 10, 60
+#: 40 steps: every pair closes at least half the gap to the optimum (the runs are the same every
+#: time; the closest, Adam's, leave 0.35 of it)
+N, DIM, ROWS, STEPS = 4, 4, 10, 40
 RNG = np.random.default_rng(7)
 A = RNG.normal(size=(N, ROWS, DIM)) / np.sqrt(ROWS)
 B = RNG.normal(size=(N, ROWS)) + np.arange(N)[:, None]

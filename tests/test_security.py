@@ -74,7 +74,7 @@ def test_a_daemon_with_another_secret_is_refused(tmp_path: Path) -> None:
         other = secret_file(tmp_path, "other")
         out = subprocess.run([sys.executable, "-m", "decentd", "--rank", "1", "--peers",
                               lone.peers, "--socket", str(tmp_path / "r1.sock"),
-                              "--set", "timeouts.start=8", *secret_args(other)],
+                              "--set", "timeouts.start=5", *secret_args(other)],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 1, out
         assert "does not hold this cluster's secret" in out.stderr, out.stderr
@@ -396,7 +396,7 @@ def _refused_pair(tmp_path: Path, flags: list[tuple[str, ...]]) -> list[str]:
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     procs = [subprocess.Popen(
         [sys.executable, "-m", "decentd", "--rank", str(i), "--peers", peers,
-         "--socket", str(tmp_path / f"m{i}.sock"), "--set", "timeouts.start=8", *flags[i]],
+         "--socket", str(tmp_path / f"m{i}.sock"), "--set", "timeouts.start=5", *flags[i]],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
     errs = []
     for p in procs:

@@ -1,4 +1,4 @@
-"""The shared-memory arena of one local worker: created, pre-touched and mapped once by the daemon.
+"""The shared-memory arena of one local worker: created, reserved and mapped once by the daemon.
 
 The arena is a sealed memfd: its size can neither shrink nor grow (``F_SEAL_SHRINK``,
 ``F_SEAL_GROW``), so no worker can pull pages from under the daemon; it has no name anywhere, and
@@ -77,10 +77,9 @@ class Arena:
         self._map = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED,
                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.nbytes = nbytes
+        #: pages are reserved (fallocate) but mapped here at their first use: registration
+        #: costs no page faults, and a worker that uses little of its arena maps little
         self.buf: memoryview = memoryview(self._map)
-        pages = np.frombuffer(self.buf, np.uint8)
-        pages[::PAGE] = 0  # first touch now, not on the hot path
-        del pages
         self.max_regions = max_regions
         self._bases: list[int] = []  # sorted bases of registered regions
         self._regions: dict[int, mmap.mmap] = {}

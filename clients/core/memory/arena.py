@@ -16,7 +16,6 @@ from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 
 ALIGN = 64
-PAGE = 4096
 
 
 class ClientArena:
@@ -31,11 +30,9 @@ class ClientArena:
             os.close(fd)
         self.nbytes = nbytes
         self.buf: memoryview = memoryview(self._map)
-        pages = np.frombuffer(self.buf, np.uint8)
-        int(pages[::PAGE].sum())  # map every page now
-        #: the arena's address in this process (to recognize tensors that live in it)
-        self.address = int(pages.ctypes.data)
-        del pages
+        #: the arena's address in this process (to recognize tensors that live in it); its
+        #: pages are mapped at their first use, not here
+        self.address = int(np.frombuffer(self.buf, np.uint8, 1).ctypes.data)
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted by offset
         self._cond = threading.Condition()
         self._waiting = 0  #: allocations waiting for room (under the condition's lock)
