@@ -10,6 +10,11 @@ class StartupError(Exception):
     """The daemon cannot start (bad config, peers missing past the start timeout, ...)."""
 
 
+class ConfigError(StartupError):
+    """The daemon cannot start with this configuration, however often it tries: ``decentd``
+    exits 2 (systemd's ``RestartPreventExitStatus=2`` then stops restarting it)."""
+
+
 class PeerLost(DecentError):
     """A peer an op exchanges with is gone (its daemon's link dropped, or its worker left):
     under ``faults.on_peer_loss: reweight`` a neighbor op goes on without it."""

@@ -49,6 +49,9 @@ def new_shm_names(before: set[str], wait: float = 10.0) -> set[str]:
         ("peers: [not-an-address]\n", ["peers", "not-an-address"]),
         ("memory:\n  arena_bytes: lots\n", ["memory.arena_bytes", "lots"]),
         ("topology: [1, 2\n", ["not valid YAML"]),
+        # found by the daemon as it starts, not by the config model: exit 2 all the same
+        ("security:\n  worker_group: no-such-group-of-decent\n", ["security.worker_group"]),
+        ("topology:\n  weights: {0: {0: 2.0}}\n", ["topology", "row 0 sums to 2"]),
     ],
 )
 def test_config_errors_name_key_and_value(tmp_path: Path, yaml_text: str,
@@ -180,10 +183,34 @@ def test_sigterm_fails_in_flight_and_releases_shared_memory() -> None:
         assert "'inflight'" in info.value.message and "shutting down" in info.value.message
         assert c.procs[0].wait(timeout=30) == 0
         assert not os.path.exists(c.sockets[0])
+        # what comes after: the daemon said why it stopped before it closed the channel
+        with pytest.raises(DecentError) as after:
+            c.clients[0].allreduce(torch.zeros(1), name="after")
+        assert after.value.code_name == "SHUTTING_DOWN", after.value
+        assert after.value.message == "daemon rank 0 is shutting down (SIGTERM)", after.value
     finally:
         codes = c.stop()
     assert codes == [0, 0]
     assert shm_names() - before == set()
+
+
+@pytest.mark.slow
+def test_a_killed_daemon_is_not_reported_as_shutting_down() -> None:
+    # SIGKILL: no goodbye on the data channel, so the worker's op says the daemon died
+    c = Cluster(2, "ring")
+    try:
+        c.connect()
+        h = c.clients[0].neighbor_allreduce_async(torch.zeros(10), name="inflight", timeout=60)
+        until(lambda: c.clients[0].status().ops_in_flight > 0, "the op to be in flight")
+        c.procs[0].send_signal(signal.SIGKILL)
+        with pytest.raises(DecentError) as info:
+            h.wait(timeout=30)
+        assert info.value.code_name == "PEER_UNAVAILABLE", info.value
+        assert "without a goodbye (killed or crashed" in info.value.message, info.value
+        assert "shutting down" not in info.value.message, info.value
+    finally:
+        c.kill()
+        c.stop()
 
 
 @pytest.mark.slow

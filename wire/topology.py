@@ -205,13 +205,16 @@ class Topology:
         """Which of PROPERTIES fail at ``step``, each with the evidence."""
         w = self.matrix(step)
         out: dict[str, str] = {}
+        odd = np.argwhere(~np.isfinite(w) | (w < -_TOL))  # NaN, infinite or negative
         rows = w.sum(axis=1)
-        bad = np.flatnonzero(np.abs(rows - 1.0) > _TOL)
-        if bad.size or (w < -_TOL).any():
-            out["row-stochastic"] = (f"row {bad[0]} sums to {rows[bad[0]]:.6g}" if bad.size
-                                     else "W has negative entries")
+        bad = np.flatnonzero(~(np.abs(rows - 1.0) <= _TOL))  # a NaN row sum too
+        if odd.size:
+            i, j = (int(v) for v in odd[0])
+            out["row-stochastic"] = f"W[{i},{j}] = {w[i, j]:.6g} (rank {i}'s weight of rank {j})"
+        elif bad.size:
+            out["row-stochastic"] = f"row {bad[0]} sums to {rows[bad[0]]:.6g}"
         cols = w.sum(axis=0)
-        bad = np.flatnonzero(np.abs(cols - 1.0) > _TOL)
+        bad = np.flatnonzero(~(np.abs(cols - 1.0) <= _TOL))
         if "row-stochastic" in out or bad.size:
             out["doubly-stochastic"] = (out.get("row-stochastic") or
                                         f"column {bad[0]} sums to {cols[bad[0]]:.6g}")

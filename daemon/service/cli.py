@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from decentd.errors import StartupError
+from decentd.errors import ConfigError, StartupError
 from decentd.logs import DaemonLog, startup_error
 from decentd.service.config import NodeConfig, load_config, parse_set
 from decentd.service.notify import Notifier
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         if daemon_log.format != "json":  # a JSON log has the line above, and nothing else
             print(f"decentd: {exc}", file=sys.stderr)
         notifier.status(f"failed: {exc}")
-        return 1
+        return 2 if isinstance(exc, ConfigError) else 1
     outlive_namespace(cfg.timeouts.shutdown)
     return 0
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from decent_wire import topology
 from decent_wire.local import default_socket
-from decentd.errors import StartupError
+from decentd.errors import ConfigError
 
 
 class _Strict(BaseModel):
@@ -64,17 +64,25 @@ class TopologyConfig(_Strict):
         return kind
 
 
+#: the longest timeout a config may set (seconds): a finite one, so a lost peer fails an op
+DAY = 86400.0
+
+
 class TimeoutConfig(_Strict):
     """Timeouts, in seconds."""
 
-    start: float = Field(60.0, gt=0, description="how long to wait for all peers at start")
-    op: float = Field(60.0, gt=0, description="default per-op timeout")
-    stall_warning: float = Field(10.0, gt=0, description="log the ranks an op waits on after this")
+    start: float = Field(60.0, gt=0, le=DAY, description="how long to wait for all peers at "
+                         "start")
+    op: float = Field(60.0, gt=0, le=DAY, description="default per-op timeout")
+    stall_warning: float = Field(10.0, gt=0, le=DAY,
+                                 description="log the ranks an op waits on after this")
     heartbeat: float = Field(2.0, ge=0.05, le=3600,
                              description="heartbeat interval between peers")
-    auth: float = Field(10.0, gt=0, le=600, description="a peer's bulk connection that has not "
-                        "said a valid HELLO after this is closed")
-    shutdown: float = Field(5.0, ge=0, description="grace period for in-flight ops at SIGTERM")
+    auth: float = Field(10.0, ge=1, le=600, description="a peer's bulk connection that has not "
+                        "said a valid HELLO after this is closed (at least 1 s: a handshake "
+                        "over a slow link takes several round trips)")
+    shutdown: float = Field(5.0, ge=0, le=3600,
+                            description="grace period for in-flight ops at SIGTERM")
 
 
 class MemoryConfig(_Strict):
@@ -295,6 +303,9 @@ class NodeConfig(_Strict):
             raise ValueError(f"rank {self.rank} is outside peers (there are {len(self.peers)})")
         if isinstance(self.rank, int) and self.rank < 0:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
+        if (self.faults.min_nodes or 0) > self.size:
+            raise ValueError(f"faults.min_nodes {self.faults.min_nodes} is more than the "
+                             f"{self.size} daemon(s) in peers: the cluster could never start")
         return self
 
     @property
@@ -325,7 +336,7 @@ class NodeConfig(_Strict):
         match = re.search(r"-(\d+)$", socket.gethostname())
         if match:
             return int(match.group(1))
-        raise StartupError(
+        raise ConfigError(
             "config error: rank: 'auto' found none of $DECENT_RANK, $RANK, $SLURM_PROCID and the "
             f"hostname {socket.gethostname()!r} has no trailing -N ordinal"
         )
@@ -383,12 +394,15 @@ def check_socket_path(path: str) -> None:
 def _format_error(err: ValidationError) -> str:
     lines = []
     for item in err.errors():
-        key = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        key = ".".join(str(p) for p in item["loc"])
         value = item.get("input")
-        if item["type"] == "extra_forbidden":
+        if not key:  # a check across keys: its message names them
+            lines.append(item["msg"].removeprefix("Value error, "))
+        elif item["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key (value {value!r})")
         else:
-            lines.append(f"{key}: {item['msg']} (got {value!r})")
+            message = item["msg"].removeprefix("Value error, ")  # pydantic's, for a ValueError
+            lines.append(f"{key}: {message} (got {value!r})")
     return "config error: " + "; ".join(lines)
 
 
@@ -398,7 +412,7 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise StartupError(f"config error: {dotted}: {part} is not a section")
+            raise ConfigError(f"config error: {dotted}: {part} is not a section")
         node = child
     node[parts[-1]] = value
 
@@ -406,28 +420,28 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
 def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> NodeConfig:
     """Read ``path`` (YAML, optional), apply dotted-key ``overrides``, validate.
 
-    Raises StartupError with a message that names the bad key and value.
+    Raises ConfigError with a message that names the bad key and value.
     """
     data: dict[str, Any] = {}
     if path:
         try:
             loaded = yaml.safe_load(Path(path).read_text())
         except OSError as exc:
-            raise StartupError(f"config error: cannot read {path}: {exc.strerror}") from exc
+            raise ConfigError(f"config error: cannot read {path}: {exc.strerror}") from exc
         except yaml.YAMLError as exc:
-            raise StartupError(f"config error: {path} is not valid YAML: {exc}") from exc
+            raise ConfigError(f"config error: {path} is not valid YAML: {exc}") from exc
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
             kind = type(loaded).__name__
-            raise StartupError(f"config error: {path} must hold a mapping, not a {kind}")
+            raise ConfigError(f"config error: {path} must hold a mapping, not a {kind}")
         data = loaded
     for key, value in (overrides or {}).items():
         _set_path(data, key, value)
     try:
         return NodeConfig.model_validate(data)
     except ValidationError as exc:
-        raise StartupError(_format_error(exc)) from None
+        raise ConfigError(_format_error(exc)) from None
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -435,7 +449,7 @@ def parse_set(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise StartupError(f"config error: --set {item!r} is not key=value")
+            raise ConfigError(f"config error: --set {item!r} is not key=value")
         key, raw = item.split("=", 1)
         out[key.strip()] = yaml.safe_load(raw)
     return out

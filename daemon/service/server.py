@@ -26,11 +26,11 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry
 
-from decent_wire.topology import TopologyError
+from decent_wire.topology import Topology, TopologyError
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.engine.requests import Engine
-from decentd.errors import StartupError
+from decentd.errors import ConfigError, StartupError
 from decentd.mailbox.parking import ParkedFrames
 from decentd.mailbox.receiver import Receiver
 from decentd.mailbox.slots import Mailbox
@@ -44,7 +44,7 @@ from decentd.ops import OPS
 from decentd.ops.api import Services
 from decentd.security.auth import PeerAuth, read_secret
 from decentd.security.local_access import LocalAccess
-from decentd.service.config import NodeConfig
+from decentd.service.config import NodeConfig, TopologyConfig
 from decentd.service.metrics import MetricsServer, OpMetrics, StatusCollector
 from decentd.service.reload import Service, assign, changes, split, summary
 from decentd.service.rpc import PeerService, WorkerEndpoints, WorkerService, add_peer_service
@@ -60,7 +60,7 @@ log = logging.getLogger("decentd")
 
 
 def build_auth(cfg: NodeConfig, rank: int) -> PeerAuth:
-    """What this daemon asks of its peers (StartupError when the config cannot give it)."""
+    """What this daemon asks of its peers (ConfigError when the config cannot give it)."""
     sec = cfg.security
     if sec.mode == "mtls":
         from decentd.security.tls import Tls  # cryptography: only when certificates are used
@@ -68,9 +68,9 @@ def build_auth(cfg: NodeConfig, rank: int) -> PeerAuth:
         try:
             tls = Tls.load(str(sec.ca), str(sec.cert), str(sec.key), sec.encrypt_bulk)
         except (ValueError, ssl.SSLError) as exc:
-            raise StartupError(f"config error: {exc}") from None
+            raise ConfigError(f"config error: {exc}") from None
         if tls.identity() != (cfg.cluster_id, rank):
-            raise StartupError(f"config error: security.cert {sec.cert} names "
+            raise ConfigError(f"config error: security.cert {sec.cert} names "
                                f"{tls.identity() or 'no decent rank'}, but this daemon is rank "
                                f"{rank} of cluster {cfg.cluster_id!r}")
         return PeerAuth("mtls", cfg.cluster_id, tls=tls)
@@ -78,21 +78,27 @@ def build_auth(cfg: NodeConfig, rank: int) -> PeerAuth:
         try:
             secret = read_secret(str(sec.secret_file))
         except ValueError as exc:
-            raise StartupError(f"config error: security.secret_file: {exc}") from None
+            raise ConfigError(f"config error: security.secret_file: {exc}") from None
         return PeerAuth("secret", cfg.cluster_id, secret)
     return PeerAuth("insecure", cfg.cluster_id)
 
 
+def averaging_topology(config: TopologyConfig, size: int, key: str) -> Topology:
+    """``config`` over ``size`` ranks, whose weights average: finite, non-negative and summing
+    to 1 for every receiver (a ConfigError naming ``key`` and the entry otherwise)."""
+    try:
+        topology = config.build(size)
+        topology.check(["row-stochastic"], "averaging")
+    except TopologyError as exc:
+        raise ConfigError(f"config error: {key}: {exc}") from None
+    return topology
+
+
 def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver, Supervisor]:
     """The peer-facing layers of one daemon, wired bottom up."""
-    try:
-        topology = cfg.topology.build(cfg.worker_count)
-    except TopologyError as exc:
-        raise StartupError(f"config error: topology: {exc}") from None
-    try:
-        machine_topology = cfg.machine_topology_config().build(cfg.size)
-    except TopologyError as exc:
-        raise StartupError(f"config error: machine_topology: {exc}") from None
+    topology = averaging_topology(cfg.topology, cfg.worker_count, "topology")
+    machine_topology = averaging_topology(cfg.machine_topology_config(), cfg.size,
+                                          "machine_topology")
     addresses = cfg.peers or ["local"]
     pool = BufferPool(limit=cfg.memory.pool_bytes)
     links = Links(rank, addresses, cfg.cluster_id,
@@ -132,11 +138,11 @@ class Daemon:
         self.notifier = self.service.notifier
         self.rank = cfg.resolved_rank()
         if cfg.peers and not 0 <= self.rank < cfg.size:
-            raise StartupError(f"config error: rank: {self.rank} is outside peers "
+            raise ConfigError(f"config error: rank: {self.rank} is outside peers "
                                f"(there are {cfg.size})")
         exposed = cfg.exposure_error()
         if exposed is not None:
-            raise StartupError(exposed)
+            raise ConfigError(exposed)
         self.services, self.receiver, self.supervisor = build_services(cfg, self.rank)
         self.links = self.services.links
         self.registry = CollectorRegistry()
@@ -148,7 +154,7 @@ class Daemon:
         try:
             self.access = LocalAccess(cfg.security.allowed_uids, cfg.security.worker_group)
         except ValueError as exc:
-            raise StartupError(f"config error: {exc}") from None
+            raise ConfigError(f"config error: {exc}") from None
         self.sessions = Sessions(self.engine, self.rank, cfg.workers_per_node,
                                  cfg.memory.arena_bytes, cfg.memory.max_regions, self.access)
         self.ready = asyncio.Event()
@@ -366,8 +372,8 @@ class Daemon:
             self.timeline.close()
         data_server.close()
         self.memory.close()
-        for channel in list(self.channels):
-            channel.close()  # after the completions written above
+        for channel in list(self.channels):  # after the completions written above
+            channel.close(goodbye=f"daemon rank {self.rank} is shutting down (SIGTERM)")
         self.channels.clear()
         await worker_server.stop(grace=self.cfg.timeouts.shutdown)
         await self.links.close()

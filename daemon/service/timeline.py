@@ -55,7 +55,7 @@ from decent_wire import dtypes
 from decent_wire.errors import DecentError
 from decent_wire.protocol import op_label
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.errors import StartupError
+from decentd.errors import ConfigError
 from decentd.keys import OWNER_SEPARATOR, SEGMENT_SEPARATOR
 
 if TYPE_CHECKING:  # only for annotations: decentctl reads timelines without the daemon's modules
@@ -90,7 +90,7 @@ def trace_path(path: str, rank: int) -> str:
 
 def open_timeline(path: str | None, machine: int, per_node: int) -> Timeline | None:
     """The timeline of daemon ``machine`` that ``path`` (``timeline.path``) or else
-    ``$DECENT_TIMELINE`` asks for; None when neither does. StartupError when its file cannot be
+    ``$DECENT_TIMELINE`` asks for; None when neither does. ConfigError when its file cannot be
     created."""
     path = path or os.environ.get("DECENT_TIMELINE") or None
     if path is None:
@@ -98,7 +98,7 @@ def open_timeline(path: str | None, machine: int, per_node: int) -> Timeline | N
     try:
         return Timeline(path, machine, per_node)
     except OSError as exc:
-        raise StartupError(f"config error: timeline.path: cannot create "
+        raise ConfigError(f"config error: timeline.path: cannot create "
                            f"{trace_path(path, machine)}: {exc.strerror or exc}") from None
 
 

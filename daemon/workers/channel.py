@@ -97,8 +97,11 @@ class WorkerChannel(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def close(self) -> None:
-        """Close after pending completions are written."""
+    def close(self, goodbye: str | None = None) -> None:
+        """Close after pending completions are written; ``goodbye`` (why the daemon stops) goes
+        last, so that the worker tells a stop from a daemon that died (killed or crashed)."""
+        if goodbye is not None:
+            self.send(pb.Completion(error=pb.Error(code=pb.SHUTTING_DOWN, message=goodbye)))
         if self.transport is not None:
             self.transport.close()
 

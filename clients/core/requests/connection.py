@@ -150,7 +150,10 @@ class Connection:
 
     def _read(self, on_completion: Callable[[pb.Completion], None],
               on_lost: Callable[[DecentError], None]) -> None:
-        reason = "the daemon closed the data channel (shutting down)"
+        # no goodbye before the end: the daemon died (a daemon that stops says why, last)
+        code, reason = pb.PEER_UNAVAILABLE, (
+            f"lost the daemon at {self.address}: it closed the data channel without a goodbye "
+            "(killed or crashed; its log or its supervisor says why)")
         reader = framing.FrameReader(MAX_COMPLETION)
         assert self._sock is not None
         try:
@@ -159,15 +162,15 @@ class Connection:
                     completion = framing.decode(pb.Completion, body)
                     if completion.request_id != 0:
                         on_completion(completion)
-                    elif completion.error.code != pb.OK:
-                        reason = completion.error.message
-                        raise ConnectionError(reason)
+                    elif completion.error.code != pb.OK:  # the daemon's last word
+                        code, reason = completion.error.code, completion.error.message
                     else:
                         self._attached.set()
         except (OSError, framing.FrameError) as exc:
-            if not self._closing:
-                reason = f"lost the daemon at {self.address}: {exc}"
-        self.lost = DecentError(pb.SHUTTING_DOWN, reason)
+            code, reason = pb.PEER_UNAVAILABLE, f"lost the daemon at {self.address}: {exc}"
+        if self._closing:
+            code, reason = pb.SHUTTING_DOWN, "this client was closed"
+        self.lost = DecentError(code, reason)
         self._attached.set()
         on_lost(self.lost)
 
