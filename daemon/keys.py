@@ -74,6 +74,12 @@ def agreement(key: str) -> str:
     return f"{base}{SEGMENT_SEPARATOR}agree{sep}{who}"
 
 
+def op_name(key: str) -> str:
+    """The job-qualified name of a key's op, whoever owns the key (a worker or the node), and
+    without a segment or agreement mark: the keys one op of that name runs under share it."""
+    return key.rpartition(OWNER_SEPARATOR)[0].split(SEGMENT_SEPARATOR, 1)[0]
+
+
 def readdress(key: str, rank: int) -> str:
     """The same key owned by worker ``rank`` (a node-level key stays as it is)."""
     base, _, who = key.rpartition(OWNER_SEPARATOR)

@@ -93,6 +93,36 @@ def test_a_disagreement_fails_every_rank_the_same_way(four: Cluster, case: str) 
             assert torch.equal(out, torch.full((3,), 1.5))
 
 
+#: two ops of different kinds under one name, one on rank 0 and one on the others
+NAMED_OPS: dict[str, Callable[[Any, str], Any]] = {
+    "allreduce": lambda cl, name: cl.allreduce(torch.ones(4), name=name, timeout=60),
+    "neighbor_allreduce": lambda cl, name: cl.neighbor_allreduce(torch.ones(4), name=name,
+                                                                 timeout=60),
+    "broadcast": lambda cl, name: cl.broadcast(torch.ones(4), root=0, name=name, timeout=60),
+}
+
+
+@pytest.mark.parametrize(("first", "other"), [(a, b) for a in NAMED_OPS for b in NAMED_OPS
+                                              if a != b])
+def test_ops_of_different_kinds_under_one_name_fail_as_a_mismatch(
+        cluster: ClusterFactory, first: str, other: str) -> None:
+    # they once waited out their timeout on both sides (TIMEOUT, naming nothing); now each rank
+    # fails with MISMATCH naming both kinds, long before the 60 s timeout
+    c = cluster(2)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        try:
+            return NAMED_OPS[first if cl.rank == 0 else other](cl, f"clash.{first}.{other}")
+        except DecentError as err:
+            return err
+
+    got = c.run(work)
+    assert all(isinstance(g, DecentError) and g.code_name == "MISMATCH" for g in got), got
+    for g in got:
+        assert first in g.message and other in g.message, g
+
+
 def test_an_invalid_root_on_one_rank_fails_every_rank(cluster: ClusterFactory) -> None:
     c = cluster(N)
 

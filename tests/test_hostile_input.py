@@ -90,6 +90,9 @@ class Listener:
     def stray(self, key: Key, arrival: Arrival) -> None:
         pass
 
+    def foreign(self, src: int, op: int) -> None:
+        pass
+
 
 class Daemon0:
     """Daemon 0 of a two-daemon cluster, built as the daemon builds itself, minus the sockets;

@@ -12,7 +12,7 @@ import pytest
 
 from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.keys import part
+from decentd.keys import agreement, at_node, at_worker, part
 from decentd.mailbox.arrivals import Arrival, Message
 from decentd.mailbox.slots import Key, Mailbox
 from decentd.net.flow import CREDIT_IDLE, CREDIT_SOON, FlowError, LinkFlow, window_per_peer
@@ -41,12 +41,16 @@ class Listener:
     def __init__(self) -> None:
         self.aborts: list[tuple[int, str]] = []
         self.strays: list[Key] = []
+        self.foreign_ops: list[tuple[int, int]] = []
 
     def aborted(self, src: int, error: pb.Error) -> None:
         self.aborts.append((src, error.message))
 
     def stray(self, key: Key, arrival: Arrival) -> None:
         self.strays.append(key)
+
+    def foreign(self, src: int, op: int) -> None:
+        self.foreign_ops.append((src, op))
 
 
 def run(coro: Coroutine[Any, Any, None]) -> None:
@@ -380,4 +384,32 @@ def test_a_lost_link_fails_every_message_waiting_for_its_cts() -> None:
         flow.rendezvous[1] = Rendezvous([], "x", done)
         flow.fail_rendezvous(ConnectionError("gone"))
         assert isinstance(done.exception(), ConnectionError) and not flow.rendezvous
+    run(body())
+
+
+def test_parts_and_aborts_under_another_key_of_the_same_name_reach_the_open_op() -> None:
+    # a worker's op "j\x1fx" and a node-level op or an agreement of the same name meet nowhere
+    # else: what comes for one while the other is open (or before it opens) is told to it, so
+    # that two ops of different kinds under one name fail as a mismatch instead of timing out
+    mine, node = at_worker("j\x1fx", 0), at_node("j\x1fx")
+
+    async def body() -> None:
+        box, listener = Mailbox(Outbox()), Listener()
+        box.deliver(wire(node), arrival(wire(node), src=1))  # before the op opens
+        box.open([(mine, 0)], listener)
+        assert listener.foreign_ops == [(1, OP)]
+        box.deliver(wire(node, src=2), arrival(wire(node, src=2), src=2))  # while it is open
+        assert listener.foreign_ops == [(1, OP), (2, OP)]
+        agreeing = wire(agreement(node))
+        agreeing.op = pb.AGREEMENT
+        box.deliver(agreeing, arrival(agreeing))  # an agreement's part: not an op's data
+        box.deliver(wire("j\x1fy\x1en"), arrival(wire("j\x1fy\x1en")))  # another name
+        box.deliver(wire(node, round_=1), arrival(wire(node, round_=1)))  # another round
+        assert len(listener.foreign_ops) == 2
+        box.aborted([wire(agreement(node), src=3)], pb.Error(code=pb.MISMATCH, message="no"))
+        assert listener.aborts == [(3, "no")]
+        box.close([(mine, 0)])  # its name is forgotten with it
+        later = Listener()
+        box.open([(at_worker("j\x1fx", 1), 0)], later)
+        assert later.foreign_ops == []
     run(body())

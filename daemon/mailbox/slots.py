@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.keys import OpKey
+from decentd.keys import OpKey, op_name
 from decentd.mailbox.absences import Absences
 from decentd.mailbox.arrivals import Arrival
 from decentd.net.flow import Announced, MessageId
@@ -72,6 +72,10 @@ class OpListener(Protocol):
     def stray(self, key: Key, arrival: Arrival) -> None:
         """A part of this op arrived that nothing waits for (yet)."""
 
+    def foreign(self, src: int, op: int) -> None:
+        """A part of op ``op`` from ``src`` came under this op's name and round, at another of
+        its keys (:func:`decentd.keys.siblings`)."""
+
 
 class Landing(Protocol):
     """A payload being received straight into an op's memory."""
@@ -105,6 +109,8 @@ class Mailbox:
         self._slots: dict[Key, Slot] = {}
         self._by_op: dict[OpKey, set[Key]] = {}
         self._open: dict[OpKey, OpListener] = {}
+        self._named: dict[OpKey, dict[OpKey, OpListener]] = {}  #: open ops by op name, round
+        self._early_named: dict[OpKey, set[Key]] = {}  #: slots that held early parts, likewise
         self._held: dict[OpKey, list[Arrival]] = {}
         self._closed: collections.OrderedDict[OpKey, None] = collections.OrderedDict()
         self._early_aborts: collections.OrderedDict[OpKey, tuple[int, pb.Error]] = (
@@ -136,7 +142,20 @@ class Mailbox:
             early = self._early_aborts.pop(key, None)
             if early is not None:
                 aborts.append(early)
+            named = (op_name(key[0]), key[1])
+            self._named.setdefault(named, {})[key] = listener
+            for slot_key in self._early_named.get(named, ()):  # came before this op began
+                slot = self._slots.get(slot_key)
+                if slot is not None and slot.early is not None and slot_key[1] != key[0] \
+                        and slot.early.op != pb.AGREEMENT:
+                    listener.foreign(slot.early.src, slot.early.op)
         return aborts
+
+    def _siblings(self, key: OpKey) -> list[OpListener]:
+        """The ops open here under another key of the same op name and round (a worker's and
+        its node's, an op's and its agreement's)."""
+        named = self._named.get((op_name(key[0]), key[1]), {})
+        return [listener for other, listener in named.items() if other != key]
 
     @property
     def ran_ops(self) -> bool:
@@ -245,6 +264,13 @@ class Mailbox:
         messages: set[MessageId] = set()
         for key in keys:
             self._open.pop(key, None)
+            name = (op_name(key[0]), key[1])
+            named = self._named.get(name)
+            if named is not None:
+                named.pop(key, None)
+                if not named:
+                    del self._named[name]
+                    self._early_named.pop(name, None)
             for slot_key in self._by_op.pop(key, ()):
                 messages.update(self._drop(self._slots.pop(slot_key)))
             for arrival in self._held.pop(key, ()):
@@ -284,6 +310,7 @@ class Mailbox:
             self._drop(slot)
         self._slots.clear()
         self._by_op.clear()
+        self._early_named.clear()
         self._closed.clear()
         self._early_aborts.clear()
         self.announced.forget()
@@ -360,9 +387,13 @@ class Mailbox:
             slot.early.release()
         slot.early = arrival
         self.early_bytes += arrival.data.nbytes
+        self._early_named.setdefault((op_name(key[1]), key[2]), set()).add(key)
         listener = self._open.get(op_key)
         if listener is not None:
             listener.stray(key, arrival)
+        elif arrival.op != pb.AGREEMENT:
+            for other in self._siblings(op_key):
+                other.foreign(arrival.src, arrival.op)
 
     def acked(self, parts: Iterable[pb.Part]) -> None:
         """Their senders acknowledged our parts."""
@@ -390,6 +421,8 @@ class Mailbox:
             if listener is not None:
                 listener.aborted(src, error)
                 continue
+            for other in self._siblings(key):  # the op of that name failed there
+                other.aborted(src, error)
             self._early_aborts[key] = (src, error)
             while len(self._early_aborts) > EARLY_ABORT_MEMORY:
                 self._early_aborts.popitem(last=False)

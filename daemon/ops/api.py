@@ -114,6 +114,13 @@ class OpSpec:
     counted: bool = True
 
 
+#: ops that meet by name, as their parts say on the wire (a hierarchical one's node part is a
+#: neighbor allreduce's); others (windows, groups) never clash with them
+NAMED = {op: op for op in (pb.NEIGHBOR_ALLREDUCE, pb.NEIGHBOR_ALLGATHER, pb.ALLREDUCE, pb.BARRIER,
+                           pb.BROADCAST, pb.COMPRESSED_NEIGHBOR_ALLREDUCE, pb.ALLGATHER)}
+NAMED[pb.HIERARCHICAL_NEIGHBOR_ALLREDUCE] = pb.NEIGHBOR_ALLREDUCE
+
+
 class OpContext:
     """One running op: its request, its tensors and peers, and send/receive with checks."""
 
@@ -428,6 +435,16 @@ class OpContext:
         if f"rank {src}" not in message:
             message = f"rank {src} failed {self.label}: {message}"
         self.fail(DecentError(error.code or pb.ABORTED, message))
+
+    def foreign(self, src: int, op: int) -> None:
+        """Another op of this name from ``src`` (ours, unless ``op`` differs): MISMATCH."""
+        mine = (pb.Agreement.FromString(bytes(self.parts[0].raw)).op
+                if self.op == pb.AGREEMENT else self.op)  # an agreement: the op it agrees on
+        if op in NAMED and mine in NAMED and NAMED[op] != NAMED[mine] and self.failure is None:
+            self.participants.add(src)
+            self.fail(DecentError(pb.MISMATCH, f"tensor '{self.display}' round {self.round}: "
+                                  f"rank {self.rank} submitted {op_label(mine)} but rank {src} "
+                                  f"submitted {op_label(op)} under the same name"))
 
     def stray(self, key: Key, arrival: Arrival) -> None:
         """A part of this op arrived that nothing waits for: fail the op if it disagrees.
