@@ -214,7 +214,7 @@ def test_a_listen_address_off_loopback_needs_a_security_mode(tmp_path: Path) -> 
     base = [sys.executable, "-m", "decentd", "--peers", f"127.0.0.1:{port}",
             "--listen", f"0.0.0.0:{port}", "--socket", str(tmp_path / "d.sock")]
     refused = subprocess.run(base, capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 1, refused
+    assert refused.returncode == 2, refused  # a config error: systemd does not retry it
     assert "off loopback, with no security" in refused.stderr
     assert "security.mode" in refused.stderr and "secret_file" in refused.stderr
     with (tmp_path / "insecure.log").open("wb") as log:
@@ -420,7 +420,7 @@ def test_a_valid_certificate_claiming_another_rank_is_refused(tmp_path: Path) ->
     wrong = subprocess.run([sys.executable, "-m", "decentd", "--rank", "1", "--peers", peers,
                             "--socket", str(tmp_path / "w.sock"), *mtls_args(pki, 1, cert_rank=0)],
                            capture_output=True, text=True, timeout=60)
-    assert wrong.returncode == 1 and "names ('decent', 0)" in wrong.stderr, wrong.stderr
+    assert wrong.returncode == 2 and "names ('decent', 0)" in wrong.stderr, wrong.stderr
     # a caller that skips that check: rank 2's valid certificate, claiming rank 1
     with (tmp_path / "rank0.log").open("ab") as log:
         lone = subprocess.Popen([sys.executable, "-m", "decentd", "--rank", "0", "--peers",

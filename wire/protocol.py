@@ -21,3 +21,17 @@ def op_label(op: int) -> str:
     """``neighbor_allreduce`` style name of an ``OpType`` (ValueError for none)."""
     label = _LABELS.get(op)
     return str(pb.OpType.Name(op)).lower() if label is None else label
+
+
+#: ops that meet by name, by the op their parts carry (a hierarchical neighbor allreduce's node
+#: part is a neighbor allreduce's): two of them under one name and round clash unless they map
+#: to the same op here; others (windows, groups) never meet these by name
+NAMED_OPS = {op: op for op in (pb.NEIGHBOR_ALLREDUCE, pb.NEIGHBOR_ALLGATHER, pb.ALLREDUCE,
+                               pb.BARRIER, pb.BROADCAST, pb.COMPRESSED_NEIGHBOR_ALLREDUCE,
+                               pb.ALLGATHER)}
+NAMED_OPS[pb.HIERARCHICAL_NEIGHBOR_ALLREDUCE] = pb.NEIGHBOR_ALLREDUCE
+
+
+def clash(op: int, other: int) -> bool:
+    """Whether ops ``op`` and ``other``, under one name and round, are two different ops."""
+    return op in NAMED_OPS and other in NAMED_OPS and NAMED_OPS[op] != NAMED_OPS[other]

@@ -21,7 +21,7 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
-from decent_wire.protocol import op_label
+from decent_wire.protocol import clash, op_label
 from decent_wire.topology import Step, Topology
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.concurrency import gather_all
@@ -112,13 +112,6 @@ class OpSpec:
     rows: Callable[[OpContext], dict[int, int] | None] = lambda _ctx: None
     #: counted in ``ops_completed`` (an agreement is part of its collective, not an op of its own)
     counted: bool = True
-
-
-#: ops that meet by name, as their parts say on the wire (a hierarchical one's node part is a
-#: neighbor allreduce's); others (windows, groups) never clash with them
-NAMED = {op: op for op in (pb.NEIGHBOR_ALLREDUCE, pb.NEIGHBOR_ALLGATHER, pb.ALLREDUCE, pb.BARRIER,
-                           pb.BROADCAST, pb.COMPRESSED_NEIGHBOR_ALLREDUCE, pb.ALLGATHER)}
-NAMED[pb.HIERARCHICAL_NEIGHBOR_ALLREDUCE] = pb.NEIGHBOR_ALLREDUCE
 
 
 class OpContext:
@@ -440,7 +433,7 @@ class OpContext:
         """Another op of this name from ``src`` (ours, unless ``op`` differs): MISMATCH."""
         mine = (pb.Agreement.FromString(bytes(self.parts[0].raw)).op
                 if self.op == pb.AGREEMENT else self.op)  # an agreement: the op it agrees on
-        if op in NAMED and mine in NAMED and NAMED[op] != NAMED[mine] and self.failure is None:
+        if clash(op, mine) and self.failure is None:
             self.participants.add(src)
             self.fail(DecentError(pb.MISMATCH, f"tensor '{self.display}' round {self.round}: "
                                   f"rank {self.rank} submitted {op_label(mine)} but rank {src} "
