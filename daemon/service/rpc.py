@@ -98,8 +98,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         await self._ready.wait()
         local = request.local_rank if request.HasField("local_rank") else None
         try:
-            session = self._sessions.register(request.pid, request.framework, request.job, local,
-                                              self._joining())
+            session = await self._sessions.register(request.pid, request.framework, request.job,
+                                                    local, self._joining())
         except DecentError as err:
             log.error("worker (pid %d) refused: %s", request.pid, err.message)
             return pb.RegisterReply(error=err.to_pb())

@@ -100,6 +100,8 @@ class Sessions:
         self._max_regions = max_regions
         self._tasks = TaskSet()
         self.by_id: dict[str, WorkerSession] = {}
+        #: (job, local rank) -> pid of workers whose arena is being made (off the event loop)
+        self._reserving: dict[tuple[str, int], int] = {}
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -107,12 +109,13 @@ class Sessions:
     def _local_rank(self, job: str, asked: int | None, pid: int) -> int:
         """The local rank a new worker of ``job`` gets: the one it asked for, else the lowest
         free one (DecentError when it is taken or out of range)."""
-        taken = {s.local_rank: s for s in self.by_id.values() if s.job == job}
-        own = [s for s in taken.values() if s.pid == pid]
-        if own and (asked is None or asked == own[0].local_rank):
+        taken = {s.local_rank: s.pid for s in self.by_id.values() if s.job == job}
+        taken.update({r: p for (j, r), p in self._reserving.items() if j == job})
+        own = [r for r, p in taken.items() if p == pid]
+        if own and (asked is None or asked == own[0]):
             raise DecentError(pb.INVALID_ARGUMENT, f"this process (pid {pid}) already has a "
                               f"client of job {shown(job)} on daemon rank {self._machine}, as "
-                              f"local rank {own[0].local_rank}: one process is one worker. Use "
+                              f"local rank {own[0]}: one process is one worker. Use "
                               "that client (the module functions and optimizer wrappers of "
                               "decent.torch and decent.tf use the first one a process "
                               "connects), or close it before connecting again")
@@ -129,22 +132,28 @@ class Sessions:
                               f"{self._per_node} workers per node)")
         if asked in taken:
             raise DecentError(pb.INVALID_ARGUMENT, f"local rank {asked} of job {shown(job)} is "
-                              f"already taken by the worker with pid {taken[asked].pid}")
+                              f"already taken by the worker with pid {taken[asked]}")
         return asked
 
-    def register(self, pid: int, framework: str, job: str,
-                 local_rank: int | None = None, joining: bool = False) -> WorkerSession:
+    async def register(self, pid: int, framework: str, job: str,
+                       local_rank: int | None = None, joining: bool = False) -> WorkerSession:
         """A new worker with its own arena and its rank (DecentError when its local rank is
         taken or no arena can be made); dropped if it does not attach within
         :data:`ATTACH_TIMEOUT`. ``joining``: it joins a running job, and peers include it
-        only once it says so (:meth:`joined`), after it took its state."""
+        only once it says so (:meth:`joined`), after it took its state. The arena is reserved
+        in a thread (seconds for GiBs): the daemon's loop, heartbeats included, runs on."""
         local = self._local_rank(job, local_rank, pid)
-        waiting = sum(not s.attached for s in self.by_id.values())
+        waiting = sum(not s.attached for s in self.by_id.values()) + len(self._reserving)
         if waiting >= MAX_UNATTACHED:
             raise DecentError(pb.RESOURCE_EXHAUSTED, f"{waiting} registered workers have not "
                               "attached yet; register again once they have (or are dropped)")
-        arena = Arena(self._arena_bytes, f"{SHM_PREFIX}-{self._machine}-{os.getpid()}",
-                      self._max_regions, self._access.protect_fd)
+        self._reserving[(job, local)] = pid
+        try:
+            arena = await asyncio.to_thread(
+                Arena, self._arena_bytes, f"{SHM_PREFIX}-{self._machine}-{os.getpid()}",
+                self._max_regions, self._access.protect_fd)
+        finally:
+            del self._reserving[(job, local)]
         rank = self._machine * self._per_node + local
         session = WorkerSession(secrets.token_hex(8), pid, framework, arena, job, rank, local)
         self.by_id[session.worker_id] = session
