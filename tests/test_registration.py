@@ -6,10 +6,11 @@ descriptors show when the arena's memfd exists."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
-from inprocess import InProcessCluster, wait_for
+from inprocess import InProcessCluster, NumpyClient, wait_for
 
 from decent.core import Client, NumpyCodec
 
@@ -20,10 +21,8 @@ def arenas_being_made() -> int:
     """This process's memfds of decent arenas."""
     count = 0
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # closed meanwhile
             count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:decent")
-        except OSError:  # closed meanwhile
-            pass
     return count
 
 
@@ -32,7 +31,7 @@ def test_the_daemon_answers_while_a_large_arena_is_reserved() -> None:
         daemon = cluster.daemons[0]
         before = arenas_being_made()
         registered: list[str] = []
-        clients: list[Client[object]] = []
+        clients: list[NumpyClient] = []
 
         def connect() -> None:
             clients.append(Client(NumpyCodec(), f"unix://{cluster.sockets[0]}", 60,
