@@ -73,8 +73,8 @@ class OpListener(Protocol):
         """A part of this op arrived that nothing waits for (yet)."""
 
     def foreign(self, src: int, op: int) -> None:
-        """A part of op ``op`` from ``src`` came under this op's name and round, at another of
-        its keys (:func:`decentd.keys.siblings`)."""
+        """A part of op ``op`` from ``src`` came under this op's name and round
+        (:func:`decentd.keys.op_name`), at another of its keys."""
 
 
 class Landing(Protocol):

@@ -396,12 +396,12 @@ def _format_error(err: ValidationError) -> str:
     for item in err.errors():
         key = ".".join(str(p) for p in item["loc"])
         value = item.get("input")
+        message = item["msg"].removeprefix("Value error, ")  # pydantic's, for a ValueError
         if not key:  # a check across keys: its message names them
-            lines.append(item["msg"].removeprefix("Value error, "))
+            lines.append(message)
         elif item["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key (value {value!r})")
         else:
-            message = item["msg"].removeprefix("Value error, ")  # pydantic's, for a ValueError
             lines.append(f"{key}: {message} (got {value!r})")
     return "config error: " + "; ".join(lines)
 

@@ -71,8 +71,8 @@ def build_auth(cfg: NodeConfig, rank: int) -> PeerAuth:
             raise ConfigError(f"config error: {exc}") from None
         if tls.identity() != (cfg.cluster_id, rank):
             raise ConfigError(f"config error: security.cert {sec.cert} names "
-                               f"{tls.identity() or 'no decent rank'}, but this daemon is rank "
-                               f"{rank} of cluster {cfg.cluster_id!r}")
+                              f"{tls.identity() or 'no decent rank'}, but this daemon is rank "
+                              f"{rank} of cluster {cfg.cluster_id!r}")
         return PeerAuth("mtls", cfg.cluster_id, tls=tls)
     if sec.mode == "secret":
         try:
@@ -139,7 +139,7 @@ class Daemon:
         self.rank = cfg.resolved_rank()
         if cfg.peers and not 0 <= self.rank < cfg.size:
             raise ConfigError(f"config error: rank: {self.rank} is outside peers "
-                               f"(there are {cfg.size})")
+                              f"(there are {cfg.size})")
         exposed = cfg.exposure_error()
         if exposed is not None:
             raise ConfigError(exposed)

@@ -99,7 +99,7 @@ def open_timeline(path: str | None, machine: int, per_node: int) -> Timeline | N
         return Timeline(path, machine, per_node)
     except OSError as exc:
         raise ConfigError(f"config error: timeline.path: cannot create "
-                           f"{trace_path(path, machine)}: {exc.strerror or exc}") from None
+                          f"{trace_path(path, machine)}: {exc.strerror or exc}") from None
 
 
 def spans(phases: Phases, client: tuple[int, int, int] | None) -> list[Span]:
