@@ -24,6 +24,7 @@ from typing import Any, cast
 import grpc
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 import decent.torch as dt
 from cluster import until
@@ -38,6 +39,7 @@ from decentd.mailbox.slots import Key
 from decentd.net import flow
 from decentd.net.inbound import Inbound
 from decentd.ops.api import Services
+from decentd.security.refusals import Refusals
 from decentd.service.config import NodeConfig
 from decentd.service.server import build_services
 from decentd.tools.launcher import free_ports
@@ -104,7 +106,8 @@ class Daemon0:
                          memory={"early_arrival_bytes": window})
         self.services: Services
         self.receiver: Receiver
-        self.services, self.receiver, _ = build_services(cfg, 0)
+        self.services, self.receiver, _ = build_services(cfg, 0,
+                                                         Refusals(CollectorRegistry()))
         self.mailbox = self.services.mailbox
         self.pool = self.services.pool
         self.windows: WindowStore = self.services.windows

@@ -11,45 +11,20 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from lone import LoneDaemon, closed_by_peer, secret_args, secret_file, wait_for
 
 from cluster import Cluster, free_ports
 from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
-from decentd.security.auth import NONCE_BYTES, PeerAuth, new_nonce, write_secret
+from decentd.security.auth import NONCE_BYTES, PeerAuth, new_nonce
 
 pytestmark = pytest.mark.slow
-
-
-def secret_file(tmp_path: Path, name: str = "secret") -> str:
-    return str(write_secret(tmp_path / name))
-
-
-def secret_args(path: str) -> tuple[str, ...]:
-    return ("--security-mode", "secret", "--secret-file", path)
-
-
-def wait_for(predicate: object, what: str, timeout: float = 60) -> None:
-    """Poll ``predicate`` (a callable) until it holds: an event another process causes."""
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    """Block until the daemon closes ``sock`` (True), or it sends something (False)."""
-    sock.settimeout(60)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
 
 
 def test_secret_mode_gives_exact_results(tmp_path: Path) -> None:
@@ -83,45 +58,6 @@ def test_a_daemon_with_another_secret_is_refused(tmp_path: Path) -> None:
         lone.close()
 
 
-class LoneDaemon:
-    """Rank 0 of a two-daemon secret-mode cluster whose rank 1 is not up: what an attacker
-    reaches before the real peer connects."""
-
-    def __init__(self, tmp_path: Path, *extra: str) -> None:
-        self.secret = secret_file(tmp_path)
-        self.grpc_port, self.data_port = free_ports(2)
-        self.peer_port = free_ports(1)[0]
-        self.peers = f"127.0.0.1:{self.grpc_port},127.0.0.1:{self.peer_port}"
-        self.log = tmp_path / "rank0.log"
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "decentd", "--rank", "0", "--peers", self.peers,
-                 "--socket", str(tmp_path / "r0.sock"), "--set", "timeouts.start=120",
-                 "--set", f"transport.data_port={self.data_port}",
-                 *secret_args(self.secret), *extra], stdout=log, stderr=subprocess.STDOUT)
-        wait_for(lambda: self._listening(self.data_port) and self._listening(self.grpc_port),
-                 "rank 0 never listened")
-
-    @staticmethod
-    def _listening(port: int) -> bool:
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", port)) == 0
-
-    def bulk(self) -> socket.socket:
-        return socket.create_connection(("127.0.0.1", self.data_port), timeout=60)
-
-    def stub(self) -> tuple[grpc.Channel, pb_grpc.PeerStub]:
-        channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
-        return channel, pb_grpc.PeerStub(channel)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
 def test_a_spoofed_hello_is_closed_and_the_real_peer_still_gets_in(tmp_path: Path) -> None:
     lone = LoneDaemon(tmp_path)
     try:
@@ -134,11 +70,7 @@ def test_a_spoofed_hello_is_closed_and_the_real_peer_still_gets_in(tmp_path: Pat
                 assert closed_by_peer(s)
         assert "HELLO as rank 1 without a valid proof" in lone.text()
         # the real rank 1 connects afterwards: nothing was bound to its rank
-        with (tmp_path / "rank1.log").open("ab") as log:
-            real = subprocess.Popen(
-                [sys.executable, "-m", "decentd", "--rank", "1", "--peers", lone.peers,
-                 "--socket", str(tmp_path / "r1.sock"), *secret_args(lone.secret)],
-                stdout=log, stderr=subprocess.STDOUT)
+        real = lone.start_peer(tmp_path)
         try:
             import decent.torch as dt
             clients = [dt.connect(f"unix://{tmp_path / f'r{i}.sock'}", 60, job="spoof")

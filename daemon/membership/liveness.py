@@ -105,38 +105,77 @@ class Supervisor:
             self._reconnect(rank, wait))
 
     async def _reconnect(self, rank: int, wait: float) -> None:
+        """Reach ``rank`` until the link is up both ways: our connection opened, and the peer's
+        to us proven by its HELLO (which our handshake prompts). When the peer's does not come
+        within :meth:`_half_open_grace`, ours goes and the handshake is made again."""
         link = self.links.links[rank]
         if wait:
             await asyncio.sleep(wait)
         delay = FIRST_DELAY
-        while not link.connected and not self.closing:
-            try:
-                reply = await asyncio.wait_for(
-                    connect_peer(self.links, link, time.monotonic() + ATTEMPT_TIMEOUT,
-                                 self.members.members[rank].declared_down,
-                                 self._sender_broken, self.mailbox.ran_ops),
-                    ATTEMPT_TIMEOUT + 1)
-            except StartupError as exc:  # refused: another cluster, topology, secret...
-                # not fatal: a misconfigured or hostile process at a peer's address must not
-                # stop us; the real peer may still come (the start timeout names this reason)
-                if str(exc) != self.members.members[rank].refusal:
-                    log.error("%s", exc)
-                self.members.members[rank].refusal = str(exc)
-                self._failed_attempt(link, str(exc))
-            except (ConnectionError, OSError, TimeoutError, grpc.aio.AioRpcError) as exc:
-                self._failed_attempt(link, f"unreachable ({exc or type(exc).__name__})")
-            else:
-                if self.closing:
+        half_open = self._half_open_grace()
+        while not self.members.is_up(rank) and not self.closing:
+            if link.connected:
+                opened = time.monotonic()
+                while not self.members.is_up(rank) and time.monotonic() - opened < half_open:
+                    await self._changed_or(rank, half_open - (time.monotonic() - opened))
+                if self.members.is_up(rank) or self.closing:
                     return
-                self._connected(link, reply)
-                return
-            kick = self._kick[rank]
-            try:
-                await asyncio.wait_for(kick.wait(), delay)
+                log.info("rank %d: our connection is up but its connection to us did not "
+                         "come in %gs; handshaking again", rank, half_open,
+                         extra={"peer": rank})
+                self._drop(rank, "its connection to us did not come", self._idle_state(rank))
+                half_open = min(2 * half_open, max(self.dead_after, half_open))
+            if await self._attempt(link):
                 delay = FIRST_DELAY
-            except TimeoutError:
-                delay = min(2 * delay, self.max_delay)
+                continue
+            delay = FIRST_DELAY if await self._changed_or(rank, delay) else \
+                min(2 * delay, self.max_delay)
+
+    async def _attempt(self, link: PeerLink) -> bool:
+        """One try at opening our connection to ``link``'s peer; whether it opened."""
+        rank = link.rank
+        try:
+            reply = await asyncio.wait_for(
+                connect_peer(self.links, link, time.monotonic() + ATTEMPT_TIMEOUT,
+                             self.members.members[rank].declared_down,
+                             self._sender_broken, self.mailbox.ran_ops),
+                ATTEMPT_TIMEOUT + 1)
+        except StartupError as exc:  # refused: another cluster, topology, secret...
+            # not fatal: a misconfigured or hostile process at a peer's address must not
+            # stop us; the real peer may still come (the start timeout names this reason)
+            if str(exc) != self.members.members[rank].refusal:
+                log.error("%s", exc)
+            self.members.members[rank].refusal = str(exc)
+            self._failed_attempt(link, str(exc))
+        except (ConnectionError, OSError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            self._failed_attempt(link, f"unreachable ({exc or type(exc).__name__})")
+        else:
+            if not self.closing:
+                self._connected(link, reply)
+            return True
+        return False
+
+    async def _changed_or(self, rank: int, timeout: float) -> bool:
+        """Wait for news of ``rank`` (its handshake, its HELLO) or ``timeout`` seconds; whether
+        news came."""
+        kick = self._kick[rank]
+        try:
+            await asyncio.wait_for(kick.wait(), max(0.0, timeout))
+            return True
+        except TimeoutError:
+            return False
+        finally:
             kick.clear()
+
+    def _half_open_grace(self) -> float:
+        """How long our open connection waits for the peer's before we handshake again: a few
+        attempts' time (the peer is reaching us too, prompted by our handshake)."""
+        return max(3 * ATTEMPT_TIMEOUT, 2 * self.heartbeat)
+
+    def _idle_state(self, rank: int) -> PeerState:
+        """The state a peer that is not up stays in while we reach it again."""
+        return PeerState.DOWN if self.members.state(rank) is PeerState.DOWN \
+            else PeerState.RECONNECTING
 
     def _failed_attempt(self, link: PeerLink, reason: str) -> None:
         """Reaching ``link``'s peer failed: a peer we had is dead now (unless it reached us
@@ -214,6 +253,7 @@ class Supervisor:
             log.info("rank %d is up (both connections; epoch %d, live %s)", rank,
                      self.members.epoch, self.members.live_daemons(), extra={"peer": rank})
             self._tell_view()
+            self._kick[rank].set()  # its reconnect task ends
 
     # ------------------------------------------------------------------ events (PeerEvents)
 
@@ -277,6 +317,8 @@ class Supervisor:
         if self.members.incarnation_of(src) not in (0, incarnation):
             self._drop(src, "it restarted", PeerState.RECONNECTING)
             self._new_workers(src)  # left out from now on, not only once it is up
+        elif link.inbound is not None:  # it handshakes only after tearing its side down
+            self._drop(src, "it reconnects", self._idle_state(src))
         member.incarnation = incarnation
         self._afresh_if_apart(src)
         self._reach(src)
@@ -325,6 +367,7 @@ class Supervisor:
         self._count_afresh(rank, reason)
         log.warning("rank %d is down: %s (epoch %d, live %s)", rank, reason,
                     self.members.epoch, self.members.live_daemons(), extra={"peer": rank})
+        self._reach(rank)  # for as long as we run, with backoff: a partition heals
 
     def _tell_view(self) -> None:
         self.links.outbox.tell_all(self.view_frame())
@@ -354,7 +397,6 @@ class Supervisor:
                 link.last_heartbeat = max(link.last_heartbeat, now)
             if state is PeerState.UP and now - link.last_heartbeat > self.dead_after:
                 self._declare_down(rank, f"silent for {now - link.last_heartbeat:.1f}s")
-                self._reach(rank)
             elif state is PeerState.RECONNECTING and \
                     now - self.members.members[rank].since > self.dead_after:
                 self._declare_down(rank, f"not reachable for {self.dead_after:g}s")

@@ -14,11 +14,17 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.so_reuseport", 0),
 ]
 
-#: the peer gRPC server: it carries only challenges and handshakes (a few hundred bytes), to
-#: callers not proven yet; idle connections are closed, streams per connection bounded
-PEER_SERVER_OPTIONS: list[tuple[str, int]] = [
-    *(o for o in GRPC_OPTIONS if o[0] != "grpc.max_receive_message_length"),
-    ("grpc.max_receive_message_length", 64 << 10),
-    ("grpc.max_concurrent_streams", 16),
-    ("grpc.max_connection_idle_ms", 60_000),
-]
+def peer_server_options(auth_timeout: float) -> list[tuple[str, int]]:
+    """The peer gRPC server's: it carries only challenges, handshakes and status requests (a
+    few hundred bytes), to callers not proven yet. Streams per connection are bounded, idle
+    connections closed, and every connection is closed after ``3 * auth_timeout`` seconds
+    (the callers of a real peer open a new one): a call still open ``auth_timeout`` after that
+    (a request never finished, a half-open stream) is cut."""
+    return [
+        *(o for o in GRPC_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+        ("grpc.max_receive_message_length", 64 << 10),
+        ("grpc.max_concurrent_streams", 16),
+        ("grpc.max_connection_idle_ms", 60_000),
+        ("grpc.max_connection_age_ms", int(3000 * auth_timeout)),
+        ("grpc.max_connection_age_grace_ms", int(1000 * auth_timeout)),
+    ]

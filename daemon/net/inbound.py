@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.security.refusals import Refusals
 
 log = logging.getLogger("decentd.net.inbound")
 
@@ -33,6 +35,8 @@ UNPROVEN_HEADER = 4096
 UNPROVEN_SCRATCH = 8192
 #: connections that have not said a valid HELLO yet, at once
 MAX_UNPROVEN = 64
+#: ... from one address
+MAX_UNPROVEN_PER_SOURCE = 16
 SCRATCH = 256 << 10
 #: a payload being received wakes the event loop (and reports its progress) once this much more
 #: has arrived; fewer wakeups mean less interpreter work per byte
@@ -108,8 +112,9 @@ class Inbound(asyncio.BufferedProtocol):
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 tune(self._sock)
-        if self.gate is not None and not self.gate.opened(self):
-            self.fail(f"more than {self.gate.limit} connections have not said HELLO")
+        if self.gate is not None:
+            peer = transport.get_extra_info("peername")
+            self.gate.opened(self, str(peer[0]) if peer else "?")
 
     @property
     def trusted(self) -> bool:
@@ -237,8 +242,10 @@ class Inbound(asyncio.BufferedProtocol):
         """Close this connection (and only this one) after a protocol error."""
         if self._closed:
             return
-        who = f"rank {self.src}" if self.src >= 0 else "a peer that has not said HELLO"
-        log.error("bulk connection from %s: %s; closing it", who, reason)
+        if self.src >= 0 or self.gate is None:
+            log.error("bulk connection from rank %d: %s; closing it", self.src, reason)
+        else:
+            self.gate.refused(reason)
         self._closed = True
         if self.gate is not None:
             self.gate.settled(self)
@@ -257,23 +264,58 @@ class Inbound(asyncio.BufferedProtocol):
 
 
 class Gate:
-    """Incoming connections that have not said a valid HELLO yet: at most ``limit`` at once,
-    each closed when it has not within ``timeout`` seconds; they hold a few KiB each."""
+    """Incoming connections that have not said a valid HELLO yet. Each is closed when it has
+    not within ``timeout`` seconds, and they hold a few KiB each. At most ``per_source`` at once
+    from one address and ``limit`` in all: a newcomer past either bound evicts the oldest
+    waiting connection (of its own address, or of the address holding the most), so that
+    nobody holding the slots can keep a real peer out; a real peer says HELLO in its first
+    bytes and leaves the gate at once."""
 
-    def __init__(self, timeout: float, limit: int = MAX_UNPROVEN) -> None:
+    def __init__(self, timeout: float, limit: int = MAX_UNPROVEN,
+                 per_source: int = MAX_UNPROVEN_PER_SOURCE,
+                 refusals: Refusals | None = None) -> None:
+        """``refusals``: where refused and evicted connections are counted and logged."""
         self.timeout = timeout
         self.limit = limit
-        self._timers: dict[Inbound, asyncio.TimerHandle] = {}
+        self.per_source = per_source
+        self.refusals = refusals
+        self._timers: dict[Inbound, asyncio.TimerHandle] = {}  # oldest first
+        self._sources: dict[Inbound, str] = {}
+        self._counts: Counter[str] = Counter()
 
-    def opened(self, conn: Inbound) -> bool:
-        """A new connection; False when too many wait already (close it)."""
-        if len(self._timers) >= self.limit:
-            return False
+    def opened(self, conn: Inbound, source: str) -> None:
+        """A new connection from address ``source``; evicts the oldest waiting one when there
+        is no room for it."""
+        if self._counts[source] >= self.per_source:
+            self._evict(source, f"more than {self.per_source} connections from {source} "
+                        "have not said HELLO")
+        elif len(self._timers) >= self.limit:
+            crowded = max(self._counts, key=self._counts.__getitem__)
+            self._evict(crowded, f"more than {self.limit} connections have not said HELLO")
         self._timers[conn] = asyncio.get_running_loop().call_later(
             self.timeout, conn.fail, f"did not authenticate within {self.timeout:g}s")
-        return True
+        self._sources[conn] = source
+        self._counts[source] += 1
+
+    def _evict(self, source: str, why: str) -> None:
+        """Close the oldest waiting connection from ``source``."""
+        oldest = next(c for c, s in self._sources.items() if s == source)
+        oldest.fail(f"evicted for a newer connection: {why}")
 
     def settled(self, conn: Inbound) -> None:
         """The connection proved itself, or closed."""
         if (timer := self._timers.pop(conn, None)) is not None:
             timer.cancel()
+        source = self._sources.pop(conn, None)
+        if source is not None:
+            self._counts[source] -= 1
+            if not self._counts[source]:
+                del self._counts[source]
+
+    def refused(self, reason: str) -> None:
+        """Count and log (at a bounded rate) a connection closed before its HELLO."""
+        message = f"bulk connection from a peer that has not said HELLO: {reason}; closing it"
+        if self.refusals is None:
+            log.error("%s", message)
+        else:
+            self.refusals.refused("bulk port", message, logging.ERROR)

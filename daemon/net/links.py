@@ -22,6 +22,7 @@ from decentd.net.outbound import Sender
 from decentd.net.outbox import Outbox
 from decentd.net.peer import PeerLink, is_loopback
 from decentd.security.auth import PeerAuth, shown
+from decentd.security.refusals import Refusals
 
 log = logging.getLogger("decentd.net.links")
 
@@ -38,7 +39,7 @@ class Links:
     def __init__(self, rank: int, addresses: list[str], cluster_id: str, window: int,
                  topology_digest: str, per_node: int = 1, machine_digest: str = "",
                  auth: PeerAuth | None = None, auth_timeout: float = 10.0,
-                 incarnation: int = 0) -> None:
+                 incarnation: int = 0, refusals: Refusals | None = None) -> None:
         self.rank = rank
         #: this daemon's start (ns since the epoch), told at every handshake
         self.incarnation = incarnation
@@ -46,7 +47,7 @@ class Links:
         #: what peers prove at handshake and HELLO (:mod:`decentd.security.auth`)
         self.auth = auth or PeerAuth("insecure", cluster_id)
         #: incoming bulk connections until their HELLO
-        self.gate = Gate(auth_timeout)
+        self.gate = Gate(auth_timeout, refusals=refusals)
         #: eager bytes each peer may have unconsumed here (its receive window)
         self.window = window
         #: Topology.digest() of this daemon's topology: peers must have the same

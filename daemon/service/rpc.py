@@ -27,6 +27,7 @@ from decentd.net.outbound import Sender
 from decentd.net.peer import PeerLink
 from decentd.ops.api import Services
 from decentd.security.auth import NONCE_BYTES, shown
+from decentd.security.refusals import Refusals
 from decentd.security.tls import peer_identity
 from decentd.service.peer_status import cluster_status
 from decentd.workers.sessions import Sessions
@@ -282,12 +283,14 @@ class PeerService(pb_grpc.PeerServicer):
 
     def __init__(self, links: Links, status: Callable[[], pb.StatusReply],
                  handshaken: Callable[[int, int, bool, bool], bool],
-                 serving: Callable[[], bool]) -> None:
+                 serving: Callable[[], bool], refusals: Refusals) -> None:
         """``status``: this daemon's (``WorkerService.status``) for peers that ask;
         ``handshaken(rank, incarnation, was_down) -> we counted it out``: a peer passed its
         handshake and connects now;
-        ``serving``: whether a job runs here (told to peers that join)."""
+        ``serving``: whether a job runs here (told to peers that join);
+        ``refusals``: where refused callers are counted and logged (at a bounded rate)."""
         self._links = links
+        self._refusals = refusals
         self._status = status
         self._handshaken = handshaken
         self._serving = serving
@@ -309,8 +312,8 @@ class PeerService(pb_grpc.PeerServicer):
         elif links.auth.mode == "mtls":
             error = self._certificate_error(request, context)
         if error is not None:
-            log.warning("refused a status request from rank %d: %s", request.from_rank,
-                        shown(error.message, 300))
+            self._refusals.refused("status door", f"refused a status request from rank "
+                                   f"{request.from_rank}: {shown(error.message, 300)}")
             return pb.StatusReply(rank=links.rank, error=error)
         return self._status()
 
@@ -328,7 +331,7 @@ class PeerService(pb_grpc.PeerServicer):
         elif request.to_rank != links.rank or len(request.client_nonce) != NONCE_BYTES:
             problem = "a challenge for another rank, or a nonce of the wrong size"
         if problem is not None:
-            log.warning("refused a challenge: %s", problem)
+            self._refusals.refused("challenge door", f"refused a challenge: {problem}")
             return pb.ChallengeReply(error=pb.Error(code=pb.UNAUTHENTICATED, message=problem))
         nonce, proof = links.auth.challenge(request.from_rank, links.rank,
                                             request.client_nonce)
@@ -351,7 +354,8 @@ class PeerService(pb_grpc.PeerServicer):
             error = self._certificate_error(request, context)
         error = error or check_handshake(links, request)
         if error is not None:
-            log.error("refused handshake: %s", error.message)
+            self._refusals.refused("handshake door", f"refused handshake: {error.message}",
+                                   logging.ERROR)
             return pb.HandshakeReply(error=error, rank=links.rank)
         key = links.auth.issue_bulk_key(request.from_rank) if links.auth.mode == "mtls" else b""
         counted_out = self._handshaken(int(request.from_rank), int(request.incarnation),

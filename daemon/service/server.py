@@ -38,13 +38,15 @@ from decentd.membership.liveness import Supervisor
 from decentd.membership.view import Membership
 from decentd.net.buffers import BufferPool
 from decentd.net.flow import window_per_peer
-from decentd.net.grpc_options import GRPC_OPTIONS, PEER_SERVER_OPTIONS
+from decentd.net.grpc_options import GRPC_OPTIONS, peer_server_options
 from decentd.net.links import Links
 from decentd.ops import OPS
 from decentd.ops.api import Services
 from decentd.security.auth import PeerAuth, read_secret
 from decentd.security.local_access import LocalAccess
+from decentd.security.refusals import Refusals
 from decentd.service.config import NodeConfig, TopologyConfig
+from decentd.service.descriptors import DescriptorWatch, raise_limit
 from decentd.service.metrics import MetricsServer, OpMetrics, StatusCollector
 from decentd.service.reload import Service, assign, changes, split, summary
 from decentd.service.rpc import PeerService, WorkerEndpoints, WorkerService, add_peer_service
@@ -94,8 +96,10 @@ def averaging_topology(config: TopologyConfig, size: int, key: str) -> Topology:
     return topology
 
 
-def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver, Supervisor]:
-    """The peer-facing layers of one daemon, wired bottom up."""
+def build_services(cfg: NodeConfig, rank: int,
+                   refusals: Refusals) -> tuple[Services, Receiver, Supervisor]:
+    """The peer-facing layers of one daemon, wired bottom up (``refusals``: where callers
+    refused at the bulk port are counted)."""
     topology = averaging_topology(cfg.topology, cfg.worker_count, "topology")
     machine_topology = averaging_topology(cfg.machine_topology_config(), cfg.size,
                                           "machine_topology")
@@ -104,7 +108,8 @@ def build_services(cfg: NodeConfig, rank: int) -> tuple[Services, Receiver, Supe
     links = Links(rank, addresses, cfg.cluster_id,
                   window_per_peer(cfg.memory.early_arrival_bytes, len(addresses) - 1),
                   topology.digest(), cfg.workers_per_node, machine_topology.digest(),
-                  build_auth(cfg, rank), cfg.timeouts.auth, incarnation=time.time_ns())
+                  build_auth(cfg, rank), cfg.timeouts.auth, incarnation=time.time_ns(),
+                  refusals=refusals)
     members = Membership(rank, len(addresses), links.incarnation, cfg.workers_per_node)
     mailbox = Mailbox(links.outbox)
     windows = WindowStore(cfg.worker_count, links, cfg.timeouts.op,
@@ -143,9 +148,11 @@ class Daemon:
         exposed = cfg.exposure_error()
         if exposed is not None:
             raise ConfigError(exposed)
-        self.services, self.receiver, self.supervisor = build_services(cfg, self.rank)
-        self.links = self.services.links
         self.registry = CollectorRegistry()
+        self.refusals = Refusals(self.registry)
+        self.services, self.receiver, self.supervisor = build_services(cfg, self.rank,
+                                                                       self.refusals)
+        self.links = self.services.links
         observers = [OpMetrics(self.registry)] if cfg.metrics.port is not None else []
         self.timeline = open_timeline(cfg.timeline.path, self.rank, cfg.workers_per_node)
         self.engine = Engine(self.services, OPS, cfg.timeouts.op, cfg.timeouts.stall_warning,
@@ -187,12 +194,13 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
-        peer_server = grpc.aio.server(options=PEER_SERVER_OPTIONS)
+        peer_server = grpc.aio.server(options=peer_server_options(self.cfg.timeouts.auth))
         worker_service = WorkerService(self.services, self.sessions, self.engine,
                                        self.endpoints, self.ready, self.receiver.parking)
         add_peer_service(PeerService(self.links, worker_service.status,
                                      self.supervisor.handshake_from,
-                                     lambda: self.engine.completed > 0), peer_server)
+                                     lambda: self.engine.completed > 0, self.refusals),
+                         peer_server)
         worker_server = grpc.aio.server(options=GRPC_OPTIONS)
         pb_grpc.add_WorkerServicer_to_server(worker_service, worker_server)
         if self.metrics is not None:  # read at every scrape, on this loop
@@ -201,10 +209,12 @@ class Daemon:
                 return worker_service.status()
 
             self.registry.register(StatusCollector(snapshot, loop))
+        descriptors = DescriptorWatch(raise_limit())
         data_server = await self._listen(peer_server, worker_server)
         try:
+            self._tasks = [loop.create_task(descriptors.run(self.cfg.timeouts.heartbeat))]
             await self._connect()
-            self._tasks = [
+            self._tasks += [
                 loop.create_task(self.engine.stall_inspector()),
                 loop.create_task(self.supervisor.watch()),
             ]
