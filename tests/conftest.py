@@ -18,10 +18,13 @@ from typing import Any
 
 import pytest
 from inprocess import InProcessCluster, job_of
+from leftovers import Leftovers
 
 from cluster import Cluster
 
 ClusterFactory = Callable[..., Cluster]
+#: the session's check of what it leaves behind (on its first process only)
+LEFTOVERS = pytest.StashKey[Leftovers]()
 InProcessFactory = Callable[..., InProcessCluster]
 
 #: clusters kept running at once (per pytest-xdist worker: two when several share the machine),
@@ -43,9 +46,26 @@ def _in_process_only(self: subprocess.Popen[Any], args: Any, *more: Any, **kw: A
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """A run that leaves out slow tests (``-m "not slow ..."``) refuses programs to the rest."""
+    """A run that leaves out slow tests (``-m "not slow ..."``) refuses programs to the rest.
+    The session's first process (not a pytest-xdist worker) marks what it starts, for the
+    check of what is left at its end."""
     if "not slow" in (config.option.markexpr or ""):
         subprocess.Popen.__init__ = _in_process_only  # type: ignore[method-assign]
+    if not hasattr(config, "workerinput"):
+        config.stash[LEFTOVERS] = Leftovers()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The run fails when a daemon process or a network namespace it started is still there
+    (each is removed, and named)."""
+    leftovers = session.config.stash.get(LEFTOVERS, None)
+    if leftovers is None:
+        return
+    left = leftovers.find()
+    if left:
+        print("\nleft behind by this test session (now removed):", *left, sep="\n  ")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -254,6 +254,7 @@ class Receiver:
             placed = self._place(src, header)
         if placed is False:
             self.parking.park(src, header, payload)
+            self.replay_placeable()  # an op may have placed its rounds while the payload came
             return
         self._dispatch(src, header, payload, pooled, described)
 
