@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -371,6 +372,30 @@ def test_an_rts_flood_is_bounded_and_forgotten_when_its_peer_disconnects(
         flood(conn, 10)
         conn.connection_lost(None)  # an orderly close forgets them the same way
         assert len(box.announced) == 0 and box.slot_count == 0
+    run(body())
+
+
+def test_worker_news_after_an_rts_flood_costs_what_local_ops_wait_on_not_every_slot(
+        daemon: Daemon0) -> None:
+    box = daemon.mailbox
+
+    async def body() -> None:
+        conn, transport = daemon.connect()
+        for mid in range(60):  # 60,000 parts announced for ops that never run here
+            feed(conn, frame(pb.BulkHeader(kind=pb.RTS, message_id=mid + 1, parts=[
+                tensor_part(round_=1000 * mid + i + 1, nbytes=8 << 20) for i in range(1000)])))
+        assert box.slot_count == 60_000 and not transport.aborted
+        waits = box.expect(1, TENSOR, 0, 0)  # the one op here that waits on worker 1
+        news = b"".join(frame(pb.BulkHeader(kind=kind, parts=[pb.Part(name="", src=1)]))
+                        for kind in (pb.WORKER_LEFT, pb.WORKER_JOINED))
+        started = time.process_time()
+        feed(conn, news * 2000)
+        spent = time.process_time() - started
+        assert waits.done() and "left" in str(waits.exception())
+        assert not transport.aborted and box.slot_count == 60_001
+        # a cost bound, not a speed figure: before, each WORKER_LEFT visited all 60,000 slots
+        # (2,000 of them: minutes of CPU; an attacker's 4.4 MB pinned a daemon for 3.5 min)
+        assert spent < 20, f"{spent:.1f} s of CPU for 4,000 worker news frames"
     run(body())
 
 

@@ -116,6 +116,9 @@ class Mailbox:
         self._early_aborts: collections.OrderedDict[OpKey, tuple[int, pb.Error]] = (
             collections.OrderedDict())
         self._arriving_on: dict[object, list[Key]] = {}
+        #: slots a local op waits on, by the peer: what its leaving fails, found without a
+        #: scan of every slot (peers' frames make slots; only local ops make waiters)
+        self._waiting: dict[int, set[Key]] = {}
         #: messages announced by RTS (the tables are the flow module's, bounded per link)
         self.announced = Announced()
         self._announced, self._cleared = self.announced.waiting, self.announced.cleared
@@ -194,6 +197,7 @@ class Mailbox:
             fut.set_exception(gone)
             return fut
         slot.waiter = fut
+        self._waiting.setdefault(src, set()).add(slot.key)
         if accepts is not None:
             if slot.arriving is not None and accepts == accepts_of(slot.arriving):
                 slot.acked = True
@@ -214,6 +218,7 @@ class Mailbox:
             fut.set_exception(gone)
         else:
             self._slot((dst, name, round_, tag)).ack_waiter = fut
+            self._waiting.setdefault(dst, set()).add((dst, name, round_, tag))
         return fut
 
     # ------------------------------------------------------------------ workers coming and going
@@ -222,9 +227,14 @@ class Mailbox:
         """Worker ``rank`` of ``job`` is gone: whatever waits for it fails with ``error``, now
         and until it is back."""
         self.absences.left(job, rank, error)
-        for key, slot in self._slots.items():
-            if key[0] == rank and self.absences.departed(rank, key[1]) is not None:
+        keys = self._waiting.get(rank, set())
+        for key in list(keys):
+            slot = self._slots.get(key)
+            if slot is None or (slot.waiter is None and slot.ack_waiter is None):
+                keys.discard(key)  # its op ended
+            elif self.absences.departed(rank, key[1]) is not None:
                 self._fail_waiters(slot, error)
+                keys.discard(key)
 
     def worker_joined(self, job: str, rank: int) -> bool:
         """Worker ``rank`` of ``job`` registered (again); whether it had left."""
@@ -273,6 +283,7 @@ class Mailbox:
                     self._early_named.pop(name, None)
             for slot_key in self._by_op.pop(key, ()):
                 messages.update(self._drop(self._slots.pop(slot_key)))
+                self._waiting.get(slot_key[0], set()).discard(slot_key)
             for arrival in self._held.pop(key, ()):
                 arrival.release()
         for msg in messages:
@@ -309,6 +320,7 @@ class Mailbox:
         for slot in self._slots.values():
             self._drop(slot)
         self._slots.clear()
+        self._waiting.clear()
         self._by_op.clear()
         self._early_named.clear()
         self._closed.clear()
@@ -441,6 +453,7 @@ class Mailbox:
             slot.waiter = slot.ack_waiter = slot.into = slot.message = None
             if slot.early is None and slot.landing is None:
                 del self._slots[key]
+                self._waiting.get(key[0], set()).discard(key)
                 op_slots = self._by_op[(key[1], key[2])]
                 op_slots.discard(key)
                 if not op_slots:

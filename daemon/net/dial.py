@@ -21,7 +21,7 @@ from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.errors import StartupError
-from decentd.net.grpc_options import GRPC_OPTIONS
+from decentd.net.grpc_options import PEER_CHANNEL_OPTIONS
 from decentd.net.inbound import tune
 from decentd.net.links import Links
 from decentd.net.outbound import Sender
@@ -41,9 +41,10 @@ async def connect_peer(links: Links, link: PeerLink, deadline: float, was_down: 
     ``on_broken``: told when a write to the peer fails."""
     tls = links.auth.tls
     if link.channel is None:
-        link.channel = (grpc.aio.secure_channel(link.address, tls.channel_credentials(),
-                                                options=GRPC_OPTIONS) if tls is not None else
-                        grpc.aio.insecure_channel(link.address, options=GRPC_OPTIONS))
+        options = PEER_CHANNEL_OPTIONS
+        link.channel = (grpc.aio.secure_channel(link.address, tls.channel_credentials(), options)
+                        if tls is not None else
+                        grpc.aio.insecure_channel(link.address, options))
     reply, key = await _handshake(links, link, pb_grpc.PeerStub(link.channel), deadline,
                                   was_down, serving)
     try:
