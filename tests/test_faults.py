@@ -435,3 +435,33 @@ def test_daemons_silent_past_the_deadline_are_counted_out_then_pair_again(
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
         c.stop()
+
+
+def test_a_worker_registering_while_peers_count_its_daemon_out_is_readmitted() -> None:
+    """A worker restarts on a daemon that its peers then count out (silent past the deadline)
+    while the worker registers: once the daemon is back, the new worker is in every neighbour's
+    ops again, not left averaging with itself."""
+    c = Cluster(3, "ring", "--set", "timeouts.heartbeat=0.5")
+    try:
+        c.connect()
+        values = {0: 1.0, 1: 2.0, 2: 4.0}
+        assert ring_round(c.clients, "w", values)[0] == (pytest.approx(7 / 3), [1, 2])
+        c.clients[2].close()  # the worker of daemon 2 restarts ...
+        c.procs[2].send_signal(signal.SIGSTOP)
+        try:
+            for i in (0, 1):
+                until_state(c, i, 2, "down")
+            with ThreadPoolExecutor(1) as pool:  # ... and registers while it is counted out
+                joining = pool.submit(dt.connect, f"unix://{c.sockets[2]}", 60)
+                c.procs[2].send_signal(signal.SIGCONT)
+                c.clients[2] = joining.result(timeout=60)
+        finally:
+            c.procs[2].send_signal(signal.SIGCONT)
+        for i in (0, 1):
+            until_state(c, i, 2, "up")
+        got = ring_round(c.clients, "after", values)
+        assert got == {0: (pytest.approx(7 / 3, rel=1e-6), [1, 2]),
+                       1: (pytest.approx(7 / 3, rel=1e-6), [0, 2]),
+                       2: (pytest.approx(7 / 3, rel=1e-6), [0, 1])}
+    finally:
+        c.stop()
