@@ -22,13 +22,16 @@ from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.tools.launcher import free_ports
 
-__all__ = ["Cluster", "delay", "free_ports", "peer_state", "run_each", "tf_cluster", "until",
-           "until_running", "until_state"]
+__all__ = ["DECENTRUN_ARENA", "Cluster", "delay", "free_ports", "peer_state", "run_each",
+           "tf_cluster", "until", "until_running", "until_state"]
 
 
 #: each worker's arena in a test cluster, unless the test sets ``memory.arena_bytes`` (the
 #: daemon's default, 256 MiB, is touched whole at registration: eight workers would hold 2 GiB)
 ARENA_BYTES = 64 << 20
+#: decentrun's daemons in tests: the same arena (each is reserved whole at registration; the
+#: default, 256 MiB a worker, made the suite's peak 1 GiB higher for one 4-worker example)
+DECENTRUN_ARENA = ("--set", f"memory.arena_bytes={ARENA_BYTES}")
 #: daemons are forked from a process that imported decentd once (:mod:`decentd_fork`), unless
 #: ``$DECENT_TEST_FORK`` is 0: then each is ``python -m decentd``
 FORK = os.environ.get("DECENT_TEST_FORK", "1") != "0"

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster import DECENTRUN_ARENA
+
 pytestmark = pytest.mark.slow
 
 RUN = [sys.executable, "-m", "decentd.tools.launcher"]
@@ -48,7 +50,8 @@ def write_script(tmp_path: Path, body: str) -> Path:
 
 def decentrun(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     """Run decentrun to its end."""
-    return subprocess.run([*RUN, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*RUN, *DECENTRUN_ARENA, *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def running(pattern: str) -> list[str]:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster import DECENTRUN_ARENA
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,7 +22,7 @@ def _example(script: str, *args: str, layout: tuple[str, ...] = ("-np", "2")
              ) -> subprocess.CompletedProcess[str]:
     """``examples/<script>`` on 2 workers (ring) under decentrun; it must exit 0."""
     proc = subprocess.run(
-        [*RUN, *layout, "--topology", "ring", "--", sys.executable,
+        [*RUN, *layout, *DECENTRUN_ARENA, "--topology", "ring", "--", sys.executable,
          str(REPO / "examples" / script), *args],
         capture_output=True, text=True, timeout=300,
     )

@@ -19,7 +19,7 @@ import torch
 
 import decent.tf as dtf
 import decent.torch as dt
-from cluster import Cluster, delay
+from cluster import DECENTRUN_ARENA, Cluster, delay
 from conftest import ClusterFactory
 from decent.core import DecentError
 
@@ -284,7 +284,8 @@ def test_a_keras_step_makes_no_model_sized_tensor() -> None:
     # tests/keras_step_tensors.py; a compiled step's TensorFlow ops are not seen)
     algorithms = (*KERAS_IN_PLACE, *KERAS_ON_HOST, *KERAS_REDUCING)
     proc = subprocess.run(
-        [sys.executable, "-m", "decentd.tools.launcher", "-np", "2", "--topology", "ring", "--",
+        [sys.executable, "-m", "decentd.tools.launcher", "-np", "2", *DECENTRUN_ARENA,
+         "--topology", "ring", "--",
          sys.executable, str(REPO / "tests" / "keras_step_tensors.py"), ",".join(algorithms)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
