@@ -7,10 +7,12 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 
 from cluster import free_ports
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
@@ -92,3 +94,19 @@ class LoneDaemon:
                 [sys.executable, "-m", "decentd", "--rank", "1", "--peers", self.peers,
                  "--socket", str(tmp_path / "r1.sock"), *secret_args(self.secret), *extra],
                 stdout=log, stderr=subprocess.STDOUT)
+
+    def average_with_peer(self, tmp_path: Path, job: str) -> bool:
+        """Connect a worker to this daemon and one to the real rank 1 (:meth:`start_peer`),
+        allreduce their ranks once, close them; whether both got the exact mean."""
+        import decent.torch as dt
+
+        clients = [dt.connect(f"unix://{tmp_path / f'r{i}.sock'}", 60, job=job)
+                   for i in (0, 1)]
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                got = list(pool.map(lambda cl: cl.allreduce(
+                    torch.full((2,), float(cl.rank)), name=f"{job}.avg"), clients))
+        finally:
+            for cl in clients:
+                cl.close()
+        return all(torch.equal(g, torch.full((2,), 0.5)) for g in got)

@@ -25,6 +25,7 @@ from typing import Any, cast
 import grpc
 import pytest
 import torch
+from lone import closed_by_peer
 from prometheus_client import CollectorRegistry
 
 import decent.torch as dt
@@ -514,14 +515,6 @@ def _rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def _closed(sock: socket.socket) -> bool:
-    sock.settimeout(30)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-
-
 @dataclass
 class TwoOfThree:
     """Daemons 0 and 1 of a three-daemon cluster whose rank 2 is a :class:`FakePeer`."""
@@ -595,7 +588,7 @@ def test_hostile_frames_close_only_their_connection_and_ops_go_on(
         for what, data in tries.items():
             with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
                 s.sendall(hello + data)
-                assert _closed(s), what
+                assert closed_by_peer(s), what
         assert _rss(procs[0].pid) < rss + (256 << 20)  # nothing of 2 GiB was allocated
         text = c.logs[0].read_text()
         lines = [line for line in text.splitlines() if "malformed frame" in line]
