@@ -171,7 +171,12 @@ class Cluster:
             self.clients[i].close()
 
     def kill(self) -> None:
-        """SIGKILL whatever is still running (cleanup after a failed test)."""
+        """Close this cluster's clients, then SIGKILL whatever is still running (cleanup after
+        a test): a client left open keeps its arena mapped in this process."""
+        for c in self.clients:
+            with contextlib.suppress(Exception):  # its daemon may be dead already
+                c.close()
+        self.clients = []
         for p in self.procs:
             if p.poll() is None:
                 p.kill()

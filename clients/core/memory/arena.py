@@ -24,12 +24,13 @@ class ClientArena:
     def __init__(self, fd: int, nbytes: int) -> None:
         """Map the arena the daemon handed over as ``fd`` (closed here: the mapping keeps it)."""
         try:
-            self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
-                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        self._map: mmap.mmap | None = mapping
         self.nbytes = nbytes
-        self.buf: memoryview = memoryview(self._map)
+        self.buf: memoryview = memoryview(mapping)
         #: the arena's address in this process (to recognize tensors that live in it); its
         #: pages are mapped at their first use, not here
         self.address = int(np.frombuffer(self.buf, np.uint8, 1).ctypes.data)
@@ -142,8 +143,12 @@ class ClientArena:
             return sum(size for _, size in self._free)
 
     def close(self) -> None:
-        """Unmap (views still held elsewhere keep it mapped until they go)."""
+        """Unmap (views still held elsewhere keep it mapped until they go, and no longer: the
+        mapping is then theirs alone, not this arena's, which may live on in a reference cycle
+        of its client until a full garbage collection)."""
         buf, self.buf = self.buf, memoryview(b"")
+        mapping, self._map = self._map, None
         with contextlib.suppress(BufferError):  # shared() tensors still use it: mapped till then
             buf.release()
-            self._map.close()
+            if mapping is not None:
+                mapping.close()
