@@ -171,16 +171,17 @@ class Cluster:
             self.clients[i].close()
 
     def kill(self) -> None:
-        """Close this cluster's clients, then SIGKILL whatever is still running (cleanup after
-        a test): a client left open keeps its arena mapped in this process."""
-        for c in self.clients:
-            with contextlib.suppress(Exception):  # its daemon may be dead already
-                c.close()
-        self.clients = []
+        """SIGKILL whatever is still running (cleanup after a test), then close this cluster's
+        clients (at once: their daemons are gone): a client left open keeps its arena mapped in
+        this process."""
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for c in self.clients:
+            with contextlib.suppress(Exception):
+                c.close()
+        self.clients = []
 
     def stop(self) -> list[int]:
         """Close clients, SIGTERM every daemon, return their exit codes."""
