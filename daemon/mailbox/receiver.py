@@ -253,8 +253,10 @@ class Receiver:
         if placed is None and kind != pb.PAYLOAD:
             placed = self._place(src, header)
         if placed is False:
-            self.parking.park(src, header, payload)
-            self.replay_placeable()  # an op may have placed its rounds while the payload came
+            if self._links.rounds.placeable(src, header):  # an op placed its rounds meanwhile
+                self._replay(Parked(src, header, payload))
+            else:
+                self.parking.park(src, header, payload)
             return
         self._dispatch(src, header, payload, pooled, described)
 
