@@ -2,7 +2,7 @@
 VENV := .venv/bin
 
 .PHONY: setup run test test-fast lint docs docs-serve bench convergence stragglers chaos mutation \
-	imports fuzz clean
+	imports fuzz clean soak
 
 setup:
 	@bash scripts/setup.sh
@@ -49,6 +49,16 @@ mutation: setup
 ## the import graph of wire/, daemon/ and clients/ (and its check: no cycles, layers call down)
 imports:
 	python3 scripts/import_graph.py
+
+## churn and load: first 8 local workers on 2 daemons doing 4 KiB neighbor_allreduce ops as fast
+## as they can for 5 min, then 64 MiB ones for 1 min (ops/s, p50/p99, daemon RSS, descriptors,
+## CPU at start and end); then D-SGD on 8 namespaces 3 min without faults and 10 min with a
+## seeded random fault every 15-30 s (daemon or worker SIGKILL, SIGSTOP 5 s, link down 5 s, an
+## outsider on the bulk port 20 s), restarted by a supervisor loop (benchmarks/results/soak.*;
+## ~21 min, root for the namespaces)
+soak: setup
+	$(VENV)/decentrun -np 8 --nodes 2 -- $(VENV)/python benchmarks/soak_load.py
+	$(VENV)/python benchmarks/soak.py
 
 ## the data-plane benchmarks, side by side with gloo (and hivemind, raw TCP) in the same run:
 ## 2 daemons on loopback, then 8 nodes in network namespaces at 1 Gbit/s (root only), then the

@@ -180,6 +180,7 @@ def analyze_kill(run: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     out["rejoin"] = {
         "restart_to_state_s": cr.since(ready.get("t"), ev["restart"]),
         "state_transfer_s": ready.get("state_s"), "iteration": c,
+        "state_taken": ready.get("taken"),
         "donor": donor, "state_equals_donor": donor is not None,
         "restart_to_first_step_s": cr.since(mine[0]["t"] if mine else None, ev["restart"]),
         "restart_to_step_with_neighbors_s": cr.since(t_sync if with_peers else None,
@@ -335,6 +336,14 @@ def _detect(d: dict[str, Any]) -> str:
             + f"; the first: {fmt(d['detect_heartbeats'])} heartbeats")
 
 
+def _taken(rj: dict[str, Any]) -> str:
+    t = rj.get("state_taken")
+    if not t:
+        return "n/a"
+    donors = ", ".join(f"rank {r}: {b}" for r, b in t["bytes_from"].items())
+    return f"{donors}; {t['refetched']}; {t['seconds']:.2f} s"
+
+
 def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     """The measured numbers, as (what, value) rows."""
     sc = res["scenarios"]
@@ -350,6 +359,7 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
          "the mean within the survivors'", _join(rj, "restart_to_state_s restart_to_first_step_s "
                                                 "restart_to_step_with_neighbors_s "
                                                 "restart_to_distance_in_range_s", " s", 1)),
+        ("kill: state taken (bytes per donor; chunks fetched again; transfer)", _taken(rj)),
         ("kill: rejoined with the state of", f"rank {rj['donor']} at its step {rj['iteration']} "
          f"(exact: {rj['state_equals_donor']}); survivors were "
          f"{rj['survivor_steps_during_restart']} steps past the restart, its counter "

@@ -125,13 +125,15 @@ def watch_sources(algorithm: Any) -> list[list[int]]:
 
 
 def dsgd_train(tr: Trainer, opt: Any) -> int:
-    """Steps until the optimizer's iteration counter reaches ``--steps``; the failed steps."""
+    """Steps until the optimizer's iteration counter reaches ``--steps`` (or the wall clock
+    ``until``, when the job has one); the failed steps."""
     import numpy as np
 
     from decent_wire.errors import DecentError
 
     a, failed, sources = tr.a, 0, watch_sources(opt.algorithm)
-    while (k := opt.algorithm.counters()["iteration"]) < a.steps:
+    while (k := opt.algorithm.counters()["iteration"]) < a.steps and (
+            a.until is None or time.time() < a.until):
         t0, loss = tr.local_step(k, opt)
         before = digest(tr.model)
         try:
@@ -145,7 +147,7 @@ def dsgd_train(tr: Trainer, opt: Any) -> int:
         t1 = time.time()
         tr.log.write(k=k + 1, t=t1, dur=t1 - t0, loss=loss, src=sources[0],
                      epoch=opt.client.view_epoch, d=before)
-        if (k + 1) % a.snapshot_every == 0 or a.inc:  # a rejoined rank: every step
+        if a.snapshots and ((k + 1) % a.snapshot_every == 0 or a.inc):  # a rejoined rank: all
             np.save(a.out_dir / f"x-{a.rank}-{k + 1}.npy", flat_params(tr.model).numpy())
     return failed
 
@@ -164,9 +166,12 @@ def dsgd_worker(a: argparse.Namespace) -> dict[str, Any]:
         torch.optim.SGD(tr.model.parameters(), lr=a.lr, momentum=MOMENTUM), tr.model,
         algorithm="dsgd", client=client, prefix="chaos")
     first = int(opt.algorithm.counters()["iteration"])
+    taken = opt.state_taken
     tr.log.write(event="ready", t=time.time(), rejoining=client.rejoining, iteration=first,
-                 d=digest(tr.model), state_s=time.time() - t_opt)
-    if not client.rejoining:
+                 d=digest(tr.model), state_s=time.time() - t_opt,
+                 taken=taken and {"seconds": taken.seconds, "refetched": taken.refetched,
+                                  "bytes_from": {str(k): v for k, v in taken.bytes_from.items()}})
+    if not client.rejoining and not a.inc:  # a worker restarted alone: the others train on
         client.barrier(name="chaos.start")
     tr.log.write(event="start", t=time.time())
     failed = dsgd_train(tr, opt)
@@ -279,7 +284,7 @@ class Job:
     def __init__(self, runner: nd.Runner, a: argparse.Namespace, name: str) -> None:
         self.runner, self.a, self.name = runner, a, name
         self.kind = "gloo" if name == "gloo" else "dsgd"
-        self.nodes = runner.net.nodes
+        self.nodes = int(a.nodes)
         self.out = runner.run_dir / name
         self.out.mkdir()
         self.tail = Tail(self.out, self.nodes)
@@ -289,7 +294,8 @@ class Job:
         self.sockets = [self.out / f"d{i}.sock" for i in range(self.nodes)]
         self.secret = write_secret(self.out / "secret")
         (self.out / "worker.json").write_text(json.dumps({
-            "worker": self.kind, "out_dir": str(self.out), "size": self.nodes, **{
+            "worker": self.kind, "out_dir": str(self.out), "size": self.nodes,
+            "until": getattr(a, "until", None), "snapshots": getattr(a, "snapshots", True), **{
                 k: getattr(a, k) for k in ("steps", "batch", "seed", "lr", "snapshot_every",
                                            "pad_ms", "gloo_timeout")}}))
 

@@ -196,15 +196,26 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "failed ops are counted as OK"),
     # issue 26: faults
     ("daemon/net/late_rounds.py",
-     "        if not self.ready:\n            return\n        for peer in peers:",
-     "        if True:\n            return\n        for peer in peers:",
+     "        if not self.ready:\n            return\n        self._seq += 1",
+     "        if True:\n            return\n        self._seq += 1",
      [FAULTS + "a_restarted_node_rejoins_and_pairs_with_the_current_rounds"],
      "a late peer's rounds are not mapped onto ours"),
     ("daemon/net/late_rounds.py",
-     "            if peer in self._late and (peer, p.name) not in self._offsets:\n"
+     "            if self.is_late(peer, p.name) and (peer, p.name) not in self._offsets:\n"
      "                return False", "            pass",
      [FAULTS + "a_node_missing_at_start_joins_later_under_min_nodes"],
      "a late peer's frame is placed before its offset is known"),
+    # issue 42: workers restarted on live daemons, state from several donors
+    ("daemon/net/late_rounds.py",
+     "        for key in [k for k in self._offsets if owner(k[1]) == rank and job_of(k[1]) == job]:"
+     "\n            del self._offsets[key]", "        pass",
+     [FAULTS + "workers_restarted_one_after_another_on_live_daemons_pair_with_the_others"],
+     "a worker that registered again is translated for as if it were the old one"),
+    ("clients/core/training/chunks.py",
+     "        return digest(data) == self.primary[c]", "        return True",
+     ["tests/test_state_chunks.py::"
+      "test_chunks_that_fail_their_checksum_are_fetched_again_from_another_donor"],
+     "a chunk is taken without checking its digest"),
     ("daemon/ops/faults.py", "    return self_weight + moved, kept,",
      "    return self_weight, kept,",
      [FAULTS + "a_daemon_killed_mid_op_is_reweighted_out_exactly"],

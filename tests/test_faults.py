@@ -465,3 +465,24 @@ def test_a_worker_registering_while_peers_count_its_daemon_out_is_readmitted() -
                        2: (pytest.approx(7 / 3, rel=1e-6), [0, 1])}
     finally:
         c.stop()
+
+
+def test_workers_restarted_one_after_another_on_live_daemons_pair_with_the_others() -> None:
+    """Rank 0's worker restarts (the peers translate its rounds from 0), then rank 2's: its
+    daemon drops what it placed for its old worker's keys, and every rank still averages
+    exactly with both neighbours (before: rank 2's daemon sent a negative round, INTERNAL,
+    and the three stalled; found by ``make soak``)."""
+    c = Cluster(3, "ring")
+    try:
+        c.connect()
+        values = {0: 1.0, 1: 2.0, 2: 4.0}
+        everyone = {r: (pytest.approx(7 / 3, rel=1e-6), [q for q in range(3) if q != r])
+                    for r in range(3)}
+        for restarted in (None, 0, 2):
+            if restarted is not None:
+                c.clients[restarted].close()
+                c.clients[restarted] = dt.connect(f"unix://{c.sockets[restarted]}", 60)
+            for _ in range(3):
+                assert ring_round(c.clients, "w", values) == everyone, restarted
+    finally:
+        c.stop()

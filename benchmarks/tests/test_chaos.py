@@ -36,7 +36,7 @@ FIELDS = {
                "daemon_log", "accuracy", "failed_workers"},
     "detection": {"daemon_down_s", "link_dropped_s", "first_op_without_s", "detect_s",
                   "detect_heartbeats", "down_lines"},
-    "rejoin": {"restart_to_state_s", "state_transfer_s", "iteration", "donor",
+    "rejoin": {"restart_to_state_s", "state_transfer_s", "state_taken", "iteration", "donor",
                "state_equals_donor", "restart_to_first_step_s",
                "restart_to_step_with_neighbors_s", "restart_to_distance_in_range_s",
                "distance_in_range_at_step", "survivor_steps_during_restart",
@@ -71,6 +71,9 @@ def test_chaos_tiny_run(tmp_path: Path) -> None:
     rejoin = kill["rejoin"]
     assert rejoin["state_equals_donor"] and rejoin["donor"] == 0, rejoin
     assert 6 <= rejoin["iteration"] < 70, rejoin
+    # from both live donors' ranks: rank 0's state, the chunks rank 1 holds alike from it too
+    assert set(rejoin["state_taken"]["bytes_from"]) == {"0", "1"}, rejoin
+    assert rejoin["state_taken"]["bytes_from"]["0"] > 0, rejoin
     assert kill["detection"]["detect_s"] is not None
     assert res["verdicts"]["lost"]["met"] and res["verdicts"]["rejoin"]["met"]
     # gloo: every survivor failed or hung; none trained on

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -30,9 +29,9 @@ import numpy as np
 import tensorflow as tf
 
 from decent.core.surface.client import Client
-from decent.core.surface.rejoin import JoinWatch, own_donor
+from decent.core.surface.rejoin import JoinWatch, own_donors
 from decent.core.training.algorithms import Algorithm, AlgorithmError, State, make_algorithm
-from decent.core.training.transfer import StateLink, Wanted, hand_out
+from decent.core.training.transfer import StateLink, Taken
 from decent.tf.client import default_client
 from decent.tf.codec import unwrap
 from decent.tf.host import HostSteps, hostable
@@ -88,7 +87,6 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         self._transfer = StateLink(self.client, KIT)
         self._joins = JoinWatch(self.client.rank, self.client.local_size, self.client.membership)
         self._sending: list[threading.Thread] = []
-        self._wanted: queue.Queue[Wanted[tf.Tensor]] = queue.Queue()
         #: x_k, d_k and the new values' homes of an algorithm that is not adapt-then-combine
         self._host = HostSteps(self.client.shared_or_none)
 
@@ -181,16 +179,23 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         self._sending = [t for t in self._sending if t.is_alive()]
         for to in self._joins.to_serve(self.client.view_epoch):
             self._sending.append(self._transfer.serve_in_background(
-                to, self._wanted, self.client.default_timeout))
-        hand_out(self._wanted,
-                 lambda: self._transfer.snapshot(self._training_state(values(), stepped)))
+                to, self.client.default_timeout))
+        self._transfer.hand_out(self.algorithm.iteration,
+                                lambda: self._training_state(values(), stepped))
+
+    @property
+    def state_taken(self) -> Taken | None:
+        """How this rank took its state when it joined late (bytes per donor, time); None
+        when it did not."""
+        return self._transfer.taken
 
     def _take_state(self, variables: list[Any]) -> None:
         """This rank joined a running job: the state of its donor, before the first step."""
-        donor = own_donor(self.client.membership(), self.client.local_size)
-        if donor is None or donor == self.client.rank:
+        donors = own_donors(self.client.membership(), self.client.local_size)
+        if not donors or donors[0] == self.client.rank:
             return
-        state = self._transfer.receive(donor)
+        donor = donors[0]
+        state = self._transfer.receive(donors)
         algo = state.get("algorithm") if isinstance(state, dict) else None
         if not isinstance(algo, dict) or not isinstance(algo.get("state"), list):
             raise AlgorithmError(f"rank {donor} sent a training state without the algorithm's")
@@ -199,7 +204,7 @@ class DecentralizedOptimizer(keras.optimizers.Optimizer):
         self.iterations.assign(int(state["iterations"]))
         self.algorithm.restore(algo)
         self._taken = [dict(s) for s in algo["state"]]
-        log.info("rank %d took the training state of rank %d", self.client.rank, donor)
+        log.info("rank %d took %s", self.client.rank, self._transfer.taken)
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
         """The wrapped optimizer's step, then the algorithm's combine, assigned to the

@@ -13,7 +13,6 @@ current parameters start in a forward pre-hook and overlap forward and backward.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 from decent.core import Client
-from decent.core.surface.rejoin import JoinWatch, own_donor
+from decent.core.surface.rejoin import JoinWatch, own_donors
 from decent.core.training.algorithms import (
     Algorithm,
     AlgorithmError,
@@ -29,7 +28,7 @@ from decent.core.training.algorithms import (
     consensus_distance,
     make_algorithm,
 )
-from decent.core.training.transfer import StateLink, Wanted, hand_out
+from decent.core.training.transfer import StateLink, Taken
 from decent.torch import rejoin
 from decent.torch import state as state_format
 from decent.torch.client import TorchClient, default_client
@@ -103,7 +102,6 @@ class DecentralizedOptimizer:
         #: ranks that joined late and get this rank's state (the donor's sends, in flight)
         self._joins = JoinWatch(self.client.rank, self.client.local_size, self.client.membership)
         self._sending: list[threading.Thread] = []
-        self._wanted: queue.Queue[Wanted[torch.Tensor]] = queue.Queue()
         self._transfer = StateLink(self.client, KIT)
         if rejoin and self.client.rejoining:
             self._take_state()
@@ -205,10 +203,11 @@ class DecentralizedOptimizer:
     def _take_state(self) -> None:
         """This rank joined a running job: the parameters and the optimizer's state from its
         donor (:mod:`decent.core.surface.rejoin`), before the first step."""
-        donor = own_donor(self.client.membership(), self.client.local_size)
-        if donor is None or donor == self.client.rank:
+        donors = own_donors(self.client.membership(), self.client.local_size)
+        if not donors or donors[0] == self.client.rank:
             return
-        params, state = rejoin.receive(self._transfer, donor)
+        donor = donors[0]
+        params, state = rejoin.receive(self._transfer, donors)
         mine = self._params()
         if [tuple(p.shape) for p in params] != [tuple(p.shape) for p in mine]:
             raise AlgorithmError(f"rank {donor} sent parameters of shapes "
@@ -218,7 +217,7 @@ class DecentralizedOptimizer:
             for p, value in zip(mine, params, strict=True):
                 p.copy_(value)
         self.load_state_dict(state)
-        log.info("rank %d took the training state of rank %d", self.client.rank, donor)
+        log.info("rank %d took %s", self.client.rank, self._transfer.taken)
 
     def _serve_joiners(self) -> None:
         """Send this rank's state to the ranks that joined since the last step, when it is
@@ -226,9 +225,15 @@ class DecentralizedOptimizer:
         self._sending = [t for t in self._sending if t.is_alive()]
         for to in self._joins.to_serve(self.client.view_epoch):
             self._sending.append(self._transfer.serve_in_background(
-                to, self._wanted, self.client.default_timeout))
-        hand_out(self._wanted, lambda: rejoin.snapshot(self._transfer, self._params(),
-                                                       self.state_dict()))
+                to, self.client.default_timeout))
+        self._transfer.hand_out(self.algorithm.iteration,
+                                lambda: rejoin.state_of(self._params(), self.state_dict()))
+
+    @property
+    def state_taken(self) -> Taken | None:
+        """How this rank took its state when it joined late (bytes per donor, time); None
+        when it did not."""
+        return self._transfer.taken
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus, under ``"decent"``, the algorithm's name,

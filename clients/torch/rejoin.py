@@ -16,17 +16,17 @@ from decent.core.training.algorithms import AlgorithmError
 from decent.core.training.transfer import StateLink
 
 
-def snapshot(states: StateLink[torch.Tensor], params: Sequence[torch.Tensor],
-             optimizer_state: dict[str, Any]) -> tuple[bytes, list[torch.Tensor]]:
-    """The state as a JSON description and its tensors (copies: training goes on)."""
-    return states.snapshot({"params": [p.detach() for p in params],
-                            "optimizer": optimizer_state})
+def state_of(params: Sequence[torch.Tensor], optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """The state a donor sends: its parameters and its optimizer's state dict."""
+    return {"params": [p.detach() for p in params], "optimizer": optimizer_state}
 
 
-def receive(states: StateLink[torch.Tensor], src: int
+def receive(states: StateLink[torch.Tensor], donors: Sequence[int]
             ) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """The parameters and optimizer state dict rank ``src`` sends (checked before use)."""
-    state = states.receive(src)
+    """The parameters and optimizer state dict of ``donors[0]``, taken from ``donors``
+    (checked before use)."""
+    src = donors[0]
+    state = states.receive(donors)
     params = state.get("params") if isinstance(state, dict) else None
     optimizer_state = state.get("optimizer") if isinstance(state, dict) else None
     if not isinstance(params, list) or not isinstance(optimizer_state, dict) or \

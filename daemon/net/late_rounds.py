@@ -12,7 +12,8 @@ waits, whole frame and payload, until that op starts and its offset is known
 Peers are ids of their level: a worker rank, or ``-(daemon rank + 1)`` for a node-level key.
 A peer whose daemon restarted or came late is late in every job; a worker that registered again
 in its job is late in that job only (in a later job it is a new worker, at round 0 with
-everyone).
+everyone). When one of our own workers registers again in a job, it is the late one: the peers
+translate for it, and for its keys nothing here does, except for peers that come back after it.
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ class RoundMap:
     def __init__(self) -> None:
         #: set once the daemon is ready: peers that come up later are late
         self.ready = False
-        self._late: set[int] = set()  #: in every job
-        self._late_in: set[tuple[int, str]] = set()  #: (peer, job): in that job only
+        #: when each late peer came back (a sequence number), in every job or in one
+        self._late: dict[int, int] = {}
+        self._late_in: dict[tuple[int, str], int] = {}  #: (peer, job)
+        #: when each of our workers (rank, job) registered again: peers late before are not
+        #: late for its keys
+        self._restarted: dict[tuple[int, str], int] = {}
+        self._seq = 0
         self._offsets: dict[tuple[int, str], int] = {}
 
     @property
@@ -51,18 +57,33 @@ class RoundMap:
         ``job`` only (a worker that registered again in it), or in every job (None)."""
         if not self.ready:
             return
+        self._seq += 1
         for peer in peers:
             if job is None:
-                self._late.add(peer)
+                self._late[peer] = self._seq
             else:
-                self._late_in.add((peer, job))
+                self._late_in[(peer, job)] = self._seq
             for key in [k for k in self._offsets
                         if k[0] == peer and job in (None, job_of(k[1]))]:
                 del self._offsets[key]
 
+    def restarted_here(self, rank: int, job: str) -> None:
+        """Our worker ``rank`` registered (again) in ``job``: it counts from round 0, the peers
+        translate for it; what we placed for its keys goes."""
+        self._seq += 1
+        self._restarted[(rank, job)] = self._seq
+        for key in [k for k in self._offsets if owner(k[1]) == rank and job_of(k[1]) == job]:
+            del self._offsets[key]
+
     def is_late(self, peer: int, name: str) -> bool:
-        """Whether ``peer`` (an id) joined late for the key ``name`` (its job's)."""
-        return peer in self._late or (peer, job_of(name)) in self._late_in
+        """Whether ``peer`` (an id) joined late for the key ``name`` (its job's), after the
+        worker whose key it is registered."""
+        job = job_of(name)
+        came = max(self._late.get(peer, 0), self._late_in.get((peer, job), 0))
+        if not came:
+            return False
+        mine = owner(name)
+        return mine is None or came > self._restarted.get((mine, job), 0)
 
     def establish(self, peer: int, name: str, round_: int) -> bool:
         """Our op of ``name`` at ``round_`` involves late ``peer``: its round 0 is ``round_``,
@@ -94,9 +115,7 @@ class RoundMap:
             if p.op in ONE_SIDED or p.op == pb.WIN_REPLY:
                 continue
             peer = peer_id(int(p.src), p.name)
-            if peer in self._late and (peer, p.name) not in self._offsets:
-                return False
-            if (peer, job_of(p.name)) in self._late_in and (peer, p.name) not in self._offsets:
+            if self.is_late(peer, p.name) and (peer, p.name) not in self._offsets:
                 return False
         return True
 

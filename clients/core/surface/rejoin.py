@@ -1,12 +1,16 @@
 """Who brings a rank that joined late up to date, and when (framework-neutral).
 
 A rank whose daemon restarted (or came up after the job started) takes the model and the
-optimizer state from one live rank before its first step: its *donor*, the lowest rank among the
-daemons that already ran the job. The survivors see the join as a new daemon (or a new
-incarnation of one) in their membership view, checked whenever a completion carries a new
-epoch; the donor among them sends its state at its next step boundary, the others go on.
-Both sides pick the same donor from the same view. The newcomer first says it is ready, and
-the donor snapshots at its next step boundary after that: the state is at most a step old.
+optimizer state before its first step from its *donors*: the lowest worker ranks of the first
+:data:`DONORS` daemons that already ran the job. It takes the first donor's state (the
+*primary*'s) byte for byte, in checksummed chunks fetched in parallel from every donor that holds
+the same bytes (:mod:`decent.core.training.chunks`). The survivors see the join as a new daemon
+(or a new incarnation of one) in their membership view, checked whenever a completion carries a
+new epoch; the donors among them serve it in the background, the others go on. Both sides pick
+the same donors from the same view. The newcomer asks each donor for its step count and names a
+step a little ahead of the furthest; each donor snapshots at that step boundary (or at once when
+already past it), so that donors in step hold the same bytes and the state is at most a few
+steps old.
 """
 
 from __future__ import annotations
@@ -18,25 +22,38 @@ from decent.core.surface.membership import View
 #: the names the state travels under (their rounds are realigned like any other name's); the
 #: first op under another name tells the daemon that this rank takes part from now on
 REJOIN_PREFIX = "decent.rejoin."
-SIZE_NAME, META_NAME, TENSOR_NAME = (f"{REJOIN_PREFIX}size", f"{REJOIN_PREFIX}meta",
-                                     f"{REJOIN_PREFIX}t")
-READY_NAME = f"{REJOIN_PREFIX}ready"
+READY_NAME, STEP_NAME, TARGET_NAME = (f"{REJOIN_PREFIX}ready", f"{REJOIN_PREFIX}step",
+                                       f"{REJOIN_PREFIX}target")
+SIZE_NAME, META_NAME, DIGESTS_NAME = (f"{REJOIN_PREFIX}size", f"{REJOIN_PREFIX}meta",
+                                      f"{REJOIN_PREFIX}digests")
+#: a round's chunk requests and its chunks (the round and chunk numbers follow)
+ASSIGN_NAME, CHUNK_NAME = f"{REJOIN_PREFIX}assign", f"{REJOIN_PREFIX}chunk"
 
 
-def donor_among(view: View, newcomers: set[int], per_node: int) -> int | None:
-    """The lowest worker rank of a live daemon not among ``newcomers`` (daemon ranks)."""
-    donors = [d for d in view.daemons if d not in newcomers]
-    return donors[0] * per_node if donors else None
+def pair_name(name: str, donor: int, joiner: int) -> str:
+    """``name`` for the ops between one donor and one newcomer: a rank's rounds of a name are
+    its own, so every pair's names are apart (a donor may serve two newcomers at once)."""
+    return f"{name}.{donor}.{joiner}"
 
 
-def own_donor(view: View, per_node: int) -> int | None:
-    """The donor of a rank that joined late: the lowest worker of a daemon that was serving
-    when its daemon reached it."""
-    return view.serving[0] * per_node if view.serving else None
+#: how many daemons' ranks serve one newcomer (the first is its primary)
+DONORS = 3
+
+
+def donors_among(view: View, newcomers: set[int], per_node: int) -> list[int]:
+    """The lowest worker ranks of the first :data:`DONORS` live daemons not among
+    ``newcomers`` (daemon ranks)."""
+    return [d * per_node for d in view.daemons if d not in newcomers][:DONORS]
+
+
+def own_donors(view: View, per_node: int) -> list[int]:
+    """The donors of a rank that joined late, its primary first: the lowest workers of the
+    first :data:`DONORS` daemons that were serving when its daemon reached them."""
+    return [d * per_node for d in view.serving[:DONORS]]
 
 
 class JoinWatch:
-    """Tells a survivor which ranks joined since it last looked, and which of them it is the
+    """Tells a survivor which ranks joined since it last looked, and which of them it is a
     donor of. ``membership``: the daemon's view, asked only when the epoch moved."""
 
     def __init__(self, rank: int, per_node: int, membership: Callable[[], View]) -> None:
@@ -63,6 +80,6 @@ class JoinWatch:
         if not joined:
             return []
         newcomers = {r // self.per_node for r in joined}
-        if donor_among(view, newcomers, self.per_node) != self.rank:
+        if self.rank not in donors_among(view, newcomers, self.per_node):
             return []
         return [r for r in joined if r != self.rank]

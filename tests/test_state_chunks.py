@@ -1,0 +1,168 @@
+"""A joining rank takes its state from several donors at once, in checksummed chunks: exactly the
+primary donor's state, each chunk from any donor holding the same bytes, a chunk that fails
+fetched again from another (issue 42 point 4; :mod:`decent.core.training.chunks`)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from cluster import Cluster, delay
+from decent.core.surface.rejoin import CHUNK_NAME
+from decent.core.training.chunks import ChunkPlan, digest, layout
+from decent.core.training.transfer import StateLink, Taken
+from decent.torch.state import KIT
+
+CHUNK = 256
+
+
+def test_chunks_never_span_two_tensors_and_cover_every_byte() -> None:
+    chunks = layout([600, 0, 256, 10], CHUNK)
+    assert [(c.tensor, c.start, c.stop) for c in chunks] == [
+        (0, 0, 256), (0, 256, 512), (0, 512, 600), (2, 0, 256), (3, 0, 10)]
+
+
+def test_a_plan_spreads_chunks_over_their_holders_and_refetches_a_bad_one_elsewhere() -> None:
+    chunks = layout([1024], CHUNK)  # 4 chunks
+    good = [digest(bytes([i]) * CHUNK) for i in range(4)]
+    other = [good[0], b"x" * 32, good[2], good[3]]  # donor 2 differs in chunk 1
+    plan = ChunkPlan(chunks, good, {0: good, 2: other, 5: None})
+    ask = plan.next_round()
+    assert ask == {0: [0, 1], 2: [2, 3], 5: []}  # chunk 1 only from 0; by bytes, then rank
+    plan.arrived(2, 2, True)
+    plan.arrived(2, 3, False)  # a bad chunk 3 from donor 2
+    plan.arrived(0, 0, True)
+    plan.arrived(0, 1, True)
+    assert plan.next_round() == {0: [3], 2: [], 5: []} and plan.refetched == 1
+    plan.donor_failed(0)  # the primary dies: chunk 3 only from donor 2 again
+    assert plan.next_round() == {2: [3], 5: []}
+    plan.donor_failed(2)
+    with pytest.raises(ValueError, match="no donor left holds chunk 3"):
+        plan.next_round()
+
+
+def test_a_chunk_that_keeps_failing_fails_the_transfer_after_a_bounded_number_of_rounds() -> None:
+    chunks = layout([CHUNK], CHUNK)
+    good = [digest(b"a" * CHUNK)]
+    plan = ChunkPlan(chunks, good, {0: good})
+    for _ in range(plan.max_rounds):
+        assert plan.next_round() == {0: [0]}
+        plan.arrived(0, 0, False)
+    with pytest.raises(ValueError, match="failed its checksum from ranks \\[0\\]"):
+        plan.next_round()
+
+
+def state_at(step: int, rank: int, differ: bool) -> dict[str, Any]:
+    """A training state of several dtypes; its ``"step"`` is the step it was taken at, and its
+    ``"local"`` tensor is the rank's own when ``differ`` (a decentralized algorithm's)."""
+    g = torch.Generator().manual_seed(7)
+    return {"params": [torch.randn(300, generator=g), torch.randn(7, 5, generator=g).double()],
+            "local": torch.full((100,), float(rank if differ else 0)),
+            "flags": torch.arange(50) % 3 == 0,
+            "half": torch.randn(200, generator=g).to(torch.bfloat16),
+            "step": torch.tensor([step]), "lr": 0.1, "name": "sgd"}
+
+
+class CorruptingLink(StateLink[torch.Tensor]):
+    """A donor whose chunks arrive damaged (one byte flipped): a bad link or bad memory."""
+
+    def _send_array(self, to: int, values: np.ndarray, name: str) -> None:
+        if name.startswith(CHUNK_NAME):
+            values = values.copy()
+            values[0] ^= 0xFF
+        super()._send_array(to, values, name)
+
+
+def donors_in_step(links: list[StateLink[torch.Tensor]], joiner: int,
+                   state: Callable[[int, int], dict[str, Any]]) -> list[threading.Thread]:
+    """Each link serves ``joiner`` while its rank trains in lockstep with the others (a
+    barrier per step, as a synchronous algorithm's collective makes it), handing out
+    ``state(step, rank)`` at each step boundary; returns the training threads."""
+    barrier = threading.Barrier(len(links))
+    serving = [link.serve_in_background(joiner, 60) for link in links]
+
+    def train(link: StateLink[torch.Tensor], server: threading.Thread) -> None:
+        step = 0
+        while server.is_alive():
+            delay(link.client.rank)
+            link.hand_out(step, functools.partial(state, step, link.client.rank))
+            step += 1
+            try:
+                barrier.wait(timeout=60)
+            except threading.BrokenBarrierError:  # another donor is done serving
+                return
+        barrier.abort()  # the others' waits end too
+
+    threads = [threading.Thread(target=train, args=(link, s)) for link, s in zip(links, serving,
+                                                                                 strict=True)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def take(c: Cluster, differ: bool, corrupt: bool = False) -> tuple[Any, Taken]:
+    """Rank 0 takes the state of donors 1 (primary) and 2 (damaging its chunks when
+    ``corrupt``)."""
+    links = [StateLink(c.clients[1], KIT, chunk_bytes=CHUNK),
+             (CorruptingLink if corrupt else StateLink)(c.clients[2], KIT, chunk_bytes=CHUNK)]
+    joiner = StateLink(c.clients[0], KIT)
+    training = donors_in_step(links, 0, lambda step, rank: state_at(step, rank, differ))
+    with ThreadPoolExecutor(1) as pool:
+        got = pool.submit(joiner.receive, [1, 2]).result(timeout=120)
+    for t in training:
+        t.join(timeout=60)
+    assert joiner.taken is not None
+    return got, joiner.taken
+
+
+def assert_is_state(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got.keys() == want.keys()
+    for key in ("params",):
+        assert all(torch.equal(a, b) and a.dtype == b.dtype
+                   for a, b in zip(got[key], want[key], strict=True))
+    for key in ("local", "flags", "half", "step"):
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+    assert (got["lr"], got["name"]) == (want["lr"], want["name"])
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Any:
+    c = Cluster(3, "ring")
+    try:
+        c.connect()
+        yield c
+    finally:
+        c.stop()
+
+
+def test_donors_in_step_each_send_part_of_the_one_state(cluster: Cluster) -> None:
+    got, taken = take(cluster, differ=False)
+    assert_is_state(got, state_at(taken.step, 1, differ=False))
+    assert int(got["step"]) == taken.step >= 2  # at the step named: both donors were there
+    assert taken.bytes_from[1] > 0 and taken.bytes_from[2] > 0, taken
+    assert sum(taken.bytes_from.values()) == 1200 + 280 + 400 + 50 + 400 + 8
+    assert taken.refetched == 0
+
+
+def test_a_donor_whose_state_differs_sends_only_the_chunks_it_holds_alike(
+        cluster: Cluster) -> None:
+    got, taken = take(cluster, differ=True)
+    assert_is_state(got, state_at(taken.step, 1, differ=True))  # the primary's, exactly
+    assert bool((got["local"] == 1).all())
+    assert 0 < taken.bytes_from[2] <= 1200 + 280 + 50 + 400 + 8, taken  # never "local"'s
+    assert taken.refetched == 0
+
+
+def test_chunks_that_fail_their_checksum_are_fetched_again_from_another_donor(
+        cluster: Cluster) -> None:
+    got, taken = take(cluster, differ=False, corrupt=True)
+    assert_is_state(got, state_at(taken.step, 1, differ=False))
+    assert taken.refetched > 0 and taken.bytes_from[2] == 0, taken
+    assert taken.rounds == 2, taken
