@@ -6,7 +6,7 @@ strikes a random node every 15-30 s, against a run without faults.
 
 The network, daemons and workers are :mod:`benchmarks.chaos`'s (exponential graph, ``on_peer_loss:
 reweight``, the digits CNN, compute padded to ``--pad-ms``); the workers train until a wall-clock
-deadline. The faults (:data:`FAULTS`): SIGKILL of a node's daemon (its worker goes with it, as
+deadline. From the time every rank has trained a step, the faults (:data:`FAULTS`): SIGKILL of a node's daemon (its worker goes with it, as
 when the node dies); SIGKILL of its worker alone; SIGSTOP of both for 5 s; its link down for 5 s;
 an outsider (a ninth namespace) holding 128 unauthenticated connections to its bulk port for
 20 s. A supervisor loop restarts what died: the daemon with the same config, then the worker,
@@ -247,7 +247,7 @@ class Churn:
         a, job = self.a, self.job
         task = progress.add_task(job.name, total=a.until - time.time())
         start = time.time()
-        next_fault = start + self.rng.uniform(a.fault_min_s, a.fault_max_s)
+        next_fault = float("inf")  # once every rank has trained a step
         next_sample = start
         try:
             job.start_all()
@@ -255,6 +255,8 @@ class Churn:
                 job.tail.poll()
                 self.undo_due()
                 self.supervise()
+                if next_fault == float("inf") and all(k > 0 for k in job.tail.step):
+                    next_fault = time.time() + self.rng.uniform(a.fault_min_s, a.fault_max_s)
                 if self.faults and time.time() >= next_fault and time.time() < a.until - 40:
                     self.strike()
                     next_fault = time.time() + self.rng.uniform(a.fault_min_s, a.fault_max_s)
@@ -379,7 +381,8 @@ def analyze(soak: dict[str, Any], base: dict[str, Any], a: argparse.Namespace) -
     verdicts = {
         "survivors_steps_lost": (sum(lost.values()), sum(lost.values()) == 0),
         "throughput_kept": (round(kept, 3), kept >= 0.9),
-        "worst_back_in_neighbors_s": (worst, worst is not None and worst <= 10 and not never),
+        "worst_back_in_neighbors_s": (worst and round(worst, 1),
+                                      worst is not None and worst <= 10 and not never),
         "views_agree_at_end": (agree, agree),
         "accuracy_points_below_baseline": (
             None if acc["mean"] is None or acc_base["mean"] is None

@@ -9,7 +9,9 @@ call) in rounds of ops; after each round an ``allreduce`` of rank 0's stop flag 
 every rank together once ``--small-s`` (``--large-s``) seconds have passed. Measured per phase:
 ops per second over all workers, p50 and p99 latency (the median of the ranks' p50s, the worst of
 their p99s), and each daemon's RSS, open descriptors and CPU seconds per second, sampled by its
-local rank 0 after the phase's first round (warm) and at its end. Rank 0 writes the JSON.
+local rank 0 after the phase's first round (warm), every ``--sample-s`` seconds and at its
+end; *flat* when from the phase's middle to its end RSS grows by at most 10% and descriptors by
+at most 4. Rank 0 writes the JSON.
 """
 
 from __future__ import annotations
@@ -52,34 +54,42 @@ def gathered(client: Any, row: list[float]) -> np.ndarray:
 
 
 def phase(client: Any, name: str, numel: int, per_round: int, seconds: float,
-          progress: Progress | None) -> dict[str, Any]:
+          sample_s: float, progress: Progress | None) -> dict[str, Any]:
     """One phase on every rank; rank 0's summary."""
     x = torch.ones(numel)
     lat: list[float] = []
     task = progress.add_task(name, total=seconds) if progress else None
-    start = deadline = 0.0
-    first: np.ndarray | None = None
+    start = deadline = next_sample = 0.0
+    samples: list[np.ndarray] = []
     while True:
         for _ in range(per_round):
             t = time.perf_counter()
             client.neighbor_allreduce(x)
             lat.append(time.perf_counter() - t)
-        if first is None:  # after a warm round
-            first = gathered(client, daemon_sample(client))
+        if not samples:  # after a warm round
             start = time.time()
-            deadline, lat = start + seconds, []
-        flag = torch.tensor([1.0 if client.rank == 0 and time.time() >= deadline else 0.0])
+            deadline, next_sample, lat = start + seconds, start, []
+        now = time.time() if client.rank == 0 else 0.0
+        # rank 0 decides for every rank: stop, or take a sample of the daemons now
+        flag = torch.tensor([float(now >= deadline), float(now >= next_sample)])
+        stop, sample = (v > 0 for v in client.values(client.allreduce(flag, op="sum")))
+        if sample or stop:
+            samples.append(gathered(client, daemon_sample(client)))
+            next_sample += sample_s
         if progress is not None and task is not None:
             progress.update(task, completed=min(seconds, time.time() - start))
-        if float(client.allreduce(flag, op="sum")[0]) > 0:
+        if stop:
             break
     elapsed = time.time() - start
-    last = gathered(client, daemon_sample(client))
+    first, mid, last = samples[0], samples[len(samples) // 2], samples[-1]
     mine = [len(lat), 1e3 * float(np.percentile(lat, 50)), 1e3 * float(np.percentile(lat, 99))]
     ranks = gathered(client, mine)
-    daemons = [{"pid": int(a[0]), "rss_mb": [round(a[1], 1), round(b[1], 1)],
-                "fds": [int(a[2]), int(b[2])], "cpu_per_s": (b[3] - a[3]) / max(b[4] - a[4], 1e-9)}
-               for a, b in zip(first, last, strict=True) if a[0] > 0]
+    daemons = [{"pid": int(a[0]), "rss_mb": [round(a[1], 1), round(m[1], 1), round(b[1], 1)],
+                "fds": [int(a[2]), int(m[2]), int(b[2])],
+                "cpu_per_s": (b[3] - a[3]) / max(b[4] - a[4], 1e-9),
+                "rss_series": [[round(s[d][4] - a[4], 1), round(s[d][1], 1)] for s in samples],
+                "flat": bool(b[1] <= 1.1 * m[1] and b[2] <= m[2] + 4)}
+               for d, (a, m, b) in enumerate(zip(first, mid, last, strict=True)) if a[0] > 0]
     return {"name": name, "bytes": 4 * numel, "seconds": elapsed,
             "ops_per_s": float(ranks[:, 0].sum()) / elapsed,
             "p50_ms": statistics.median(ranks[:, 1]), "p99_ms": float(ranks[:, 2].max()),
@@ -91,13 +101,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--small-s", type=float, default=300.0, help="seconds of 4 KiB ops (300)")
     p.add_argument("--large-s", type=float, default=60.0, help="seconds of 64 MiB ops (60)")
+    p.add_argument("--sample-s", type=float, default=30.0,
+                   help="seconds between samples of the daemons (30)")
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/soak_load.json"))
     a = p.parse_args()
     torch.set_num_threads(1)
     client = dt.connect()
     seconds = {"4 KiB": a.small_s, "64 MiB": a.large_s}
     with Progress(disable=client.rank != 0) as progress:
-        out = [phase(client, name, numel, per_round, seconds[name],
+        out = [phase(client, name, numel, per_round, seconds[name], a.sample_s,
                      progress if client.rank == 0 else None)
                for name, numel, per_round in PHASES]
     if client.rank == 0:

@@ -56,14 +56,16 @@ def markdown(res: dict[str, Any]) -> str:
 def load_markdown(load: dict[str, Any]) -> list[str]:
     """The load run's table."""
     lines = ["## Load held", "", "| phase | ops/s (all workers) | p50 ms | p99 ms | daemon RSS MB "
-             "start -> end | descriptors | CPU s per s |", "|---|---|---|---|---|---|---|"]
+             "start, middle, end | descriptors | CPU s per s | flat (middle to end) |",
+             "|---|---|---|---|---|---|---|---|"]
     for phase in load["phases"]:
         d = phase["daemons"]
         lines.append(f"| {phase['name']} | {phase['ops_per_s']:.0f} | {phase['p50_ms']:.3f} | "
                      f"{phase['p99_ms']:.3f} | "
-                     + ", ".join(f"{x['rss_mb'][0]:.0f} -> {x['rss_mb'][1]:.0f}" for x in d)
-                     + " | " + ", ".join(f"{x['fds'][0]} -> {x['fds'][1]}" for x in d)
-                     + " | " + ", ".join(f"{x['cpu_per_s']:.2f}" for x in d) + " |")
+                     + "; ".join(", ".join(f"{v:.0f}" for v in x["rss_mb"]) for x in d)
+                     + " | " + "; ".join(", ".join(map(str, x["fds"])) for x in d)
+                     + " | " + ", ".join(f"{x['cpu_per_s']:.2f}" for x in d) + " | "
+                     + ("yes" if all(x["flat"] for x in d) else "NO") + " |")
     return [*lines, ""]
 
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import grpc
 from decentd_fork import ForkedDaemon
+from hostspeed import scaled
 
 import decent.torch as dt
 from decent.core import Client
@@ -203,8 +204,9 @@ class Cluster:
 
 
 def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    """Wait for ``condition`` (polled); fail naming ``what`` when it does not come."""
-    deadline = time.monotonic() + timeout
+    """Wait for ``condition`` (polled); fail naming ``what`` when it does not come within
+    ``timeout`` s on a quiet host (:func:`hostspeed.scaled`)."""
+    deadline = time.monotonic() + scaled(timeout)
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")

@@ -16,6 +16,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import hostspeed
 import pytest
 from inprocess import InProcessCluster, job_of
 from leftovers import Leftovers
@@ -53,6 +54,13 @@ def pytest_configure(config: pytest.Config) -> None:
         subprocess.Popen.__init__ = _in_process_only  # type: ignore[method-assign]
     if not hasattr(config, "workerinput"):
         config.stash[LEFTOVERS] = Leftovers()
+        # measured once, before pytest-xdist starts its workers (they inherit it)
+        os.environ.setdefault(hostspeed.ENV, f"{hostspeed.measure():.2f}")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """The host-speed factor the tests' waits scale by (:mod:`hostspeed`)."""
+    return f"host-speed factor: {hostspeed.factor():.2f} (waits for other processes x that)"
 
 
 @pytest.hookimpl(trylast=True)

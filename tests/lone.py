@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import torch
+from hostspeed import scaled
 
 from cluster import free_ports
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
@@ -32,8 +33,9 @@ def secret_args(path: str) -> tuple[str, ...]:
 
 
 def wait_for(predicate: object, what: str, timeout: float = 60) -> None:
-    """Poll ``predicate`` (a callable) until it holds: an event another process causes."""
-    deadline = time.monotonic() + timeout
+    """Poll ``predicate`` (a callable) until it holds: an event another process causes (within
+    ``timeout`` s on a quiet host, :func:`hostspeed.scaled`)."""
+    deadline = time.monotonic() + scaled(timeout)
     while not predicate():  # type: ignore[operator]
         assert time.monotonic() < deadline, what
         time.sleep(0.05)

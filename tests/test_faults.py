@@ -486,3 +486,34 @@ def test_workers_restarted_one_after_another_on_live_daemons_pair_with_the_other
                 assert ring_round(c.clients, "w", values) == everyone, restarted
     finally:
         c.stop()
+
+
+def test_a_daemon_resumed_after_a_stop_does_not_count_its_peers_out() -> None:
+    """A daemon stopped (SIGSTOP) past ``peer_dead_after`` is counted out by its peers; when it
+    runs again it does not count them out in turn for the silence it slept through (before:
+    it declared every peer dead at once, and an 8-node soak collapsed), and all average
+    exactly again."""
+    c = Cluster(3, "ring", "--set", "timeouts.heartbeat=0.5")
+    try:
+        c.connect()
+        values = {0: 1.0, 1: 2.0, 2: 4.0}
+        everyone = {r: (pytest.approx(7 / 3, rel=1e-6), [q for q in range(3) if q != r])
+                    for r in range(3)}
+        assert ring_round(c.clients, "w", values) == everyone
+        c.procs[2].send_signal(signal.SIGSTOP)
+        try:
+            for i in (0, 1):
+                until_state(c, i, 2, "down")
+        finally:
+            c.procs[2].send_signal(signal.SIGCONT)
+        for i in (0, 1):
+            until_state(c, i, 2, "up")
+        until(lambda: "did not run for" in c.log(2), "daemon 2 to notice its own stop")
+        assert "is down" not in c.log(2), c.log(2)[-2000:]
+        assert all(p.state == "up" for p in c.status(2).peers)
+        for _ in range(3):
+            got = ring_round(c.clients, "w", values)
+            assert {r: v for r, (v, _) in got.items()} == {r: pytest.approx(7 / 3, rel=1e-6)
+                                                           for r in range(3)}, got
+    finally:
+        c.stop()

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from cluster import Cluster, delay
-from decent.core.surface.rejoin import CHUNK_NAME
+from decent.core.surface.membership import View
+from decent.core.surface.rejoin import CHUNK_NAME, JoinWatch
 from decent.core.training.chunks import ChunkPlan, digest, layout
 from decent.core.training.transfer import StateLink, Taken
 from decent.torch.state import KIT
@@ -166,3 +167,18 @@ def test_chunks_that_fail_their_checksum_are_fetched_again_from_another_donor(
     assert_is_state(got, state_at(taken.step, 1, differ=False))
     assert taken.refetched > 0 and taken.bytes_from[2] == 0, taken
     assert taken.rounds == 2, taken
+
+
+def test_a_daemon_down_at_a_donors_first_look_that_comes_back_as_itself_has_not_joined() -> None:
+    """A survivor's first look at the view may come while a daemon is counted out (stopped):
+    that daemon coming back as the same process is no newcomer (before: its donors waited for
+    a state request that never came, and it was served as if it had restarted)."""
+    views = [View(5, (0, 2), (0, 2), ((0, 10), (2, 12)), known=((0, 10), (1, 11), (2, 12))),
+             View(6, (0, 1, 2), (0, 1, 2), ((0, 10), (1, 11), (2, 12))),
+             View(7, (0, 2), (0, 2), ((0, 10), (2, 12))),
+             View(8, (0, 1, 2), (0, 1, 2), ((0, 10), (1, 99), (2, 12)))]
+    watch = JoinWatch(0, 1, lambda: views.pop(0))
+    assert watch.to_serve(5) == []  # the first look
+    assert watch.to_serve(6) == []  # daemon 1 back, the same process
+    assert watch.to_serve(7) == []
+    assert watch.to_serve(8) == [1]  # daemon 1 restarted: a new process

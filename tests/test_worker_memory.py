@@ -160,3 +160,23 @@ def test_fifty_clients_in_turn_leave_no_shared_memory_mapped() -> None:
         assert shared_memory_mapped() == before
     finally:
         c.kill()
+
+
+def test_workers_of_many_jobs_hold_at_most_max_arenas() -> None:
+    """Before, twelve workers of twelve jobs took 3 GB of arenas from one daemon unbounded: past
+    ``memory.max_arenas`` a worker is refused, naming the jobs, until another closes."""
+    c = Cluster(1, "ring", "--set", "memory.max_arenas=2")
+    try:
+        held = [dt.connect(f"unix://{c.sockets[0]}", 30, job=f"job{i}") for i in range(2)]
+        with pytest.raises(DecentError) as refused:
+            dt.connect(f"unix://{c.sockets[0]}", 30, job="job2")
+        assert refused.value.code == pb.RESOURCE_EXHAUSTED
+        assert "memory.max_arenas=2; jobs 'job0' (1), 'job1' (1)" in str(refused.value)
+        assert c.status(0).workers == 2
+        held.pop().close()
+        third = dt.connect(f"unix://{c.sockets[0]}", 30, job="job2")
+        assert float(third.allreduce(torch.ones(3), name="x")[0]) == 1.0
+        for cl in (*held, third):
+            cl.close()
+    finally:
+        c.stop()

@@ -381,10 +381,27 @@ class Supervisor:
 
     async def watch(self) -> None:
         """Every heartbeat: send heartbeats, and declare dead the peers silent too long."""
+        tick = min(self.heartbeat, self.dead_after / 2)
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(min(self.heartbeat, self.dead_after / 2))
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            if now - last > self.dead_after:
+                self.forgive_own_stall(now - last, now)
+            last = now
             self.links.heartbeat(self.view_frame())
-            self.check_silence(time.monotonic())
+            self.check_silence(now)
+
+    def forgive_own_stall(self, gap: float, now: float) -> None:
+        """This daemon did not run for ``gap`` s (stopped, or starved of CPU): its peers were
+        not heard meanwhile because it was not listening, so each gets a whole ``dead_after``
+        from now to be heard before it is judged silent (before: a daemon resumed after a 5 s
+        SIGSTOP declared every peer dead at once)."""
+        log.warning("this daemon did not run for %.1fs (stopped or starved of CPU): its peers "
+                    "get %gs to be heard again before any is declared down", gap,
+                    self.dead_after)
+        for link in self.links.links.values():
+            link.last_heartbeat = max(link.last_heartbeat, now)
 
     def check_silence(self, now: float) -> None:
         """Declare dead every up peer we have not heard from (no frame, no byte) for

@@ -89,6 +89,12 @@ class MemoryConfig(_Strict):
     """Memory bounds."""
 
     arena_bytes: int = Field(256 << 20, ge=1 << 20, description="shared-memory arena per worker")
+    max_arenas: int = Field(
+        0, ge=0,
+        description="workers of any jobs attached at once, each holding an arena of arena_bytes "
+        "(0: four jobs' worth, 4 x workers_per_node); past this, a registering worker is "
+        "refused with RESOURCE_EXHAUSTED naming the jobs that hold them",
+    )
     early_arrival_bytes: int = Field(
         1 << 30, ge=0,
         description="receive window: bytes peers may send before the op that takes them runs "

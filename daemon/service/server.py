@@ -163,7 +163,8 @@ class Daemon:
         except ValueError as exc:
             raise ConfigError(f"config error: {exc}") from None
         self.sessions = Sessions(self.engine, self.rank, cfg.workers_per_node,
-                                 cfg.memory.arena_bytes, cfg.memory.max_regions, self.access)
+                                 cfg.memory.arena_bytes, cfg.memory.max_regions, self.access,
+                                 cfg.memory.max_arenas or 4 * cfg.workers_per_node)
         self.ready = asyncio.Event()
         self.stopping = asyncio.Event()
         self.data_socket = f"{cfg.socket}.data"

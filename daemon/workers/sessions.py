@@ -91,8 +91,11 @@ class Sessions:
     """Every worker of this daemon, by worker id."""
 
     def __init__(self, engine: Requests, machine: int, per_node: int, arena_bytes: int,
-                 max_regions: int, access: LocalAccess | None = None) -> None:
+                 max_regions: int, access: LocalAccess | None = None,
+                 max_arenas: int | None = None) -> None:
         self._engine = engine
+        #: workers (of any jobs) that may hold an arena at once
+        self._max_arenas = max_arenas if max_arenas is not None else 4 * per_node
         self._access = access or LocalAccess()
         self._machine = machine
         self._per_node = per_node
@@ -147,6 +150,7 @@ class Sessions:
         if waiting >= MAX_UNATTACHED:
             raise DecentError(pb.RESOURCE_EXHAUSTED, f"{waiting} registered workers have not "
                               "attached yet; register again once they have (or are dropped)")
+        self._check_room(job)
         self._reserving[(job, local)] = pid
         try:
             arena = await asyncio.to_thread(
@@ -163,6 +167,18 @@ class Sessions:
         log.info("worker %s (rank %d, local rank %d, pid %d, %s, job %s) registered",
                  session.worker_id, rank, local, pid, shown(framework), shown(job))
         return session
+
+    def _check_room(self, job: str) -> None:
+        """DecentError (RESOURCE_EXHAUSTED) when :attr:`_max_arenas` arenas are held or being
+        made already."""
+        held = [s.job for s in self.by_id.values()] + [j for j, _ in self._reserving]
+        if len(held) < self._max_arenas:
+            return
+        jobs = ", ".join(f"{shown(j)} ({held.count(j)})" for j in sorted(set(held)))
+        raise DecentError(pb.RESOURCE_EXHAUSTED, f"daemon rank {self._machine} holds "
+                          f"{len(held)} workers' arenas of {self._arena_bytes >> 20} MiB each "
+                          f"(memory.max_arenas={self._max_arenas}; jobs {jobs}): a worker of "
+                          f"job {shown(job)} is refused until one of them closes its client")
 
     def joined(self, session: WorkerSession) -> None:
         """The worker takes part in the node's ops from now on (told to every peer)."""

@@ -20,6 +20,8 @@ class View:
     incarnations: tuple[tuple[int, int], ...] = ()
     #: daemons that already ran the job when this one reached them (it joined late)
     serving: tuple[int, ...] = field(default=(), compare=False)
+    #: the incarnation of every daemon known to this one, live or not (0: never reached)
+    known: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
     @classmethod
     def of(cls, reply: pb.StatusReply) -> View:
@@ -29,4 +31,5 @@ class View:
         known[int(reply.rank)] = int(reply.incarnation)
         return cls(int(reply.view_epoch), tuple(int(r) for r in reply.live_ranks),
                    tuple(sorted(live)), tuple(sorted((r, known.get(r, 0)) for r in live)),
-                   tuple(sorted(int(r) for r in reply.serving_daemons if int(r) in live)))
+                   tuple(sorted(int(r) for r in reply.serving_daemons if int(r) in live)),
+                   tuple(sorted((r, inc) for r, inc in known.items() if inc)))

@@ -73,6 +73,8 @@ class JoinWatch:
             return []
         view = self._membership()
         first, self._view, self._epoch = self._view is None, view, epoch
+        if first:  # a daemon down now but reached before comes back as the same process
+            self._known.update(view.known)
         joined = [] if first else [
             d * self.per_node + k for d, inc in view.incarnations
             if self._known.get(d) != inc for k in range(self.per_node)]
