@@ -5,13 +5,14 @@ strikes a random node every 15-30 s, against a run without faults.
     .venv/bin/python benchmarks/soak.py --replot        # soak.png again, from soak.json
 
 The network, daemons and workers are :mod:`benchmarks.chaos`'s (exponential graph, ``on_peer_loss:
-reweight``, the digits CNN, compute padded to ``--pad-ms``); the workers train until a wall-clock
-deadline. From the time every rank has trained a step, the faults (:data:`FAULTS`): SIGKILL of a node's daemon (its worker goes with it, as
-when the node dies); SIGKILL of its worker alone; SIGSTOP of both for 5 s; its link down for 5 s;
-an outsider (a ninth namespace) holding 128 unauthenticated connections to its bulk port for
-20 s. A supervisor loop restarts what died: the daemon with the same config, then the worker,
-which takes its state from the live ranks. Every 2 s each daemon's status (view, RSS) and its
-open descriptors and CPU time are sampled.
+reweight``, the digits CNN, compute padded to ``--pad-ms``); the workers train until a
+wall-clock deadline. From the time every rank has trained a step, the faults (:data:`FAULTS`):
+SIGKILL of a node's daemon (its worker goes with it, as when the node dies); SIGKILL of its
+worker alone; SIGSTOP of both for 5 s; its link down for 5 s; an outsider (a ninth namespace)
+holding 128 unauthenticated connections to its bulk port for 20 s. A supervisor loop restarts
+what died: the daemon with the same config, then the worker (after a daemon restart it takes
+its state from the live ranks; restarted alone, it starts from its own initial model). Every
+2 s each daemon's status (view, RSS) and its open descriptors and CPU time are sampled.
 
 Reported (``soak.json``, ``.md``, ``.png``: steps per second, live set, RSS and descriptors over
 time, faults marked): the survivors' failed steps (target 0); the throughput kept against the run
