@@ -14,7 +14,7 @@ import os
 import time
 
 #: the best of five runs of :func:`_work` on the quiet 2-core, 24 GiB VM (2026-12-06)
-REFERENCE_S = 0.030
+REFERENCE_S = 0.018
 #: never shorter than the waits as written, and at most this many times longer
 MAX_FACTOR = 8.0
 ENV = "DECENT_TEST_HOST_FACTOR"
