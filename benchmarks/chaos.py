@@ -49,6 +49,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  #
 
 import benchmarks.chaos_run as cr  # noqa: E402
 import benchmarks.netns_dsgd as nd  # noqa: E402
+from benchmarks import cli  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SCENARIOS = ("baseline", "kill", "flap", "gloo")
@@ -423,7 +424,7 @@ def write_png(res: dict[str, Any], path: Path) -> None:
 
 
 #: the command line: name, type, default, help
-OPTIONS: list[tuple[str, Any, Any, str]] = [
+OPTIONS: list[cli.Option] = [
     ("nodes", int, 8, "namespaces, one daemon and worker each"), ("steps", int, 300, "steps"),
     ("rate", str, "1gbit", "tc tbf rate per link and direction"),
     ("pad-ms", float, 100.0, "each step's compute is padded to this"),
@@ -443,9 +444,7 @@ OPTIONS: list[tuple[str, Any, Any, str]] = [
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    for name, kind, default, text in OPTIONS:
-        p.add_argument(f"--{name}", type=kind, default=default, help=f"{text} ({default})")
+    p = cli.parser_of(__doc__, OPTIONS)
     p.add_argument("--keep-logs", action="store_true", help="keep the run directory")
     p.add_argument("--cleanup", action="store_true",
                    help=f"delete leftovers ({cr.PREFIX}*) of dead runs and exit")

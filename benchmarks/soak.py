@@ -53,6 +53,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  
 
 import benchmarks.chaos_run as cr  # noqa: E402
 import benchmarks.netns_dsgd as nd  # noqa: E402
+from benchmarks import cli  # noqa: E402
 from decent_wire.v1 import decent_pb2 as pb  # noqa: E402
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -459,7 +460,7 @@ def series(run: dict[str, Any], bin_s: float = 10.0) -> dict[str, Any]:
                        for e in run["events"]]}
 
 
-OPTIONS: list[tuple[str, Any, Any, str]] = [
+OPTIONS: list[cli.Option] = [
     ("nodes", int, 8, "namespaces, one daemon and worker each"),
     ("duration", float, 600.0, "seconds of churn"),
     ("baseline-s", float, 180.0, "seconds of the run without faults"),
@@ -478,9 +479,7 @@ OPTIONS: list[tuple[str, Any, Any, str]] = [
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    for name, kind, default, text in OPTIONS:
-        p.add_argument(f"--{name}", type=kind, default=default, help=f"{text} ({default})")
+    p = cli.parser_of(__doc__, OPTIONS)
     p.add_argument("--faults", type=lambda v: v.split(","), default=list(FAULTS),
                    help=f"the kinds of fault, comma-separated ({','.join(FAULTS)})")
     p.add_argument("--keep-logs", action="store_true", help="keep the run directory")
