@@ -426,12 +426,7 @@ def write_png(res: dict[str, Any], path: Path) -> None:
 #: the command line: name, type, default, help
 OPTIONS: list[cli.Option] = [
     ("nodes", int, 8, "namespaces, one daemon and worker each"), ("steps", int, 300, "steps"),
-    ("rate", str, "1gbit", "tc tbf rate per link and direction"),
-    ("pad-ms", float, 100.0, "each step's compute is padded to this"),
-    ("batch", int, 32, "per worker"), ("lr", float, 0.05, "SGD"), ("seed", int, 0, "data, model"),
-    ("heartbeat", float, 0.5, "timeouts.heartbeat (s)"),
-    ("dead-after", float, 1.5, "faults.peer_dead_after (s)"),
-    ("op-timeout", float, 60.0, "timeouts.op (s): how long an op waits (the default)"),
+    *cli.training_options("data, model", 60.0),
     ("kill-rank", int, 3, "the node killed"), ("kill-at", int, 100, "at its step"),
     ("restart-at", int, 200, "the step of rank 0 at which it restarts"),
     ("flap-rank", int, 5, "the node whose link flaps"), ("flap-at", int, 150, "at its step"),

@@ -467,13 +467,7 @@ OPTIONS: list[cli.Option] = [
     ("fault-min-s", float, 15.0, "shortest gap between faults"),
     ("fault-max-s", float, 30.0, "longest gap between faults"),
     ("sample-s", float, 2.0, "seconds between samples of the daemons"),
-    ("rate", str, "1gbit", "tc tbf rate per link and direction"),
-    ("pad-ms", float, 100.0, "each step's compute is padded to this"),
-    ("batch", int, 32, "per worker"), ("lr", float, 0.05, "SGD"), ("seed", int, 0,
-                                                                    "faults, data, model"),
-    ("heartbeat", float, 0.5, "timeouts.heartbeat (s)"),
-    ("dead-after", float, 1.5, "faults.peer_dead_after (s)"),
-    ("op-timeout", float, 30.0, "timeouts.op (s)"),
+    *cli.training_options("faults, data, model", 30.0),
     ("out", Path, RESULTS, "where soak.json, .md and .png go")]
 
 
