@@ -1,7 +1,7 @@
 # The two commands of the README: `make run` (set up, then the main job) and `make test`.
 VENV := .venv/bin
 
-.PHONY: setup run test test-fast lint docs docs-serve bench convergence stragglers chaos mutation \
+.PHONY: setup run test test-fast lint ruff typecheck docs docs-serve bench convergence stragglers chaos mutation \
 	imports fuzz clean soak
 
 setup:
@@ -11,13 +11,16 @@ setup:
 run: setup
 	$(VENV)/decentrun -np 4 --topology exponential -- $(VENV)/python examples/train_digits.py
 
-## lint (ruff, mypy) and the whole test suite against real daemons: first every test that may
-## share the machine, on 2 pytest-xdist workers (a file's tests on one worker, which keeps its
-## daemons for them), then those marked serial (namespaces, timing measured), one at a time
-test: setup lint
+## the whole test suite against real daemons, after ruff: first every test that may share the
+## machine, on 2 pytest-xdist workers (a file's tests on one worker, which keeps its daemons for
+## them), then those marked serial (namespaces, timing measured), one at a time, with mypy beside
+## them (the serial tier leaves most of a core idle: it waits on timers and namespaces)
+test: setup ruff
 	$(VENV)/python -m pytest -n 2 --dist loadfile -m "not serial"; shared=$$?; \
+	mkdir -p build; $(MAKE) --no-print-directory typecheck > build/typecheck.log 2>&1 & typing=$$!; \
 	$(VENV)/python -m pytest -m serial; serial=$$?; \
-	[ $$shared -eq 0 ] && { [ $$serial -eq 0 ] || [ $$serial -eq 5 ]; }
+	wait $$typing; typed=$$?; cat build/typecheck.log; \
+	[ $$shared -eq 0 ] && [ $$typed -eq 0 ] && { [ $$serial -eq 0 ] || [ $$serial -eq 5 ]; }
 
 ## the in-process tier: no daemon processes, no namespaces (under a minute)
 test-fast: setup
@@ -31,8 +34,13 @@ docs: setup
 docs-serve: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/mkdocs serve
 
-lint: setup
+## ruff and mypy
+lint: ruff typecheck
+
+ruff: setup
 	$(VENV)/ruff check wire daemon clients tests benchmarks examples scripts docs/hooks setup.py
+
+typecheck: setup
 	@bash scripts/typing_links.sh
 	$(VENV)/mypy build/typing/decent_wire build/typing/decentd build/typing/decent benchmarks examples tests scripts/fuzz.py \
 		scripts/gen_surface.py scripts/config_reference.py docs/hooks/site.py

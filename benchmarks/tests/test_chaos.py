@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.serial, pytest.mark.slow, pytest.ma
 #: there: the donor had ended and the rejoin failed)
 ARGS = ["--nodes", "3", "--steps", "70", "--pad-ms", "150", "--kill-rank", "2", "--kill-at", "4",
         "--restart-at", "6", "--flap-rank", "1", "--flap-at", "6", "--flap-s", "2",
-        "--gloo-timeout", "10", "--op-timeout", "15", "--snapshot-every", "5"]
+        "--gloo-timeout", "6", "--op-timeout", "15", "--snapshot-every", "5"]
 
 #: every field the JSON must have, per part
 FIELDS = {
