@@ -14,7 +14,7 @@ run: setup
 ## the whole test suite against real daemons, after ruff: first every test that may share the
 ## machine, on 2 pytest-xdist workers (a file's tests on one worker, which keeps its daemons for
 ## them), then those marked serial (namespaces, timing measured), one at a time, with mypy beside
-## them (the serial tier leaves most of a core idle: it waits on timers and namespaces)
+## them (that tier leaves most of a core idle: it waits on timers and namespaces)
 test: setup ruff
 	$(VENV)/python -m pytest -n 2 --dist loadfile -m "not serial"; shared=$$?; \
 	mkdir -p build; $(MAKE) --no-print-directory typecheck > build/typecheck.log 2>&1 & typing=$$!; \

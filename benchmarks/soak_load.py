@@ -2,7 +2,7 @@
 ones, and the daemons must not grow (``make soak``'s second part).
 
     .venv/bin/decentrun -np 8 --nodes 2 -- .venv/bin/python benchmarks/soak_load.py \\
-        [--small-s 300] [--large-s 60] [--json benchmarks/results/soak_load.json]
+        [--small-s 300] [--large-s 60] [--large-mib 64] [--json benchmarks/results/soak_load.json]
 
 Each worker runs out-of-place ``neighbor_allreduce(x)`` on a plain float32 tensor (the path users
 call) in rounds of ops; after each round an ``allreduce`` of rank 0's stop flag ends the phase on
@@ -31,8 +31,14 @@ from rich.progress import Progress
 
 import decent.torch as dt
 
-#: (phase, float32 elements, ops per round)
-PHASES = (("4 KiB", 1024, 200), ("64 MiB", 16 << 20, 2))
+#: ops per round of the small and the large phase
+SMALL_PER_ROUND, LARGE_PER_ROUND = 200, 2
+
+
+def phases(large_mib: int) -> list[tuple[str, int, int]]:
+    """(phase, float32 elements, ops per round): 4 KiB, then ``large_mib`` MiB."""
+    return [("4 KiB", 1024, SMALL_PER_ROUND),
+            (f"{large_mib} MiB", large_mib << 18, LARGE_PER_ROUND)]
 
 
 def daemon_sample(client: Any) -> list[float]:
@@ -100,18 +106,20 @@ def main() -> int:
     """Both phases; rank 0 prints and writes the JSON."""
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--small-s", type=float, default=300.0, help="seconds of 4 KiB ops (300)")
-    p.add_argument("--large-s", type=float, default=60.0, help="seconds of 64 MiB ops (60)")
+    p.add_argument("--large-s", type=float, default=60.0, help="seconds of large ops (60)")
+    p.add_argument("--large-mib", type=int, default=64, help="MiB of a large op (64)")
     p.add_argument("--sample-s", type=float, default=30.0,
                    help="seconds between samples of the daemons (30)")
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/soak_load.json"))
     a = p.parse_args()
     torch.set_num_threads(1)
     client = dt.connect()
-    seconds = {"4 KiB": a.small_s, "64 MiB": a.large_s}
+    (small, large) = phases(a.large_mib)
+    seconds = {small[0]: a.small_s, large[0]: a.large_s}
     with Progress(disable=client.rank != 0) as progress:
         out = [phase(client, name, numel, per_round, seconds[name], a.sample_s,
                      progress if client.rank == 0 else None)
-               for name, numel, per_round in PHASES]
+               for name, numel, per_round in (small, large)]
     if client.rank == 0:
         res = {"workers": client.size, "phases": out}
         a.json.parent.mkdir(parents=True, exist_ok=True)
