@@ -82,39 +82,42 @@ class CorruptingLink(StateLink[torch.Tensor]):
 
 
 def donors_in_step(links: list[StateLink[torch.Tensor]], joiner: int,
-                   state: Callable[[int, int], dict[str, Any]]) -> list[threading.Thread]:
+                   state: Callable[[int, int], dict[str, Any]],
+                   first_step: dict[int, int] | None = None) -> list[threading.Thread]:
     """Each link serves ``joiner`` while its rank trains in lockstep with the others (a
     barrier per step, as a synchronous algorithm's collective makes it), handing out
-    ``state(step, rank)`` at each step boundary; returns the training threads."""
+    ``state(step, rank)`` at each step boundary, its steps counted from ``first_step`` of its
+    rank (0); returns the training threads."""
     barrier = threading.Barrier(len(links))
     serving = [link.serve_in_background(joiner, 60) for link in links]
 
-    def train(link: StateLink[torch.Tensor], server: threading.Thread) -> None:
-        step = 0
-        while server.is_alive():
+    def train(link: StateLink[torch.Tensor]) -> None:
+        step = (first_step or {}).get(link.client.rank, 0)
+        while any(t.is_alive() for t in serving):  # a donor told it is not needed trains on
             delay(link.client.rank)
             link.hand_out(step, functools.partial(state, step, link.client.rank))
             step += 1
             try:
                 barrier.wait(timeout=60)
-            except threading.BrokenBarrierError:  # another donor is done serving
+            except threading.BrokenBarrierError:  # another donor is done
                 return
         barrier.abort()  # the others' waits end too
 
-    threads = [threading.Thread(target=train, args=(link, s)) for link, s in zip(links, serving,
-                                                                                 strict=True)]
+    threads = [threading.Thread(target=train, args=(link,)) for link in links]
     for t in threads:
         t.start()
     return threads
 
 
-def take(c: Cluster, differ: bool, corrupt: bool = False) -> tuple[Any, Taken]:
+def take(c: Cluster, differ: bool, corrupt: bool = False,
+         first_step: dict[int, int] | None = None) -> tuple[Any, Taken]:
     """Rank 0 takes the state of donors 1 (primary) and 2 (damaging its chunks when
-    ``corrupt``)."""
+    ``corrupt``), their steps counted from ``first_step``."""
     links = [StateLink(c.clients[1], KIT, chunk_bytes=CHUNK),
              (CorruptingLink if corrupt else StateLink)(c.clients[2], KIT, chunk_bytes=CHUNK)]
     joiner = StateLink(c.clients[0], KIT)
-    training = donors_in_step(links, 0, lambda step, rank: state_at(step, rank, differ))
+    training = donors_in_step(links, 0, lambda step, rank: state_at(step, rank, differ),
+                              first_step)
     with ThreadPoolExecutor(1) as pool:
         got = pool.submit(joiner.receive, [1, 2]).result(timeout=120)
     for t in training:
@@ -167,6 +170,20 @@ def test_chunks_that_fail_their_checksum_are_fetched_again_from_another_donor(
     assert_is_state(got, state_at(taken.step, 1, differ=False))
     assert taken.refetched > 0 and taken.bytes_from[2] == 0, taken
     assert taken.rounds == 2, taken
+
+
+@pytest.mark.parametrize("behind", [1, 2])
+def test_a_donor_far_behind_the_others_gives_nothing_and_keeps_nobody_waiting(
+        cluster: Cluster, behind: int) -> None:
+    """A donor whose steps count from far behind (a worker that restarted alone) is told at
+    once that nothing is taken from it, and the newcomer takes the state of the donor ahead,
+    even when the one behind is the first donor (before: the newcomer named a step the one
+    behind never reached, and waited out the op timeout, or took the one behind's state)."""
+    ahead = 3 - behind
+    got, taken = take(cluster, differ=True, first_step={ahead: 10**6})  # far past any lead
+    assert taken.primary == ahead and taken.step >= 10**6, taken
+    assert_is_state(got, state_at(taken.step, ahead, differ=True))
+    assert set(taken.bytes_from) == {ahead}, taken
 
 
 def test_a_daemon_down_at_a_donors_first_look_that_comes_back_as_itself_has_not_joined() -> None:

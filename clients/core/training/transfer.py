@@ -70,6 +70,8 @@ LEAD_STEPS, LEAD_SECONDS = 2, 0.2
 
 #: the most steps ahead a newcomer names
 MAX_LEAD_STEPS = 1 << 20
+#: the target step a newcomer names to a donor it takes nothing from
+NOT_NEEDED = -1
 
 #: a snapshot: the state's description and each tensor's bytes (as it travels)
 Snapshot = tuple[bytes, list[np.ndarray]]
@@ -100,6 +102,20 @@ class Taken:
         return (f"{total} bytes of rank {self.primary}'s state at step {self.step} in "
                 f"{self.seconds:.2f} s from ranks {self.bytes_from} ({self.rounds} rounds, "
                 f"{self.refetched} chunks fetched again)")
+
+
+def near_donors(steps: dict[int, tuple[int, int]], donors: Sequence[int]) -> list[int]:
+    """The donors to take chunks from, the primary first, from ``steps`` (donor: its step, its
+    lead in steps). The primary is ``donors[0]`` unless a donor is further ahead of it than
+    its lead (it is a worker that restarted alone and counts from 0): then the furthest.
+    The others kept reach the primary's step within their lead, and the primary theirs: a
+    donor far behind or ahead would keep the newcomer waiting, or hold other bytes."""
+    first = donors[0]
+    furthest = max(steps, key=lambda d: (steps[d][0], -donors.index(d)))
+    primary = first if steps[furthest][0] - steps[first][0] <= steps[first][1] else furthest
+    step, lead = steps[primary]
+    return [primary, *(d for d in donors if d != primary and d in steps
+                       and step - steps[d][1] <= steps[d][0] <= step + lead)]
 
 
 def lead_steps(period: float) -> int:
@@ -195,9 +211,16 @@ class StateLink(Generic[T]):
         lead = lead_steps(self._period or 1.0)
         self._send_array(to, np.array([self.step, lead], np.int64), named(STEP_NAME))
         target = int(self._take_array(to, np.zeros(1, np.int64), named(TARGET_NAME))[0])
+        if target == NOT_NEEDED:  # this rank's step is too far from the primary donor's
+            log.info("rank %d takes its state from donors nearer its step", to)
+            return
         box: queue.Queue[Snapshot] = queue.Queue(1)
         self._wanted.put((target, box))
-        meta, tensors = box.get(timeout=patience)
+        try:
+            meta, tensors = box.get(timeout=patience)
+        except queue.Empty:
+            raise AlgorithmError(f"this rank did not reach step {target} (at {self.step}) "
+                                 f"within {patience:g}s") from None
         chunks = layout([t.nbytes for t in tensors], self.chunk_bytes)
         self._send_array(to, np.array([len(meta), self.chunk_bytes, len(chunks)], np.int64),
                          named(SIZE_NAME))
@@ -218,28 +241,40 @@ class StateLink(Generic[T]):
     # ------------------------------------------------------------------ the newcomer's side
 
     def receive(self, donors: Sequence[int]) -> Any:
-        """The state of ``donors[0]`` (the primary; checked before use), its chunks from every
-        donor holding the same bytes. AlgorithmError when it is not well formed or a chunk
-        cannot be had whole; an op's error when the primary fails."""
+        """The state of the primary donor (``donors[0]``, unless it is far behind another:
+        :func:`near_donors`; checked before use), its chunks from every donor holding the same
+        bytes. AlgorithmError when it is not well formed or a chunk cannot be had whole; an
+        op's error when ``donors[0]`` fails to say its step, or the primary later."""
         start = time.monotonic()
         with ThreadPoolExecutor(len(donors), thread_name_prefix="decent-take") as pool:
             steps = self._each(pool, donors, self._ask_step)
-            target = max(step + lead for step, lead in steps.values())
-            manifests = self._each(pool, list(steps), lambda d: self._ask_manifest(d, target))
-            primary = manifests[donors[0]]
-            sizes = self._sizes(primary.meta, donors[0])
+            near = near_donors(steps, donors)
+            target = max(steps[d][0] + steps[d][1] for d in near)
+            self._release(pool, [d for d in steps if d not in near], near[0], steps)
+            manifests = self._each(pool, near, lambda d: self._ask_manifest(d, target))
+            primary = manifests[near[0]]
+            sizes = self._sizes(primary.meta, near[0])
             chunks = layout(sizes, primary.chunk_bytes)
-            plan = ChunkPlan(chunks, self._digests(primary, chunks, donors[0]),
+            plan = ChunkPlan(chunks, self._digests(primary, chunks, near[0]),
                              {d: self._holding(m, primary, chunks) for d, m in manifests.items()})
             buffers = [bytearray(size) for size in sizes]
             self._fetch(pool, plan, buffers)
-        self.taken = Taken(donors[0], target, dict(plan.taken), plan.refetched, plan.rounds,
+        self.taken = Taken(near[0], target, dict(plan.taken), plan.refetched, plan.rounds,
                            time.monotonic() - start)
         log.info("took %s", self.taken)
         codec = self.client.codec
         return decode(primary.meta, lambda i, wire: codec.read(memoryview(buffers[i]),
                                                               *codec.describe(wire), None),
                       self.kit)
+
+    def _release(self, pool: ThreadPoolExecutor, far: list[int], primary: int,
+                 steps: dict[int, tuple[int, int]]) -> None:
+        """Tell the donors ``far`` from the primary's step that nothing is taken from them."""
+        for d in far:
+            log.warning("rank %d is at step %d, the primary donor rank %d at %d: nothing is "
+                        "taken from it", d, steps[d][0], primary, steps[primary][0])
+            pool.submit(self._send_array, d, np.array([NOT_NEEDED], np.int64),
+                        self._taking(d, TARGET_NAME))
 
     def _each(self, pool: ThreadPoolExecutor, donors: Sequence[int],
               ask: Callable[[int], Any]) -> dict[int, Any]:
