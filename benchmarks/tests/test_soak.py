@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import soak, soak_report
+from benchmarks import soak, soak_analysis, soak_report
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,17 +48,17 @@ def churn_run(start: float) -> dict[str, Any]:
 
 def test_the_churn_figures_are_those_of_known_records() -> None:
     run = churn_run(1000.0)
-    back = soak.back_in_neighbors(run)
+    back = soak_analysis.back_in_neighbors(run)
     # the worker of the restarted daemon is counted from the daemon's restart
     assert [(b["kind"], b["node"]) for b in back] == [("restart_daemon", 2)]
     assert back[0]["back_s"] == pytest.approx(26.5 - 21)  # rank 1 is the last to average it
-    assert soak.lost_steps(run) == {"0": 0, "1": 1, "2": 0}
-    assert soak.flatness(run, 60) == {"0": {"rss_mb": [100.6, 101.0], "fds": [30, 30]},
+    assert soak_analysis.lost_steps(run) == {"0": 0, "1": 1, "2": 0}
+    assert soak_analysis.flatness(run, 60) == {"0": {"rss_mb": [100.6, 101.0], "fds": [30, 30]},
                                       "2": {"rss_mb": [90, 90], "fds": [31, 31]}}
-    assert soak.views_agree(run["final"])
-    assert not soak.views_agree({"0": {"epoch": 5, "live": [0, 1]},
+    assert soak_analysis.views_agree(run["final"])
+    assert not soak_analysis.views_agree({"0": {"epoch": 5, "live": [0, 1]},
                                  "1": {"epoch": 6, "live": [0, 1]}})
-    assert soak.steps_per_second(run, 1000, 1100) == 3.0
+    assert soak_analysis.steps_per_second(run, 1000, 1100) == 3.0
 
 
 def test_the_report_and_plot_are_written_from_the_json_alone(tmp_path: Path) -> None:
@@ -66,8 +66,9 @@ def test_the_report_and_plot_are_written_from_the_json_alone(tmp_path: Path) -> 
     base = {**churn_run(2000.0), "events": [], "name": "baseline"}
     a = soak.build_parser().parse_args(["--nodes", "3", "--duration", "100"])
     res = {"date": "d", "cpus": 2, "config": vars(a) | {"out": "x"},
-           **soak.analyze(soak_run, base, a),
-           "series": {"soak": soak.series(soak_run), "baseline": soak.series(base)}}
+           **soak_analysis.analyze(soak_run, base, a),
+           "series": {"soak": soak_analysis.series(soak_run),
+                      "baseline": soak_analysis.series(base)}}
     res = json.loads(json.dumps(res, default=str))  # as soak.json holds it
     assert res["verdicts"]["survivors_steps_lost"] == {"value": 1, "met": False}
     assert res["verdicts"]["worst_back_in_neighbors_s"]["met"] is True
