@@ -31,14 +31,11 @@ from rich.progress import Progress
 
 import decent.torch as dt
 
-#: ops per round of the small and the large phase
-SMALL_PER_ROUND, LARGE_PER_ROUND = 200, 2
 
-
-def phases(large_mib: int) -> list[tuple[str, int, int]]:
-    """(phase, float32 elements, ops per round): 4 KiB, then ``large_mib`` MiB."""
-    return [("4 KiB", 1024, SMALL_PER_ROUND),
-            (f"{large_mib} MiB", large_mib << 18, LARGE_PER_ROUND)]
+def phases(a: argparse.Namespace) -> list[tuple[str, int, int, float]]:
+    """(phase, float32 elements, ops per round, seconds): 4 KiB, then ``--large-mib`` MiB."""
+    return [("4 KiB", 1024, 200, a.small_s),
+            (f"{a.large_mib} MiB", a.large_mib << 18, 2, a.large_s)]
 
 
 def daemon_sample(client: Any) -> list[float]:
@@ -114,12 +111,10 @@ def main() -> int:
     a = p.parse_args()
     torch.set_num_threads(1)
     client = dt.connect()
-    (small, large) = phases(a.large_mib)
-    seconds = {small[0]: a.small_s, large[0]: a.large_s}
     with Progress(disable=client.rank != 0) as progress:
-        out = [phase(client, name, numel, per_round, seconds[name], a.sample_s,
+        out = [phase(client, name, numel, per_round, seconds, a.sample_s,
                      progress if client.rank == 0 else None)
-               for name, numel, per_round in (small, large)]
+               for name, numel, per_round, seconds in phases(a)]
     if client.rank == 0:
         res = {"workers": client.size, "phases": out}
         a.json.parent.mkdir(parents=True, exist_ok=True)
