@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import grpc
+import torch
 from decentd_fork import ForkedDaemon
 from hostspeed import scaled
 
@@ -251,3 +252,18 @@ def run_each(clients: list[Any], fn: Callable[[Any], Any]) -> list[Any]:
     with ThreadPoolExecutor(len(clients)) as pool:
         return [f.result(timeout=120) for f in [pool.submit(fn, cl) for cl in clients]]
 
+
+def ring_round(clients: list, name: str, values: dict[int, float]) -> dict[int, tuple]:
+    """One neighbor_allreduce of ``name`` on the given clients (rank -> its value, all at once);
+    rank -> (result value, src_ranks)."""
+    handles = {}
+    for c in clients:
+        delay(c.rank)
+        handles[c.rank] = c.neighbor_allreduce_async(torch.full((8,), values[c.rank]),
+                                                     name=name, timeout=30)
+    return {r: (h.wait(timeout=60)[0].item(), h.src_ranks) for r, h in handles.items()}
+
+
+def reweighted(values: dict[int, float], rank: int, src: list[int]) -> float:
+    """A ring-of-3 neighbor average with only ``src`` in: a third from each, the rest to self."""
+    return (sum(values[j] for j in src) + (3 - len(src)) * values[rank]) / 3

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import decent.torch as dt
-from cluster import Cluster, delay, until, until_running, until_state
+from cluster import Cluster, delay, ring_round, until, until_running, until_state
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 
@@ -121,17 +121,6 @@ def test_a_daemon_killed_mid_op_fails_it_under_fail() -> None:
     finally:
         c.clients = c.clients[:2]
         c.stop()
-
-
-def ring_round(clients: list, name: str, values: dict[int, float]) -> dict[int, tuple]:
-    """One neighbor_allreduce of ``name`` on the given clients (rank -> its value, all at once);
-    rank -> (result value, src_ranks)."""
-    handles = {}
-    for c in clients:
-        delay(c.rank)
-        handles[c.rank] = c.neighbor_allreduce_async(torch.full((8,), values[c.rank]),
-                                                     name=name, timeout=30)
-    return {r: (h.wait(timeout=60)[0].item(), h.src_ranks) for r, h in handles.items()}
 
 
 def test_a_restarted_node_rejoins_and_pairs_with_the_current_rounds() -> None:
@@ -381,60 +370,6 @@ def test_a_node_missing_at_start_joins_later_under_min_nodes() -> None:
     finally:
         c.stop()
 
-
-
-def reweighted(values: dict[int, float], rank: int, src: list[int]) -> float:
-    """A ring-of-3 neighbor average with only ``src`` in: a third from each, the rest to self."""
-    return (sum(values[j] for j in src) + (3 - len(src)) * values[rank]) / 3
-
-
-@pytest.mark.parametrize("stopped", [(2,), (0, 1)], ids=["minority-silent", "majority-silent"])
-def test_daemons_silent_past_the_deadline_are_counted_out_then_pair_again(
-        stopped: tuple[int, ...]) -> None:
-    """SIGSTOP stands in for a link flap: the others count the silent side out and run on (and
-    when the others are the silent ones, the one left counts them out and runs rounds alone).
-    The silent side's workers submit an op while it is stopped, so it starts with the peers as
-    they were. That op ends with the parts it got; then every rank's rounds pair again,
-    whatever their counts."""
-    c = Cluster(3, "ring", "--set", "timeouts.heartbeat=0.5", "--set", "timeouts.op=20")
-    try:
-        c.connect()
-        values = {0: 1.0, 1: 2.0, 2: 4.0}
-        for _ in range(3):
-            assert ring_round(c.clients, "w", values)[0] == (pytest.approx(7 / 3), [1, 2])
-        running = [cl for cl in c.clients if cl.rank not in stopped]
-        for i in stopped:
-            c.procs[i].send_signal(signal.SIGSTOP)
-        try:
-            for i in {cl.rank for cl in running}:
-                for j in stopped:
-                    until_state(c, i, j, "down")
-            for _ in range(3):  # the running side goes on without the silent one(s)
-                got = ring_round(running, "w", values)
-                assert all(src == sorted({r.rank for r in running} - {rank})
-                           for rank, (_, src) in got.items())
-            pending = {i: c.clients[i].neighbor_allreduce_async(
-                torch.full((8,), values[i]), name="w", timeout=20) for i in stopped}
-        finally:
-            for i in stopped:
-                c.procs[i].send_signal(signal.SIGCONT)
-        for i, handle in pending.items():  # it got what its peers still sent, exactly
-            value, src = handle.wait(timeout=60)[0].item(), handle.src_ranks
-            assert set(src) <= set(stopped) - {i}
-            assert value == pytest.approx(reweighted(values, i, src), rel=1e-6)
-        for i in range(3):
-            for j in set(range(3)) - {i}:
-                until_state(c, i, j, "up")
-        for _ in range(2):  # the three pair again: whole averages on every rank
-            got = ring_round(c.clients, "w", values)
-            assert got == {0: (pytest.approx(7 / 3, rel=1e-6), [1, 2]),
-                           1: (pytest.approx(7 / 3, rel=1e-6), [0, 2]),
-                           2: (pytest.approx(7 / 3, rel=1e-6), [0, 1])}
-    finally:
-        for p in c.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-        c.stop()
 
 
 def test_a_worker_registering_while_peers_count_its_daemon_out_is_readmitted() -> None:

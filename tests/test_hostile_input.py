@@ -37,7 +37,7 @@ from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.keys import at_worker, part
 from decentd.mailbox.arrivals import Arrival
 from decentd.mailbox.receiver import Receiver
-from decentd.mailbox.slots import Key
+from decentd.mailbox.records import Key
 from decentd.net import flow
 from decentd.net.inbound import Inbound
 from decentd.ops.api import Services

@@ -14,7 +14,9 @@ from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.keys import agreement, at_node, at_worker, part
 from decentd.mailbox.arrivals import Arrival, Message
-from decentd.mailbox.slots import Key, Mailbox
+from decentd.mailbox.horizons import MEMORY as HORIZON_MEMORY
+from decentd.mailbox.records import Key
+from decentd.mailbox.slots import Mailbox
 from decentd.net.flow import CREDIT_IDLE, CREDIT_SOON, FlowError, LinkFlow, window_per_peer
 
 OP = pb.NEIGHBOR_ALLREDUCE
@@ -412,4 +414,42 @@ def test_parts_and_aborts_under_another_key_of_the_same_name_reach_the_open_op()
         later = Listener()
         box.open([(at_worker("j\x1fx", 1), 0)], later)
         assert later.foreign_ops == []
+    run(body())
+
+
+def test_a_peers_horizon_fails_its_waits_at_or_below_it_now_and_later_and_no_others() -> None:
+    # RAN_WITHOUT(key, 5) from worker 1: it ran rounds 0..5 of our key without us
+    mine = at_worker("j\x1fx", 0)
+
+    async def body() -> None:
+        box = Mailbox(Outbox())
+        at4, at6 = box.expect(1, mine, 4, 0), box.expect(1, mine, 6, 0)
+        other_peer, ack = box.expect(2, mine, 4, 0), box.expect_ack(1, mine, 5, 0)
+        told = wire(mine, round_=5)
+        box.ran_without([told], lambda p: ConnectionError(f"ran {p.round} without us"))
+        assert str(at4.exception()) == "ran 5 without us"
+        assert isinstance(ack.exception(), ConnectionError)
+        assert not at6.done() and not other_peer.done()
+        assert isinstance(box.expect(1, mine, 5, 0).exception(), ConnectionError)  # later
+        assert not box.expect(1, mine, 6, 1).done()
+        box.restarted(0, "j")  # our worker counts from 0 again: the horizon says nothing now
+        assert not box.expect(1, mine, 3, 0).done()
+    run(body())
+
+
+def test_the_rounds_started_and_the_horizons_held_are_bounded_by_key() -> None:
+    # an authenticated peer flooding RAN_WITHOUT, or a job using a fresh name per op, keeps
+    # the last keys (horizons.MEMORY), not all of them
+    async def body() -> None:
+        box = Mailbox(Outbox())
+        for r in range(3):
+            box.open([(at_worker("j\x1fx", 0), r)], Listener())
+        assert box.started.last() == [(at_worker("j\x1fx", 0), 2)]
+        for i in range(HORIZON_MEMORY + 10):
+            box.open([(at_worker(f"j\x1fn{i}", 0), 0)], Listener())
+        flood = [wire(at_worker(f"j\x1fn{i}", 0), round_=7) for i in range(HORIZON_MEMORY + 10)]
+        box.ran_without(flood, lambda p: ConnectionError("apart"))
+        assert len(box.started.last()) == HORIZON_MEMORY
+        assert not box.expect(1, at_worker("j\x1fn0", 0), 1, 0).done()  # forgotten: waits
+        assert box.expect(1, at_worker(f"j\x1fn{HORIZON_MEMORY}", 0), 1, 0).done()
     run(body())

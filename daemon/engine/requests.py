@@ -359,6 +359,7 @@ class Engine:
         """A worker registered: it takes part in the node's collectives, and peers wait for it,
         again (it counts its rounds from 0: they translate for it, we do not)."""
         self.services.links.rounds.restarted_here(session.rank, session.job)
+        self.services.mailbox.restarted(session.rank, session.job)
         self.hierarchy.joined(session)
         self.services.links.outbox.tell_all(pb.BulkHeader(kind=pb.WORKER_JOINED, parts=[
             pb.Part(name=session.job, src=session.rank)]))

@@ -1,11 +1,13 @@
-"""Whom an op must not wait for: workers that left (until they register again), and rounds a
-peer told us it ran without us (its link to us dropped meanwhile: a SKIP)."""
+"""Whom an op must not wait for: workers that left (until they register again), rounds a peer
+told us it ran without us (its link to us dropped meanwhile: a SKIP), and every round up to the
+one a peer ran without us while one of us counted the other out (:mod:`.horizons`)."""
 
 from __future__ import annotations
 
 import collections
 
 from decentd.keys import job_of, owner
+from decentd.mailbox.horizons import Horizons
 
 #: workers remembered as gone (what waits for them fails at once)
 DEPARTED_MEMORY = 4096
@@ -14,13 +16,16 @@ SKIPPED_MEMORY = 4096
 
 
 class Absences:
-    """Departed workers by (job, rank) and skipped rounds by (peer, name, round)."""
+    """Departed workers by (job, rank), skipped rounds by (peer, name, round), and the rounds
+    peers ran without us while apart (``horizons``)."""
 
     def __init__(self) -> None:
         self._departed: collections.OrderedDict[tuple[str, int], Exception] = (
             collections.OrderedDict())
         self._skipped: collections.OrderedDict[tuple[int, str, int], Exception] = (
             collections.OrderedDict())
+        #: per (peer, name): the last round the peer ran without us while we were apart
+        self.horizons = Horizons()
 
     def left(self, job: str, rank: int, error: Exception) -> None:
         """Worker ``rank`` of ``job`` is gone: waiting for it fails with ``error``."""
@@ -57,4 +62,5 @@ class Absences:
             skipped = self._skipped.get((peer, name, round_))
             if skipped is not None:
                 return skipped
-        return self.departed(peer, name)
+        apart = self.horizons.gone(peer, name, round_)
+        return apart if apart is not None else self.departed(peer, name)

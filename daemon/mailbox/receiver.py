@@ -35,6 +35,7 @@ from decentd.mailbox.slots import Mailbox
 from decentd.net.buffers import BufferPool
 from decentd.net.flow import LinkFlow
 from decentd.net.inbound import Inbound
+from decentd.net.late_rounds import peer_id
 from decentd.net.links import Links
 from decentd.security.auth import shown
 
@@ -325,6 +326,10 @@ class Receiver:
         elif kind == pb.SKIP:
             self._mailbox.skipped(self._checked(src, header.parts), lambda p: PeerLost(
                 f"rank {p.src} ran round {p.round} without this rank (their link dropped)"))
+        elif kind == pb.RAN_WITHOUT:
+            self._mailbox.ran_without(self._ours(src, header.parts), lambda p: PeerLost(
+                f"rank {p.src} ran round {p.round} without this rank (one of them counted the "
+                "other out)"))
         elif kind == pb.VIEW:
             if len(header.view_live) > len(self._links.links) + 1:
                 raise ValueError(f"a view of {len(header.view_live)} live daemons")
@@ -348,6 +353,17 @@ class Receiver:
                     self._mailbox.aborted([p], header.error)
         else:
             raise ValueError(f"a frame of unknown kind {kind}")
+
+    def _ours(self, src: int, parts: Iterable[pb.Part]) -> list[pb.Part]:
+        """``parts`` from daemon ``src`` (:meth:`_checked`) with their rounds in ours; those
+        of a late peer that no op here placed yet are left out."""
+        rounds, placed = self._links.rounds, []
+        for p in self._checked(src, parts):
+            ours = rounds.incoming(peer_id(int(p.src), p.name), p.name, int(p.round))
+            if ours is not None:
+                p.round = ours
+                placed.append(p)
+        return placed
 
     def _window_rts(self, src: int, mid: int, header: pb.BulkHeader,
                     parts: list[pb.Part]) -> None:

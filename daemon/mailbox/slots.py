@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -27,78 +25,24 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.keys import OpKey, op_name
 from decentd.mailbox.absences import Absences
 from decentd.mailbox.arrivals import Arrival
+from decentd.mailbox.horizons import Started
+from decentd.mailbox.records import (
+    Accepts,
+    Key,
+    Landing,
+    OpListener,
+    Outbox,
+    Progress,
+    Slot,
+    accepts_of,
+    key_of,
+)
 from decentd.net.flow import Announced, MessageId
-
-#: (peer, name, round, tag): one part of one op, from (or to) one peer (a worker rank, or a
-#: daemon rank for node-level keys: see :mod:`decentd.keys`)
-Key = tuple[int, str, int, int]
-#: what an op takes: (op type, dtype, shape)
-Accepts = tuple[int, int, tuple[int, ...]]
-#: told ``(payload so far, bytes arrived, sender's weight, part)`` while a lone part arrives
-Progress = Callable[[np.ndarray, int, float, pb.Part], None]
 
 #: closed ops remembered (their late arrivals are dropped)
 CLOSED_MEMORY = 65536
 #: aborts kept for ops that have not started here yet
 EARLY_ABORT_MEMORY = 4096
-
-
-def accepts_of(part: pb.Part) -> Accepts:
-    """What an op must accept to take ``part``."""
-    return int(part.op), int(part.meta.dtype), tuple(int(s) for s in part.meta.shape)
-
-
-def key_of(part: pb.Part) -> Key:
-    """The slot key of a part that arrived (its sender is ``part.src``)."""
-    return int(part.src), part.name, int(part.round), int(part.tag)
-
-
-class Outbox(Protocol):
-    """What the mailbox asks of the peer links."""
-
-    def send_acks(self, dst: int, keys: list[OpKey], tag: int, arrived: bool) -> None:
-        """Tell ``dst`` its parts were matched (``arrived``: only after all of them arrived)."""
-
-    def send_cts(self, dst: int, message_id: int) -> None:
-        """Clear daemon ``dst`` to send the payload of its message ``message_id``."""
-
-
-class OpListener(Protocol):
-    """An open op, told what the mailbox learns about it."""
-
-    def aborted(self, src: int, error: pb.Error) -> None:
-        """Peer ``src`` failed this op and said why."""
-
-    def stray(self, key: Key, arrival: Arrival) -> None:
-        """A part of this op arrived that nothing waits for (yet)."""
-
-    def foreign(self, src: int, op: int) -> None:
-        """A part of op ``op`` from ``src`` came under this op's name and round
-        (:func:`decentd.keys.op_name`), at another of its keys."""
-
-
-class Landing(Protocol):
-    """A payload being received straight into an op's memory."""
-
-    def cancel(self) -> None:
-        """The op ended: the rest of the payload must not land in its memory."""
-
-
-@dataclass(eq=False, slots=True)
-class Slot:
-    """Everything about one key."""
-
-    key: Key
-    waiter: asyncio.Future[Arrival] | None = None  #: an op waits for this part
-    accepts: Accepts | None = None  #: acknowledge when a part with exactly this arrives
-    progress: Progress | None = None  #: told how a lone part's payload arrives
-    into: tuple[np.ndarray, Accepts] | None = None  #: receive a lone part straight into this
-    landing: Landing | None = None  #: a payload is being received into ``into`` right now
-    early: Arrival | None = None  #: arrived before anyone asked
-    arriving: pb.Part | None = None  #: header read, payload on its way
-    acked: bool = False  #: acknowledged before its payload was all here
-    message: MessageId | None = None  #: the RTS message that carries it
-    ack_waiter: asyncio.Future[None] | None = None  #: our part to the peer awaits its ACK
 
 
 class Mailbox:
@@ -125,6 +69,8 @@ class Mailbox:
         self._discard = self.announced.discard
         #: workers that left and rounds peers ran without us: nothing waits for them
         self.absences = Absences()
+        #: the last round of each of our keys an op started (told to a peer counted out and back)
+        self.started = Started()
         #: bytes of parts that arrived before their op asked for them
         self.early_bytes = 0
 
@@ -140,6 +86,8 @@ class Mailbox:
     def open(self, keys: Iterable[OpKey], listener: OpListener) -> list[tuple[int, pb.Error]]:
         """An op starts with these keys; the aborts its peers sent before it did."""
         aborts = []
+        keys = list(keys)
+        self.started.note(keys)
         for key in keys:
             self._open[key] = listener
             early = self._early_aborts.pop(key, None)
@@ -256,6 +204,29 @@ class Mailbox:
                 if slot_key[0] == src:
                     self._fail_waiters(self._slots[slot_key], error(p))
 
+    def ran_without(self, parts: Iterable[pb.Part], error: Callable[[pb.Part], Exception]
+                    ) -> None:
+        """Their senders ran every round of these keys up to the part's round without us
+        (:mod:`decentd.mailbox.horizons`): what waits on those rounds fails with
+        ``error(part)``, now or when it starts."""
+        last: dict[tuple[int, str], pb.Part] = {}
+        for p in parts:
+            self.absences.horizons.ran_without(int(p.src), p.name, int(p.round), error(p))
+            last[(int(p.src), p.name)] = p
+        for src in {src for src, _ in last}:
+            waiting = self._waiting.get(src, set())
+            for slot_key in list(waiting):
+                p = last.get((src, slot_key[1]))
+                slot = self._slots.get(slot_key)
+                if p is not None and slot is not None and slot_key[2] <= int(p.round):
+                    self._fail_waiters(slot, error(p))
+                    waiting.discard(slot_key)
+
+    def restarted(self, rank: int, job: str) -> None:
+        """Our worker ``rank`` registered again in ``job``: it counts its rounds from 0."""
+        self.started.restarted(rank, job)
+        self.absences.horizons.restarted(rank, job)
+
     @staticmethod
     def _fail_waiters(slot: Slot, error: Exception) -> None:
         for fut in (slot.waiter, slot.ack_waiter):
@@ -326,6 +297,8 @@ class Mailbox:
         self._closed.clear()
         self._early_aborts.clear()
         self.announced.forget()
+        self.started.clear()
+        self.absences.horizons.clear()
 
     # ------------------------------------------------------------------ what peers send
 

@@ -217,20 +217,28 @@ class Supervisor:
         """Whether ``member`` and this daemon ran rounds without each other since it was last
         up here: either counted the other out, or it is another process (a restart, or a
         late start while a job runs here)."""
-        new_process = member.up_incarnation != member.incarnation and self.links.rounds.ready
-        return member.declared_down or member.peer_declared_down or new_process
+        return member.declared_down or member.peer_declared_down or self._new_process(member)
+
+    def _new_process(self, member: Member) -> bool:
+        """Whether ``member`` is another process than when it was last up here (a restart, or
+        a late start while a job runs here): it counts its rounds from 0."""
+        return member.up_incarnation != member.incarnation and self.links.rounds.ready
 
     def _count_afresh(self, rank: int, reason: str) -> None:
         """Daemon ``rank`` and this one ran rounds without each other: what waits on it fails
-        now (it will not send those rounds), ops leave it out until it is up, and its rounds
-        are placed afresh from our first op with it after that (:mod:`decentd.net.late_rounds`; it
-        does the same with ours). Before any frame of its new rounds can arrive."""
+        now (it will not send those rounds) and ops leave it out until it is up. The same
+        process keeps its numbering: once its link is up, each tells the other the rounds it
+        ran without it (:mod:`decentd.mailbox.horizons`). A new process counts from 0: its
+        rounds are placed afresh from our first op with it (:mod:`decentd.net.late_rounds`; it
+        does the same with ours), before any frame of its new rounds can arrive."""
         member = self.members.members[rank]
+        if self._new_process(member) and not member.placed_afresh:
+            member.placed_afresh = True
+            per = self.links.per_node
+            self.links.rounds.joined([-(rank + 1), *range(rank * per, (rank + 1) * per)])
         if member.afresh:
             return
         member.afresh = True
-        per = self.links.per_node
-        self.links.rounds.joined([-(rank + 1), *range(rank * per, (rank + 1) * per)])
         if self.members.state(rank) is not PeerState.DOWN:  # down: forgotten already
             self._forget(rank, reason)
 
@@ -245,10 +253,13 @@ class Supervisor:
             fresh = member.afresh
             member.up_incarnation = member.incarnation
             member.declared_down = member.peer_declared_down = member.afresh = False
+            member.placed_afresh = False
             member.refusal = ""
             if restarted and (known or not member.serving):
                 self._new_workers(rank)
             self.links.reopened(rank, flush=not fresh)
+            if fresh and not restarted:  # the same process: one numbering, rounds told
+                self.links.outbox.send_ran_without(rank, self.mailbox.started.last())
             self.members.set_state(rank, PeerState.UP, "connected")
             log.info("rank %d is up (both connections; epoch %d, live %s)", rank,
                      self.members.epoch, self.members.live_daemons(), extra={"peer": rank})

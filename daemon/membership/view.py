@@ -42,8 +42,11 @@ class Member:
     declared_down: bool = False  #: we declared it down since it was last up
     peer_declared_down: bool = False  #: it declared us down since it was last up
     #: it and we ran rounds without each other (either counted the other out, or it is a new
-    #: process): ops leave it out until it is up, and its rounds are then placed afresh
+    #: process): ops leave it out until it is up, and then each tells the other which rounds
+    #: ran without it (the same process) or its rounds are placed afresh (a new one)
     afresh: bool = False
+    #: it is a new process (restarted, or late): its rounds are placed afresh, once per return
+    placed_afresh: bool = False
 
 
 #: called with (daemon rank, its new state) on every change

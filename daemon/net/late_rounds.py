@@ -106,6 +106,14 @@ class RoundMap:
         off = self._offsets.get((peer, name))
         return round_ if off is None else round_ - off
 
+    def incoming(self, peer: int, name: str, round_: int) -> int | None:
+        """Our round for ``peer``'s round ``round_`` of ``name``; None when the peer is late
+        and no op of ours placed it yet (none of its rounds so far pairs with one of ours)."""
+        if not self.is_late(peer, name):
+            return round_
+        off = self._offsets.get((peer, name))
+        return None if off is None else round_ + off
+
     def placeable(self, src: int, header: pb.BulkHeader) -> bool:
         """Whether every part of ``header`` (from daemon ``src``) that pairs with a round has
         a known round here (window messages pair with none: a late peer's answer to our

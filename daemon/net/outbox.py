@@ -16,7 +16,7 @@ from typing import Protocol
 from decent_wire.errors import DecentError
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.errors import PeerLost
-from decentd.keys import OpKey, display_name, part
+from decentd.keys import OpKey, display_name, owner, part
 from decentd.net.flow import Rendezvous
 from decentd.net.outbound import Buffer, Outgoing, Sender
 from decentd.net.peer import PeerLink
@@ -30,6 +30,7 @@ class Peers(Protocol):
 
     rank: int
     links: dict[int, PeerLink]
+    per_node: int
 
     def link(self, machine: int) -> PeerLink | None:
         """The link to daemon ``machine``."""
@@ -44,6 +45,8 @@ class Peers(Protocol):
         """Copies of ``parts`` addressed to ``peer``."""
 
 
+#: parts per RAN_WITHOUT frame (a daemon remembers a few thousand keys)
+RAN_WITHOUT_PARTS = 1024
 #: a cancelled op whose half-written message is still not out after this long says so in the log
 WRITE_GRACE = 5.0
 
@@ -220,6 +223,26 @@ class Outbox:
         """Tell peer ``dst`` that our op of ``keys`` ran without it (its link dropped)."""
         self._to_peer(dst, [pb.Part(name=name, round=round_) for name, round_ in keys],
                       pb.BulkHeader(kind=pb.SKIP))
+
+    def send_ran_without(self, machine: int, keys: list[OpKey]) -> None:
+        """Tell daemon ``machine``, counted out and back, the last round of each of our keys
+        that ran without it (:mod:`decentd.mailbox.horizons`), addressed to each of its
+        workers (or to it, for node-level keys); rounds it cannot place yet are left out."""
+        per = self._peers.per_node
+        parts: list[pb.Part] = []
+        for name, round_ in keys:
+            try:
+                node_level = owner(name) is None
+            except ValueError:  # no owner: no peer's op pairs with it
+                continue
+            ours = [pb.Part(name=name, round=round_)]
+            peers = [machine] if node_level else range(machine * per, (machine + 1) * per)
+            for peer in peers:
+                if not self._peers.unplaced(peer, ours):
+                    parts.extend(self._peers.addressed(peer, ours))
+        for at in range(0, len(parts), RAN_WITHOUT_PARTS):
+            self.control(machine, pb.BulkHeader(kind=pb.RAN_WITHOUT,
+                                                 parts=parts[at:at + RAN_WITHOUT_PARTS]))
 
     def tell_all(self, header: pb.BulkHeader) -> None:
         """Send a payload-free frame to every daemon, this one included (best effort)."""

@@ -28,7 +28,8 @@ from decentd.concurrency import gather_all
 from decentd.errors import PeerLost
 from decentd.keys import part
 from decentd.mailbox.arrivals import Arrival
-from decentd.mailbox.slots import Accepts, Key, Mailbox, Progress
+from decentd.mailbox.records import Accepts, Key, Progress
+from decentd.mailbox.slots import Mailbox
 from decentd.membership.view import Membership, PeerState
 from decentd.net.buffers import BufferPool
 from decentd.net.links import Links

@@ -43,6 +43,8 @@ def gone(ctx: OpContext, peer: int) -> str | None:
         return "its node rejoined and its worker has not registered yet"
     if ctx.services.mailbox.gone(peer, ctx.name) is not None:
         return "its worker left"
+    if ctx.services.mailbox.absences.horizons.gone(peer, ctx.name, ctx.round) is not None:
+        return "it ran this round without this rank (one of them counted the other out)"
     return None
 
 
