@@ -18,7 +18,7 @@ from cluster import Cluster, delay
 from decent.core.surface.membership import View
 from decent.core.surface.rejoin import CHUNK_NAME, JoinWatch
 from decent.core.training.chunks import ChunkPlan, digest, layout
-from decent.core.training.transfer import StateLink, Taken
+from decent.core.training.transfer import IN_STEP_LEADS, StateLink, Taken, near_donors
 from decent.torch.state import KIT
 
 CHUNK = 256
@@ -58,6 +58,16 @@ def test_a_chunk_that_keeps_failing_fails_the_transfer_after_a_bounded_number_of
         plan.arrived(0, 0, False)
     with pytest.raises(ValueError, match="failed its checksum from ranks \\[0\\]"):
         plan.next_round()
+
+
+def test_donors_that_said_their_steps_at_different_moments_are_in_step() -> None:
+    # (step, lead): donor 2 answered later than donor 1, before donor 1 had timed its steps
+    # (lead 2); before, donor 2 became the primary and donor 1 was told it was not needed
+    assert near_donors({1: (3, 2), 2: (9, 2)}, [1, 2]) == [1, 2]
+    assert near_donors({1: (0, 2), 2: (IN_STEP_LEADS * 150, 150)}, [1, 2]) == [1, 2]
+    # a worker restarted alone (its steps from 0) is far behind: the furthest is primary
+    assert near_donors({1: (5, 2), 2: (10**6, 150), 3: (10**6 - 40, 150)}, [1, 2, 3]) == [2, 3]
+    assert near_donors({1: (10**6, 150), 2: (5, 2)}, [1, 2]) == [1]
 
 
 def state_at(step: int, rank: int, differ: bool) -> dict[str, Any]:

@@ -68,6 +68,9 @@ MAX_ROUNDS = 64
 #: snapshots at once, and then holds other bytes than the primary)
 LEAD_STEPS, LEAD_SECONDS = 2, 0.2
 
+#: donors whose steps differ by at most this many leads count as in step (each says its step
+#: when its answer is sent: at different moments, the more so on a loaded host)
+IN_STEP_LEADS = 10
 #: the most steps ahead a newcomer names
 MAX_LEAD_STEPS = 1 << 20
 #: the target step a newcomer names to a donor it takes nothing from
@@ -106,16 +109,21 @@ class Taken:
 
 def near_donors(steps: dict[int, tuple[int, int]], donors: Sequence[int]) -> list[int]:
     """The donors to take chunks from, the primary first, from ``steps`` (donor: its step, its
-    lead in steps). The primary is ``donors[0]`` unless a donor is further ahead of it than
-    its lead (it is a worker that restarted alone and counts from 0): then the furthest.
-    The others kept reach the primary's step within their lead, and the primary theirs: a
-    donor far behind or ahead would keep the newcomer waiting, or hold other bytes."""
+    lead in steps). Donors count as in step while their steps differ by at most
+    :data:`IN_STEP_LEADS` times the larger lead: they said their steps at different moments (a
+    loaded host; a donor that has not timed its steps yet says a lead of 2). The primary is
+    ``donors[0]`` unless a donor is further ahead of it than that (it is a worker that
+    restarted alone and counts from 0): then the furthest. The others kept are in step with
+    the primary: a donor far behind or ahead would keep the newcomer waiting, or hold other
+    bytes."""
+    def in_step(a: int, b: int) -> bool:
+        return abs(steps[a][0] - steps[b][0]) <= IN_STEP_LEADS * max(steps[a][1], steps[b][1])
+
     first = donors[0]
     furthest = max(steps, key=lambda d: (steps[d][0], -donors.index(d)))
-    primary = first if steps[furthest][0] - steps[first][0] <= steps[first][1] else furthest
-    step, lead = steps[primary]
+    primary = first if in_step(first, furthest) else furthest
     return [primary, *(d for d in donors if d != primary and d in steps
-                       and step - steps[d][1] <= steps[d][0] <= step + lead)]
+                       and in_step(d, primary))]
 
 
 def lead_steps(period: float) -> int:
