@@ -30,7 +30,7 @@ __all__ = ["DECENTRUN_ARENA", "Cluster", "delay", "free_ports", "peer_state", "r
 
 #: each worker's arena in a test cluster, unless the test sets ``memory.arena_bytes`` (the
 #: daemon's default, 256 MiB, is touched whole at registration: eight workers would hold 2 GiB)
-ARENA_BYTES = 64 << 20
+ARENA_BYTES = 32 << 20
 #: decentrun's daemons in tests: the same arena (each is reserved whole at registration; the
 #: default, 256 MiB a worker, made the suite's peak 1 GiB higher for one 4-worker example)
 DECENTRUN_ARENA = ("--set", f"memory.arena_bytes={ARENA_BYTES}")
