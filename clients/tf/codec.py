@@ -14,6 +14,7 @@ results are numpy arrays): the Keras optimizer runs the algorithms over host buf
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -109,6 +110,12 @@ class TFCodec(HostCodec):
 
     framework = "tf"
 
+    def __init__(self) -> None:
+        #: variables given a result's buffer in the arena (:meth:`take`): each takes a copy
+        #: of its value when the client closes (:meth:`close`)
+        self._aliased: weakref.WeakValueDictionary[int, tf.Variable] = (
+            weakref.WeakValueDictionary())  # by id: a variable is not hashable
+
     def describe(self, tensor: TFTensor) -> tuple[int, tuple[int, ...]]:
         """Wire dtype and shape of ``tensor`` (an eager tensor, a variable or a numpy
         array)."""
@@ -203,7 +210,18 @@ class TFCodec(HostCodec):
         if value is None or not isinstance(unwrap(into), tf.Variable):
             return value
         into.assign(value)
+        variable = unwrap(into)
+        self._aliased[id(variable)] = variable
         return into
+
+    def close(self) -> None:
+        """The client closes: every variable still holding a result's buffer in the arena
+        takes a copy of its value, so that the arena is unmapped (it stays mapped while
+        anything views it, and a model's variables, or what Keras keeps of a compiled step,
+        outlive the client: before, each closed client kept its whole arena)."""
+        for variable in list(self._aliased.values()):
+            variable.assign(np.array(variable.numpy()))
+        self._aliased.clear()
 
     def check_call(self) -> None:
         """RuntimeError inside a ``tf.function``: an op called there would return a handle,
