@@ -5,6 +5,9 @@
     h = client.neighbor_allreduce_async(t)     # returns at once
     t_avg = h.wait()                           # same shape, dtype and device as t
 
+``import decent.torch`` also makes ``"decent"`` a torch.distributed backend
+(``dist.init_process_group("decent")``, :mod:`decent.torch.distributed`).
+
 Module-level shortcuts (``dt.init()``, ``dt.neighbor_allreduce_async(t)``, ...) use one default
 client per process. A script written for Horovod's torch API runs with ``import decent.torch as
 hvd`` (``DistributedOptimizer``, ``Compression``, ``allreduce(average=..., op=hvd.Sum)``,
@@ -21,6 +24,7 @@ from decent.core import Client, DecentError, Handle
 from decent.core.surface.default_client import SHORTCUTS
 from decent.core.training.algorithms import ALGORITHMS, AlgorithmError
 from decent.torch.client import TorchClient, connect, default_client
+from decent.torch.distributed import register as register_backend
 from decent.torch.flat import flatten_parameters
 from decent.torch.horovod import (
     Adasum,
@@ -41,6 +45,8 @@ from decent.torch.optim import (
 # the module-level shortcuts: the default client's, from the op table (every op's methods) and
 # the client's queries (decent.core.surface.default_client)
 globals().update(default_client.shortcuts())
+# torch.distributed's "decent" backend (decent.torch.distributed)
+register_backend()
 
 
 def device() -> torch.device:

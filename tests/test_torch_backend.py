@@ -1,0 +1,35 @@
+"""torch.distributed's ``decent`` backend with real daemons (issue 43, first part): two ranks,
+each a process of its own as torch.distributed wants, run every covered collective, blocking
+and asynchronous, over decent and over gloo on the same inputs, and compare them bit for bit
+(:mod:`decent.torch.distributed`; the ranks' script: ``tests/torch_backend_worker.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster import Cluster, free_ports
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).with_name("torch_backend_worker.py")
+
+
+def test_collectives_over_the_decent_backend_equal_gloos() -> None:
+    c = Cluster(2, "ring")
+    try:
+        port = free_ports(1)[0]
+        procs = [subprocess.Popen(
+            [sys.executable, str(WORKER)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=dict(os.environ, DECENT_DAEMON=f"unix://{c.sockets[r]}", RANK=str(r),
+                     WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port)), text=True) for r in range(2)]
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+        for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
+            assert p.returncode == 0 and f"ok {r}" in out, out[-3000:]
+    finally:
+        c.stop()
