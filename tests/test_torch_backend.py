@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster, free_ports
+from cluster import DECENTRUN_ARENA, Cluster, free_ports
 
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("torch_backend_worker.py")
+DECENTRUN = [sys.executable, "-m", "decentd.tools.launcher"]
 
 
 def test_collectives_over_the_decent_backend_equal_gloos() -> None:
@@ -33,3 +34,15 @@ def test_collectives_over_the_decent_backend_equal_gloos() -> None:
             assert p.returncode == 0 and f"ok {r}" in out, out[-3000:]
     finally:
         c.stop()
+
+
+def test_decentrun_gives_init_process_group_all_it_needs() -> None:
+    """Under ``decentrun`` (4 workers on 2 daemons: collectives that span both levels) the
+    script needs nothing set by hand: decentrun sets torch's store address too."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([*DECENTRUN, "-np", "4", "--nodes", "2", *DECENTRUN_ARENA, "--",
+                           sys.executable, str(WORKER)], capture_output=True, text=True,
+                          env=env, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    for r in range(4):
+        assert f"[{r}] ok {r}" in proc.stdout, proc.stdout[-3000:]

@@ -5,9 +5,11 @@ Starts K daemons ("nodes", default 1: this host is one node) on loopback, each s
 workers (free ports, one Unix socket each), then N copies of COMMAND. Worker ``r`` runs on node
 ``r // (N/K)`` with ``DECENT_DAEMON``, ``DECENT_RANK``, ``DECENT_SIZE``, ``DECENT_LOCAL_RANK``,
 ``DECENT_LOCAL_SIZE`` and ``DECENT_JOB`` set, plus torchrun's ``LOCAL_RANK``, ``RANK`` and
-``WORLD_SIZE`` (a script picks its GPU by its local rank). Output lines are prefixed ``[rank]``;
-everything is torn down when a worker fails, a daemon dies, or on Ctrl-C. The exit code is the
-first failing worker's (0 when all succeed).
+``WORLD_SIZE`` (a script picks its GPU by its local rank), and ``MASTER_ADDR`` and
+``MASTER_PORT`` (a free port of this launch) unless they are set: torch.distributed's store,
+so that ``dist.init_process_group("decent")`` runs as under torchrun. Output lines are
+prefixed ``[rank]``; everything is torn down when a worker fails, a daemon dies, or on Ctrl-C.
+The exit code is the first failing worker's (0 when all succeed).
 
 With ``--max-restarts K`` a failure (a worker exiting non-zero or killed, a daemon ending)
 restarts that node in place instead: its daemon (same rank, ports and socket) and its workers
@@ -157,14 +159,17 @@ def daemon_command(args: argparse.Namespace, rank: int, peers: str, sock: str,
 
 
 def worker_env(rank: int, size: int, per_node: int, daemon: str, job: str,
-               restart: int = 0) -> dict[str, str]:
+               restart: int = 0, store_port: int = 0) -> dict[str, str]:
     """What worker ``rank`` of the local cluster finds in its environment (``DECENT_RESTART``
-    only once its node has been restarted: the number of times it has)."""
+    only once its node has been restarted: the number of times it has; torch.distributed's
+    store at ``store_port`` on loopback unless ``MASTER_ADDR``/``MASTER_PORT`` are set)."""
     local = str(rank % per_node)
     env = dict(os.environ, DECENT_DAEMON=daemon, DECENT_JOB=job, DECENT_RANK=str(rank),
                DECENT_SIZE=str(size), DECENT_LOCAL_RANK=local,
                DECENT_LOCAL_SIZE=str(per_node), LOCAL_RANK=local, RANK=str(rank),
                WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(per_node), PYTHONUNBUFFERED="1")
+    if store_port and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port))
     env.pop("DECENT_RESTART", None)  # a decentrun run from a restarted worker starts afresh
     if restart:
         env["DECENT_RESTART"] = str(restart)
@@ -203,13 +208,15 @@ class Failure:
 @dataclass(frozen=True)
 class Launch:
     """What (re)starting a node needs: the command line, the worker command, the job id, the
-    peers list (the same for every start: a restarted daemon keeps its ports) and the secret."""
+    peers list (the same for every start: a restarted daemon keeps its ports), the secret and
+    the port of torch.distributed's store."""
 
     args: argparse.Namespace
     command: list[str]
     job: str
     peers: str
     secret: str
+    store_port: int
 
 
 class LocalCluster:
@@ -236,9 +243,10 @@ class LocalCluster:
     def start(self, args: argparse.Namespace, command: list[str]) -> None:
         """Start the daemons, then the workers (``stop()`` cleans up whatever started)."""
         job = os.environ.get("DECENT_JOB") or f"decentrun-{secrets.token_hex(4)}"
-        peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(self.nodes))
+        *ports, store_port = free_ports(self.nodes + 1)
+        peers = ",".join(f"127.0.0.1:{p}" for p in ports)
         secret = str(write_secret(Path(self.workdir) / "secret"))  # the directory is 0700
-        self._launch = Launch(args, command, job, peers, secret)
+        self._launch = Launch(args, command, job, peers, secret, store_port)
         for m in range(self.nodes):
             self.daemons.append(self._start_daemon(m))
         for r in range(self.n):
@@ -257,7 +265,7 @@ class LocalCluster:
         assert launch is not None
         node = rank // self.per_node
         env = worker_env(rank, self.n, self.per_node, f"unix://{self.socket(node)}", launch.job,
-                         self.restarts[node])
+                         self.restarts[node], launch.store_port)
         return self._spawn(launch.command, env, f"[{rank}] ")
 
     def _spawn(self, cmd: list[str], env: dict[str, str] | None,
