@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster import Cluster, until
+from cluster import Cluster, until, until_state
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.security.auth import PeerAuth, new_nonce, read_secret, write_secret
@@ -66,6 +66,7 @@ def test_every_daemon_is_one_line_and_a_dead_one_says_why(tmp_path: Path) -> Non
         assert all(int(lines[i]["epoch"]) > int(first[i]["epoch"]) for i in (0, 1))
         table = decentctl("status", "--cluster", "--daemon", f"unix://{c.sockets[0]}")
         assert "live daemons [0, 1]" in table.stdout.replace("\n", " "), table.stdout
+        until_state(c, 0, 2, "down")  # reconnecting first, down after dead_after
         one = decentctl("status", "--daemon", f"unix://{c.sockets[0]}")
         assert "live daemons [0, 1]" in one.stdout and "down" in one.stdout, one.stdout
     finally:
