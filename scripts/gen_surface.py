@@ -31,7 +31,7 @@ is stale). Each op's arguments and docstring come from its call in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from inspect import signature
 from typing import Any, Generic, TypeVar
 

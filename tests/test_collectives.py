@@ -75,6 +75,35 @@ def test_allreduce_sum_dtypes(cluster: ClusterFactory, dtype: torch.dtype) -> No
             assert out.dtype == dtype and torch.all(out.double() == 10)
 
 
+def reduced(cl: Client[torch.Tensor], xs: list[np.ndarray], op: str, name: str) -> torch.Tensor:
+    return cl.allreduce(torch.from_numpy(xs[cl.rank]), op=op, name=name)
+
+
+@pytest.mark.parametrize("numel", [6, 300_000])  # direct, and a ring above the threshold
+def test_allreduce_min_max_and_product_are_exact(cluster: ClusterFactory, numel: int) -> None:
+    c = cluster(4, "ring")
+    rng = np.random.default_rng(numel)
+    xs = [rng.integers(-3, 4, numel).astype(np.float64) for _ in range(4)]
+    for op, want in (("min", np.min(xs, axis=0)), ("max", np.max(xs, axis=0)),
+                     ("product", np.prod(xs, axis=0))):
+        got = c.run(functools.partial(reduced, xs=xs, op=op, name=f"{op}{numel}"))
+        for out in got:
+            np.testing.assert_array_equal(out.numpy(), want)
+
+
+def test_alltoall_sends_each_rank_its_rows(cluster: ClusterFactory) -> None:
+    """Horovod's ``alltoall`` with uneven splits: rank r sends j + 1 rows to rank j, each row
+    naming (sender, receiver), and gets r + 1 rows from each rank, in rank order."""
+    c = cluster(3, "ring")
+
+    def work(cl: Client[torch.Tensor]) -> torch.Tensor:
+        rows = torch.tensor([[cl.rank, j] for j in range(3) for _ in range(j + 1)])
+        return cl.alltoall(rows, splits=[1, 2, 3], name="a2a")
+
+    for r, out in enumerate(c.run(work)):
+        assert torch.equal(out, torch.tensor([[i, r] for i in range(3) for _ in range(r + 1)]))
+
+
 def test_broadcast(cluster: ClusterFactory) -> None:
     c = cluster(5, "ring")
     def work(cl: Client[torch.Tensor], r: int) -> torch.Tensor:

@@ -79,6 +79,17 @@ def from_compute(values: np.ndarray, dtype: int) -> np.ndarray:
     return values.astype(STORAGE[dtype])
 
 
+#: how an allreduce (or a reducing alltoall) combines two accumulated tensors, by ``ReduceOp``
+#: (an average adds, then divides once; NaN propagates through MIN and MAX)
+REDUCERS: dict[int, np.ufunc] = {pb.AVERAGE: np.add, pb.SUM: np.add, pb.MIN: np.minimum,
+                                 pb.MAX: np.maximum, pb.PRODUCT: np.multiply}
+
+
+def reduce_into(acc: np.ndarray, other: np.ndarray, reduce_op: int) -> None:
+    """``acc = acc (op) other`` in place, both in the accumulation dtype."""
+    REDUCERS[reduce_op](acc, other, out=acc)
+
+
 def to_accum(storage: np.ndarray, dtype: int) -> np.ndarray:
     """A new array holding ``storage`` in the dtype sums are accumulated in (exact for ints)."""
     if dtype == pb.BFLOAT16:

@@ -41,6 +41,7 @@ class Result(enum.Enum):
     PAIR = "pair"  #: ``[2, *shape]``: the mix and this rank's own compressed tensor
     STACKED = "stacked"  #: one input per source, stacked (or their rows concatenated)
     GATHERED = "gathered"  #: every rank's rows, concatenated (first dims may differ)
+    EXCHANGED = "exchanged"  #: the rows received (alltoall: ``recv_rows``, or one piece reduced)
     NONE = "none"  #: no tensor comes back
 
 
@@ -144,6 +145,10 @@ OPS: tuple[OpDecl, ...] = (
           result=Result.GATHERED, agreed=Agreed.WORKERS, differentiable=True),
     _user("broadcast", pb.Broadcast, "The root's tensor on every rank.", forms=ALL_FORMS,
           fuses=True, agreed=Agreed.NODES, node_level=True, differentiable=True),
+    _user("alltoall", pb.Alltoall, "Rows to and from every rank (scatter, gather, "
+          "reduce_scatter, all_to_all).", result=Result.EXCHANGED, agreed=Agreed.WORKERS),
+    _user("sendrecv", pb.Alltoall, "Rows to and from one or two ranks (send and recv).",
+          result=Result.EXCHANGED, forms=NO_FORMS),
     _user("barrier", pb.Barrier, "Returns when every rank has reached it.",
           result=Result.NONE, forms=BLOCKING_ONLY, returns=Returns.NOTHING,
           agreed=Agreed.NODES, node_level=True),
@@ -192,6 +197,15 @@ def op_types(**traits: Any) -> frozenset[int]:
     """The ``OpType`` of every op whose traits equal ``traits`` (``streams=True``, ...)."""
     return frozenset(d.op_type for d in OPS if d.kind is not Kind.NOTE
                      and all(getattr(d, k) == v for k, v in traits.items()))
+
+
+def exchanged_rows(args: Any) -> int:
+    """The rows an ``alltoall`` or ``sendrecv`` with ``args`` gives this rank: every piece
+    received, or one piece when they are reduced."""
+    recv = [int(r) for r in args.recv_rows]
+    if args.HasField("reduce"):
+        return max(recv, default=0)
+    return sum(recv)
 
 
 def result_nbytes(result: Result, dtype: int, shape: Sequence[int], sources: int = 1,

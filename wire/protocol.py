@@ -10,6 +10,9 @@ PROTOCOL_VERSION: int = pb.PROTOCOL_VERSION_CURRENT
 
 #: compressors of compressed gossip, by the name users pass
 COMPRESSORS: dict[str, int] = {"topk": pb.TOPK, "sign": pb.SIGN, "int8": pb.QINT8}
+#: how an allreduce (or a reducing alltoall) combines, by the name users pass
+REDUCE_OPS: dict[str, int] = {"average": pb.AVERAGE, "sum": pb.SUM, "min": pb.MIN,
+                              "max": pb.MAX, "product": pb.PRODUCT}
 #: averaging rules of WAGMA's group allreduce, by the name users pass
 GROUP_RULES: dict[str, int] = {"mean": pb.GROUP_MEAN, "with-self": pb.GROUP_WITH_SELF}
 

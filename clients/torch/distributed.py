@@ -4,47 +4,63 @@
     dist.init_process_group("decent")          # RANK, WORLD_SIZE, MASTER_ADDR/PORT as for gloo
     dist.all_reduce(t)                         # through this node's daemon
 
-Each rank's process group is a client of its node's daemon (``$DECENT_DAEMON``, else the
+Each rank's process groups share one client of its node's daemon (``$DECENT_DAEMON``, else the
 default socket; the local rank from ``$LOCAL_RANK``, which torchrun and decentrun set), so the
-collectives run on decent's data path, with its security, faults handling and metrics; torch's
-own store is only used by torch itself. The ranks of the process group must be the clients'
+collectives run on decent's data path, with its security, fault handling and metrics; torch's
+own store is only used by torch itself. The ranks of the default group must be the clients'
 ranks (the daemons number the workers node by node, as torchrun and decentrun do).
 
-Covered so far (issue 43 goes on): ``all_reduce`` with SUM and AVG, ``broadcast``,
-``all_gather``, ``all_gather_into_tensor`` and ``barrier``, blocking and with
-``async_op=True``; the Work objects' ``wait()``, ``is_completed()`` and ``get_future()``. Each
-op's inputs may be non-contiguous (a contiguous copy is sent, the result copied back). A
-collective the backend does not run yet, another reduce op, or a subgroup raises
-NotImplementedError naming it; a failed op raises ``torch.distributed.DistBackendError`` with
-decent's message.
+Every collective of ``torch.distributed`` runs, blocking and with ``async_op=True``:
+``all_reduce`` (SUM, AVG, PRODUCT, MIN, MAX), ``broadcast``, ``reduce``, ``all_gather``,
+``all_gather_into_tensor``, ``reduce_scatter``, ``reduce_scatter_tensor``, ``gather``,
+``scatter``, ``all_to_all``, ``all_to_all_single``, ``barrier``, ``send``/``recv``/``isend``/
+``irecv`` and ``batch_isend_irecv``. Over the default group they are the daemon's collectives
+(``allreduce``, ``broadcast``, ``allgather``, ``barrier``, and ``alltoall`` for the rest, each
+agreed among the ranks first); over a group of ``new_group`` and for point-to-point they are
+the daemon's ``sendrecv`` exchanges among the group's members only, under names of their own
+(two groups never mix). Inputs may be non-contiguous (a contiguous copy is sent, the result
+copied back). A failed op raises ``torch.distributed.DistBackendError`` with decent's message.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 # torch's stubs give ProcessGroup's methods other overloads than a Python process group
 # implements (torch's own multi-threaded one does the same)
-from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
 
-from decent.core import DecentError, Handle
+from decent.core import Handle
 from decent.torch.client import TorchClient, connect
+from decent.torch.dist_work import Completer, DecentWork, Ending
+
+#: a tensor, or a list of them (torch passes one per device)
+One = TypeVar("One")
 
 #: the backend's name in ``init_process_group``
 BACKEND = "decent"
 
-#: torch's reduce ops that decent's allreduce runs, and its name for each
-REDUCE_OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "average"))
+#: torch's reduce ops that decent runs, and its name for each
+REDUCE_OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "average"),
+              (dist.ReduceOp.PRODUCT, "product"), (dist.ReduceOp.MIN, "min"),
+              (dist.ReduceOp.MAX, "max"))
 
-#: an op's ending: wait for it, copy its result where torch wants it, give its outputs
-Ending = Callable[[], list[torch.Tensor]]
+__all__ = ["BACKEND", "DecentProcessGroup", "DecentWork", "create", "register"]
 
 
 def reduce_name(op: Any) -> str:
@@ -52,68 +68,43 @@ def reduce_name(op: Any) -> str:
     for torch_op, name in REDUCE_OPS:
         if op == torch_op:
             return name
-    raise NotImplementedError(f"the decent backend reduces with SUM and AVG only, not {op}")
+    raise NotImplementedError(f"the decent backend reduces with SUM, AVG, PRODUCT, MIN and MAX, "
+                              f"not {op}")
 
 
-class DecentWork(dist.Work):
-    """An op of the process group: done when its future is (the op's error, raised by
-    ``wait()``, is a ``DistBackendError`` with decent's message)."""
-
-    def __init__(self, future: torch.futures.Future[Any]) -> None:
-        super().__init__()
-        self.future = future
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until the op ends (the op's own timeout, the process group's, bounds it);
-        True, or its error."""
-        del timeout  # every op already carries the process group's timeout
-        self.future.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether the op ended (successfully or not)."""
-        return self.future.done()
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        """The op's outputs, once it ends."""
-        return self.future
-
-
-class Completer:
-    """Ends the ops of one process group on a thread of its own, in the order they were
-    started, and completes each op's future: a Work completes without anyone waiting on it
-    (DDP's hooks chain on ``get_future()``)."""
+class SharedClient:
+    """The one client of this process's process groups (a second client would be a second
+    worker of the daemon): made by the first group, closed with the last."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Ending, torch.futures.Future[Any]] | None] = (
-            queue.SimpleQueue())
-        self._thread = threading.Thread(target=self._run, name="decent-process-group",
-                                        daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._client: TorchClient | None = None
+        self._users = 0
 
-    def submit(self, ending: Ending) -> dist.Work:
-        """A Work completed with ``ending()``'s outputs (or failed with its error)."""
-        future: torch.futures.Future[Any] = torch.futures.Future()
-        self._queue.put((ending, future))
-        return DecentWork(future)
+    def take(self) -> tuple[TorchClient, bool]:
+        """The client (connected now if no group holds it), and whether it is new (the
+        default group, made first, takes it new)."""
+        with self._lock:
+            new = self._client is None
+            if self._client is None:
+                self._client = connect()
+            self._users += 1
+            return self._client, new
 
-    def close(self) -> None:
-        """End the ops submitted so far, then the thread."""
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            ending, future = item
-            try:
-                future.set_result(ending())
-            except DecentError as exc:
-                future.set_exception(dist.DistBackendError(str(exc)))
-            except Exception as exc:  # a bug here fails that op, not the thread
-                future.set_exception(exc)
+    def give_back(self) -> None:
+        """A group is done with it; the last closes it."""
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._client is not None:
+                self._client.close()
+                self._client = None
 
 
-def _single(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+#: the client every process group of this process uses
+SHARED = SharedClient()
+
+
+def _single(tensors: Sequence[One], what: str) -> One:
     """The one tensor of a per-device list (one device per process)."""
     if len(tensors) != 1:
         raise NotImplementedError(f"the decent backend's {what} takes one tensor per process, "
@@ -121,105 +112,283 @@ def _single(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
     return tensors[0]
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one contiguous row per element (a copy only when it is not contiguous)."""
+    return t.contiguous().reshape(-1)
+
+
 def _copied_back(handle: Handle[torch.Tensor], into: torch.Tensor) -> Ending:
     """The ending of an op whose result goes into ``into``."""
     def end() -> list[torch.Tensor]:
-        into.copy_(handle.wait())
+        into.copy_(handle.wait().reshape(into.shape))
         return [into]
     return end
 
 
-class DecentProcessGroup(dist.ProcessGroup):
-    """One rank's process group over its client of the node's daemon."""
+def _split_into(handle: Handle[torch.Tensor], outputs: Sequence[torch.Tensor]) -> Ending:
+    """The ending of an op whose result is ``outputs`` one after the other."""
+    def end() -> list[torch.Tensor]:
+        got, at = handle.wait().reshape(-1), 0
+        for out in outputs:
+            out.copy_(got[at:at + out.numel()].reshape(out.shape))
+            at += out.numel()
+        return list(outputs)
+    return end
 
-    def __init__(self, client: TorchClient, rank: int, size: int, timeout: timedelta) -> None:
-        if (client.rank, client.size) != (rank, size):
+
+class DecentProcessGroup(dist.ProcessGroup):
+    """One rank's process group over its client of the node's daemon: the default group
+    (``ranks`` every rank) or one of ``new_group`` (``ranks`` its members' global ranks)."""
+
+    def __init__(self, client: TorchClient, rank: int, size: int, timeout: timedelta,
+                 ranks: Sequence[int] = (), group_id: str = "0", default: bool = True) -> None:
+        self.ranks = list(ranks) or list(range(size))
+        #: the default group runs the daemon's collectives over every rank, agreed first
+        self.world = default
+        if self.ranks[rank] != client.rank or (default and client.size != size):
             raise ValueError(
-                f"torch.distributed says rank {rank} of {size}, but this process's decent "
-                f"client is rank {client.rank} of {client.size} (its daemon numbers the workers "
-                "node by node: set RANK and WORLD_SIZE as decentrun or torchrun do, with "
-                "LOCAL_RANK the rank on the node)")
+                f"torch.distributed says rank {self.ranks[rank]} of {size}, but this process's "
+                f"decent client is rank {client.rank} of {client.size} (its daemon numbers the "
+                "workers node by node: set RANK and WORLD_SIZE as decentrun or torchrun do, "
+                "with LOCAL_RANK the rank on the node)")
         super().__init__(rank, size)  # type: ignore[call-arg]
         self.client = client
         self.timeout = timeout.total_seconds()
+        #: what qualifies the names of this group's exchanges (two groups never meet)
+        self.prefix = f"pg.{group_id}."
         self._completer = Completer()
 
     def getBackendName(self) -> str:
         """``decent``."""
         return BACKEND
 
+    # ------------------------------------------------------------------ the exchange
+
+    def _exchange(self, flat: torch.Tensor, send: Sequence[int], recv: Sequence[int],
+                  what: str, reduce: str | None = None, pair: bool = False
+                  ) -> Handle[torch.Tensor]:
+        """The daemon's exchange of ``flat``'s elements: ``send[g]`` to group rank ``g``,
+        ``recv[g]`` from it (the default group's collectives are agreed among every rank; a
+        subgroup's, and ``pair`` ones, run among the ranks they name only)."""
+        full_send, full_recv = [0] * self.client.size, [0] * self.client.size
+        for g, r in enumerate(self.ranks):
+            full_send[r], full_recv[r] = int(send[g]), int(recv[g])
+        return self.client.calls.exchange(flat, full_send, full_recv, reduce,
+                                          name=f"{self.prefix}{what}", timeout=self.timeout,
+                                          pair=pair or not self.world)
+
+    def _to_all(self, t: torch.Tensor, what: str) -> Handle[torch.Tensor]:
+        """Every member gets ``t`` whole from every member (a subgroup's allgather)."""
+        n = self.size()
+        return self._exchange(_flat(t).repeat(n), [t.numel()] * n, [t.numel()] * n, what)
+
+    # ------------------------------------------------------------------ collectives
+
     def allreduce(  # type: ignore[override]
             self, tensors: list[torch.Tensor], opts: AllreduceOptions | None = None
     ) -> dist.Work:
-        """``all_reduce``: SUM or AVG over every rank, in place."""
+        """``all_reduce`` over every member, in place."""
         t = _single(tensors, "all_reduce")
         op = reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        handle = self.client.allreduce_async(t.contiguous(), op=op, timeout=self.timeout)
+        if self.world:
+            handle = self.client.allreduce_async(t.contiguous(), op=op, timeout=self.timeout)
+        else:
+            n = self.size()
+            handle = self._exchange(_flat(t).repeat(n), [t.numel()] * n, [t.numel()] * n,
+                                    "allreduce", op)
         return self._completer.submit(_copied_back(handle, t))
 
     def broadcast(  # type: ignore[override]
             self, tensors: list[torch.Tensor], opts: BroadcastOptions | None = None
     ) -> dist.Work:
-        """``broadcast`` from ``opts.rootRank``, in place."""
+        """``broadcast`` from group rank ``opts.rootRank``, in place."""
         t = _single(tensors, "broadcast")
         root = opts.rootRank if opts is not None else 0
-        handle = self.client.broadcast_async(t.contiguous(), root=root, timeout=self.timeout)
+        if self.world:
+            handle = self.client.broadcast_async(t.contiguous(), root=root, timeout=self.timeout)
+        else:
+            n, me = self.size(), self.rank()
+            send = [t.numel() if me == root else 0] * n
+            recv = [t.numel() if g == root else 0 for g in range(n)]
+            flat = _flat(t).repeat(n) if me == root else torch.empty(0, dtype=t.dtype)
+            handle = self._exchange(flat, send, recv, "broadcast")
         return self._completer.submit(_copied_back(handle, t))
+
+    def reduce(  # type: ignore[override]
+            self, tensors: list[torch.Tensor], opts: ReduceOptions | None = None
+    ) -> dist.Work:
+        """``reduce`` to group rank ``opts.rootRank`` (the others' tensors stay as they are)."""
+        t = _single(tensors, "reduce")
+        root = opts.rootRank if opts is not None else 0
+        op = reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        n, me = self.size(), self.rank()
+        send = [t.numel() if g == root else 0 for g in range(n)]
+        recv = [t.numel() if me == root else 0] * n
+        handle = self._exchange(_flat(t), send, recv, "reduce", op)
+        return self._completer.submit(_copied_back(handle, t) if me == root else
+                                      _split_into(handle, []))
 
     def allgather(  # type: ignore[override]
             self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
             opts: AllgatherOptions | None = None) -> dist.Work:
-        """``all_gather``: every rank's tensor, in rank order, into ``output_tensors[0]``."""
+        """``all_gather``: every member's tensor, in rank order, into ``output_tensors[0]``."""
         t = _single(input_tensors, "all_gather")
-        outputs = _single(output_tensors, "all_gather")  # type: ignore[arg-type]
-        if len(outputs) != self.size():
-            raise ValueError(f"all_gather of a tensor of shape {list(t.shape)}: "
-                             f"{len(outputs)} outputs for {self.size()} ranks")
-        handle = self.client.allgather_async(t.contiguous(), timeout=self.timeout)
-
-        def end() -> list[torch.Tensor]:
-            got = handle.wait().reshape(self.size(), *t.shape)
-            for out, part in zip(outputs, got, strict=True):
-                out.copy_(part)
-            return list(outputs)
-        return self._completer.submit(end)
+        outputs = _single(output_tensors, "all_gather")
+        if len(outputs) != self.size() or any(o.numel() != t.numel() for o in outputs):
+            raise ValueError(f"all_gather of a tensor of shape {list(t.shape)}: outputs of "
+                             f"shapes {[list(o.shape) for o in outputs]} for {self.size()} "
+                             "ranks")
+        if self.world:
+            handle = self.client.allgather_async(_flat(t), timeout=self.timeout)
+        else:
+            handle = self._to_all(t, "allgather")
+        return self._completer.submit(_split_into(handle, outputs))
 
     def all_gather_single(self, output: torch.Tensor, input_tensor: torch.Tensor,
                           opts: AllgatherOptions | None = None) -> dist.Work:
-        """``all_gather_into_tensor``: every rank's tensor, in rank order, into ``output``."""
+        """``all_gather_into_tensor``: every member's tensor, in rank order, into ``output``."""
         if output.numel() != input_tensor.numel() * self.size():
             raise ValueError(f"all_gather_into_tensor: an output of shape {list(output.shape)} "
                              f"for {self.size()} tensors of shape {list(input_tensor.shape)}")
-        handle = self.client.allgather_async(input_tensor.contiguous(), timeout=self.timeout)
+        if self.world:
+            handle = self.client.allgather_async(_flat(input_tensor), timeout=self.timeout)
+        else:
+            handle = self._to_all(input_tensor, "allgather")
+        return self._completer.submit(_copied_back(handle, output))
 
-        def end() -> list[torch.Tensor]:
-            output.copy_(handle.wait().reshape(output.shape))
-            return [output]
-        return self._completer.submit(end)
+    def gather(  # type: ignore[override]
+            self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+            opts: GatherOptions | None = None) -> dist.Work:
+        """``gather``: every member's tensor, in rank order, into the root's list."""
+        t = _single(input_tensors, "gather")
+        root = opts.rootRank if opts is not None else 0
+        n, me = self.size(), self.rank()
+        outputs = _single(output_tensors, "gather") if me == root else []
+        send = [t.numel() if g == root else 0 for g in range(n)]
+        recv = [t.numel() if me == root else 0] * n
+        handle = self._exchange(_flat(t), send, recv, "gather")
+        return self._completer.submit(_split_into(handle, outputs))
+
+    def scatter(  # type: ignore[override]
+            self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+            opts: ScatterOptions | None = None) -> dist.Work:
+        """``scatter``: the root's ``i``-th tensor to group rank ``i``."""
+        out = _single(output_tensors, "scatter")
+        root = opts.rootRank if opts is not None else 0
+        n, me = self.size(), self.rank()
+        if me == root:
+            inputs = _single(input_tensors, "scatter")
+            flat = torch.cat([_flat(x) for x in inputs])
+            send = [x.numel() for x in inputs]
+        else:
+            flat, send = torch.empty(0, dtype=out.dtype), [0] * n
+        recv = [out.numel() if g == root else 0 for g in range(n)]
+        handle = self._exchange(flat, send, recv, "scatter")
+        return self._completer.submit(_copied_back(handle, out))
+
+    def reduce_scatter(  # type: ignore[override]
+            self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+            opts: ReduceScatterOptions | None = None) -> dist.Work:
+        """``reduce_scatter``: group rank ``i`` gets every member's ``i``-th tensor reduced."""
+        out = _single(output_tensors, "reduce_scatter")
+        inputs = _single(input_tensors, "reduce_scatter")
+        op = reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        n = self.size()
+        handle = self._exchange(torch.cat([_flat(x) for x in inputs]),
+                                [x.numel() for x in inputs], [out.numel()] * n,
+                                "reduce_scatter", op)
+        return self._completer.submit(_copied_back(handle, out))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input_tensor: torch.Tensor,
+                              opts: ReduceScatterOptions | None = None) -> dist.Work:
+        """``reduce_scatter_tensor``: group rank ``i`` gets the ``i``-th of ``size`` equal
+        slices of every member's ``input_tensor``, reduced."""
+        n = self.size()
+        if input_tensor.numel() != output.numel() * n:
+            raise ValueError(f"reduce_scatter_tensor: an input of shape "
+                             f"{list(input_tensor.shape)} for {n} outputs of shape "
+                             f"{list(output.shape)}")
+        op = reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        handle = self._exchange(_flat(input_tensor), [output.numel()] * n, [output.numel()] * n,
+                                "reduce_scatter", op)
+        return self._completer.submit(_copied_back(handle, output))
+
+    def alltoall(  # type: ignore[override]
+            self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+            opts: AllToAllOptions | None = None) -> dist.Work:
+        """``all_to_all``: this rank's ``j``-th tensor to group rank ``j``, whose ``i``-th
+        output is rank ``i``'s."""
+        handle = self._exchange(torch.cat([_flat(x) for x in input_tensors]),
+                                [x.numel() for x in input_tensors],
+                                [x.numel() for x in output_tensors], "alltoall")
+        return self._completer.submit(_split_into(handle, output_tensors))
+
+    def all_to_all_single(  # type: ignore[override]
+            self, output: torch.Tensor, input_tensor: torch.Tensor,
+            output_split_sizes: list[int], input_split_sizes: list[int],
+            opts: AllToAllOptions | None = None) -> dist.Work:
+        """``all_to_all_single``: slices of the first dimension (equal, or the split sizes)."""
+        n = self.size()
+        row_in = input_tensor[0].numel() if input_tensor.dim() and input_tensor.shape[0] else 0
+        row_out = output[0].numel() if output.dim() and output.shape[0] else 0
+        send = [s * row_in for s in input_split_sizes] or [input_tensor.numel() // n] * n
+        recv = [s * row_out for s in output_split_sizes] or [output.numel() // n] * n
+        handle = self._exchange(_flat(input_tensor), send, recv, "alltoall")
+        return self._completer.submit(_copied_back(handle, output))
 
     def barrier(  # type: ignore[override]
             self, opts: dist.BarrierOptions | None = None) -> dist.Work:
-        """``barrier``: every rank has reached it."""
-        handle = self.client.calls.barrier(timeout=self.timeout)
+        """``barrier``: every member has reached it."""
+        if not self.world:
+            handle = self._to_all(torch.zeros(1, dtype=torch.uint8), "barrier")
+            return self._completer.submit(_split_into(handle, []))
+        joined = self.client.calls.barrier(timeout=self.timeout)
 
         def end() -> list[torch.Tensor]:
-            handle.join()
+            joined.join()
             return []
         return self._completer.submit(end)
 
+    # ------------------------------------------------------------------ point to point
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> dist.Work:
+        """``send``/``isend`` to group rank ``dstRank``: its ``recv`` with the same tag takes
+        it (sends with one tag arrive in order)."""
+        t = _single(tensors, "send")
+        send = [t.numel() if g == dstRank else 0 for g in range(self.size())]
+        handle = self._exchange(_flat(t), send, [0] * self.size(),
+                                f"p2p.{self.rank()}.{dstRank}.{tag}", pair=True)
+        return self._completer.submit(_split_into(handle, []))
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> dist.Work:
+        """``recv``/``irecv`` from group rank ``srcRank``, into the tensor."""
+        t = _single(tensors, "recv")
+        recv = [t.numel() if g == srcRank else 0 for g in range(self.size())]
+        handle = self._exchange(torch.empty(0, dtype=t.dtype), [0] * self.size(), recv,
+                                f"p2p.{srcRank}.{self.rank()}.{tag}", pair=True)
+        return self._completer.submit(_copied_back(handle, t))
+
     def shutdown(self) -> None:
-        """End the ops started, and close the client (``destroy_process_group``)."""
+        """End the ops started, and let go of the client (``destroy_process_group``)."""
         self._completer.close()
-        self.client.close()
+        SHARED.give_back()
 
 
-def create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> DecentProcessGroup:
-    """torch's creator of a ``decent`` process group: a client of this node's daemon."""
-    del store  # decent's daemons know their peers: no rendezvous through torch's store
-    return DecentProcessGroup(connect(), rank, size, timeout)
+def create(options: Any, backend_options: Any = None) -> DecentProcessGroup:
+    """torch's creator of a ``decent`` process group (extended API: the group's global ranks
+    come with it): a group over this process's client of its node's daemon."""
+    del backend_options  # decent's daemons know their peers: no rendezvous through torch's store
+    client, new = SHARED.take()
+    try:
+        return DecentProcessGroup(client, options.group_rank, options.group_size,
+                                  options.timeout, list(options.global_ranks_in_group),
+                                  str(options.group_id), default=new)
+    except BaseException:
+        SHARED.give_back()
+        raise
 
 
 def register() -> None:
     """Make ``"decent"`` a backend of torch.distributed (for CPU tensors; once per process)."""
     if BACKEND.upper() not in dist.Backend._plugins:  # torch keeps no public list
-        dist.Backend.register_backend(BACKEND, create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu"])

@@ -30,7 +30,7 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
-from decent_wire.numerics import ACCUM, from_accum, to_accum, weighted_sum
+from decent_wire.numerics import ACCUM, from_accum, reduce_into, to_accum, weighted_sum
 from decent_wire.ops import op_types
 from decent_wire.protocol import op_label
 from decent_wire.v1 import decent_pb2 as pb
@@ -338,8 +338,9 @@ class Hierarchy:
             if args.HasField("dst_machine_weights"):
                 nar.dst_weights.CopyFrom(args.dst_machine_weights)
             return pb.NEIGHBOR_ALLREDUCE, nar, self._spec[pb.NEIGHBOR_ALLREDUCE]
-        if self.per_node > 1 and op == pb.ALLREDUCE:
-            return op, pb.Allreduce(reduce_op=pb.SUM), self._spec[op]
+        if self.per_node > 1 and op == pb.ALLREDUCE:  # an average divides once, at the end
+            reduce = pb.SUM if args.reduce_op == pb.AVERAGE else args.reduce_op
+            return op, pb.Allreduce(reduce_op=reduce), self._spec[op]
         if self.per_node > 1 and op == pb.BROADCAST:
             return op, pb.Broadcast(root=int(args.root) // self.per_node), self._spec[op]
         return op, args, self._spec[op]
@@ -360,10 +361,10 @@ class Hierarchy:
         """Elements ``lo:hi`` of the members' tensors combined into ``staged`` (a segment)."""
         members = [p.x[lo:hi] for _, (_, p) in sorted(g.members.items())]
         if op == pb.ALLREDUCE:
-            dtype = next(iter(g.members.values()))[1].dtype
-            acc = to_accum(members[0], dtype)
+            req, p = next(iter(g.members.values()))
+            acc = to_accum(members[0], p.dtype)
             for x in members[1:]:
-                acc += to_accum(x, dtype)
+                reduce_into(acc, to_accum(x, p.dtype), req.args.reduce_op)
             np.copyto(staged.x, acc)
         elif op == pb.BROADCAST:
             req, _ = next(iter(g.members.values()))

@@ -26,7 +26,7 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
-from decent_wire.ops import BY_TYPE, Agreed, Result, op_types, result_nbytes
+from decent_wire.ops import BY_TYPE, Agreed, Result, exchanged_rows, op_types, result_nbytes
 from decent_wire.protocol import op_label
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.keys import agreement
@@ -52,6 +52,8 @@ def description(op: int, args: Any, p: PartSpec, ranks: Sequence[int],
     if op == pb.ALLGATHER and shape:
         shape[0] = -1  # the first dimensions may differ; the sizes (in args) must not
         error = error or _allgather_problem(args, p, ranks)
+    if op == pb.ALLTOALL and shape:
+        shape[0] = -1  # each rank sends its own rows: checked against the others' in verdict
     error = error or _output_problem(op, args, p)
     arg_text = str(args).replace("\n", " ").strip() if args is not None else ""
     text = f"{op_label(op)} {dtypes.describe(p.dtype, p.shape)}" + \
@@ -66,9 +68,11 @@ def description(op: int, args: Any, p: PartSpec, ranks: Sequence[int],
 def _output_problem(op: int, args: Any, p: PartSpec) -> DecentError | None:
     """ARENA_ERROR when the result cannot fit the part's output region."""
     result = BY_TYPE[op].result
-    if result is Result.NONE or (result is Result.GATHERED and not p.shape):
+    if result is Result.NONE or (result in (Result.GATHERED, Result.EXCHANGED) and
+                                 not p.shape):
         return None
-    rows = list(args.sizes) if result is Result.GATHERED else None
+    rows = list(args.sizes) if result is Result.GATHERED else \
+        [exchanged_rows(args)] if result is Result.EXCHANGED else None
     # a segment of a staged node tensor carries the whole tensor's shape: its own bytes count
     nbytes = p.nbytes if rows is None else result_nbytes(result, p.dtype, p.shape, rows=rows)
     try:
@@ -99,16 +103,37 @@ def verdict(display: str, round_: int, got: dict[int, pb.Agreement]) -> DecentEr
                                      f"it: {err.message}")
     kinds: dict[tuple[Any, ...], list[int]] = {}
     for r in sorted(got):
-        d = got[r]
-        kinds.setdefault((d.op, d.dtype, tuple(d.shape), d.args), []).extend(d.ranks)
+        kinds.setdefault(_kind(got[r]), []).extend(got[r].ranks)
     if len(kinds) == 1:
-        return None
-    texts = {key: next(got[r].text for r in sorted(got)
-                       if (got[r].op, got[r].dtype, tuple(got[r].shape), got[r].args) == key)
+        return _exchange_problem(label, got) if first.op == pb.ALLTOALL else None
+    texts = {key: next(got[r].text for r in sorted(got) if _kind(got[r]) == key)
              for key in kinds}
     told = "; ".join(f"{_ranks(ranks)} {texts[key]}" for key, ranks in
                      sorted(kinds.items(), key=lambda kv: kv[1][0]))
     return DecentError(pb.MISMATCH, f"{label}: the ranks disagree, so none runs it: {told}")
+
+
+def _kind(d: pb.Agreement) -> tuple[Any, ...]:
+    """What must be the same in every participant's description (an alltoall's rows differ
+    from rank to rank: only whether and how it reduces must not)."""
+    if d.op == pb.ALLTOALL:
+        args = pb.Alltoall.FromString(d.args)
+        return d.op, d.dtype, tuple(d.shape), args.reduce if args.HasField("reduce") else None
+    return d.op, d.dtype, tuple(d.shape), d.args
+
+
+def _exchange_problem(label: str, got: dict[int, pb.Agreement]) -> DecentError | None:
+    """MISMATCH unless each rank expects from every other the rows that one sends it."""
+    rows = {}
+    for d in got.values():
+        args = pb.Alltoall.FromString(d.args)
+        rows[d.ranks[0]] = (list(args.send_rows), list(args.recv_rows))
+    for i, (send, _) in sorted(rows.items()):
+        for j, (_, recv) in sorted(rows.items()):
+            if j < len(send) and i < len(recv) and send[j] != recv[i]:
+                return DecentError(pb.MISMATCH, f"{label}: rank {i} sends {send[j]} rows to "
+                                   f"rank {j}, which expects {recv[i]}, so none runs it")
+    return None
 
 
 #: what a verdict drawn from the descriptions fails with (others are the agreement's own

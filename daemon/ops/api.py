@@ -262,18 +262,18 @@ class OpContext:
             phases.sent()
         self.unacked.discard(dst)
 
-    async def send_bytes(self, dst: int, tag: int, payload: memoryview,
-                         p: PartSpec | None = None, input_from: int | None = None) -> None:
+    async def send_bytes(self, dst: int, tag: int, payload: memoryview, p: PartSpec | None = None,
+                         input_from: int | None = None, shape: tuple[int, ...] | None = None
+                         ) -> None:
         """Send ``payload`` as the one part of tensor ``p`` (default: the op's first) with
-        ``tag``; the header carries the whole tensor's meta, so mismatches show.
-        ``input_from``: the payload is the input's bytes from that offset (sent as they are
-        copied in)."""
+        ``tag``; the header carries the whole tensor's meta (or ``shape``, a piece's), so
+        mismatches show. ``input_from``: the payload is the input's bytes from that offset
+        (sent as they are copied in)."""
         p = self.parts[0] if p is None else p
-        phases = self.phases
-        if phases is not None:
+        if (phases := self.phases) is not None:
             phases.sending()
         await self.services.links.outbox.send_data(dst, p.name, p.round, tag, self.op, p.dtype,
-                                            p.shape, payload,
+                                            p.shape if shape is None else shape, payload,
                                             gate=None if input_from is None else
                                             p.input.gate(input_from))
         if phases is not None:

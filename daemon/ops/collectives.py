@@ -1,7 +1,8 @@
 """Collectives over every rank: allreduce, allgather, broadcast, barrier.
 
-Results are deterministic: the direct allreduce adds in ascending rank order, the ring adds each
-chunk along the ring, so every rank gets identical values.
+Results are deterministic: the direct allreduce combines (adds, or takes the minimum, maximum or
+product) in ascending rank order, the ring combines each chunk along the ring, so every rank gets
+identical values.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.graphs import hops
-from decent_wire.numerics import ACCUM, INTEGER, divide, from_accum, to_accum
+from decent_wire.numerics import ACCUM, INTEGER, divide, from_accum, reduce_into, to_accum
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.ops.api import DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
 from decentd.ops.faults import live_group
@@ -29,7 +30,7 @@ async def _allreduce_direct(ctx: OpContext) -> int:
         parts[ctx.rank] = p.x
         acc = to_accum(parts[group[0]], p.dtype)
         for r in group[1:]:
-            acc += to_accum(parts[r], p.dtype)
+            reduce_into(acc, to_accum(parts[r], p.dtype), ctx.args.reduce_op)
         total += _finish_allreduce(ctx, p, acc)
     return total
 
@@ -84,7 +85,7 @@ async def _allreduce_ring(ctx: OpContext) -> int:
                               f"{left} sent a ring chunk of {got.size} elements, rank "
                               f"{ctx.rank} expected {into.size}")
             if add:
-                into += got
+                reduce_into(into, got, ctx.args.reduce_op)
             else:
                 into[...] = got
             ctx.release(arrival)

@@ -6,7 +6,7 @@ is stale). Each op's arguments and docstring come from its call in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from inspect import signature
 from typing import Any, Generic, TypeVar
 
@@ -618,6 +618,35 @@ class OpMethods(Generic[T]):
                 "into": tensor,
                 "fuse": False,
             },
+        )
+
+    def alltoall_async(
+        self,
+        tensor: T,
+        splits: Sequence[int] | None = None,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> Handle[T]:
+        """Start sending ``splits[j]`` first-dimension rows to each rank ``j`` (in rank order;
+        None: equal shares) and receiving the rows every rank sends this one, concatenated in
+        rank order (Horovod's ``alltoall``; the splits are exchanged first, blocking).
+        """
+        return self._start(
+            BY_NAME["alltoall"],
+            {"tensor": tensor, "splits": splits, "name": name, "timeout": timeout},
+        )
+
+    def alltoall(
+        self,
+        tensor: T,
+        splits: Sequence[int] | None = None,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> T:
+        """Blocking :meth:`alltoall_async`."""
+        return self._blocking(
+            BY_NAME["alltoall"],
+            {"tensor": tensor, "splits": splits, "name": name, "timeout": timeout},
         )
 
     def barrier(self, name: str | None = None, timeout: float | None = None) -> None:

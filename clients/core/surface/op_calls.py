@@ -8,7 +8,7 @@ its own; :class:`decent.core.Client`'s methods (generated from the table into
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -22,7 +22,8 @@ from decent.core.surface.args import WeightsArg, op_args, rank_weights
 from decent.core.surface.horovod_compression import Compressor, Transform
 from decent.core.surface.rejoin import REJOIN_PREFIX
 from decent_wire import dtypes
-from decent_wire.protocol import COMPRESSORS
+from decent_wire.ops import exchanged_rows
+from decent_wire.protocol import COMPRESSORS, REDUCE_OPS
 from decent_wire.v1 import decent_pb2 as pb
 
 T = TypeVar("T")
@@ -33,11 +34,13 @@ def _rank_list(ranks: list[int] | None) -> pb.RankList | None:
 
 
 def reduce_op(op: str, average: bool | None) -> str:
-    """``"average"`` or ``"sum"`` from an allreduce's ``op`` and Horovod's ``average``."""
+    """The reduction (a key of ``REDUCE_OPS``: average, sum, min, max, product) from an
+    allreduce's ``op`` and Horovod's ``average``."""
     if average is not None:
         return "average" if average else "sum"
-    if op not in ("average", "sum"):
-        raise ValueError(f"allreduce op must be 'average' or 'sum', not {op!r}")
+    if op not in REDUCE_OPS:
+        raise ValueError(f"allreduce op must be one of {', '.join(map(repr, REDUCE_OPS))}, "
+                         f"not {op!r}")
     return op
 
 
@@ -198,8 +201,7 @@ class OpCalls(Generic[T]):
         before the reduction and undone after), ``prescale_factor`` and ``postscale_factor``
         (multiplied in before and after).
         """
-        kind = reduce_op(op, average)
-        args = pb.Allreduce(reduce_op=pb.AVERAGE if kind == "average" else pb.SUM)
+        args = pb.Allreduce(reduce_op=REDUCE_OPS[reduce_op(op, average)])
         transform = Transform(compression, prescale_factor, postscale_factor)
         if transform.active:
             sent, context = transform.before(tensor)
@@ -228,6 +230,40 @@ class OpCalls(Generic[T]):
         sizes = [int(r) for r in counts]
         return self.call(op_call("allgather", pb.Allgather(sizes=sizes)), tensor, name,
                          timeout, rows=sizes)
+
+    def alltoall(self, tensor: T, splits: Sequence[int] | None = None, name: str | None = None,
+                 timeout: float | None = None) -> Handle[T]:
+        """Start sending ``splits[j]`` first-dimension rows to each rank ``j`` (in rank order;
+        None: equal shares) and receiving the rows every rank sends this one, concatenated in
+        rank order (Horovod's ``alltoall``; the splits are exchanged first, blocking)."""
+        name = name or "alltoall.unnamed"
+        _, shape = self.submitter.describe(tensor, name)
+        size = self.cluster.size
+        if not shape:
+            raise ValueError(f"tensor '{name}': alltoall needs at least one dimension")
+        send = [shape[0] // size] * size if splits is None else [int(s) for s in splits]
+        if len(send) != size or sum(send) != shape[0] or min(send) < 0:
+            raise ValueError(f"tensor '{name}': alltoall splits {send} do not share its "
+                             f"{shape[0]} rows among {size} ranks")
+        counts = values_of(self.codec, self.call(
+            op_call("allgather", pb.Allgather(sizes=[size] * size)),
+            tensor_of(self.codec, send), f"{name}.splits", timeout, rows=[size] * size).wait())
+        recv = [int(counts[i * size + self.cluster.rank]) for i in range(size)]
+        return self.exchange(tensor, send, recv, name=name, timeout=timeout)
+
+    def exchange(self, tensor: T, send_rows: Sequence[int], recv_rows: Sequence[int],
+                 reduce: str | None = None, name: str | None = None,
+                 timeout: float | None = None, *, pair: bool = False) -> Handle[T]:
+        """Start sending ``send_rows[j]`` first-dimension rows to each rank ``j`` and receiving
+        ``recv_rows[i]`` rows from each rank ``i``: concatenated in rank order, or combined
+        element-wise with ``reduce`` (a key of ``REDUCE_OPS``). Every rank calls it, and the
+        ranks agree on it first; ``pair``: only the ranks it sends to or receives from call it
+        (send and recv), without an agreement."""
+        args = pb.Alltoall(send_rows=list(send_rows), recv_rows=list(recv_rows))
+        if reduce is not None:
+            args.reduce = REDUCE_OPS[reduce_op(reduce, None)]
+        return self.call(op_call("sendrecv" if pair else "alltoall", args), tensor, name,
+                         timeout, rows=[exchanged_rows(args)])
 
     def broadcast(self, tensor: T, into: T | None = None, root: int = 0, name: str | None = None,
                   timeout: float | None = None, *, fuse: bool = True,
