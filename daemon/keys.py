@@ -60,6 +60,11 @@ def owner(key: str) -> int | None:
     return int(who)
 
 
+def node_level(key: str) -> bool:
+    """Whether ``key`` is a node-level key (False for a worker's, or one without an owner)."""
+    return key.rpartition(OWNER_SEPARATOR)[2] == NODE and OWNER_SEPARATOR in key
+
+
 def segment(key: str, index: int) -> str:
     """The key of segment ``index`` of a tensor under ``key`` (segment 0: the key itself)."""
     if index == 0:

@@ -17,6 +17,7 @@ from cluster import DECENTRUN_ARENA, Cluster, free_ports
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("torch_backend_worker.py")
+FAULTS = Path(__file__).with_name("torch_backend_faults.py")
 DECENTRUN = [sys.executable, "-m", "decentd.tools.launcher"]
 
 
@@ -46,3 +47,22 @@ def test_decentrun_gives_init_process_group_all_it_needs() -> None:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     for r in range(4):
         assert f"[{r}] ok {r}" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_timeouts_lost_ranks_and_a_second_init() -> None:
+    """``timeout=`` of ``init_process_group`` ends an op another rank never joins; a rank
+    that left fails the collectives that need it (well within the timeout); the process group
+    can be destroyed and made again (``tests/torch_backend_faults.py``)."""
+    c = Cluster(2, "ring")
+    try:
+        port = free_ports(1)[0]
+        procs = [subprocess.Popen(
+            [sys.executable, str(FAULTS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=dict(os.environ, DECENT_DAEMON=f"unix://{c.sockets[r]}", RANK=str(r),
+                     WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port)), text=True) for r in range(2)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert procs[0].returncode == 0 and "ok 0" in outs[0], outs[0][-3000:]
+        assert procs[1].returncode == 0 and "again 1" in outs[1], outs[1][-3000:]
+    finally:
+        c.stop()

@@ -24,8 +24,10 @@ copied back). A failed op raises ``torch.distributed.DistBackendError`` with dec
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -45,12 +47,16 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from decent.core import Handle
+from decent.core import DecentError, Handle
 from decent.torch.client import TorchClient, connect
 from decent.torch.dist_work import Completer, DecentWork, Ending
+from decent_wire.v1 import decent_pb2 as pb
 
 #: a tensor, or a list of them (torch passes one per device)
 One = TypeVar("One")
+
+#: the store key under which rank 0 gives the default group's decent job
+JOB_KEY = "decent/job"
 
 #: the backend's name in ``init_process_group``
 BACKEND = "decent"
@@ -80,14 +86,16 @@ class SharedClient:
         self._lock = threading.Lock()
         self._client: TorchClient | None = None
         self._users = 0
+        self._generation = 0  #: default groups made so far
 
-    def take(self) -> tuple[TorchClient, bool]:
-        """The client (connected now if no group holds it), and whether it is new (the
-        default group, made first, takes it new)."""
+    def take(self, job: Callable[[int], str]) -> tuple[TorchClient, bool]:
+        """The client (connected now, in job ``job(generation)``, if no group holds it), and
+        whether it is new (the default group, made first, takes it new)."""
         with self._lock:
             new = self._client is None
             if self._client is None:
-                self._client = connect()
+                self._client = connect(job=job(self._generation))
+                self._generation += 1
             self._users += 1
             return self._client, new
 
@@ -117,10 +125,26 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1)
 
 
-def _copied_back(handle: Handle[torch.Tensor], into: torch.Tensor) -> Ending:
-    """The ending of an op whose result goes into ``into``."""
+def _whole(handle: Handle[Any], ranks: Sequence[int]) -> Handle[Any]:
+    """``handle``, failed unless its op covered every rank of ``ranks`` (a collective over
+    the live ranks leaves out a rank that left: torch's process groups fail instead)."""
+    covered = handle.src_ranks
+    if covered and set(covered) != set(ranks):
+        lost = sorted(set(ranks) - set(covered))
+        raise DecentError(pb.PEER_UNAVAILABLE, f"{handle.name}: rank "
+                          f"{', '.join(map(str, lost))} of the process group left; a collective "
+                          "of torch.distributed needs every rank")
+    return handle
+
+
+def _copied_back(handle: Handle[torch.Tensor], into: torch.Tensor,
+                 ranks: Sequence[int] = ()) -> Ending:
+    """The ending of an op whose result goes into ``into`` (``ranks``: all of them must be
+    covered)."""
     def end() -> list[torch.Tensor]:
         into.copy_(handle.wait().reshape(into.shape))
+        if ranks:
+            _whole(handle, ranks)
         return [into]
     return end
 
@@ -196,7 +220,7 @@ class DecentProcessGroup(dist.ProcessGroup):
             n = self.size()
             handle = self._exchange(_flat(t).repeat(n), [t.numel()] * n, [t.numel()] * n,
                                     "allreduce", op)
-        return self._completer.submit(_copied_back(handle, t))
+        return self._completer.submit(_copied_back(handle, t, self.ranks))
 
     def broadcast(  # type: ignore[override]
             self, tensors: list[torch.Tensor], opts: BroadcastOptions | None = None
@@ -206,12 +230,13 @@ class DecentProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         if self.world:
             handle = self.client.broadcast_async(t.contiguous(), root=root, timeout=self.timeout)
-        else:
-            n, me = self.size(), self.rank()
-            send = [t.numel() if me == root else 0] * n
-            recv = [t.numel() if g == root else 0 for g in range(n)]
-            flat = _flat(t).repeat(n) if me == root else torch.empty(0, dtype=t.dtype)
-            handle = self._exchange(flat, send, recv, "broadcast")
+            return self._completer.submit(_copied_back(handle, t, self.ranks))
+        n, me = self.size(), self.rank()
+        send = [t.numel() if me == root else 0] * n
+        recv = [t.numel() if g == root else 0 for g in range(n)]
+        flat = _flat(t).repeat(n) if me == root else \
+            torch.empty(0, dtype=t.dtype, device=t.device)
+        handle = self._exchange(flat, send, recv, "broadcast")
         return self._completer.submit(_copied_back(handle, t))
 
     def reduce(  # type: ignore[override]
@@ -281,7 +306,7 @@ class DecentProcessGroup(dist.ProcessGroup):
             flat = torch.cat([_flat(x) for x in inputs])
             send = [x.numel() for x in inputs]
         else:
-            flat, send = torch.empty(0, dtype=out.dtype), [0] * n
+            flat, send = torch.empty(0, dtype=out.dtype, device=out.device), [0] * n
         recv = [out.numel() if g == root else 0 for g in range(n)]
         handle = self._exchange(flat, send, recv, "scatter")
         return self._completer.submit(_copied_back(handle, out))
@@ -346,6 +371,7 @@ class DecentProcessGroup(dist.ProcessGroup):
 
         def end() -> list[torch.Tensor]:
             joined.join()
+            _whole(joined, self.ranks)
             return []
         return self._completer.submit(end)
 
@@ -364,7 +390,8 @@ class DecentProcessGroup(dist.ProcessGroup):
         """``recv``/``irecv`` from group rank ``srcRank``, into the tensor."""
         t = _single(tensors, "recv")
         recv = [t.numel() if g == srcRank else 0 for g in range(self.size())]
-        handle = self._exchange(torch.empty(0, dtype=t.dtype), [0] * self.size(), recv,
+        empty = torch.empty(0, dtype=t.dtype, device=t.device)
+        handle = self._exchange(empty, [0] * self.size(), recv,
                                 f"p2p.{srcRank}.{self.rank()}.{tag}", pair=True)
         return self._completer.submit(_copied_back(handle, t))
 
@@ -378,7 +405,7 @@ def create(options: Any, backend_options: Any = None) -> DecentProcessGroup:
     """torch's creator of a ``decent`` process group (extended API: the group's global ranks
     come with it): a group over this process's client of its node's daemon."""
     del backend_options  # decent's daemons know their peers: no rendezvous through torch's store
-    client, new = SHARED.take()
+    client, new = SHARED.take(lambda n: job_of(options.store, options.group_rank, n))
     try:
         return DecentProcessGroup(client, options.group_rank, options.group_size,
                                   options.timeout, list(options.global_ranks_in_group),
@@ -388,7 +415,23 @@ def create(options: Any, backend_options: Any = None) -> DecentProcessGroup:
         raise
 
 
+def job_of(store: dist.Store, rank: int, generation: int) -> str:
+    """The decent job of this process's ``generation``-th default group: one of its own
+    (drawn by rank 0 and passed on through torch's store, under a key of that generation: the
+    store may still hold the last one's), so that a process group made again after
+    ``destroy_process_group`` starts afresh, as torch's do: rounds from 0, and no rank counted
+    as one that left. Under ``$DECENT_JOB``, within that job's name."""
+    key = f"{JOB_KEY}/{generation}"
+    if rank == 0:
+        store.set(key, f"torch-{uuid.uuid4().hex[:12]}")
+    job = store.get(key).decode()
+    base = os.environ.get("DECENT_JOB", "")
+    return f"{base}.{job}" if base else job
+
+
 def register() -> None:
-    """Make ``"decent"`` a backend of torch.distributed (for CPU tensors; once per process)."""
+    """Make ``"decent"`` a backend of torch.distributed, for CPU and CUDA tensors (staged
+    through host memory, as the client stages them); once per process."""
     if BACKEND.upper() not in dist.Backend._plugins:  # torch keeps no public list
-        dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, create, extended_api=True,
+                                      devices=["cpu", "cuda"])

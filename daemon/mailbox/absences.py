@@ -33,6 +33,10 @@ class Absences:
         while len(self._departed) > DEPARTED_MEMORY:
             self._departed.popitem(last=False)
 
+    def has_left(self, job: str, rank: int) -> bool:
+        """Whether worker ``rank`` of ``job`` left (and has not come back)."""
+        return (job, rank) in self._departed
+
     def joined(self, job: str, rank: int) -> bool:
         """Worker ``rank`` of ``job`` registered (again); whether it had left."""
         return self._departed.pop((job, rank), None) is not None

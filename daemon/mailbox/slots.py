@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.keys import OpKey, op_name
+from decentd.keys import OpKey, job_of, node_level, op_name
 from decentd.mailbox.absences import Absences
 from decentd.mailbox.arrivals import Arrival
 from decentd.mailbox.horizons import Started
@@ -181,6 +181,16 @@ class Mailbox:
             if slot is None or (slot.waiter is None and slot.ack_waiter is None):
                 keys.discard(key)  # its op ended
             elif self.absences.departed(rank, key[1]) is not None:
+                self._fail_waiters(slot, error)
+                keys.discard(key)
+
+    def node_left(self, machine: int, job: str, error: Exception) -> None:
+        """Every worker of daemon ``machine`` in ``job`` is gone: the node-level ops of that
+        job waiting on that daemon fail with ``error`` (nothing will come for them)."""
+        keys = self._waiting.get(machine, set())
+        for key in list(keys):
+            slot = self._slots.get(key)
+            if slot is not None and job_of(key[1]) == job and node_level(key[1]):
                 self._fail_waiters(slot, error)
                 keys.discard(key)
 

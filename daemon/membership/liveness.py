@@ -302,8 +302,12 @@ class Supervisor:
         """A worker registered (it takes part again; one that left counts from round 0) or
         left (what waits for it fails, and reweighted ops leave it out)."""
         if not joined:
-            self.mailbox.worker_left(job, rank, PeerLost(
-                f"rank {rank} left (its worker ended or closed its client)"))
+            error = PeerLost(f"rank {rank} left (its worker ended or closed its client)")
+            self.mailbox.worker_left(job, rank, error)
+            per, absences = self.links.per_node, self.mailbox.absences
+            machine = rank // per
+            if all(absences.has_left(job, w) for w in range(machine * per, (machine + 1) * per)):
+                self.mailbox.node_left(machine, job, error)
             return
         self.members.absent.discard(rank)
         if self.mailbox.worker_joined(job, rank):  # it counts from round 0 in that job only

@@ -17,6 +17,7 @@ from typing import TypeVar
 from decent_wire.topology import Step, Topology, from_spec
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.errors import PeerLost
+from decentd.keys import job_of
 from decentd.membership.view import PeerState
 from decentd.ops.api import DecentError, OpContext
 
@@ -36,8 +37,12 @@ def gone(ctx: OpContext, peer: int) -> str | None:
                 "once its link is up")
     if ctx.level.node:
         per = ctx.services.per_node
-        if all(w in members.absent for w in range(peer * per, (peer + 1) * per)):
+        workers = range(peer * per, (peer + 1) * per)
+        if all(w in members.absent for w in workers):
             return "it rejoined and its workers have not registered yet"
+        absences, job = ctx.services.mailbox.absences, job_of(ctx.name)
+        if all(absences.has_left(job, w) for w in workers):
+            return "its workers left"
         return None
     if peer in members.absent:
         return "its node rejoined and its worker has not registered yet"
