@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -42,35 +42,122 @@ class DecentWork(dist.Work):
         return self.future
 
 
+class DrivenFuture(torch.futures.Future[Any]):
+    """An op's future (or one chained on it) whose callbacks always run on its group's
+    completer thread, in the order of the ops: a callback chained on an op that already ended
+    runs there next, not in the caller's thread, so the ops callbacks start (PowerSGD's) are
+    started in the same order on every rank. Waited for on that thread (by a callback, for an
+    op it started), it ends that op there itself instead of waiting for the thread it runs
+    on."""
+
+    def __init__(self, completer: Completer) -> None:
+        super().__init__()
+        self._completer = completer
+
+    def wait(self) -> Any:
+        """The op's outputs, once it ends (its error raised)."""
+        self._completer.run_until(self)
+        return super().wait()
+
+    def then(self, callback: Callable[[torch.futures.Future[Any]], Any]
+             ) -> torch.futures.Future[Any]:
+        """A future of ``callback(self)``, run on the completer thread once this one ended."""
+        chained = DrivenFuture(self._completer)
+
+        def run(done: torch.futures.Future[Any]) -> None:
+            try:
+                chained.set_result(callback(done))
+            except Exception as exc:
+                chained.set_exception(exc)
+        self._completer.after(self, run)
+        return chained
+
+
+#: what the completer thread runs: the future an op completes (None: a callback), and how
+Item = tuple["torch.futures.Future[Any] | None", Callable[[], None]]
+
+
 class Completer:
     """Ends the ops of one process group on a thread of its own, in the order they were
-    started, and completes each op's future: a Work completes without anyone waiting on it
-    (DDP's hooks chain on ``get_future()``)."""
+    started, and completes each op's future there: a Work completes without anyone waiting
+    on it (DDP's hooks chain on ``get_future()``). The callbacks chained on the futures run on
+    this thread, one op's after another's in the order of the ops; a callback that waits for
+    an op it started has that op ended out of turn. So the ops callbacks start (PowerSGD's) are
+    started in the same order on every rank, however the training thread runs ahead."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Ending, torch.futures.Future[Any]] | None] = (
-            queue.SimpleQueue())
+        self._items: collections.deque[Item | None] = collections.deque()
+        self._lock = threading.RLock()  # held while a future completes and runs callbacks
+        self._ready = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name="decent-process-group",
                                         daemon=True)
         self._thread.start()
 
     def submit(self, ending: Ending) -> dist.Work:
         """A Work completed with ``ending()``'s outputs (or failed with its error)."""
-        future: torch.futures.Future[Any] = torch.futures.Future()
-        self._queue.put((ending, future))
+        future = DrivenFuture(self)
+        self._put((future, lambda: self._end(ending, future)))
         return DecentWork(future)
+
+    def after(self, future: torch.futures.Future[Any],
+              callback: Callable[[torch.futures.Future[Any]], None]) -> None:
+        """Run ``callback(future)`` on this thread once ``future`` is done: when it completes,
+        or next if it has already."""
+        with self._lock:
+            if future.done():
+                self._put((None, lambda: callback(future)))
+            else:
+                future.add_done_callback(callback)
+
+    def in_callback(self) -> bool:
+        """Whether the caller is a callback chained on one of this group's ops."""
+        return threading.current_thread() is self._thread
+
+    def run_until(self, future: torch.futures.Future[Any]) -> None:
+        """On this group's thread: end ``future``'s op now, out of turn (the callback that
+        waits for it started it); a chained future: run what is due until it is done."""
+        if not self.in_callback():
+            return
+        while not future.done():
+            with self._lock:
+                item = next((i for i in self._items if i is not None and i[0] is future),
+                            None)
+                if item is not None:
+                    self._items.remove(item)
+                elif self._items and self._items[0] is not None:
+                    item = self._items.popleft()
+            if item is None:
+                return
+            item[1]()
 
     def close(self) -> None:
         """End the ops submitted so far, then the thread."""
-        self._queue.put(None)
+        self._put(None)
         self._thread.join()
 
+    def _put(self, item: Item | None) -> None:
+        with self._ready:
+            self._items.append(item)
+            self._ready.notify()
+
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            ending, future = item
-            try:
-                future.set_result(ending())
-            except DecentError as exc:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: bool(self._items))
+                item = self._items.popleft()
+            if item is None:
+                return
+            item[1]()
+
+    def _end(self, ending: Ending, future: torch.futures.Future[Any]) -> None:
+        try:
+            outputs = ending()
+        except DecentError as exc:
+            with self._lock:
                 future.set_exception(dist.DistBackendError(str(exc)))
-            except Exception as exc:  # a bug here fails that op, not the thread
+        except Exception as exc:  # a bug here fails that op, not the thread
+            with self._lock:
                 future.set_exception(exc)
+        else:
+            with self._lock:
+                future.set_result(outputs)

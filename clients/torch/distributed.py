@@ -188,6 +188,12 @@ class DecentProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ the exchange
 
+    def _name(self, what: str) -> str:
+        """The name of this group's op ``what``: ops started by callbacks chained on its ops
+        (PowerSGD's) count their rounds apart from the ops the training thread starts, so
+        that the two threads' interleaving, which differs from rank to rank, does not."""
+        return f"{self.prefix}{'cb.' if self._completer.in_callback() else ''}{what}"
+
     def _exchange(self, flat: torch.Tensor, send: Sequence[int], recv: Sequence[int],
                   what: str, reduce: str | None = None, pair: bool = False
                   ) -> Handle[torch.Tensor]:
@@ -198,7 +204,7 @@ class DecentProcessGroup(dist.ProcessGroup):
         for g, r in enumerate(self.ranks):
             full_send[r], full_recv[r] = int(send[g]), int(recv[g])
         return self.client.calls.exchange(flat, full_send, full_recv, reduce,
-                                          name=f"{self.prefix}{what}", timeout=self.timeout,
+                                          name=self._name(what), timeout=self.timeout,
                                           pair=pair or not self.world)
 
     def _to_all(self, t: torch.Tensor, what: str) -> Handle[torch.Tensor]:
@@ -215,7 +221,8 @@ class DecentProcessGroup(dist.ProcessGroup):
         t = _single(tensors, "all_reduce")
         op = reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if self.world:
-            handle = self.client.allreduce_async(t.contiguous(), op=op, timeout=self.timeout)
+            handle = self.client.allreduce_async(t.contiguous(), op=op, timeout=self.timeout,
+                                                 name=self._name("allreduce"))
         else:
             n = self.size()
             handle = self._exchange(_flat(t).repeat(n), [t.numel()] * n, [t.numel()] * n,
@@ -229,7 +236,8 @@ class DecentProcessGroup(dist.ProcessGroup):
         t = _single(tensors, "broadcast")
         root = opts.rootRank if opts is not None else 0
         if self.world:
-            handle = self.client.broadcast_async(t.contiguous(), root=root, timeout=self.timeout)
+            handle = self.client.broadcast_async(t.contiguous(), root=root, timeout=self.timeout,
+                                                 name=self._name("broadcast"))
             return self._completer.submit(_copied_back(handle, t, self.ranks))
         n, me = self.size(), self.rank()
         send = [t.numel() if me == root else 0] * n
@@ -264,7 +272,8 @@ class DecentProcessGroup(dist.ProcessGroup):
                              f"shapes {[list(o.shape) for o in outputs]} for {self.size()} "
                              "ranks")
         if self.world:
-            handle = self.client.allgather_async(_flat(t), timeout=self.timeout)
+            handle = self.client.allgather_async(_flat(t), timeout=self.timeout,
+                                                 name=self._name("allgather"))
         else:
             handle = self._to_all(t, "allgather")
         return self._completer.submit(_split_into(handle, outputs))
@@ -276,7 +285,8 @@ class DecentProcessGroup(dist.ProcessGroup):
             raise ValueError(f"all_gather_into_tensor: an output of shape {list(output.shape)} "
                              f"for {self.size()} tensors of shape {list(input_tensor.shape)}")
         if self.world:
-            handle = self.client.allgather_async(_flat(input_tensor), timeout=self.timeout)
+            handle = self.client.allgather_async(_flat(input_tensor), timeout=self.timeout,
+                                                 name=self._name("allgather"))
         else:
             handle = self._to_all(input_tensor, "allgather")
         return self._completer.submit(_copied_back(handle, output))
@@ -367,7 +377,7 @@ class DecentProcessGroup(dist.ProcessGroup):
         if not self.world:
             handle = self._to_all(torch.zeros(1, dtype=torch.uint8), "barrier")
             return self._completer.submit(_split_into(handle, []))
-        joined = self.client.calls.barrier(timeout=self.timeout)
+        joined = self.client.calls.barrier(name=self._name("barrier"), timeout=self.timeout)
 
         def end() -> list[torch.Tensor]:
             joined.join()
