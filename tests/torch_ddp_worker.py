@@ -39,7 +39,9 @@ def train(group: Any, hook: Any = None, state: Any = None,
     """``STEPS`` steps of DDP over ``group`` (several buckets, unless ``bucket_mb`` holds
     the model); the parameters at the end."""
     net = model()
-    first = net[0].weight  # its gradient is the last one backward computes
+    layer = net[0]
+    assert isinstance(layer, torch.nn.Linear)
+    first = layer.weight  # its gradient is the last one backward computes
     ddp = DDP(net, process_group=group, bucket_cap_mb=bucket_mb)
     if hook is not None:
         ddp.register_comm_hook(state, hook)
