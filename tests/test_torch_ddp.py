@@ -1,7 +1,8 @@
-"""DistributedDataParallel over torch.distributed's ``decent`` backend (issue 43): the same
-parameters as over gloo after 50 steps, with and without torch's comm hooks, and gradient
-buckets reduced while backward runs, seen in the daemon's timeline
-(``tests/torch_ddp_worker.py`` is each rank's script)."""
+"""DistributedDataParallel and FSDP2 over torch.distributed's ``decent`` backend (issue 43): the
+same parameters (losses) as over gloo, with and without torch's comm hooks, gradient buckets
+reduced while backward runs (seen in the daemon's timeline), and ``torchrun`` running an
+unchanged DDP script against a daemon of 4 workers (``tests/torch_ddp_worker.py`` and
+``tests/torch_fsdp_worker.py`` are each rank's scripts)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from decentd.tools.timeline_plot import read_events
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("torch_ddp_worker.py")
+FSDP = Path(__file__).with_name("torch_fsdp_worker.py")
+EXAMPLE = Path(__file__).parents[1] / "examples" / "ddp_torchrun.py"
 
 
 def run_ranks(c: Cluster, script: Path, n: int, env: dict[str, str] | None = None
@@ -57,3 +60,33 @@ def test_ddp_trains_as_over_gloo_and_reduces_buckets_during_backward(tmp_path: P
     overlapped = [i for i, (began, last) in enumerate(stamps)
                   if any(began <= q < last for q in queued)]
     assert overlapped == list(range(1, 50)), overlapped
+
+
+def test_fsdp2_trains_a_small_transformer_with_gloos_losses() -> None:
+    c = Cluster(2, "ring")
+    try:
+        outs = run_ranks(c, FSDP, 2)
+        print(*[line for line in outs[0].splitlines() if "losses" in line], sep="\n")
+    finally:
+        c.stop()
+
+
+def test_torchrun_runs_an_unchanged_ddp_script_on_the_nodes_daemon() -> None:
+    """``torchrun --nproc-per-node 4`` against a running ``decentd`` of 4 workers: torchrun
+    sets RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*; the script only names the backend."""
+    c = Cluster(1, "ring", per_node=4)
+    try:
+        port = free_ports(1)[0]
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+             "--master-port", str(port), str(EXAMPLE), "--epochs", "3"],
+            capture_output=True, text=True, timeout=240,
+            env=dict(os.environ, DECENT_DAEMON=f"unix://{c.sockets[0]}"))
+    finally:
+        c.stop()
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    accuracy = [float(line.split("accuracy ")[1].split()[0]) for line in proc.stdout.splitlines()
+                if "test accuracy" in line]
+    assert len(accuracy) == 3 and accuracy[-1] > 0.85, proc.stdout
+    assert "over decent" in proc.stdout
+    assert "every replica holds the same weights: True" in proc.stdout, proc.stdout

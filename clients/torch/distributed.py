@@ -180,11 +180,17 @@ class DecentProcessGroup(dist.ProcessGroup):
         self.timeout = timeout.total_seconds()
         #: what qualifies the names of this group's exchanges (two groups never meet)
         self.prefix = f"pg.{group_id}."
+        self._group_id = group_id
         self._completer = Completer()
 
     def getBackendName(self) -> str:
         """``decent``."""
         return BACKEND
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        """torch's name of this group (torch keeps it in its own backends only)."""
+        return self._group_id
 
     # ------------------------------------------------------------------ the exchange
 
