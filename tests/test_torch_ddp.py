@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster, free_ports
+from cluster import DECENTRUN_ARENA, Cluster, free_ports
 from decentd.service.timeline import trace_path
 from decentd.tools.timeline_plot import read_events
 
@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("torch_ddp_worker.py")
 FSDP = Path(__file__).with_name("torch_fsdp_worker.py")
 EXAMPLE = Path(__file__).parents[1] / "examples" / "ddp_torchrun.py"
+DECENTRALIZED = Path(__file__).with_name("torch_ddp_decentralized.py")
 
 
 def run_ranks(c: Cluster, script: Path, n: int, env: dict[str, str] | None = None
@@ -90,3 +91,13 @@ def test_torchrun_runs_an_unchanged_ddp_script_on_the_nodes_daemon() -> None:
     assert len(accuracy) == 3 and accuracy[-1] > 0.85, proc.stdout
     assert "over decent" in proc.stdout
     assert "every replica holds the same weights: True" in proc.stdout, proc.stdout
+
+
+def test_ddps_decentralized_mode_follows_the_dsgd_recursion() -> None:
+    """``decentralize(ddp_model, sgd, "dsgd", "exponential")`` on 4 ranks (under decentrun):
+    every rank's parameters equal numpy's ATC D-SGD recursion to 1e-12."""
+    proc = subprocess.run([sys.executable, "-m", "decentd.tools.launcher", "-np", "4",
+                           *DECENTRUN_ARENA, "--", sys.executable, str(DECENTRALIZED)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert all(f"[{r}] ok {r}" in proc.stdout for r in range(4)), proc.stdout[-3000:]

@@ -66,7 +66,7 @@ REDUCE_OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "average"),
               (dist.ReduceOp.PRODUCT, "product"), (dist.ReduceOp.MIN, "min"),
               (dist.ReduceOp.MAX, "max"))
 
-__all__ = ["BACKEND", "DecentProcessGroup", "DecentWork", "create", "register"]
+__all__ = ["BACKEND", "DecentProcessGroup", "DecentWork", "client_of", "create", "register"]
 
 
 def reduce_name(op: Any) -> str:
@@ -110,6 +110,16 @@ class SharedClient:
 
 #: the client every process group of this process uses
 SHARED = SharedClient()
+
+
+def client_of(group: dist.ProcessGroup | None = None) -> TorchClient:
+    """The decent client under ``group`` (default: the default group), a ``decent`` process
+    group: decent's own API (neighbor averaging, the optimizers) over the same connection."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, DecentProcessGroup):
+        raise ValueError(f"{pg} is not a process group of the decent backend "
+                         "(init_process_group('decent'))")
+    return pg.client
 
 
 def _single(tensors: Sequence[One], what: str) -> One:

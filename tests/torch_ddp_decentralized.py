@@ -1,0 +1,64 @@
+"""One rank of tests/test_torch_ddp.py's decentralized-mode test (4 ranks): a DDP model over
+the ``decent`` backend, put on D-SGD over the exponential graph with
+``decent.torch.ddp.decentralize``, follows the numpy recursion of adapt-then-combine D-SGD,
+``X' = W (X - lr G(X))``, on per-rank least-squares problems."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import decent.torch  # noqa: F401  (registers the backend)
+from decent.torch.ddp import decentralize
+
+STEPS, LR, DIM = 20, 0.05, 5
+
+
+def problem(rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s data: ``f_r(x) = 1/2 |A_r x - b_r|^2``."""
+    rng = np.random.default_rng(rank)
+    return rng.normal(size=(8, DIM)), rng.normal(size=8)
+
+
+def recursion(n: int) -> np.ndarray:
+    """Every rank's x after ``STEPS`` steps of ATC D-SGD from x = 0 (rows: ranks)."""
+    hops = [2 ** k for k in range(int(np.log2(n)))]  # i sends to i + 2^k
+    w = np.eye(n) / (len(hops) + 1)
+    for i in range(n):
+        for h in hops:
+            w[(i + h) % n, i] = 1 / (len(hops) + 1)
+    data = [problem(r) for r in range(n)]
+    x = np.zeros((n, DIM))
+    for _ in range(STEPS):
+        grads = np.stack([a.T @ (a @ x[r] - b) for r, (a, b) in enumerate(data)])
+        x = w @ (x - LR * grads)
+    return x
+
+
+def main() -> None:
+    dist.init_process_group("decent")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    net = torch.nn.Linear(DIM, 1, bias=False, dtype=torch.float64)
+    torch.nn.init.zeros_(net.weight)
+    model = DDP(net)
+    opt = decentralize(model, torch.optim.SGD(model.parameters(), lr=LR),
+                       algorithm="dsgd", topology="exponential")
+    a, b = (torch.from_numpy(v) for v in problem(rank))
+    for _ in range(STEPS):
+        opt.zero_grad()
+        (0.5 * ((model(a).squeeze(1) - b) ** 2).sum()).backward()
+        opt.step()
+    want = recursion(size)[rank]
+    got = net.weight.detach().numpy().reshape(-1)
+    print(f"rank {rank}: x = {np.round(got, 6).tolist()}, largest difference from the "
+          f"recursion {np.abs(got - want).max():.3g}", flush=True)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert not np.allclose(want, recursion(size).mean(axis=0))  # not the global average
+    dist.destroy_process_group()
+    print("ok", rank, flush=True)
+
+
+if __name__ == "__main__":
+    main()
