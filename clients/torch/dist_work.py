@@ -114,9 +114,18 @@ class Completer:
         return threading.current_thread() is self._thread
 
     def run_until(self, future: torch.futures.Future[Any]) -> None:
-        """On this group's thread: end ``future``'s op now, out of turn (the callback that
-        waits for it started it); a chained future: run what is due until it is done."""
+        """End ``future``'s op now, out of turn, in the waiting thread (a blocking op: no
+        hand-over between threads; on this group's thread: the callback that waits for it
+        started it); on this group's thread, a chained future: run what is due until it is
+        done."""
         if not self.in_callback():
+            with self._lock:
+                item = next((i for i in self._items if i is not None and i[0] is future),
+                            None)
+                if item is not None:
+                    self._items.remove(item)
+            if item is not None:
+                item[1]()
             return
         while not future.done():
             with self._lock:

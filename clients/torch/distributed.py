@@ -24,6 +24,7 @@ copied back). A failed op raises ``torch.distributed.DistBackendError`` with dec
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import uuid
@@ -122,6 +123,38 @@ def client_of(group: dist.ProcessGroup | None = None) -> TorchClient:
     return pg.client
 
 
+#: a tensor reduced again whose storage takes at least this much moves to shared memory
+SHARE_FROM_BYTES = 1 << 20
+#: storages remembered as reduced once
+SEEN = 256
+
+
+class Resharer:
+    """Moves the storage of a tensor reduced a second time (DDP's gradient buckets, reused
+    every step) into shared memory, in place (as ``share_memory_()`` does: its views follow),
+    so that from then on the daemon reads and writes it where it lies, with no copy in or out.
+    Only whole storages of at least :data:`SHARE_FROM_BYTES`: a tensor used once is copied."""
+
+    def __init__(self) -> None:
+        self._seen: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+
+    def note(self, t: torch.Tensor) -> None:
+        """``t`` is about to be reduced in place."""
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if t.device.type != "cpu" or nbytes < SHARE_FROM_BYTES or storage.is_shared() or \
+                nbytes != t.numel() * t.element_size():
+            return
+        key = (storage.data_ptr(), nbytes)
+        if key in self._seen:
+            del self._seen[key]
+            t.share_memory_()
+            return
+        self._seen[key] = None
+        while len(self._seen) > SEEN:
+            self._seen.popitem(last=False)
+
+
 def _single(tensors: Sequence[One], what: str) -> One:
     """The one tensor of a per-device list (one device per process)."""
     if len(tensors) != 1:
@@ -145,6 +178,15 @@ def _whole(handle: Handle[Any], ranks: Sequence[int]) -> Handle[Any]:
                           f"{', '.join(map(str, lost))} of the process group left; a collective "
                           "of torch.distributed needs every rank")
     return handle
+
+
+def _waited(handle: Handle[torch.Tensor], t: torch.Tensor, ranks: Sequence[int]) -> Ending:
+    """The ending of an in-place op on ``t`` (every rank of ``ranks`` covered)."""
+    def end() -> list[torch.Tensor]:
+        handle.wait()
+        _whole(handle, ranks)
+        return [t]
+    return end
 
 
 def _copied_back(handle: Handle[torch.Tensor], into: torch.Tensor,
@@ -192,6 +234,7 @@ class DecentProcessGroup(dist.ProcessGroup):
         self.prefix = f"pg.{group_id}."
         self._group_id = group_id
         self._completer = Completer()
+        self._shared = Resharer()
 
     def getBackendName(self) -> str:
         """``decent``."""
@@ -236,9 +279,14 @@ class DecentProcessGroup(dist.ProcessGroup):
         """``all_reduce`` over every member, in place."""
         t = _single(tensors, "all_reduce")
         op = reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if self.world and t.is_contiguous():  # in place: no result tensor, no copy back
+            self._shared.note(t)
+            handle = self.client.allreduce_async_(t, op=op, timeout=self.timeout, fuse=False,
+                                                  name=self._name("allreduce"))
+            return self._completer.submit(_waited(handle, t, self.ranks))
         if self.world:
             handle = self.client.allreduce_async(t.contiguous(), op=op, timeout=self.timeout,
-                                                 name=self._name("allreduce"))
+                                                 fuse=False, name=self._name("allreduce"))
         else:
             n = self.size()
             handle = self._exchange(_flat(t).repeat(n), [t.numel()] * n, [t.numel()] * n,
@@ -251,9 +299,13 @@ class DecentProcessGroup(dist.ProcessGroup):
         """``broadcast`` from group rank ``opts.rootRank``, in place."""
         t = _single(tensors, "broadcast")
         root = opts.rootRank if opts is not None else 0
+        if self.world and t.is_contiguous():  # in place: no result tensor, no copy back
+            handle = self.client.broadcast_async_(t, root=root, timeout=self.timeout,
+                                                  fuse=False, name=self._name("broadcast"))
+            return self._completer.submit(_waited(handle, t, self.ranks))
         if self.world:
             handle = self.client.broadcast_async(t.contiguous(), root=root, timeout=self.timeout,
-                                                 name=self._name("broadcast"))
+                                                 fuse=False, name=self._name("broadcast"))
             return self._completer.submit(_copied_back(handle, t, self.ranks))
         n, me = self.size(), self.rank()
         send = [t.numel() if me == root else 0] * n

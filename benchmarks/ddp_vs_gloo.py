@@ -1,0 +1,320 @@
+"""DDP over torch.distributed's ``decent`` backend vs the same DDP over gloo, in one run.
+
+Two settings (issue 43's figures), each reported as ratios of the two systems' step times::
+
+    decentrun -np 2 --nodes 2 -- python benchmarks/ddp_vs_gloo.py \
+        --json benchmarks/results/ddp_loopback.json              # 2 daemons on loopback
+    sudo .venv/bin/python benchmarks/ddp_vs_gloo.py --netns 8 --rate 1gbit \
+        --json benchmarks/results/ddp_netns.json                 # 8 namespaces, 1 Gbit/s links
+
+Every rank holds three copies of one ResNet-18 (11.2 M parameters: 45 MB of float32 gradients
+per step, CIFAR's 3x3 stem), trained on its own batch of ``--batch`` 16x16 images (small
+images: the gradients are ResNet-18's, the compute is small enough that the 2 cores of this
+host shared by 8 ranks do not hide the links):
+
+* ``gloo``: ``DistributedDataParallel`` over a gloo group;
+* ``decent``: the same over the default ``decent`` group (the daemons' allreduce);
+* ``decentralized``: the same DDP model put on D-SGD over the one-peer exponential graph with
+  ``decent.torch.ddp.decentralize`` (one neighbor averaging of the parameters per step).
+
+The systems' steps are interleaved (the order rotates every step), each after a gloo barrier,
+so all three meet the same host; a step's time is the slowest rank's. Then the latency of a
+4 KiB ``all_reduce`` (1024 float32), decent's default group vs gloo, interleaved in blocks.
+Rank 0 prints a table and writes the JSON (and ``--png``, a bar chart of the medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python benchmarks/ddp_vs_gloo.py` puts only benchmarks/ on it
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.netns_dsgd import (  # noqa: E402
+    NODE_IF,
+    Cleanup,
+    Network,
+    Runner,
+    skip_reason,
+    tear_down,
+)
+from decentd.security.auth import write_secret  # noqa: E402
+
+SYSTEMS = ("gloo", "decent", "decentralized")
+#: issue 43's targets: decent / gloo step time on loopback and on the namespaces, and gloo /
+#: decentralized on the namespaces
+TARGETS = {"loopback_ratio": 1.1, "netns_ratio": 1.0, "decentralized_speedup": 1.6}
+DECENT_PORT, TORCH_PORT = 7700, 29500
+
+
+# ------------------------------------------------------------------------------ the model
+
+
+def resnet18(classes: int = 10) -> Any:
+    """ResNet-18 (two BasicBlocks per stage, 64-512 channels) with CIFAR's 3x3 stem."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int) -> None:
+            super().__init__()
+            self.body = nn.Sequential(
+                nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),
+                nn.ReLU(), nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+            self.skip = nn.Sequential() if stride == 1 and cin == cout else nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+        def forward(self, x: Any) -> Any:
+            return nn.functional.relu(self.body(x) + self.skip(x))
+
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64),
+                               nn.ReLU()]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [Block(cin, cout, stride), Block(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes)]
+    return nn.Sequential(*layers)
+
+
+# ------------------------------------------------------------------------------ one rank
+
+
+def measure(a: argparse.Namespace) -> dict[str, Any] | None:
+    """This rank's part: the three systems' steps and the 4 KiB latencies; rank 0's summary
+    (None on the others)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import decent.torch  # noqa: F401  (registers the backend)
+    from decent.torch.ddp import decentralize
+
+    torch.set_num_threads(1)
+    dist.init_process_group("decent")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    steppers: dict[str, Callable[[], None]] = {}
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(a.batch, 3, 16, 16, generator=gen)
+    y = torch.randint(0, 10, (a.batch,), generator=gen)
+    for name in SYSTEMS:
+        torch.manual_seed(0)
+        model = DDP(resnet18(), process_group=gloo if name == "gloo" else None)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt: Any = sgd if name != "decentralized" else decentralize(
+            model, sgd, "dsgd", topology="one-peer-exponential")
+        steppers[name] = _stepper(model, opt, x, y)
+    times: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    for k in range(a.warmup + a.steps):
+        for j in range(len(SYSTEMS)):
+            name = SYSTEMS[(k + j) % len(SYSTEMS)]
+            dist.barrier(group=gloo)
+            began = time.perf_counter()
+            steppers[name]()
+            if k >= a.warmup:
+                times[name].append(time.perf_counter() - began)
+    latency = _latencies(dist, torch, gloo, a.latency_calls)
+    slowest = {name: _slowest(dist, torch, gloo, times[name]) for name in SYSTEMS}
+    slow_latency = {name: _slowest(dist, torch, gloo, v) for name, v in latency.items()}
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    median = {name: statistics.median(v) for name, v in slowest.items()}
+    lat = {name: statistics.median(v) for name, v in slow_latency.items()}
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "ranks": size, "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
+        "step_median_s": median, "steps_s": slowest,
+        "decent_over_gloo": median["decent"] / median["gloo"],
+        "decentralized_speedup": median["gloo"] / median["decentralized"],
+        "allreduce_4kib_median_us": {k: v * 1e6 for k, v in lat.items()},
+        "allreduce_4kib_decent_over_gloo": lat["decent"] / lat["gloo"],
+        "cpus": os.cpu_count(),
+    }
+
+
+def _stepper(model: Any, opt: Any, x: Any, y: Any) -> Callable[[], None]:
+    import torch
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def _latencies(dist: Any, torch: Any, gloo: Any, calls: int) -> dict[str, list[float]]:
+    """Per-call times of a 4 KiB all_reduce, decent and gloo in alternating blocks of 20."""
+    t = torch.ones(1024)
+    got: dict[str, list[float]] = {"gloo": [], "decent": []}
+    for block in range(2 * (calls // 20)):
+        name, group = ("gloo", gloo) if block % 2 == 0 else ("decent", None)
+        dist.barrier(group=gloo)
+        for _ in range(20):
+            began = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            got[name].append(time.perf_counter() - began)
+    return got
+
+
+def _slowest(dist: Any, torch: Any, gloo: Any, mine: list[float]) -> list[float]:
+    """Each call's time on the slowest rank (an all_reduce MAX over gloo)."""
+    t = torch.tensor(mine, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
+    return [float(v) for v in t]
+
+
+# ------------------------------------------------------------------------------ namespaces
+
+
+def run_netns(a: argparse.Namespace) -> dict[str, Any]:
+    """``--netns`` namespaces on ``--rate`` links (benchmarks/netns_dsgd.py's network), a
+    daemon and a rank in each; rank 0's result."""
+    reason = skip_reason()
+    if reason:
+        return {"skipped": reason}
+    prefix = f"dcnt{os.getpid()}"
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
+    cleanup = Cleanup()
+    atexit.register(cleanup.run)
+    ok = False
+    try:
+        net = Network(prefix, a.netns, a.rate, cleanup)
+        net.up()
+        runner = Runner(net, run_dir, cleanup)
+        daemons = _daemons(runner, run_dir)
+        out = run_dir / "result.json"
+        argv = [sys.executable, str(Path(__file__).resolve()), "--rank-of-netns",
+                "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
+                "--latency-calls", str(a.latency_calls), "--json", str(out)]
+        ranks = {f"rank-{i}": runner.spawn(i, f"rank-{i}", argv, {
+            "DECENT_DAEMON": str(run_dir / f"decentd-{i}.sock"), "RANK": str(i),
+            "WORLD_SIZE": str(a.netns), "LOCAL_RANK": "0", "MASTER_ADDR": net.ip(0),
+            "MASTER_PORT": str(TORCH_PORT), "GLOO_SOCKET_IFNAME": NODE_IF})
+            for i in range(a.netns)}
+        runner.wait_all(ranks, timeout=1800, watch=daemons)
+        result: dict[str, Any] = json.loads(out.read_text())
+        result["rate"] = a.rate
+        ok = True
+        return result
+    finally:
+        tear_down(cleanup, run_dir, ok)
+
+
+def _daemons(runner: Runner, run_dir: Path) -> dict[str, Any]:
+    """One decentd per namespace (secret mode, 256 MiB arenas), once their sockets exist."""
+    net = runner.net
+    peers = [f"{net.ip(i)}:{DECENT_PORT}" for i in range(net.nodes)]
+    secret = write_secret(run_dir / "secret")
+    daemons = {}
+    for i in range(net.nodes):
+        cfg = run_dir / f"node-{i}.yaml"
+        cfg.write_text(
+            f"cluster_id: ddp-bench\nrank: {i}\npeers: {json.dumps(peers)}\n"
+            f'listen: "{peers[i]}"\nsocket: {run_dir / f"decentd-{i}.sock"}\n'
+            "memory: {arena_bytes: 268435456}\nlog_level: warning\n"
+            f"security: {{mode: secret, secret_file: {secret}}}\n")
+        daemons[f"decentd-{i}"] = runner.spawn(
+            i, f"decentd-{i}", [str(Path(sys.executable).parent / "decentd"), "--config",
+                                str(cfg)])
+    deadline = time.monotonic() + 60
+    while not all((run_dir / f"decentd-{i}.sock").exists() for i in range(net.nodes)):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in daemons.values()):
+            raise RuntimeError("decentd did not start\n" + runner.tails(list(daemons)))
+        time.sleep(0.1)
+    return daemons
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def report(result: dict[str, Any], where: str) -> None:
+    """A table of the medians and ratios."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"DDP of ResNet-18 over {where}: {result['ranks']} ranks, median step "
+                        f"of the slowest rank over {result['steps']} steps")
+    for col in ("system", "step (s)", "vs gloo"):
+        table.add_column(col)
+    gloo = result["step_median_s"]["gloo"]
+    for name in SYSTEMS:
+        step = result["step_median_s"][name]
+        table.add_row(name, f"{step:.3f}", f"{step / gloo:.2f}x")
+    lat = result["allreduce_4kib_median_us"]
+    table.add_row("4 KiB all_reduce", f"gloo {lat['gloo']:.0f} us, decent {lat['decent']:.0f} us",
+                  f"{result['allreduce_4kib_decent_over_gloo']:.2f}x")
+    Console().print(table)
+
+
+def draw(result: dict[str, Any], png: Path, where: str) -> None:
+    """Bar chart of the three systems' median steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    values = [result["step_median_s"][name] for name in SYSTEMS]
+    ax.bar(SYSTEMS, values, color=["#888888", "#1f77b4", "#2ca02c"])
+    ax.set_ylabel("median step (s), slowest rank")
+    ax.set_title(f"DDP ResNet-18, {result['ranks']} ranks, {where}")
+    for i, v in enumerate(values):
+        ax.text(i, v, f"{v:.3f}s", ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--netns", type=int, default=0, help="namespaces (0: ranks of decentrun)")
+    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--latency-calls", type=int, default=200)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--png", type=Path)
+    p.add_argument("--rank-of-netns", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one setting; rank 0 (or the namespace driver) reports."""
+    a = parse(argv)
+    where = f"{a.netns} namespaces at {a.rate}" if a.netns else "loopback"
+    result = run_netns(a) if a.netns else measure(a)
+    if result is None:  # a rank other than 0
+        return 0
+    if "skipped" in result:
+        print(result["skipped"])
+        return 3
+    if a.rank_of_netns:  # the driver reports
+        assert a.json is not None
+        a.json.write_text(json.dumps(result))
+        return 0
+    result["setting"] = where
+    report(result, where)
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1) + "\n")
+    if a.png:
+        draw(result, a.png, where)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
