@@ -241,7 +241,7 @@ def test_two_ops_of_one_name_in_flight_are_a_value_error_as_in_horovod() -> None
         with ThreadPoolExecutor(2) as pool:
             got = list(pool.map(work, range(2)))
         refused = got[0][0]
-        assert refused.count("'dup': an op of this name is still in flight") == 2, refused
+        assert refused.count("'dup': an op of this name has not been synchronized") == 2, refused
         assert refused.startswith("allreduce_async 'dup'")
         for _, first, again, queued in got:
             assert torch.equal(first, torch.full((3,), 0.5))
@@ -251,3 +251,24 @@ def test_two_ops_of_one_name_in_flight_are_a_value_error_as_in_horovod() -> None
         for h in hvds:
             h.shutdown()
         c.stop()
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_horovod_scripts_rules_under_decentrun(np_: int) -> None:
+    """``tests/horovod_rules.py`` under ``decentrun -np 2`` and ``-np 4``: prescale on
+    integers keeps the dtype, a name stays taken until synchronized (allgather too, at once),
+    hvd.broadcast/allgather gradients average, broadcast_optimizer_state with parameters
+    without gradients or state, ``hvd.allreduce(t, hvd.Sum)``, Horovod's query functions, and
+    its warning for step() after synchronize()."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cluster import DECENTRUN_ARENA
+
+    script = Path(__file__).with_name("horovod_rules.py")
+    proc = subprocess.run([sys.executable, "-m", "decentd.tools.launcher", "-np", str(np_),
+                           *DECENTRUN_ARENA, "--", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert proc.stdout.count("ok\n") == np_, proc.stdout[-3000:]

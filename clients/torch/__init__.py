@@ -32,6 +32,11 @@ from decent.torch.horovod import (
     Compression,
     DistributedOptimizer,
     Sum,
+    cross_rank,
+    cross_size,
+    is_initialized,
+    mpi_threads_supported,
+    nccl_built,
     poll,
     synchronize,
 )
@@ -62,4 +67,6 @@ def __getattr__(name: str) -> Any:
 __all__ = ["ALGORITHMS", "Adasum", "AlgorithmError", "Average", "Client", "Compression",
            "DecentError", "DecentralizedOptimizer", "DistributedOptimizer", "Handle", "Sum",
            "TorchClient", "broadcast_optimizer_state", "broadcast_parameters", "connect",
-           "consensus", "device", "flatten_parameters", "poll", "synchronize", *SHORTCUTS]
+           "consensus", "cross_rank", "cross_size", "device", "flatten_parameters",
+           "is_initialized", "mpi_threads_supported", "nccl_built", "poll", "synchronize",
+           *SHORTCUTS]

@@ -162,6 +162,12 @@ class GradientAveraging(torch.optim.Optimizer):
                 warnings.warn("step() inside skip_synchronize() without synchronize(): the "
                               "gradients are local", stacklevel=2)
         else:
+            if self._synchronized:  # Horovod's warning, word for word
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.", stacklevel=2)
             self.synchronize()
         self._synchronized = False
         return super().step(closure) if closure is not None else super().step()
@@ -202,6 +208,34 @@ def DistributedOptimizer(
                                          backward_passes_per_step, op,
                                          gradient_predivide_factor, client)
     return distributed
+
+
+def is_initialized() -> bool:
+    """Horovod's ``hvd.is_initialized()``: whether ``init()`` made the default client (and it
+    is open)."""
+    client = default_client.client
+    return client is not None and not client.closed
+
+
+def cross_rank() -> int:
+    """Horovod's ``hvd.cross_rank()``: this worker's node (its daemon) among the nodes."""
+    return default_client.get().machine_rank
+
+
+def cross_size() -> int:
+    """Horovod's ``hvd.cross_size()``: the number of nodes (daemons)."""
+    return default_client.get().machine_size
+
+
+def mpi_threads_supported() -> bool:
+    """Horovod's ``hvd.mpi_threads_supported()``: False (decent uses no MPI)."""
+    return False
+
+
+def nccl_built() -> bool:
+    """Horovod's and BlueFog's ``nccl_built()``: False (decent's GPU path stages tensors
+    through host memory; it links no NCCL)."""
+    return False
 
 
 def synchronize(handle: Handle[Any]) -> Any:

@@ -101,6 +101,8 @@ class Pending:
     completion: pb.Completion | None = None
     error: DecentError | None = None
     result: Any = None
+    #: someone waited for it (``wait`` or ``join``): Horovod's ``synchronize``
+    waited: bool = False
     event: Latch = field(default_factory=Latch)
     #: reentrant: the garbage collector may drop a handle while its request is being settled
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -174,6 +176,7 @@ class Handle(Generic[T]):
     def wait(self, timeout: float | None = None) -> T:
         """Block until the op finishes; its result, or DecentError with the daemon's reason."""
         p = self._wait(timeout)
+        p.waited = True
         self._requests.collect(p)
         if p.error is not None:
             raise p.error
@@ -184,6 +187,7 @@ class Handle(Generic[T]):
         """Block until the op finishes and raise its error, without reading a result (ops
         whose result is nothing: barrier, win_get, win_free)."""
         p = self._wait(timeout)
+        p.waited = True
         self._requests.abandon(p)
         if p.error is not None:
             raise p.error

@@ -9,6 +9,8 @@ is the adjoint map applied to the incoming gradients of all ranks, itself a coll
   ranks' inputs did not reach any output: zero);
 - ``allgather``: the sum of every rank's gradient of the whole result, of which each rank keeps
   its own rows;
+- (the module functions, Horovod's API, average instead of summing for these two, as Horovod
+  does: :data:`GRADIENT_RULE`);
 - ``neighbor_allreduce`` with ``y_i = s_i x_i + sum_j w_ij d_ji x_j``: the same op with send and
   receive swapped (W transposed): rank i sends its gradient to its in-neighbors ``j`` scaled by
   ``w_ij`` (a destination weight), and receives from its out-neighbors with the weights ``d`` it
@@ -23,8 +25,14 @@ then :meth:`Adjoint.keep` (``decent.torch``: an ``autograd.Function``; ``decent.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
+
+#: how the gradients of ``broadcast`` and ``allgather`` combine the ranks' gradients: summed
+#: (``torch.distributed.nn``'s rule: the adjoint map, a client's methods) or averaged
+#: (Horovod's rule: the module functions, ``hvd.broadcast``/``hvd.allgather``)
+GRADIENT_RULE: ContextVar[str] = ContextVar("decent_gradient_rule", default="sum")
 
 
 def _identity(value: Any) -> Any:
@@ -63,8 +71,9 @@ def allreduce(kwargs: Mapping[str, Any]) -> Adjoint:
 
 
 def broadcast(rank: int, root: int, kwargs: Mapping[str, Any]) -> Adjoint:
-    """``broadcast(x, root)``: the sum of the gradients on the root, zero elsewhere."""
-    back = {**_common(kwargs), "op": "sum"}
+    """``broadcast(x, root)``: the sum of the gradients on the root (their average under
+    Horovod's rule, :data:`GRADIENT_RULE`), zero elsewhere."""
+    back = {**_common(kwargs), "op": GRADIENT_RULE.get()}
     return Adjoint("allreduce", back, _identity if rank == root else _zero)
 
 
@@ -81,8 +90,8 @@ def own_rows(sizes: Sequence[int], rank: int) -> tuple[int, int]:
 def allgather(start: Any, end: Any, kwargs: Mapping[str, Any]) -> Adjoint:
     """``allgather(x)`` whose result holds this rank's rows at ``start:end`` (ints, or a
     framework's scalars when they are known only as the graph runs): those rows of the summed
-    gradient."""
-    return Adjoint("allreduce", {**_common(kwargs), "op": "sum"},
+    gradient (averaged under Horovod's rule, :data:`GRADIENT_RULE`)."""
+    return Adjoint("allreduce", {**_common(kwargs), "op": GRADIENT_RULE.get()},
                    lambda full: full[start:end])
 
 

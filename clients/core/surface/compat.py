@@ -30,7 +30,9 @@ ARGUMENT_ALIASES: dict[str, dict[str, str]] = {
 #: module-level names of ``decent.torch`` that exist for one project's scripts, by project
 MODULE_NAMES: dict[str, tuple[str, ...]] = {
     "horovod": ("Average", "Sum", "Adasum", "Compression", "DistributedOptimizer",
-                "broadcast_parameters", "broadcast_optimizer_state", "synchronize", "poll"),
+                "broadcast_parameters", "broadcast_optimizer_state", "synchronize", "poll",
+                "is_initialized", "cross_rank", "cross_size", "mpi_threads_supported",
+                "nccl_built"),
     "bluefog": ("InferDestinationFromSourceRanks", "InferSourceFromDestinationRanks",
                 "load_topology", "is_topo_weighted", "set_topology", "window_names",
                 "win_associated_p", "win_mutex"),

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from decent.core.requests.handles import Handle
+from decent.core.surface.adjoints import GRADIENT_RULE
 from decent.core.surface.client import Client
 from decent.core.surface.topology_ops import infer_peers
 from decent_wire.ops import USER_OPS
@@ -96,17 +97,19 @@ class DefaultClient(Generic[T, C]):
 
     def _refuse_duplicate(self, op: str, name: str | None) -> None:
         """Horovod's rule for its API (this module used as ``hvd``): ValueError while an op of
-        ``name`` is in flight (a ``Client`` queues it as the name's next round instead)."""
+        ``name`` has not been synchronized (its handle waited for, or dropped), even when it
+        has completed (a ``Client`` runs it as the name's next round instead)."""
         if name is None:
             return
         ref = self._in_flight.get(name)
         handle = ref() if ref is not None else None
-        if handle is None or handle.done():
+        if handle is None or handle.pending.waited:
             self._in_flight.pop(name, None)
             return
-        raise ValueError(f"{op} '{name}': an op of this name is still in flight on rank "
-                         f"{self.get().rank}; wait for it first (Horovod allows one op per name "
-                         "at a time; decent.core.Client runs it as the name's next round)")
+        raise ValueError(f"{op} '{name}': an op of this name has not been synchronized on rank "
+                         f"{self.get().rank}; synchronize (wait for) its handle first (Horovod "
+                         "reserves a name until then; decent.core.Client runs it as the name's "
+                         "next round)")
 
     def _method(self, method: str) -> Callable[..., Any]:
         """The module function for the client method ``method``."""
@@ -115,7 +118,11 @@ class DefaultClient(Generic[T, C]):
         def shortcut(*args: Any, **kwargs: Any) -> Any:
             name = kwargs.get("name") if guarded else None
             self._refuse_duplicate(method, name)
-            result = getattr(self.get(), method)(*args, **kwargs)
+            rule = GRADIENT_RULE.set("average")  # Horovod's gradients (adjoints.GRADIENT_RULE)
+            try:
+                result = getattr(self.get(), method)(*args, **kwargs)
+            finally:
+                GRADIENT_RULE.reset(rule)
             if name is not None and isinstance(result, Handle):
                 self._in_flight[name] = weakref.ref(result)
             return result

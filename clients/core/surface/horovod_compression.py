@@ -3,6 +3,8 @@ before it is reduced and decompressed after. Adapters add framework compressors 
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -31,9 +33,12 @@ class NoneCompressor:
 class Transform:
     """What Horovod's allreduce does around the reduction: scale, compress; then undo."""
 
-    def __init__(self, compression: Compressor | None, pre: float, post: float) -> None:
+    def __init__(self, compression: Compressor | None, pre: float, post: float,
+                 scale: Callable[[Any, float], Any] = operator.mul) -> None:
         self.compression = compression
         self.pre, self.post = float(pre), float(post)
+        #: ``scale(tensor, factor)``: the tensor times the factor, in its own dtype
+        self.scale = scale
 
     @property
     def active(self) -> bool:
@@ -43,11 +48,11 @@ class Transform:
     def before(self, tensor: Any) -> tuple[Any, Any]:
         """What travels, and what undoes the compression."""
         if self.pre != 1.0:
-            tensor = tensor * self.pre
+            tensor = self.scale(tensor, self.pre)
         return self.compression.compress(tensor) if self.compression else (tensor, None)
 
     def after(self, result: Any, context: Any) -> Any:
         """The reduced tensor, decompressed and scaled."""
         if self.compression is not None:
             result = self.compression.decompress(result, context)
-        return result * self.post if self.post != 1.0 else result
+        return self.scale(result, self.post) if self.post != 1.0 else result

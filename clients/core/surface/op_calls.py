@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import numpy as np
+
 from decent.core.memory.codec import TensorCodec, tensor_of, values_of
 from decent.core.memory.registrar import Registrar
 from decent.core.requests.calls import OpCall, neighbor_call, op_call
@@ -22,6 +24,7 @@ from decent.core.surface.args import WeightsArg, op_args, rank_weights
 from decent.core.surface.horovod_compression import Compressor, Transform
 from decent.core.surface.rejoin import REJOIN_PREFIX
 from decent_wire import dtypes
+from decent_wire.numerics import INTEGER
 from decent_wire.ops import exchanged_rows
 from decent_wire.protocol import COMPRESSORS, REDUCE_OPS
 from decent_wire.v1 import decent_pb2 as pb
@@ -202,7 +205,7 @@ class OpCalls(Generic[T]):
         (multiplied in before and after).
         """
         args = pb.Allreduce(reduce_op=REDUCE_OPS[reduce_op(op, average)])
-        transform = Transform(compression, prescale_factor, postscale_factor)
+        transform = Transform(compression, prescale_factor, postscale_factor, self.scaled)
         if transform.active:
             sent, context = transform.before(tensor)
             handle = self.call(op_call("allreduce", args), sent, name, timeout, fuse=False)
@@ -281,6 +284,15 @@ class OpCalls(Generic[T]):
         return self.call(op_call("barrier", pb.Barrier()), None, name, timeout)
 
     # ------------------------------------------------------------------ helpers
+
+    def scaled(self, tensor: T, factor: float) -> T:
+        """``tensor * factor`` in ``tensor``'s dtype: an integer tensor stays one, its products
+        truncated toward zero (Horovod's scaling of integer tensors)."""
+        dtype, _ = self.codec.describe(tensor)
+        if dtype not in INTEGER:
+            return tensor * factor  # type: ignore[operator, no-any-return]
+        values = values_of(self.codec, tensor)
+        return tensor_of(self.codec, np.trunc(values * factor).astype(values.dtype), tensor)
 
     def assign(self, target: T, value: T) -> T:
         """Copy ``value`` into ``target`` (same dtype and shape); returns ``target``."""
