@@ -93,7 +93,7 @@ def main() -> None:
     compare("DDP with PowerSGD", train(None, powerSGD_hook.powerSGD_hook, power(None),
                                        bucket_mb=25),
             train(gloo, powerSGD_hook.powerSGD_hook, power(gloo), bucket_mb=25), exact)
-    # decent runs callbacks in the ops' order (decent.torch.dist_work): several buckets work
+    # decent runs callbacks in the ops' order (decent.torch.distributed.work): several buckets work
     several = train(None, powerSGD_hook.powerSGD_hook, power(None))
     assert all(bool(torch.isfinite(p).all()) for p in several)
     if rank == 0 and os.environ.get("DDP_STAMPS"):

@@ -23,6 +23,19 @@ import torch
 from decent.core import Client, DecentError, Handle
 from decent.core.surface.default_client import SHORTCUTS
 from decent.core.training.algorithms import ALGORITHMS, AlgorithmError
+from decent.torch import topology_util
+from decent.torch.bluefog import (
+    CommunicationType,
+    DistributedAdaptThenCombineOptimizer,
+    DistributedAdaptWithCombineOptimizer,
+    DistributedNeighborAllreduceOptimizer,
+    is_homogeneous,
+    neighbor_allreduce_nonblocking,
+    resume,
+    suspend,
+    wait,
+    win_update_then_collect,
+)
 from decent.torch.client import TorchClient, connect, default_client
 from decent.torch.distributed import register as register_backend
 from decent.torch.flat import flatten_parameters
@@ -47,6 +60,8 @@ from decent.torch.optim import (
     consensus,
 )
 
+# BlueFog's graph builders, also at module level (bf.ExponentialTwoGraph(bf.size()))
+globals().update({name: getattr(topology_util, name) for name in topology_util.__all__})
 # the module-level shortcuts: the default client's, from the op table (every op's methods) and
 # the client's queries (decent.core.surface.default_client)
 globals().update(default_client.shortcuts())
@@ -69,4 +84,8 @@ __all__ = ["ALGORITHMS", "Adasum", "AlgorithmError", "Average", "Client", "Compr
            "TorchClient", "broadcast_optimizer_state", "broadcast_parameters", "connect",
            "consensus", "cross_rank", "cross_size", "device", "flatten_parameters",
            "is_initialized", "mpi_threads_supported", "nccl_built", "poll", "synchronize",
+           "CommunicationType", "DistributedAdaptThenCombineOptimizer",
+           "DistributedAdaptWithCombineOptimizer", "DistributedNeighborAllreduceOptimizer",
+           "is_homogeneous", "neighbor_allreduce_nonblocking", "resume", "suspend",
+           "topology_util", "wait", "win_update_then_collect", *topology_util.__all__,
            *SHORTCUTS]

@@ -47,8 +47,21 @@ def _where(params: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
     return [(id(p), p.data_ptr()) for p in params]
 
 
+#: the algorithms that take BlueFog's per-step weights (their exchanges are one neighbor
+#: averaging of the parameters)
+STEP_WEIGHTED = frozenset({"dsgd", "dsgd-cta"})
+#: BlueFog's per-step attributes of its optimizers
+STEP_ATTRIBUTES = ("self_weight", "src_weights", "dst_weights", "enable_topo_check")
+
+
 class DecentralizedOptimizer:
     """Wraps a torch optimizer so that its step becomes one step of ``algorithm``.
+
+    As Horovod's and BlueFog's wrappers, the object is an instance of the wrapped optimizer's
+    class too (``isinstance``, learning-rate schedulers); ``.optimizer`` is the wrapped one.
+    BlueFog's per-step attributes ``self_weight``, ``src_weights``, ``dst_weights`` (and
+    ``enable_topo_check``), set on it before a step, are that step's neighbor weights (for
+    ``dsgd`` and ``dsgd-cta``; other algorithms refuse them); None: the topology's.
 
     ``options``: ``topology`` (a kind name, a ``decent_wire.topology.Topology`` or a networkx graph;
     default: the daemon's), ``communication_interval`` (average every k-th step), and the
@@ -75,9 +88,23 @@ class DecentralizedOptimizer:
     restore them from a checkpoint.
     """
 
+    def __new__(cls, optimizer: torch.optim.Optimizer, *_args: Any, **_kwargs: Any
+                ) -> DecentralizedOptimizer:
+        """An object of a class made of this one and ``optimizer``'s (made once per pair)."""
+        mixed = _mixed_class(cls, type(optimizer)) if isinstance(
+            optimizer, torch.optim.Optimizer) and not issubclass(cls, torch.optim.Optimizer) \
+            else cls
+        made: DecentralizedOptimizer = object.__new__(mixed)
+        return made
+
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
                  algorithm: str = "dsgd", client: Client[torch.Tensor] | None = None,
                  flatten: bool = True, rejoin: bool = True, **options: Any) -> None:
+        if isinstance(self, torch.optim.Optimizer):  # torch's attributes, the wrapped one's
+            self.__dict__.update({k: v for k, v in vars(optimizer).items()
+                                  if k not in ("param_groups", "state")})
+        for name in STEP_ATTRIBUTES:
+            setattr(self, name, None)
         self.optimizer = optimizer
         self.client = client if client is not None else _default_client()
         #: the algorithm's per-parameter state (trackers, public copies, ...)
@@ -164,10 +191,25 @@ class DecentralizedOptimizer:
             self.algorithm.start(self._xs, self._states(params))
         self._started = True
 
+    def _step_weights(self) -> dict[str, Any] | None:
+        """BlueFog's per-step weights set on this object, checked (None: none set)."""
+        given = {k: getattr(self, k) for k in STEP_ATTRIBUTES[:3]
+                 if getattr(self, k) is not None}
+        if not given:
+            return None
+        if self.algorithm.name not in STEP_WEIGHTED:
+            raise AlgorithmError(f"algorithm {self.algorithm.name!r} does not take per-step "
+                                 f"weights ({', '.join(sorted(given))} set); they apply to "
+                                 f"{', '.join(sorted(STEP_WEIGHTED))}")
+        if self.enable_topo_check and "src_weights" in given and "dst_weights" in given:
+            check_step_topology(self.client, given["src_weights"], given["dst_weights"])
+        return given
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One local update by the wrapped optimizer, then the algorithm's combine."""
         loss = None
+        self.algorithm.step_weights = self._step_weights()
         self._serve_joiners()
         if closure is not None:
             with torch.enable_grad():
@@ -271,6 +313,35 @@ class DecentralizedOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+def _mixed_class(wrapper: type, optimizer_class: type) -> type:
+    """``wrapper`` with ``optimizer_class`` mixed in (its methods first), cached."""
+    key = (wrapper, optimizer_class)
+    made = _MIXED.get(key)
+    if made is None:
+        made = type(optimizer_class.__name__, (wrapper, optimizer_class), {})
+        _MIXED[key] = made
+    return made
+
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def check_step_topology(client: Client[torch.Tensor], src_weights: Any,
+                        dst_weights: Any) -> None:
+    """BlueFog's ``enable_topo_check``: every rank's sources must be exactly the ranks that
+    name it as a destination (collective); ValueError naming the difference."""
+    from decent.core.surface.topology_ops import infer_peers
+
+    destinations = sorted(int(r) for r in dst_weights)
+    inferred: Any = infer_peers(client, destinations, "dst")
+    sent_here = {int(r) for r in inferred}
+    sources = {int(r) for r in src_weights}
+    if sent_here != sources:
+        raise ValueError(f"rank {client.rank}: src_weights names ranks {sorted(sources)}, "
+                         f"but ranks {sorted(sent_here)} name it in their dst_weights "
+                         "(enable_topo_check)")
 
 
 class StepBuffers:

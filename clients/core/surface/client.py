@@ -212,7 +212,7 @@ class Client(OpMethods[T]):
         :meth:`TopologyCalls.set_topology`); False while windows exist."""
         return self.topologies.set_topology(topology, is_weighted)
 
-    def load_topology(self) -> nx.DiGraph:
+    def load_topology(self) -> nx.Graph:
         """The current topology as a networkx graph (BlueFog's ``load_topology``)."""
         return self.topologies.load_topology()
 
@@ -226,10 +226,10 @@ class Client(OpMethods[T]):
 
     # ------------------------------------------------------------------ windows
 
-    def win_free(self, name: str | None = None) -> None:
-        """Free window ``name`` here (None: every window of this client); later writes to it
-        from peers fail with NOT_FOUND."""
-        self.windows.win_free(name)
+    def win_free(self, name: str | None = None) -> bool:
+        """Free window ``name`` here (None: every window of this client); True. Local (see
+        :meth:`WindowCalls.win_free`)."""
+        return self.windows.win_free(name)
 
     def win_mutex(self, name: str, for_self: bool = False,
                   ranks: Iterable[int] | None = None) -> AbstractContextManager[None]:

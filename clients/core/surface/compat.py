@@ -35,5 +35,11 @@ MODULE_NAMES: dict[str, tuple[str, ...]] = {
                 "nccl_built"),
     "bluefog": ("InferDestinationFromSourceRanks", "InferSourceFromDestinationRanks",
                 "load_topology", "is_topo_weighted", "set_topology", "window_names",
-                "win_associated_p", "win_mutex"),
+                "win_associated_p", "win_mutex", "CommunicationType",
+                "DistributedAdaptThenCombineOptimizer", "DistributedAdaptWithCombineOptimizer",
+                "DistributedNeighborAllreduceOptimizer", "neighbor_allreduce_nonblocking",
+                "wait", "win_update_then_collect", "nccl_built", "is_homogeneous", "suspend",
+                "resume", "topology_util", "ExponentialTwoGraph", "RingGraph",
+                "MeshGrid2DGraph", "StarGraph", "GetRecvWeights",
+                "GetDynamicOnePeerSendRecvRanks", "IsTopologyEquivalent"),
 }

@@ -290,7 +290,8 @@ class OpCalls(Generic[T]):
         truncated toward zero (Horovod's scaling of integer tensors)."""
         dtype, _ = self.codec.describe(tensor)
         if dtype not in INTEGER:
-            return tensor * factor  # type: ignore[operator, no-any-return]
+            scaled: T = tensor * factor  # type: ignore[operator, assignment]
+            return scaled
         values = values_of(self.codec, tensor)
         return tensor_of(self.codec, np.trunc(values * factor).astype(values.dtype), tensor)
 

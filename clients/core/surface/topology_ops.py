@@ -60,6 +60,8 @@ class TopologyCalls(Generic[T]):
         self.info = info
         #: whether the last set_topology took the graph's weights
         self.weighted = False
+        #: the graph the last set_topology was given (load_topology returns it), or None
+        self.graph: nx.Graph | None = None
 
     def topology_at(self, name: str | None = None) -> pb.TopologyInfo:
         """Neighbors and weights at the step the next call of op ``name`` will use."""
@@ -87,6 +89,7 @@ class TopologyCalls(Generic[T]):
         self.calls.call(op_call("set_topology", pb.SetTopology(spec_json=spec)), None,
                         "set_topology", None).join()
         self.weighted = bool(is_weighted) and built is not None
+        self.graph = topology if isinstance(topology, nx.Graph) else None
         self.info = self.topology_at()
         return True
 
@@ -105,10 +108,14 @@ class TopologyCalls(Generic[T]):
                              f"{self.size}")
         return built
 
-    def load_topology(self) -> nx.DiGraph:
-        """The current topology as a networkx graph (BlueFog's ``load_topology``): edge
-        ``j -> i`` carries the weight ``i`` gives ``j``, and a self-loop each rank's self
-        weight (at step 0 of a dynamic schedule)."""
+    def load_topology(self) -> nx.Graph:
+        """The current topology as a networkx graph (BlueFog's ``load_topology``): the graph
+        given to ``set_topology``, as BlueFog returns it (with its own weights, even when
+        ``is_weighted=False`` made the ops average uniformly); otherwise one built from the
+        topology, where edge ``j -> i`` carries the weight ``i`` gives ``j``, and a self-loop
+        each rank's self weight (at step 0 of a dynamic schedule)."""
+        if self.graph is not None:
+            return self.graph
         topo = from_spec(json.loads(self.info.spec_json), self.size)
         w = topo.matrix(0)
         g = topo.graph(0)

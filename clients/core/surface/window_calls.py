@@ -116,7 +116,7 @@ class WindowCalls(Generic[T]):
         ranks = self._write_targets(name, dst_weights)
         with self.win_mutex(name, ranks=ranks):
             handle = self._call(field_name, args, tensor, name, timeout, into=into)
-            handle.join()
+            handle.wait()  # the result too: with self_weight, tensor is scaled in place
         return handle
 
     def _write_targets(self, name: str, weights: WeightsArg) -> list[int]:
@@ -192,14 +192,20 @@ class WindowCalls(Generic[T]):
         self.table.tensor(name)
         return self._call("win_publish", pb.WinPublish(step=step), tensor, name, None)
 
-    def win_free(self, name: str | None = None) -> None:
-        """Free window ``name`` here (None: every window of this client); later writes to it
-        from peers fail with NOT_FOUND."""
-        for each in [name] if name is not None else self.window_names():
+    def win_free(self, name: str | None = None) -> bool:
+        """Free window ``name`` here (None: every window of this client); True, as BlueFog.
+        Local, as :meth:`win_create` is (BlueFog's are collective): a peer's later
+        ``win_get`` or write fails with NOT_FOUND, so call ``barrier()`` first where peers may
+        still read or write it."""
+        names = [name] if name is not None else self.window_names()
+        for each in names:
+            self.table.tensor(each)
+        for each in names:
             self.table.tensor(each)
             self._call("win_free", pb.WinFree(), None, each, None).join()
             del self.table.tensors[each]
             self.table.group_rounds.pop(each, None)
+        return True
 
     def window_names(self) -> list[str]:
         """The windows this client created and has not freed, in creation order (BlueFog's

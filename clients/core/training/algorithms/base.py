@@ -95,6 +95,9 @@ class Algorithm(Generic[T]):
             raise AlgorithmError(str(exc)) from None
         self.iteration = 0  # local updates so far
         self.exchanges = 0  # neighbor averaging rounds so far (the schedule's step)
+        #: weights for the next exchanges instead of the topology's (BlueFog's per-step
+        #: ``self_weight``/``src_weights``/``dst_weights``), or None
+        self.step_weights: dict[str, Any] | None = None
         self._pending: dict[str, list[Handle[T]]] = {}
         #: the windows this algorithm created in the daemons (:meth:`close` frees them)
         self.windows: list[str] = []
@@ -130,7 +133,9 @@ class Algorithm(Generic[T]):
     # ------------------------------------------------------------------ exchanges
 
     def _weights(self) -> dict[str, Any]:
-        """Explicit weights of this exchange when the algorithm has its own topology."""
+        """Explicit weights of this exchange: the step's own, or the algorithm's topology's."""
+        if self.step_weights is not None:
+            return dict(self.step_weights)
         if not self.own_topology:
             return {}
         s = self.topology.step(self.client.rank, self.exchanges)

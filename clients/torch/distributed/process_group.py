@@ -24,13 +24,12 @@ copied back). A failed op raises ``torch.distributed.DistBackendError`` with dec
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,13 +47,18 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from decent.core import DecentError, Handle
+from decent.core import Handle
 from decent.torch.client import TorchClient, connect
-from decent.torch.dist_work import Completer, DecentWork, Ending
-from decent_wire.v1 import decent_pb2 as pb
-
-#: a tensor, or a list of them (torch passes one per device)
-One = TypeVar("One")
+from decent.torch.distributed.endings import (
+    Resharer,
+    copied_back,
+    flattened,
+    single,
+    split_into,
+    waited,
+    whole,
+)
+from decent.torch.distributed.work import Completer, DecentWork
 
 #: the store key under which rank 0 gives the default group's decent job
 JOB_KEY = "decent/job"
@@ -123,95 +127,6 @@ def client_of(group: dist.ProcessGroup | None = None) -> TorchClient:
     return pg.client
 
 
-#: a tensor reduced again whose storage takes at least this much moves to shared memory
-SHARE_FROM_BYTES = 1 << 20
-#: storages remembered as reduced once
-SEEN = 256
-
-
-class Resharer:
-    """Moves the storage of a tensor reduced a second time (DDP's gradient buckets, reused
-    every step) into shared memory, in place (as ``share_memory_()`` does: its views follow),
-    so that from then on the daemon reads and writes it where it lies, with no copy in or out.
-    Only whole storages of at least :data:`SHARE_FROM_BYTES`: a tensor used once is copied."""
-
-    def __init__(self) -> None:
-        self._seen: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
-
-    def note(self, t: torch.Tensor) -> None:
-        """``t`` is about to be reduced in place."""
-        storage = t.untyped_storage()
-        nbytes = storage.nbytes()
-        if t.device.type != "cpu" or nbytes < SHARE_FROM_BYTES or storage.is_shared() or \
-                nbytes != t.numel() * t.element_size():
-            return
-        key = (storage.data_ptr(), nbytes)
-        if key in self._seen:
-            del self._seen[key]
-            t.share_memory_()
-            return
-        self._seen[key] = None
-        while len(self._seen) > SEEN:
-            self._seen.popitem(last=False)
-
-
-def _single(tensors: Sequence[One], what: str) -> One:
-    """The one tensor of a per-device list (one device per process)."""
-    if len(tensors) != 1:
-        raise NotImplementedError(f"the decent backend's {what} takes one tensor per process, "
-                                  f"not {len(tensors)}")
-    return tensors[0]
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as one contiguous row per element (a copy only when it is not contiguous)."""
-    return t.contiguous().reshape(-1)
-
-
-def _whole(handle: Handle[Any], ranks: Sequence[int]) -> Handle[Any]:
-    """``handle``, failed unless its op covered every rank of ``ranks`` (a collective over
-    the live ranks leaves out a rank that left: torch's process groups fail instead)."""
-    covered = handle.src_ranks
-    if covered and set(covered) != set(ranks):
-        lost = sorted(set(ranks) - set(covered))
-        raise DecentError(pb.PEER_UNAVAILABLE, f"{handle.name}: rank "
-                          f"{', '.join(map(str, lost))} of the process group left; a collective "
-                          "of torch.distributed needs every rank")
-    return handle
-
-
-def _waited(handle: Handle[torch.Tensor], t: torch.Tensor, ranks: Sequence[int]) -> Ending:
-    """The ending of an in-place op on ``t`` (every rank of ``ranks`` covered)."""
-    def end() -> list[torch.Tensor]:
-        handle.wait()
-        _whole(handle, ranks)
-        return [t]
-    return end
-
-
-def _copied_back(handle: Handle[torch.Tensor], into: torch.Tensor,
-                 ranks: Sequence[int] = ()) -> Ending:
-    """The ending of an op whose result goes into ``into`` (``ranks``: all of them must be
-    covered)."""
-    def end() -> list[torch.Tensor]:
-        into.copy_(handle.wait().reshape(into.shape))
-        if ranks:
-            _whole(handle, ranks)
-        return [into]
-    return end
-
-
-def _split_into(handle: Handle[torch.Tensor], outputs: Sequence[torch.Tensor]) -> Ending:
-    """The ending of an op whose result is ``outputs`` one after the other."""
-    def end() -> list[torch.Tensor]:
-        got, at = handle.wait().reshape(-1), 0
-        for out in outputs:
-            out.copy_(got[at:at + out.numel()].reshape(out.shape))
-            at += out.numel()
-        return list(outputs)
-    return end
-
-
 class DecentProcessGroup(dist.ProcessGroup):
     """One rank's process group over its client of the node's daemon: the default group
     (``ranks`` every rank) or one of ``new_group`` (``ranks`` its members' global ranks)."""
@@ -269,7 +184,7 @@ class DecentProcessGroup(dist.ProcessGroup):
     def _to_all(self, t: torch.Tensor, what: str) -> Handle[torch.Tensor]:
         """Every member gets ``t`` whole from every member (a subgroup's allgather)."""
         n = self.size()
-        return self._exchange(_flat(t).repeat(n), [t.numel()] * n, [t.numel()] * n, what)
+        return self._exchange(flattened(t).repeat(n), [t.numel()] * n, [t.numel()] * n, what)
 
     # ------------------------------------------------------------------ collectives
 
@@ -277,74 +192,74 @@ class DecentProcessGroup(dist.ProcessGroup):
             self, tensors: list[torch.Tensor], opts: AllreduceOptions | None = None
     ) -> dist.Work:
         """``all_reduce`` over every member, in place."""
-        t = _single(tensors, "all_reduce")
+        t = single(tensors, "all_reduce")
         op = reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if self.world and t.is_contiguous():  # in place: no result tensor, no copy back
             self._shared.note(t)
             handle = self.client.allreduce_async_(t, op=op, timeout=self.timeout, fuse=False,
                                                   name=self._name("allreduce"))
-            return self._completer.submit(_waited(handle, t, self.ranks))
+            return self._completer.submit(waited(handle, t, self.ranks))
         if self.world:
             handle = self.client.allreduce_async(t.contiguous(), op=op, timeout=self.timeout,
                                                  fuse=False, name=self._name("allreduce"))
         else:
             n = self.size()
-            handle = self._exchange(_flat(t).repeat(n), [t.numel()] * n, [t.numel()] * n,
+            handle = self._exchange(flattened(t).repeat(n), [t.numel()] * n, [t.numel()] * n,
                                     "allreduce", op)
-        return self._completer.submit(_copied_back(handle, t, self.ranks))
+        return self._completer.submit(copied_back(handle, t, self.ranks))
 
     def broadcast(  # type: ignore[override]
             self, tensors: list[torch.Tensor], opts: BroadcastOptions | None = None
     ) -> dist.Work:
         """``broadcast`` from group rank ``opts.rootRank``, in place."""
-        t = _single(tensors, "broadcast")
+        t = single(tensors, "broadcast")
         root = opts.rootRank if opts is not None else 0
         if self.world and t.is_contiguous():  # in place: no result tensor, no copy back
             handle = self.client.broadcast_async_(t, root=root, timeout=self.timeout,
                                                   fuse=False, name=self._name("broadcast"))
-            return self._completer.submit(_waited(handle, t, self.ranks))
+            return self._completer.submit(waited(handle, t, self.ranks))
         if self.world:
             handle = self.client.broadcast_async(t.contiguous(), root=root, timeout=self.timeout,
                                                  fuse=False, name=self._name("broadcast"))
-            return self._completer.submit(_copied_back(handle, t, self.ranks))
+            return self._completer.submit(copied_back(handle, t, self.ranks))
         n, me = self.size(), self.rank()
         send = [t.numel() if me == root else 0] * n
         recv = [t.numel() if g == root else 0 for g in range(n)]
-        flat = _flat(t).repeat(n) if me == root else \
+        flat = flattened(t).repeat(n) if me == root else \
             torch.empty(0, dtype=t.dtype, device=t.device)
         handle = self._exchange(flat, send, recv, "broadcast")
-        return self._completer.submit(_copied_back(handle, t))
+        return self._completer.submit(copied_back(handle, t))
 
     def reduce(  # type: ignore[override]
             self, tensors: list[torch.Tensor], opts: ReduceOptions | None = None
     ) -> dist.Work:
         """``reduce`` to group rank ``opts.rootRank`` (the others' tensors stay as they are)."""
-        t = _single(tensors, "reduce")
+        t = single(tensors, "reduce")
         root = opts.rootRank if opts is not None else 0
         op = reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         n, me = self.size(), self.rank()
         send = [t.numel() if g == root else 0 for g in range(n)]
         recv = [t.numel() if me == root else 0] * n
-        handle = self._exchange(_flat(t), send, recv, "reduce", op)
-        return self._completer.submit(_copied_back(handle, t) if me == root else
-                                      _split_into(handle, []))
+        handle = self._exchange(flattened(t), send, recv, "reduce", op)
+        return self._completer.submit(copied_back(handle, t) if me == root else
+                                      split_into(handle, []))
 
     def allgather(  # type: ignore[override]
             self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
             opts: AllgatherOptions | None = None) -> dist.Work:
         """``all_gather``: every member's tensor, in rank order, into ``output_tensors[0]``."""
-        t = _single(input_tensors, "all_gather")
-        outputs = _single(output_tensors, "all_gather")
+        t = single(input_tensors, "all_gather")
+        outputs = single(output_tensors, "all_gather")
         if len(outputs) != self.size() or any(o.numel() != t.numel() for o in outputs):
             raise ValueError(f"all_gather of a tensor of shape {list(t.shape)}: outputs of "
                              f"shapes {[list(o.shape) for o in outputs]} for {self.size()} "
                              "ranks")
         if self.world:
-            handle = self.client.allgather_async(_flat(t), timeout=self.timeout,
+            handle = self.client.allgather_async(flattened(t), timeout=self.timeout,
                                                  name=self._name("allgather"))
         else:
             handle = self._to_all(t, "allgather")
-        return self._completer.submit(_split_into(handle, outputs))
+        return self._completer.submit(split_into(handle, outputs))
 
     def all_gather_single(self, output: torch.Tensor, input_tensor: torch.Tensor,
                           opts: AllgatherOptions | None = None) -> dist.Work:
@@ -353,54 +268,54 @@ class DecentProcessGroup(dist.ProcessGroup):
             raise ValueError(f"all_gather_into_tensor: an output of shape {list(output.shape)} "
                              f"for {self.size()} tensors of shape {list(input_tensor.shape)}")
         if self.world:
-            handle = self.client.allgather_async(_flat(input_tensor), timeout=self.timeout,
+            handle = self.client.allgather_async(flattened(input_tensor), timeout=self.timeout,
                                                  name=self._name("allgather"))
         else:
             handle = self._to_all(input_tensor, "allgather")
-        return self._completer.submit(_copied_back(handle, output))
+        return self._completer.submit(copied_back(handle, output))
 
     def gather(  # type: ignore[override]
             self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
             opts: GatherOptions | None = None) -> dist.Work:
         """``gather``: every member's tensor, in rank order, into the root's list."""
-        t = _single(input_tensors, "gather")
+        t = single(input_tensors, "gather")
         root = opts.rootRank if opts is not None else 0
         n, me = self.size(), self.rank()
-        outputs = _single(output_tensors, "gather") if me == root else []
+        outputs = single(output_tensors, "gather") if me == root else []
         send = [t.numel() if g == root else 0 for g in range(n)]
         recv = [t.numel() if me == root else 0] * n
-        handle = self._exchange(_flat(t), send, recv, "gather")
-        return self._completer.submit(_split_into(handle, outputs))
+        handle = self._exchange(flattened(t), send, recv, "gather")
+        return self._completer.submit(split_into(handle, outputs))
 
     def scatter(  # type: ignore[override]
             self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
             opts: ScatterOptions | None = None) -> dist.Work:
         """``scatter``: the root's ``i``-th tensor to group rank ``i``."""
-        out = _single(output_tensors, "scatter")
+        out = single(output_tensors, "scatter")
         root = opts.rootRank if opts is not None else 0
         n, me = self.size(), self.rank()
         if me == root:
-            inputs = _single(input_tensors, "scatter")
-            flat = torch.cat([_flat(x) for x in inputs])
+            inputs = single(input_tensors, "scatter")
+            flat = torch.cat([flattened(x) for x in inputs])
             send = [x.numel() for x in inputs]
         else:
             flat, send = torch.empty(0, dtype=out.dtype, device=out.device), [0] * n
         recv = [out.numel() if g == root else 0 for g in range(n)]
         handle = self._exchange(flat, send, recv, "scatter")
-        return self._completer.submit(_copied_back(handle, out))
+        return self._completer.submit(copied_back(handle, out))
 
     def reduce_scatter(  # type: ignore[override]
             self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
             opts: ReduceScatterOptions | None = None) -> dist.Work:
         """``reduce_scatter``: group rank ``i`` gets every member's ``i``-th tensor reduced."""
-        out = _single(output_tensors, "reduce_scatter")
-        inputs = _single(input_tensors, "reduce_scatter")
+        out = single(output_tensors, "reduce_scatter")
+        inputs = single(input_tensors, "reduce_scatter")
         op = reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         n = self.size()
-        handle = self._exchange(torch.cat([_flat(x) for x in inputs]),
+        handle = self._exchange(torch.cat([flattened(x) for x in inputs]),
                                 [x.numel() for x in inputs], [out.numel()] * n,
                                 "reduce_scatter", op)
-        return self._completer.submit(_copied_back(handle, out))
+        return self._completer.submit(copied_back(handle, out))
 
     def reduce_scatter_single(self, output: torch.Tensor, input_tensor: torch.Tensor,
                               opts: ReduceScatterOptions | None = None) -> dist.Work:
@@ -412,19 +327,19 @@ class DecentProcessGroup(dist.ProcessGroup):
                              f"{list(input_tensor.shape)} for {n} outputs of shape "
                              f"{list(output.shape)}")
         op = reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        handle = self._exchange(_flat(input_tensor), [output.numel()] * n, [output.numel()] * n,
+        handle = self._exchange(flattened(input_tensor), [output.numel()] * n, [output.numel()] * n,
                                 "reduce_scatter", op)
-        return self._completer.submit(_copied_back(handle, output))
+        return self._completer.submit(copied_back(handle, output))
 
     def alltoall(  # type: ignore[override]
             self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
             opts: AllToAllOptions | None = None) -> dist.Work:
         """``all_to_all``: this rank's ``j``-th tensor to group rank ``j``, whose ``i``-th
         output is rank ``i``'s."""
-        handle = self._exchange(torch.cat([_flat(x) for x in input_tensors]),
+        handle = self._exchange(torch.cat([flattened(x) for x in input_tensors]),
                                 [x.numel() for x in input_tensors],
                                 [x.numel() for x in output_tensors], "alltoall")
-        return self._completer.submit(_split_into(handle, output_tensors))
+        return self._completer.submit(split_into(handle, output_tensors))
 
     def all_to_all_single(  # type: ignore[override]
             self, output: torch.Tensor, input_tensor: torch.Tensor,
@@ -436,20 +351,20 @@ class DecentProcessGroup(dist.ProcessGroup):
         row_out = output[0].numel() if output.dim() and output.shape[0] else 0
         send = [s * row_in for s in input_split_sizes] or [input_tensor.numel() // n] * n
         recv = [s * row_out for s in output_split_sizes] or [output.numel() // n] * n
-        handle = self._exchange(_flat(input_tensor), send, recv, "alltoall")
-        return self._completer.submit(_copied_back(handle, output))
+        handle = self._exchange(flattened(input_tensor), send, recv, "alltoall")
+        return self._completer.submit(copied_back(handle, output))
 
     def barrier(  # type: ignore[override]
             self, opts: dist.BarrierOptions | None = None) -> dist.Work:
         """``barrier``: every member has reached it."""
         if not self.world:
             handle = self._to_all(torch.zeros(1, dtype=torch.uint8), "barrier")
-            return self._completer.submit(_split_into(handle, []))
+            return self._completer.submit(split_into(handle, []))
         joined = self.client.calls.barrier(name=self._name("barrier"), timeout=self.timeout)
 
         def end() -> list[torch.Tensor]:
             joined.join()
-            _whole(joined, self.ranks)
+            whole(joined, self.ranks)
             return []
         return self._completer.submit(end)
 
@@ -458,20 +373,20 @@ class DecentProcessGroup(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> dist.Work:
         """``send``/``isend`` to group rank ``dstRank``: its ``recv`` with the same tag takes
         it (sends with one tag arrive in order)."""
-        t = _single(tensors, "send")
+        t = single(tensors, "send")
         send = [t.numel() if g == dstRank else 0 for g in range(self.size())]
-        handle = self._exchange(_flat(t), send, [0] * self.size(),
+        handle = self._exchange(flattened(t), send, [0] * self.size(),
                                 f"p2p.{self.rank()}.{dstRank}.{tag}", pair=True)
-        return self._completer.submit(_split_into(handle, []))
+        return self._completer.submit(split_into(handle, []))
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> dist.Work:
         """``recv``/``irecv`` from group rank ``srcRank``, into the tensor."""
-        t = _single(tensors, "recv")
+        t = single(tensors, "recv")
         recv = [t.numel() if g == srcRank else 0 for g in range(self.size())]
         empty = torch.empty(0, dtype=t.dtype, device=t.device)
         handle = self._exchange(empty, [0] * self.size(), recv,
                                 f"p2p.{srcRank}.{self.rank()}.{tag}", pair=True)
-        return self._completer.submit(_copied_back(handle, t))
+        return self._completer.submit(copied_back(handle, t))
 
     def shutdown(self) -> None:
         """End the ops started, and let go of the client (``destroy_process_group``)."""
