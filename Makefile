@@ -89,6 +89,8 @@ bench:
 	$(VENV)/decentrun -np 2 --nodes 2 -- $(VENV)/python benchmarks/optimizer_step.py
 	$(VENV)/decentrun -np 2 --nodes 2 -- $(VENV)/python benchmarks/tf_vs_torch.py
 	$(VENV)/python benchmarks/security_cost.py --json benchmarks/results/security_cost.json --png benchmarks/results/security_cost.png || [ $$? -eq 3 ]
+	$(VENV)/decentrun -np 2 --nodes 2 --set memory.arena_bytes=268435456 -- $(VENV)/python benchmarks/ddp_vs_gloo.py --steps 20 --json benchmarks/results/ddp_loopback.json --png benchmarks/results/ddp_loopback.png
+	$(VENV)/python benchmarks/ddp_vs_gloo.py --netns 8 --rate 1gbit --json benchmarks/results/ddp_netns.json --png benchmarks/results/ddp_netns.png || [ $$? -eq 3 ]
 	$(VENV)/python benchmarks/report.py
 
 ## every decentralized algorithm on real data (digits, breast_cancer), 8 workers, iid and

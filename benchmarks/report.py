@@ -391,6 +391,7 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
     if results is not None:
         security_rows(rows, load(results / "security_cost.json"), netns or {})
         optimizer_rows(add, load(results / "optimizer_step.json"))
+        ddp_rows(add, load(results / "ddp_loopback.json"), load(results / "ddp_netns.json"))
         tf = load(results / "tf_vs_torch.json")
         add("7t", "64 MiB neighbor_allreduce(x) of the TensorFlow client / the torch client, same "
             "tensor, same run", None if tf is None else float(tf["ratio"]), 1.3, False,
@@ -534,6 +535,34 @@ def optimizer_rows(add: Callable[..., None], opt: dict[str, Any] | None) -> None
             text += f"; the plain Keras SGD step alone {opt['keras_sgd_ms']:.1f} ms"
         add(cid, f"{opt['mbytes']:g} MB optimizer step, general path (flatten=False), {what}",
             v, 1.3, False, f"{text}; from {commit_of(opt)}")
+
+
+def ddp_rows(add: Callable[..., None], loop: dict[str, Any] | None,
+             netns: dict[str, Any] | None) -> None:
+    """Rows 10l, 10n, 10d, 10t: DDP of ResNet-18 over the ``decent`` backend against gloo
+    (``ddp_loopback.json``, ``ddp_netns.json``: ``benchmarks/ddp_vs_gloo.py``)."""
+    def steps(res: dict[str, Any], a: str, b: str) -> str:
+        med = res["step_median_s"]
+        return (f"{med[a] * 1e3:.0f} vs {med[b] * 1e3:.0f} ms, {res['ranks']} ranks, "
+                f"{res.get('setting', '')}")
+    specs = (("10l", loop, "decent_over_gloo", 1.1, False, "decent", "gloo",
+              "DDP step of ResNet-18 over decent / over gloo, 2 daemons on loopback"),
+             ("10n", netns, "decent_over_gloo", 1.0, False, "decent", "gloo",
+              "DDP step of ResNet-18 over decent / over gloo, 8 netns at 1 Gbit/s"),
+             ("10d", netns, "decentralized_speedup", 1.6, True, "gloo", "decentralized",
+              "DDP over gloo / DDP in decent's decentralized mode (one-peer D-SGD), 8 netns"))
+    for cid, res, key, target, at_least, a, b, what in specs:
+        if res is None or key not in res:
+            add(cid, what, None, target, at_least, "not measured (benchmarks/ddp_vs_gloo.py)")
+            continue
+        add(cid, what, float(res[key]), target, at_least,
+            f"{ratio_text(float(res[key]))} ({steps(res, a, b)}; {res['date']})")
+    if loop is not None and "allreduce_4kib_median_us" in loop:
+        lat = loop["allreduce_4kib_median_us"]
+        add("10t", "4 KiB all_reduce latency, decent / gloo, 2 daemons on loopback (reported)",
+            float(loop["allreduce_4kib_decent_over_gloo"]), 1e9, False,
+            f"{ratio_text(float(loop['allreduce_4kib_decent_over_gloo']))} "
+            f"({lat['decent']:.0f} vs {lat['gloo']:.0f} us)")
 
 
 def acceptance_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -286,8 +286,9 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "== root else _zero)", "    return Adjoint(\"allreduce\", back)", ["tests/test_gradients.py"],
      "broadcast's gradient reaches the ranks that are not the root"),
     ("clients/core/surface/default_client.py",
-     "        if handle is None or handle.pending.waited:", "        if True:", ["tests/test_horovod.py::test_two_ops_of_one_name_in_flight_are_a_value_"
-                         "error_as_in_horovod"], "a second op of a name in flight is accepted"),
+     "        if handle is None or handle.pending.waited:", "        if True:",
+     ["tests/test_horovod.py::test_two_ops_of_one_name_in_flight_are_a_value_"
+      "error_as_in_horovod"], "a second op of a name in flight is accepted"),
 
     ("clients/core/requests/calls.py", "    receives_only = self_weight == 0.0 and dsts == {}",
      "    receives_only = self_weight == 0.0",
