@@ -1,5 +1,6 @@
-"""One rank of tests/test_bluefog.py's program test, under ``decentrun -np 4``: calls written
-as BlueFog programs make them (``import decent.torch as bf``), with BlueFog's expected values."""
+"""BlueFog programs' calls, as they make them (``import decent.torch as bf``), with BlueFog's
+expected values; run on 4 ranks by tests/horovod_rules.py (``decentrun -np 4``, in
+tests/test_horovod.py)."""
 
 from __future__ import annotations
 
@@ -121,17 +122,7 @@ def nonblocking_wait_and_queries() -> None:
     assert not bf.nccl_built() and bf.is_homogeneous() and bf.suspend() and bf.resume()
 
 
-def main() -> None:
-    bf.init()
-    for check in (window_push_sum_keeps_its_mass, win_free_returns_true_and_is_local,
-                  load_topology_gives_the_graph_set,
-                  optimizer_is_a_torch_optimizer_with_step_weights,
-                  graph_builders_have_bluefogs_weights, nonblocking_wait_and_queries):
-        check()
-        print("passed", check.__name__, flush=True)
-    bf.shutdown()
-    print("ok", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+#: every check, in order (tests/horovod_rules.py runs them on 4 ranks)
+CHECKS = (window_push_sum_keeps_its_mass, win_free_returns_true_and_is_local,
+          load_topology_gives_the_graph_set, optimizer_is_a_torch_optimizer_with_step_weights,
+          graph_builders_have_bluefogs_weights, nonblocking_wait_and_queries)

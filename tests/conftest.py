@@ -58,6 +58,27 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault(hostspeed.ENV, f"{hostspeed.measure():.2f}")
 
 
+#: the files that take longest (measured: ``--durations``), most first: pytest-xdist hands
+#: whole files (``--dist loadfile``) to whichever worker is free, in collection order, so these
+#: go first and the short files fill in around them, instead of one long file running alone
+#: at the end while the other worker idles
+LONGEST_FIRST = ("benchmarks/tests/test_harness.py", "tests/test_tf.py", "tests/test_docs.py",
+                 "tests/test_examples.py", "tests/test_torch_ddp.py", "tests/test_algorithms.py",
+                 "tests/test_torch_backend.py", "tests/test_decentrun_restarts.py",
+                 "tests/test_lifecycle.py", "tests/test_security.py", "tests/test_horovod.py",
+                 "tests/test_bluefog.py", "tests/test_optimizers.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first (:data:`LONGEST_FIRST`), the rest in their order."""
+    del config
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(item: pytest.Item) -> int:
+        return rank.get(item.nodeid.split("::", 1)[0], len(LONGEST_FIRST))
+    items.sort(key=key)  # stable: each file's tests keep their order
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     """The host-speed factor the tests' waits scale by (:mod:`hostspeed`)."""
     return f"host-speed factor: {hostspeed.factor():.2f} (waits for other processes x that)"

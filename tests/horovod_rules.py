@@ -1,11 +1,12 @@
 """One rank of tests/test_horovod.py's rules test, run under ``decentrun -np 2`` and ``-np 4``:
 what a Horovod user's script expects of ``import decent.torch as hvd``, each with Horovod's
-expected values."""
+expected values; on 4 ranks, BlueFog's programs' calls too (tests/bluefog_rules.py)."""
 
 from __future__ import annotations
 
 import warnings
 
+import bluefog_rules
 import torch
 
 import decent.torch as hvd
@@ -95,9 +96,12 @@ def step_after_synchronize_warns() -> None:
 
 def main() -> None:
     hvd.init()
-    for check in (scaled_integers, names_stay_taken_until_synchronized, gradients_average,
-                  optimizer_state_without_gradients, names_and_positional_op,
-                  step_after_synchronize_warns):
+    checks = [scaled_integers, names_stay_taken_until_synchronized, gradients_average,
+              optimizer_state_without_gradients, names_and_positional_op,
+              step_after_synchronize_warns]
+    if hvd.size() == bluefog_rules.N:  # BlueFog's programs, in the same processes
+        checks += bluefog_rules.CHECKS
+    for check in checks:
         check()
         print("passed", check.__name__, flush=True)
     hvd.shutdown()

@@ -384,24 +384,3 @@ def test_push_sum_reaches_the_exact_average_on_directed_graphs(cluster: ClusterF
         x = w @ x
     assert abs(x[0] - mean) > 0.1
 
-
-def test_bluefog_programs_calls_under_decentrun() -> None:
-    """``tests/bluefog_rules.py`` under ``decentrun -np 4``, with BlueFog's expected values:
-    window push-sum with require_mutex keeps its mass (p totals 4.0), win_free returns True
-    (no name: every window; local, where BlueFog's is collective: a get from a rank that freed
-    it fails with NOT_FOUND), load_topology gives the graph set, the
-    optimizer wrappers are torch optimizers (CosineAnnealingLR) honouring per-step weights
-    (1.5, not the topology's average), BlueFog's graph builders and helpers,
-    neighbor_allreduce_nonblocking with enable_topo_check, bf.wait, and the queries."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from cluster import DECENTRUN_ARENA
-
-    script = Path(__file__).with_name("bluefog_rules.py")
-    proc = subprocess.run([sys.executable, "-m", "decentd.tools.launcher", "-np", "4",
-                           *DECENTRUN_ARENA, "--", sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert proc.stdout.count("ok\n") == 4, proc.stdout[-3000:]

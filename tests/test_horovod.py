@@ -254,12 +254,19 @@ def test_two_ops_of_one_name_in_flight_are_a_value_error_as_in_horovod() -> None
 
 
 @pytest.mark.parametrize("np_", [2, 4])
-def test_horovod_scripts_rules_under_decentrun(np_: int) -> None:
+def test_horovod_and_bluefog_programs_calls_under_decentrun(np_: int) -> None:
     """``tests/horovod_rules.py`` under ``decentrun -np 2`` and ``-np 4``: prescale on
     integers keeps the dtype, a name stays taken until synchronized (allgather too, at once),
     hvd.broadcast/allgather gradients average, broadcast_optimizer_state with parameters
     without gradients or state, ``hvd.allreduce(t, hvd.Sum)``, Horovod's query functions, and
-    its warning for step() after synchronize()."""
+    its warning for step() after synchronize(). On 4 ranks also BlueFog's programs' calls
+    (``tests/bluefog_rules.py``), with BlueFog's values: window push-sum with require_mutex
+    keeps its mass (p totals 4.0), win_free returns True (no name: every window; local, where
+    BlueFog's is collective: a get from a rank that freed it fails with NOT_FOUND),
+    load_topology gives the graph set, the optimizer wrappers are torch optimizers
+    (CosineAnnealingLR) honouring per-step weights (1.5, not the topology's average),
+    BlueFog's graph builders and helpers, neighbor_allreduce_nonblocking with
+    enable_topo_check, bf.wait, and the queries."""
     import subprocess
     import sys
     from pathlib import Path
@@ -272,3 +279,5 @@ def test_horovod_scripts_rules_under_decentrun(np_: int) -> None:
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert proc.stdout.count("ok\n") == np_, proc.stdout[-3000:]
+    if np_ == 4:
+        assert proc.stdout.count("passed nonblocking_wait_and_queries") == 4, proc.stdout

@@ -22,6 +22,8 @@ DECENTRUN = [sys.executable, "-m", "decentd.tools.launcher"]
 
 
 def test_collectives_over_the_decent_backend_equal_gloos() -> None:
+    """Every collective against gloo, groups, point to point, and DDP's decentralized mode
+    against numpy's D-SGD recursion (``tests/torch_ddp_decentralized.py``)."""
     c = Cluster(2, "ring")
     try:
         port = free_ports(1)[0]

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch_ddp_decentralized import decentralized_mode_follows_the_recursion
 
 import decent.torch  # noqa: F401  (registers the backend)
 
@@ -239,6 +240,7 @@ def main() -> None:
         assert "MISMATCH" in str(exc) and "rows" in str(exc), exc
     else:
         raise AssertionError("all_to_all_single with splits that disagree ran")
+    decentralized_mode_follows_the_recursion()  # DDP's decentralized mode
     dist.destroy_process_group()
     print("ok", rank, flush=True)
 

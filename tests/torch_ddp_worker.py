@@ -1,5 +1,6 @@
-"""One rank of tests/test_torch_ddp.py: DistributedDataParallel over the ``decent`` backend
-against the same training over gloo, in this process (a gloo group beside the default one).
+"""One rank of tests/test_torch_ddp.py: DistributedDataParallel (and FSDP2,
+``tests/torch_fsdp_worker.py``) over the ``decent`` backend against the same training over
+gloo, in this process (a gloo group beside the default one).
 
 - 50 SGD steps of a small MLP: the parameters must equal gloo's (bit for bit with 2 ranks,
   whose sums have one order; within float32 summation-order tolerance with more);
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch_fsdp_worker import fsdp_matches_gloo
 
 import decent.torch  # noqa: F401  (registers the backend)
 
@@ -96,6 +98,7 @@ def main() -> None:
     # decent runs callbacks in the ops' order (decent.torch.distributed.work): several buckets work
     several = train(None, powerSGD_hook.powerSGD_hook, power(None))
     assert all(bool(torch.isfinite(p).all()) for p in several)
+    fsdp_matches_gloo(gloo)  # FSDP2 on the same processes (tests/torch_fsdp_worker.py)
     if rank == 0 and os.environ.get("DDP_STAMPS"):
         with open(os.environ["DDP_STAMPS"], "w") as f:
             json.dump(stamps, f)

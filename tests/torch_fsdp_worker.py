@@ -1,7 +1,7 @@
-"""One rank of tests/test_torch_ddp.py's FSDP test: a small transformer sharded with FSDP2
-(``fully_shard``) trains over the ``decent`` backend and over gloo from the same start on the
-same data; the losses must be the same (FSDP2's all_gather_into_tensor and
-reduce_scatter_tensor run on decent's daemon ops)."""
+"""FSDP2 for tests/torch_ddp_worker.py: a small transformer sharded with ``fully_shard``
+trains over the ``decent`` backend and over gloo from the same start on the same data; the
+losses must be the same (FSDP2's all_gather_into_tensor and reduce_scatter_tensor run on
+decent's daemon ops)."""
 
 from __future__ import annotations
 
@@ -58,24 +58,16 @@ def losses(mesh: DeviceMesh) -> list[float]:
     return got
 
 
-def main() -> None:
-    dist.init_process_group("decent")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    gloo: Any = dist.new_group(backend="gloo")
+def fsdp_matches_gloo(gloo: Any) -> None:
+    """FSDP2 over the default (decent) group and over ``gloo``: the same losses."""
     world: Any = dist.group.WORLD
     ours = losses(DeviceMesh.from_group(world, "cpu"))
     theirs = losses(DeviceMesh.from_group(gloo, "cpu"))
     print("FSDP2 losses over decent", [round(v, 6) for v in ours], flush=True)
     print("FSDP2 losses over gloo  ", [round(v, 6) for v in theirs], flush=True)
-    if size == 2:  # sums of two: one order, so the same bits
+    if dist.get_world_size() == 2:  # sums of two: one order, so the same bits
         assert ours == theirs, (ours, theirs)
     else:
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5,
                                    atol=1e-6)
     assert ours[-1] < ours[0], ours  # it learns
-    dist.destroy_process_group()
-    print("ok", rank, flush=True)
-
-
-if __name__ == "__main__":
-    main()
