@@ -276,3 +276,17 @@ def ring_round(clients: list, name: str, values: dict[int, float]) -> dict[int, 
 def reweighted(values: dict[int, float], rank: int, src: list[int]) -> float:
     """A ring-of-3 neighbor average with only ``src`` in: a third from each, the rest to self."""
     return (sum(values[j] for j in src) + (3 - len(src)) * values[rank]) / 3
+
+
+def torch_ranks(c: Cluster, script: str, n: int, env: dict[str, str] | None = None,
+                timeout: float = 240) -> list[tuple[int, str]]:
+    """``script`` as ranks 0..n-1 of a torch.distributed job on ``c``'s daemons (one worker
+    each; torch's store on a free port): each rank's (exit code, output)."""
+    port = free_ports(1)[0]
+    procs = [subprocess.Popen(
+        [sys.executable, script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=dict(os.environ, **(env or {}), DECENT_DAEMON=f"unix://{c.sockets[r]}",
+                 RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port)), text=True) for r in range(n)]
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [(int(p.returncode), out) for p, out in zip(procs, outs, strict=True)]

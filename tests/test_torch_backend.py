@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import DECENTRUN_ARENA, Cluster, free_ports
+from cluster import DECENTRUN_ARENA, Cluster, torch_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +26,8 @@ def test_collectives_over_the_decent_backend_equal_gloos() -> None:
     against numpy's D-SGD recursion (``tests/torch_ddp_decentralized.py``)."""
     c = Cluster(2, "ring")
     try:
-        port = free_ports(1)[0]
-        procs = [subprocess.Popen(
-            [sys.executable, str(WORKER)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=dict(os.environ, DECENT_DAEMON=f"unix://{c.sockets[r]}", RANK=str(r),
-                     WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(port)), text=True) for r in range(2)]
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-        for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
-            assert p.returncode == 0 and f"ok {r}" in out, out[-3000:]
+        for r, (code, out) in enumerate(torch_ranks(c, str(WORKER), 2)):
+            assert code == 0 and f"ok {r}" in out, out[-3000:]
     finally:
         c.stop()
 
@@ -57,14 +50,8 @@ def test_timeouts_lost_ranks_and_a_second_init() -> None:
     can be destroyed and made again (``tests/torch_backend_faults.py``)."""
     c = Cluster(2, "ring")
     try:
-        port = free_ports(1)[0]
-        procs = [subprocess.Popen(
-            [sys.executable, str(FAULTS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=dict(os.environ, DECENT_DAEMON=f"unix://{c.sockets[r]}", RANK=str(r),
-                     WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(port)), text=True) for r in range(2)]
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-        assert procs[0].returncode == 0 and "ok 0" in outs[0], outs[0][-3000:]
-        assert procs[1].returncode == 0 and "again 1" in outs[1], outs[1][-3000:]
+        (code0, out0), (code1, out1) = torch_ranks(c, str(FAULTS), 2, timeout=120)
+        assert code0 == 0 and "ok 0" in out0, out0[-3000:]
+        assert code1 == 0 and "again 1" in out1, out1[-3000:]
     finally:
         c.stop()

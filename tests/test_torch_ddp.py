@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster, free_ports
+from cluster import Cluster, free_ports, torch_ranks
 from decentd.service.timeline import trace_path
 from decentd.tools.timeline_plot import read_events
 
@@ -22,22 +22,6 @@ pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("torch_ddp_worker.py")
 EXAMPLE = Path(__file__).parents[1] / "examples" / "ddp_torchrun.py"
-
-
-def run_ranks(c: Cluster, script: Path, n: int, env: dict[str, str] | None = None
-              ) -> list[str]:
-    """``script`` as ranks 0..n-1 of a torch.distributed job on ``c``'s daemons (one worker
-    each); their outputs, once all succeeded."""
-    port = free_ports(1)[0]
-    procs = [subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env=dict(os.environ, **(env or {}), DECENT_DAEMON=f"unix://{c.sockets[r]}",
-                 RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(port)), text=True) for r in range(n)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0 and f"ok {r}" in out, out[-3000:]
-    return outs
 
 
 def test_ddp_and_fsdp2_train_as_over_gloo_and_buckets_reduce_during_backward(
@@ -48,7 +32,10 @@ def test_ddp_and_fsdp2_train_as_over_gloo_and_buckets_reduce_during_backward(
     c = Cluster(2, "ring", "--set", f"timeline.path={base}")
     try:
         stamps_file = tmp_path / "stamps.json"
-        outs = run_ranks(c, WORKER, 2, {"DDP_STAMPS": str(stamps_file)})
+        ranks = torch_ranks(c, str(WORKER), 2, {"DDP_STAMPS": str(stamps_file)})
+        for r, (code, out) in enumerate(ranks):
+            assert code == 0 and f"ok {r}" in out, out[-3000:]
+        outs = [out for _, out in ranks]
         print(*[line for line in outs[0].splitlines() if "difference" in line or "losses" in
                 line], sep="\n")
     finally:

@@ -10,7 +10,7 @@ builds them and as ``set_topology(G, is_weighted=True)`` reads them.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import networkx as nx
 import numpy as np
@@ -121,28 +121,28 @@ def FullyConnectedGraph(size: int) -> nx.DiGraph:
     return _graph(np.full((size, size), 1.0 / size))
 
 
-def GetRecvWeights(topo: nx.DiGraph, rank: int) -> tuple[float, dict[int, float]]:
-    """(self weight, {source: weight}) of ``rank``: its in-edges' weights."""
-    self_weight, sources = 0.0, {}
-    for src in topo.predecessors(rank):
-        weight = float(topo.edges[src, rank].get("weight", 1.0))
-        if src == rank:
+def _split(rank: int, edges: Iterable[tuple[int, int, dict[str, float]]], incoming: bool
+           ) -> tuple[float, dict[int, float]]:
+    """(the self-loop's weight, {peer: weight}) of ``rank``'s ``edges`` (the peer: each
+    edge's source when ``incoming``, else its destination)."""
+    self_weight, peers = 0.0, {}
+    for src, dst, data in edges:
+        peer, weight = int(src if incoming else dst), float(data.get("weight", 1.0))
+        if peer == rank:
             self_weight = weight
         else:
-            sources[int(src)] = weight
-    return self_weight, sources
+            peers[peer] = weight
+    return self_weight, peers
+
+
+def GetRecvWeights(topo: nx.DiGraph, rank: int) -> tuple[float, dict[int, float]]:
+    """(self weight, {source: weight}) of ``rank``: its in-edges' weights."""
+    return _split(rank, topo.in_edges(rank, data=True), True)
 
 
 def GetSendWeights(topo: nx.DiGraph, rank: int) -> tuple[float, dict[int, float]]:
     """(self weight, {destination: weight}) of ``rank``: its out-edges' weights."""
-    self_weight, destinations = 0.0, {}
-    for dst in topo.successors(rank):
-        weight = float(topo.edges[rank, dst].get("weight", 1.0))
-        if dst == rank:
-            self_weight = weight
-        else:
-            destinations[int(dst)] = weight
-    return self_weight, destinations
+    return _split(rank, topo.out_edges(rank, data=True), False)
 
 
 def GetDynamicOnePeerSendRecvRanks(topo: nx.DiGraph, self_rank: int
