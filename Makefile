@@ -19,7 +19,7 @@ run: setup
 ## many threads (gRPC, executors), and the arenas' free memory held 0.5 GB per xdist worker
 test: export MALLOC_ARENA_MAX := 2
 test: setup ruff
-	$(VENV)/python -m pytest -n 3 --dist loadfile -m "not serial"; shared=$$?; \
+	$(VENV)/python -m pytest -n 2 --dist loadfile -m "not serial"; shared=$$?; \
 	mkdir -p build; $(MAKE) --no-print-directory typecheck > build/typecheck.log 2>&1 & typing=$$!; \
 	$(VENV)/python -m pytest -m serial; serial=$$?; \
 	wait $$typing; typed=$$?; cat build/typecheck.log; \
