@@ -181,6 +181,14 @@ class DecentProcessGroup(dist.ProcessGroup):
                                           name=self._name(what), timeout=self.timeout,
                                           pair=pair or not self.world)
 
+    def _allgather(self, t: torch.Tensor) -> Handle[torch.Tensor]:
+        """Every member's ``t``, flattened, in rank order (the daemon's allgather over the
+        default group, a subgroup's exchange otherwise)."""
+        if self.world:
+            return self.client.allgather_async(flattened(t), timeout=self.timeout,
+                                               name=self._name("allgather"))
+        return self._to_all(t, "allgather")
+
     def _to_all(self, t: torch.Tensor, what: str) -> Handle[torch.Tensor]:
         """Every member gets ``t`` whole from every member (a subgroup's allgather)."""
         n = self.size()
@@ -254,12 +262,7 @@ class DecentProcessGroup(dist.ProcessGroup):
             raise ValueError(f"all_gather of a tensor of shape {list(t.shape)}: outputs of "
                              f"shapes {[list(o.shape) for o in outputs]} for {self.size()} "
                              "ranks")
-        if self.world:
-            handle = self.client.allgather_async(flattened(t), timeout=self.timeout,
-                                                 name=self._name("allgather"))
-        else:
-            handle = self._to_all(t, "allgather")
-        return self._completer.submit(split_into(handle, outputs))
+        return self._completer.submit(split_into(self._allgather(t), outputs))
 
     def all_gather_single(self, output: torch.Tensor, input_tensor: torch.Tensor,
                           opts: AllgatherOptions | None = None) -> dist.Work:
@@ -267,12 +270,7 @@ class DecentProcessGroup(dist.ProcessGroup):
         if output.numel() != input_tensor.numel() * self.size():
             raise ValueError(f"all_gather_into_tensor: an output of shape {list(output.shape)} "
                              f"for {self.size()} tensors of shape {list(input_tensor.shape)}")
-        if self.world:
-            handle = self.client.allgather_async(flattened(input_tensor), timeout=self.timeout,
-                                                 name=self._name("allgather"))
-        else:
-            handle = self._to_all(input_tensor, "allgather")
-        return self._completer.submit(copied_back(handle, output))
+        return self._completer.submit(copied_back(self._allgather(input_tensor), output))
 
     def gather(  # type: ignore[override]
             self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],

@@ -119,25 +119,26 @@ class Completer:
         started it); on this group's thread, a chained future: run what is due until it is
         done."""
         if not self.in_callback():
-            with self._lock:
-                item = next((i for i in self._items if i is not None and i[0] is future),
-                            None)
-                if item is not None:
-                    self._items.remove(item)
+            item = self._take(future, in_turn=False)
             if item is not None:
                 item[1]()
             return
         while not future.done():
-            with self._lock:
-                item = next((i for i in self._items if i is not None and i[0] is future),
-                            None)
-                if item is not None:
-                    self._items.remove(item)
-                elif self._items and self._items[0] is not None:
-                    item = self._items.popleft()
+            item = self._take(future, in_turn=True)
             if item is None:
                 return
             item[1]()
+
+    def _take(self, future: torch.futures.Future[Any], in_turn: bool) -> Item | None:
+        """``future``'s op out of the queue, if it is there; else, ``in_turn``, the next item
+        (None at the closing mark or when nothing is queued)."""
+        with self._lock:
+            item = next((i for i in self._items if i is not None and i[0] is future), None)
+            if item is not None:
+                self._items.remove(item)
+            elif in_turn and self._items and self._items[0] is not None:
+                item = self._items.popleft()
+            return item
 
     def close(self) -> None:
         """End the ops submitted so far, then the thread."""
