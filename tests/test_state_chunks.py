@@ -18,7 +18,13 @@ from cluster import Cluster, delay
 from decent.core.surface.membership import View
 from decent.core.surface.rejoin import CHUNK_NAME, JoinWatch
 from decent.core.training.chunks import ChunkPlan, digest, layout
-from decent.core.training.transfer import IN_STEP_LEADS, StateLink, Taken, near_donors
+from decent.core.training.transfer import (
+    IN_STEP_LEADS,
+    MAX_LEAD_STEPS,
+    StateLink,
+    Taken,
+    near_donors,
+)
 from decent.torch.state import KIT
 
 CHUNK = 256
@@ -93,11 +99,12 @@ class CorruptingLink(StateLink[torch.Tensor]):
 
 def donors_in_step(links: list[StateLink[torch.Tensor]], joiner: int,
                    state: Callable[[int, int], dict[str, Any]],
-                   first_step: dict[int, int] | None = None) -> list[threading.Thread]:
+                   first_step: dict[int, int] | None = None,
+                  stride: int = 1) -> list[threading.Thread]:
     """Each link serves ``joiner`` while its rank trains in lockstep with the others (a
     barrier per step, as a synchronous algorithm's collective makes it), handing out
     ``state(step, rank)`` at each step boundary, its steps counted from ``first_step`` of its
-    rank (0); returns the training threads."""
+    rank (0) in ``stride``s; returns the training threads."""
     barrier = threading.Barrier(len(links))
     serving = [link.serve_in_background(joiner, 60) for link in links]
 
@@ -106,7 +113,7 @@ def donors_in_step(links: list[StateLink[torch.Tensor]], joiner: int,
         while any(t.is_alive() for t in serving):  # a donor told it is not needed trains on
             delay(link.client.rank)
             link.hand_out(step, functools.partial(state, step, link.client.rank))
-            step += 1
+            step += stride
             try:
                 barrier.wait(timeout=60)
             except threading.BrokenBarrierError:  # another donor is done
@@ -120,14 +127,14 @@ def donors_in_step(links: list[StateLink[torch.Tensor]], joiner: int,
 
 
 def take(c: Cluster, differ: bool, corrupt: bool = False,
-         first_step: dict[int, int] | None = None) -> tuple[Any, Taken]:
+         first_step: dict[int, int] | None = None, stride: int = 1) -> tuple[Any, Taken]:
     """Rank 0 takes the state of donors 1 (primary) and 2 (damaging its chunks when
-    ``corrupt``), their steps counted from ``first_step``."""
+    ``corrupt``), their steps counted from ``first_step`` in ``stride``s."""
     links = [StateLink(c.clients[1], KIT, chunk_bytes=CHUNK),
              (CorruptingLink if corrupt else StateLink)(c.clients[2], KIT, chunk_bytes=CHUNK)]
     joiner = StateLink(c.clients[0], KIT)
     training = donors_in_step(links, 0, lambda step, rank: state_at(step, rank, differ),
-                              first_step)
+                              first_step, stride)
     with ThreadPoolExecutor(1) as pool:
         got = pool.submit(joiner.receive, [1, 2]).result(timeout=120)
     for t in training:
@@ -180,6 +187,17 @@ def test_chunks_that_fail_their_checksum_are_fetched_again_from_another_donor(
     assert_is_state(got, state_at(taken.step, 1, differ=False))
     assert taken.refetched > 0 and taken.bytes_from[2] == 0, taken
     assert taken.rounds == 2, taken
+
+
+def test_donors_already_past_the_step_named_say_the_step_their_state_is_from(
+        cluster: Cluster) -> None:
+    """Donors that step on past the step the newcomer names before they hear it (a loaded
+    host) snapshot at once: the newcomer says the step its state is really from (before: the
+    step it named, while the state was from a later one)."""
+    stride = 2 * MAX_LEAD_STEPS  # every step boundary is past any step the newcomer names
+    got, taken = take(cluster, differ=True, stride=stride)
+    assert taken.step % stride == 0 and int(got["step"]) == taken.step, taken
+    assert_is_state(got, state_at(taken.step, 1, differ=True))
 
 
 @pytest.mark.parametrize("behind", [1, 2])

@@ -6,9 +6,10 @@ tensors and plain values (:mod:`decent.core.training.state`), never a pickle, on
 neighbor gathers under the names of :mod:`decent.core.surface.rejoin`, from several donors at
 once in checksummed chunks (:mod:`decent.core.training.chunks`). Per donor, in order: the
 newcomer says it is ready; the donor sends its step count; the newcomer names the step to
-snapshot at; the donor sends its description's size, the description (JSON) and its chunks'
-digests; then rounds of chunk requests (a mask over the chunks, its last byte set in the final
-round) and the chunks asked for.
+snapshot at; the donor sends its description's size and the step it snapshotted at (the one
+named, or later when it was already past it), the description (JSON) and its chunks' digests;
+then rounds of chunk requests (a mask over the chunks, its last byte set in the final round) and
+the chunks asked for.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class Manifest:
     meta: bytes
     chunk_bytes: int
     digests: bytes
+    #: the step the donor took its snapshot at (the one named, or later when it was past it)
+    step: int
 
 
 @dataclass
@@ -150,7 +153,8 @@ class StateLink(Generic[T]):
         self._stepped_at: float | None = None
         self._period: float | None = None
         #: (step to snapshot at, where the training thread puts the snapshot)
-        self._wanted: queue.Queue[tuple[int, queue.Queue[Snapshot]]] = queue.Queue()
+        self._wanted: queue.Queue[tuple[int, queue.Queue[tuple[int, Snapshot]]]] = \
+            queue.Queue()
         #: how the last state this rank took came (None before it took one)
         self.taken: Taken | None = None
 
@@ -193,7 +197,7 @@ class StateLink(Generic[T]):
                 later.append((target, box))
                 continue
             taken = taken or self.snapshot(state())
-            box.put(taken)
+            box.put((step, taken))
         for item in later:
             self._wanted.put(item)
 
@@ -222,16 +226,16 @@ class StateLink(Generic[T]):
         if target == NOT_NEEDED:  # this rank's step is too far from the primary donor's
             log.info("rank %d takes its state from donors nearer its step", to)
             return
-        box: queue.Queue[Snapshot] = queue.Queue(1)
+        box: queue.Queue[tuple[int, Snapshot]] = queue.Queue(1)
         self._wanted.put((target, box))
         try:
-            meta, tensors = box.get(timeout=patience)
+            step, (meta, tensors) = box.get(timeout=patience)
         except queue.Empty:
             raise AlgorithmError(f"this rank did not reach step {target} (at {self.step}) "
                                  f"within {patience:g}s") from None
         chunks = layout([t.nbytes for t in tensors], self.chunk_bytes)
-        self._send_array(to, np.array([len(meta), self.chunk_bytes, len(chunks)], np.int64),
-                         named(SIZE_NAME))
+        self._send_array(to, np.array([len(meta), self.chunk_bytes, len(chunks), step],
+                                      np.int64), named(SIZE_NAME))
         self._send_array(to, np.frombuffer(bytearray(meta), np.uint8), named(META_NAME))
         if chunks:
             self._send_array(to, np.frombuffer(bytearray(manifest(tensors, chunks)), np.uint8),
@@ -267,7 +271,7 @@ class StateLink(Generic[T]):
                              {d: self._holding(m, primary, chunks) for d, m in manifests.items()})
             buffers = [bytearray(size) for size in sizes]
             self._fetch(pool, plan, buffers)
-        self.taken = Taken(near[0], target, dict(plan.taken), plan.refetched, plan.rounds,
+        self.taken = Taken(near[0], primary.step, dict(plan.taken), plan.refetched, plan.rounds,
                            time.monotonic() - start)
         log.info("took %s", self.taken)
         codec = self.client.codec
@@ -312,8 +316,11 @@ class StateLink(Generic[T]):
 
     def _ask_manifest(self, donor: int, target: int) -> Manifest:
         self._send_array(donor, np.array([target], np.int64), self._taking(donor, TARGET_NAME))
-        size, chunk_bytes, count = (int(v) for v in self._take_array(
-            donor, np.zeros(3, np.int64), self._taking(donor, SIZE_NAME)))
+        size, chunk_bytes, count, step = (int(v) for v in self._take_array(
+            donor, np.zeros(4, np.int64), self._taking(donor, SIZE_NAME)))
+        if step < target:
+            raise AlgorithmError(f"rank {donor} snapshotted at step {step}, before the step "
+                                 f"{target} it was asked for")
         if not 0 < size <= MAX_META:
             raise AlgorithmError(f"rank {donor} announced a state description of {size} bytes "
                                  f"(at most {MAX_META})")
@@ -324,7 +331,7 @@ class StateLink(Generic[T]):
                                 self._taking(donor, META_NAME)).tobytes()
         digests = self._take_array(donor, np.zeros(count * DIGEST_BYTES, np.uint8),
                                    self._taking(donor, DIGESTS_NAME)).tobytes() if count else b""
-        return Manifest(meta, chunk_bytes, digests)
+        return Manifest(meta, chunk_bytes, digests, step)
 
     def _sizes(self, meta: bytes, src: int) -> list[int]:
         """The sizes in bytes (as they travel) of the tensors ``meta`` announces (checked)."""
