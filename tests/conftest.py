@@ -69,14 +69,27 @@ LONGEST_FIRST = ("benchmarks/tests/test_harness.py", "tests/test_tf.py", "tests/
                  "tests/test_bluefog.py", "tests/test_optimizers.py")
 
 
+#: the serial tests that run beside the others (``make test``'s serial tier, ``--dist
+#: loadgroup`` on 2 workers), by the start of their node ids: the chaos run mostly waits on its
+#: steps' pads; each group runs one test at a time
+BESIDE_THE_SERIAL = ("benchmarks/tests/test_chaos.py",
+                     "benchmarks/tests/test_harness.py::test_netns_hier_benchmark_short_run")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first (:data:`LONGEST_FIRST`), the rest in their order."""
+    """The longest files first (:data:`LONGEST_FIRST`), the rest in their order; the serial
+    tests in two groups (:data:`BESIDE_THE_SERIAL`, and the others)."""
     del config
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
 
     def key(item: pytest.Item) -> int:
         return rank.get(item.nodeid.split("::", 1)[0], len(LONGEST_FIRST))
     items.sort(key=key)  # stable: each file's tests keep their order
+    for item in items:
+        if item.get_closest_marker("serial") is not None:
+            beside = item.nodeid.startswith(BESIDE_THE_SERIAL)
+            item.add_marker(pytest.mark.xdist_group("beside" if beside else "serial"))
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -139,6 +139,11 @@ class Hosts:
                 NETNS_ETC.rmdir()
             self.made_etc = False
 
+    def left(self) -> list[str]:
+        """This one's namespaces that exist now (none after :meth:`down`); other tests' are
+        not looked at (the chaos run may make its own beside)."""
+        return [ns for ns in namespaces() if ns.startswith(f"{self.prefix}-")]
+
     def argv(self, name: str, command: Sequence[str], hostname: str | None = None,
              unshare: Sequence[str] = (), enter: Sequence[str] = ()) -> list[str]:
         """``command`` run in host ``name``'s namespace with its hostname (``hostname`` or the

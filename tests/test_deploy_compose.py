@@ -19,7 +19,7 @@ import yaml
 from decentd.service.config import NodeConfig, load_config
 from deploy_compose import COMPOSE_FILE, Project, compose, compose_binary, config
 from deploy_image import load as load_image
-from deploy_netns import hosts, namespaces
+from deploy_netns import hosts
 
 pytestmark = [pytest.mark.deploy, pytest.mark.netns, pytest.mark.serial, pytest.mark.slow,
               pytest.mark.skipif(compose_binary() is None,
@@ -119,7 +119,6 @@ def test_compose_up_trains_digits_and_exits_0(tmp_path: Path) -> None:
     then stop their daemons, which shut down cleanly; every container exits 0 by itself."""
     cfg = config()
     project = Project(cfg, load_image(), tmp_path)
-    before = set(namespaces())
     try:
         with hosts(project.networked(), project.isolated(), tag="c") as net:
             code = project.up(net, timeout=100)
@@ -141,4 +140,4 @@ def test_compose_up_trains_digits_and_exits_0(tmp_path: Path) -> None:
     assert set(table) == {"dsgd", "allreduce"}, logs["trainer-0"]
     assert min(table.values()) >= 90.0, table
     assert "3 workers" in logs["trainer-0"]
-    assert set(namespaces()) == before
+    assert net.left() == []

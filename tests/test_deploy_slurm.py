@@ -13,13 +13,15 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from deploy_image import REPO
-from deploy_netns import hosts, namespaces
+from deploy_netns import hosts
 
 pytestmark = [pytest.mark.deploy, pytest.mark.netns, pytest.mark.serial, pytest.mark.slow]
 
@@ -70,6 +72,17 @@ def fake_bin(tmp_path: Path, recording_decentd: bool) -> Path:
     return bin_dir
 
 
+@pytest.fixture(autouse=True)
+def node_tmp(tmp_path: Path) -> Iterator[Path]:
+    """The nodes' $TMPDIR, where the script puts each daemon's socket: a short path (a Unix
+    socket's is at most 107 bytes, and pytest-xdist's tmp_path is long), linked from
+    ``tmp_path / "nodetmp"``."""
+    short = Path(tempfile.mkdtemp(prefix="dslurm-"))
+    (tmp_path / "nodetmp").symlink_to(short)
+    yield short
+    shutil.rmtree(short, ignore_errors=True)
+
+
 def job_env(tmp_path: Path, bin_dir: Path, nodes: int, per_node: int, **extra: str
             ) -> dict[str, str]:
     """What sbatch gives the batch script of job JOB_ID on ``node[0-<nodes-1>]``."""
@@ -77,7 +90,7 @@ def job_env(tmp_path: Path, bin_dir: Path, nodes: int, per_node: int, **extra: s
     home.mkdir(exist_ok=True)
     (tmp_path / "records").mkdir(exist_ok=True)
     env = {"PATH": f"{bin_dir}:{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home),
-           "TMPDIR": str(tmp_path / "nodetmp"), "SLURM_JOB_ID": str(JOB_ID),
+           "TMPDIR": str((tmp_path / "nodetmp").resolve()), "SLURM_JOB_ID": str(JOB_ID),
            "SLURM_JOBID": str(JOB_ID), "SLURM_JOB_NAME": "decent",
            "SLURM_JOB_NODELIST": f"node[0-{nodes - 1}]", "SLURM_NNODES": str(nodes),
            "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NTASKS_PER_NODE": str(per_node),
@@ -87,7 +100,6 @@ def job_env(tmp_path: Path, bin_dir: Path, nodes: int, per_node: int, **extra: s
            "RECORDS": str(tmp_path / "records"), **extra}
     env.update({k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
                 if k in os.environ})
-    (tmp_path / "nodetmp").mkdir(exist_ok=True)
     return env
 
 
@@ -183,13 +195,12 @@ def test_digits_trains_on_two_nodes_with_two_workers_each(tmp_path: Path) -> Non
     2 x 2 workers running the script's default command, the digits example, to the end
     (>= 90% test accuracy); everything exits 0 and the secret is gone."""
     bin_dir = fake_bin(tmp_path, recording_decentd=False)
-    before = set(namespaces())
     with hosts(["node0", "node1"], tag="s") as net:
         env = job_env(tmp_path, bin_dir, nodes=2, per_node=2, FAKE_SLURM_HOSTS=json.dumps(
             {node: net.argv(node, []) for node in ("node0", "node1")}))
         proc = sbatch(env, timeout=150)  # no command: the script's default, the digits example
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert set(namespaces()) == before
+    assert net.left() == []
     assert "4 workers, topology ring" in proc.stdout
     table = {m.group(1): float(m.group(2)) for m in re.finditer(
         r"│ (dsgd|allreduce)\s+│ [\d. ]+│\s+[\d.]+ │\s+([\d.]+) │", proc.stdout)}
