@@ -50,6 +50,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """A run that leaves out slow tests (``-m "not slow ..."``) refuses programs to the rest.
     The session's first process (not a pytest-xdist worker) marks what it starts, for the
     check of what is left at its end."""
+    config.pluginmanager.register(SerialGroups(), "decent-serial-groups")
     if "not slow" in (config.option.markexpr or ""):
         subprocess.Popen.__init__ = _in_process_only  # type: ignore[method-assign]
     if not hasattr(config, "workerinput"):
@@ -76,20 +77,28 @@ BESIDE_THE_SERIAL = ("benchmarks/tests/test_chaos.py",
                      "benchmarks/tests/test_harness.py::test_netns_hier_benchmark_short_run")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+class SerialGroups:
+    """Puts the serial tests in two groups (:data:`BESIDE_THE_SERIAL`, and the others) before
+    pytest-xdist reads the groups."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        """Mark each serial test with its group."""
+        for item in items:
+            if item.get_closest_marker("serial") is not None:
+                beside = item.nodeid.startswith(BESIDE_THE_SERIAL)
+                item.add_marker(pytest.mark.xdist_group("beside" if beside else "serial"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first (:data:`LONGEST_FIRST`), the rest in their order; the serial
-    tests in two groups (:data:`BESIDE_THE_SERIAL`, and the others)."""
+    """The longest files first (:data:`LONGEST_FIRST`), the rest in their order. (Run after
+    pytest's own reordering by fixture scope, which would undo it.)"""
     del config
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
 
     def key(item: pytest.Item) -> int:
         return rank.get(item.nodeid.split("::", 1)[0], len(LONGEST_FIRST))
     items.sort(key=key)  # stable: each file's tests keep their order
-    for item in items:
-        if item.get_closest_marker("serial") is not None:
-            beside = item.nodeid.startswith(BESIDE_THE_SERIAL)
-            item.add_marker(pytest.mark.xdist_group("beside" if beside else "serial"))
 
 
 def pytest_report_header(config: pytest.Config) -> str:
