@@ -18,11 +18,13 @@ run: setup
 ## beside them (that tier leaves most of the CPU idle: it waits on timers). Two malloc
 ## arenas per process, not eight per core: the test processes and the daemons they start run
 ## many threads (gRPC, executors), and the arenas' free memory held 0.5 GB per xdist worker
+## the files that hold serial tests: that tier collects only these (no TensorFlow imported)
+SERIAL_FILES = $(shell grep -l 'mark\.serial' -r tests benchmarks/tests --include='test_*.py')
 test: export MALLOC_ARENA_MAX := 2
 test: setup ruff
 	$(VENV)/python -m pytest -n 2 --dist loadfile -m "not serial"; shared=$$?; \
 	mkdir -p build; $(MAKE) --no-print-directory typecheck > build/typecheck.log 2>&1 & typing=$$!; \
-	$(VENV)/python -m pytest -m serial -n 2 --dist loadgroup; serial=$$?; \
+	$(VENV)/python -m pytest -m serial -n 2 --dist loadgroup $(SERIAL_FILES); serial=$$?; \
 	wait $$typing; typed=$$?; cat build/typecheck.log; \
 	[ $$shared -eq 0 ] && [ $$typed -eq 0 ] && { [ $$serial -eq 0 ] || [ $$serial -eq 5 ]; }
 
