@@ -28,13 +28,11 @@ it crashes; without root it says why and exits 0.
 from __future__ import annotations
 
 import argparse
-import atexit
 import datetime
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -277,9 +275,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     """Build the network, run every scenario, tear everything down; the result dict.
     BenchError when a step fails (after cleaning up)."""
     started, prefix = time.perf_counter(), f"{cr.PREFIX}{os.getpid()}"
-    run_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
-    cleanup = nd.Cleanup()
-    atexit.register(cleanup.run)
+    run_dir, cleanup = nd.begin_run(prefix)
     ok, runs = False, dict[str, dict[str, Any]]()
     res: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

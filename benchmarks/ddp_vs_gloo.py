@@ -26,13 +26,11 @@ Rank 0 prints a table and writes the JSON (and ``--png``, a bar chart of the med
 from __future__ import annotations
 
 import argparse
-import atexit
 import datetime
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,9 +42,9 @@ if str(REPO) not in sys.path:  # `python benchmarks/ddp_vs_gloo.py` puts only be
 
 from benchmarks.netns_dsgd import (  # noqa: E402
     NODE_IF,
-    Cleanup,
     Network,
     Runner,
+    begin_run,
     skip_reason,
     tear_down,
 )
@@ -186,9 +184,7 @@ def run_netns(a: argparse.Namespace) -> dict[str, Any]:
     if reason:
         return {"skipped": reason}
     prefix = f"dcnt{os.getpid()}"
-    run_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
-    cleanup = Cleanup()
-    atexit.register(cleanup.run)
+    run_dir, cleanup = begin_run(prefix)
     ok = False
     try:
         net = Network(prefix, a.netns, a.rate, cleanup)

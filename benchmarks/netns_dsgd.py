@@ -1012,9 +1012,7 @@ def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 
         raise ValueError("--nodes must be >= 2")
     started = time.perf_counter()
     prefix = f"{PREFIX}{os.getpid()}"
-    run_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
-    cleanup = Cleanup()
-    atexit.register(cleanup.run)
+    run_dir, cleanup = begin_run(prefix)
     ok = False
     try:
         with signals_raise():
@@ -1076,6 +1074,15 @@ def run(nodes: int = 8, mbytes: float = 25, rate: str = "1gbit", repeats: int = 
     result["leftover_namespaces"] = leftover_namespaces(prefix)
     result["total_s"] = time.perf_counter() - started
     return result
+
+
+def begin_run(prefix: str) -> tuple[Path, Cleanup]:
+    """Before a run: its directory in /tmp (named after ``prefix``, which names its
+    namespaces too) and the cleanup that :func:`tear_down` runs, also at exit."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
+    cleanup = Cleanup()
+    atexit.register(cleanup.run)
+    return run_dir, cleanup
 
 
 def tear_down(cleanup: Cleanup, run_dir: Path, ok: bool) -> list[int]:

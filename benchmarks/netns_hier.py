@@ -40,7 +40,6 @@ whatever happens (exceptions, Ctrl-C, SIGTERM).
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import datetime
 import json
@@ -51,7 +50,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -66,12 +64,12 @@ from benchmarks.netns_dsgd import (  # noqa: E402
     NODE_IF,
     QUIET_STEAL,
     BenchError,
-    Cleanup,
     DecentCalls,
     GlooCalls,
     Network,
     Runner,
     TimedSystem,
+    begin_run,
     decent_source,
     delete_namespace,
     leftover_namespaces,
@@ -349,9 +347,7 @@ def run(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
     if a.nodes < 2 or a.per_node < 1:
         raise ValueError("--nodes must be >= 2 and --per-node >= 1")
     started, prefix = time.perf_counter(), f"{PREFIX}{os.getpid()}"
-    run_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
-    cleanup = Cleanup()
-    atexit.register(cleanup.run)
+    run_dir, cleanup = begin_run(prefix)
     ok = False
     try:
         with signals_raise():

@@ -28,7 +28,6 @@ when it crashes; without root it says why and exits 0.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import datetime
 import json
@@ -37,7 +36,6 @@ import random
 import signal
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -286,9 +284,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     """The network (the nodes and the outsider's namespace), the run without faults, then the
     soak; torn down after. BenchError when something crashed."""
     started, prefix = time.perf_counter(), f"{PREFIX}{os.getpid()}"
-    run_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
-    cleanup = nd.Cleanup()
-    atexit.register(cleanup.run)
+    run_dir, cleanup = nd.begin_run(prefix)
     ok, runs = False, dict[str, dict[str, Any]]()
     res: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
