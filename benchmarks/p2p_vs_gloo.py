@@ -92,6 +92,7 @@ if str(REPO) not in sys.path:  # `python benchmarks/p2p_vs_gloo.py` puts only be
 from benchmarks import report  # noqa: E402
 from benchmarks.hivemind_avg import resnet18_shapes  # noqa: E402
 from benchmarks.hostprobe import memmove_ms  # noqa: E402
+from decentd.service.config import MemoryConfig  # noqa: E402
 
 OPS = tuple(report.OPS)
 RN_OPS = tuple(report.RN_OPS)
@@ -313,6 +314,18 @@ class RssSampler(threading.Thread):
         return {"pid": self.pid, "start": self.start_mem, "peak": self.peak, "end": end,
                 "phase_peak_rss": self.phase_peak, "samples": self.samples,
                 "interval_s": RSS_INTERVAL}
+
+
+def wait_for_pool_floor(bench: Bench, limit: float = 30.0) -> float:
+    """Wait until the daemon has freed its idle receive buffers down to the default
+    ``memory.pool_floor_bytes`` after the run's bursts (at most ``limit`` s): the "end" memory
+    is then what an idle daemon keeps. The seconds waited."""
+    floor = MemoryConfig().pool_floor_bytes
+    t0 = time.monotonic()
+    while (time.monotonic() - t0 < limit
+           and bench.daemon_status().get("pool_bytes", 0) > floor):
+        time.sleep(0.25)
+    return time.monotonic() - t0
 
 
 # ---------------------------------------------------------------------------------- raw TCP
@@ -880,8 +893,11 @@ def main(argv: list[str] | None = None) -> int:
         if progress is not None:
             progress.close()
 
+    sampler.phase = "idle (receive pool back to its floor)"
+    idle_wait = wait_for_pool_floor(bench)
     status = bench.daemon_status()
     mem = sampler.stop()
+    mem["idle_wait_s"] = round(idle_wait, 2)
     gathered: list[Any] = [None] * bench.size
     dist.all_gather_object(gathered, {"rank": rank, **mem, "status_start": status_start,
                                       "status": status})

@@ -398,17 +398,7 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
             "not measured (tf_vs_torch.json)" if tf is None else
             f"{ratio_text(float(tf['ratio']))} ({tf['tf_ms']:.1f} vs {tf['torch_ms']:.1f} ms); "
             f"from {commit_of(tf)}")
-    # (5) daemon RSS
-    daemons = p2p.get("daemons") or []
-    peaks = [d.get("peak", {}).get("VmRSS") for d in daemons]
-    reported = bool(daemons) and all(p is not None for p in peaks)
-    rows.append({"id": "5", "criterion": "daemon RSS reported by the benchmarks",
-                 "value": None, "target": "reported",
-                 "measured": "; ".join(f"rank {d['rank']}: start {mib(d['start'].get('VmRSS'))},"
-                                       f" peak {mib(d['peak'].get('VmRSS'))}, "
-                                       f"end {mib(d['end'].get('VmRSS'))}" for d in daemons)
-                 if reported else "not available",
-                 "pass": reported})
+    rows.append(memory_row(p2p.get("daemons") or []))
     # (6) report and plots
     have = [p for p in pngs if p.exists()]
     rows.append({"id": "6", "criterion": "markdown report + PNG plots (each also as ratio to gloo)",
@@ -724,6 +714,37 @@ def hivemind_lines(p2p: dict[str, Any]) -> list[str]:
                                           for f in fs if f['error'] != OTHER_PEER_FAILED}))
                       + ")" for r in failed) + "."]
     return lines
+
+
+def own_memory(mem: dict[str, int]) -> int | None:
+    """A daemon's own resident memory: VmRSS less the workers' shared memory it maps (arena
+    pages and registered tensors, resident in the workers too)."""
+    if "VmRSS" not in mem:
+        return None
+    return mem["VmRSS"] - mem.get("RssShmem", 0)
+
+
+def memory_row(daemons: list[dict[str, Any]]) -> dict[str, Any]:
+    """Row 5: each daemon's own memory (:func:`own_memory`) at the end of the loopback run, once
+    its receive pool is back at its floor, against its start (target <= 1.5x); VmRSS with the
+    shared pages is reported beside it."""
+    pairs = [(own_memory(d.get("start", {})), own_memory(d.get("end", {}))) for d in daemons]
+    known = bool(pairs) and all(s and e for s, e in pairs)
+    worst = max(e / s for s, e in pairs if s and e) if known else None
+
+    def text(d: dict[str, Any], own: tuple[int | None, int | None]) -> str:
+        s, p, e = d["start"], d["peak"], d["end"]
+        return (f"rank {d['rank']}: own {mib(own[0])} -> {mib(own[1])} "
+                f"({(own[1] or 0) / max(1, own[0] or 0):.2f}x); VmRSS with the workers' shared "
+                f"pages: start {mib(s.get('VmRSS'))}, peak {mib(p.get('VmRSS'))}, end "
+                f"{mib(e.get('VmRSS'))}")
+
+    return {"id": "5", "criterion": "daemon memory at the end of the loopback run (idle, receive "
+            "pool back at its floor) / at its start: VmRSS less the workers' shared memory",
+            "value": worst, "target": f"<= {ratio_text(1.5)}",
+            "measured": "; ".join(text(d, own) for d, own in zip(daemons, pairs, strict=True))
+            if known else "not available",
+            "pass": None if worst is None else worst <= 1.5}
 
 
 def daemon_lines(p2p: dict[str, Any]) -> list[str]:

@@ -105,6 +105,16 @@ class MemoryConfig(_Strict):
         description="idle receive buffers kept for the next step's messages (same sizes recur "
         "every step); buffers past this are freed",
     )
+    pool_floor_bytes: int = Field(
+        16 << 20, ge=0,
+        description="idle receive buffers kept after a burst: buffers idle for "
+        "pool_idle_seconds are freed (their memory leaves the daemon) down to this",
+    )
+    pool_idle_seconds: float = Field(
+        5.0, gt=0, le=86400,
+        description="an idle receive buffer unused this long is freed while more than "
+        "pool_floor_bytes are idle",
+    )
     window_early_bytes: int = Field(
         256 << 20, ge=0,
         description="window writes kept for windows this rank has not created yet (ranks may "

@@ -104,7 +104,8 @@ def build_services(cfg: NodeConfig, rank: int,
     machine_topology = averaging_topology(cfg.machine_topology_config(), cfg.size,
                                           "machine_topology")
     addresses = cfg.peers or ["local"]
-    pool = BufferPool(limit=cfg.memory.pool_bytes)
+    pool = BufferPool(cfg.memory.pool_bytes, cfg.memory.pool_floor_bytes,
+                      cfg.memory.pool_idle_seconds)
     links = Links(rank, addresses, cfg.cluster_id,
                   window_per_peer(cfg.memory.early_arrival_bytes, len(addresses) - 1),
                   topology.digest(), cfg.workers_per_node, machine_topology.digest(),
@@ -130,6 +131,16 @@ def build_services(cfg: NodeConfig, rank: int,
                             faults.reconnect_max_delay)
     receiver = Receiver(links, mailbox, pool, handlers, groups.failed, supervisor, parking)
     return services, receiver, supervisor
+
+
+async def trim_pool(pool: BufferPool) -> None:
+    """Give idle receive buffers back after a burst, checking a few times per idle period."""
+    while True:
+        await asyncio.sleep(min(1.0, pool.idle_seconds / 4))
+        freed = pool.trim()
+        if freed:
+            log.debug("freed %d MiB of idle receive buffers (%d MiB idle kept)", freed >> 20,
+                      pool.idle_bytes >> 20)
 
 
 class Daemon:
@@ -218,6 +229,7 @@ class Daemon:
             self._tasks += [
                 loop.create_task(self.engine.stall_inspector()),
                 loop.create_task(self.supervisor.watch()),
+                loop.create_task(trim_pool(self.services.pool)),
             ]
             await self.stopping.wait()
             log.info("rank %d: shutting down", self.rank)
