@@ -99,6 +99,7 @@ def test_p2p_benchmark_quick(quick_p2p_run: Path) -> None:
     tmp_path = quick_p2p_run
     report = (tmp_path / "p2p_vs_gloo.md").read_text()
     assert "| 4 KiB |" in report and "| 1 MiB |" in report
+    assert "| 5 | daemon memory at the end of the loopback run" in report
     assert (tmp_path / "p2p_vs_gloo.png").stat().st_size > 10_000
 
 

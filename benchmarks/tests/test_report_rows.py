@@ -30,3 +30,13 @@ def test_the_memory_row_compares_the_daemons_own_memory_and_takes_the_worst_rank
     failing = report.memory_row([daemon(0, 80, 121, 0)])
     assert (failing["value"], failing["pass"]) == (121 / 80, False)
     assert report.memory_row([])["pass"] is None
+
+
+def test_cpu_per_gb_counts_what_each_system_sends() -> None:
+    """8 ranks, a 25 MB model: a ring allreduce sends 8 x 2 x 7/8 x 25 MB = 350 MB, a
+    one-peer step 8 x 25 MB = 200 MB."""
+    res = {"nodes": 8, "mbytes": 25, "gloo": {"cpu_s_per_repeat": [0.3, 0.35, 0.4]},
+           "decent": {"cpu_s_per_repeat": [0.5, 0.2, 0.3]}}
+    gloo, decent = report.cpu_per_gb(res) or (0.0, 0.0)
+    assert abs(gloo - 0.35 / 0.35) < 1e-12 and abs(decent - 0.3 / 0.2) < 1e-12
+    assert report.cpu_per_gb({"nodes": 8, "mbytes": 25, "gloo": {}, "decent": {}}) is None

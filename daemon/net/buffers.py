@@ -57,8 +57,8 @@ class BufferPool:
         self._clock = clock
         #: size class -> (block, when it was put back), most recently put last
         self._free: dict[int, collections.deque[tuple[np.ndarray, float]]] = {}
-        #: where each buffer handed out starts -> its block
-        self._lent: dict[int, np.ndarray] = {}
+        #: the blocks handed out (by id), so that put() takes back only those, once
+        self._lent: set[int] = set()
 
     def get(self, nbytes: int) -> np.ndarray:
         """A buffer of exactly ``nbytes`` (a view of a pooled block); give it back with put()."""
@@ -70,16 +70,17 @@ class BufferPool:
         else:
             block = new_block(cap)
             self.allocated += 1
-        self._lent[block.ctypes.data] = block
+        self._lent.add(id(block))
         self.in_use_bytes += cap
         self.peak_in_use = max(self.peak_in_use, self.in_use_bytes)
         return block[:nbytes]
 
     def put(self, buf: np.ndarray) -> None:
         """Return a buffer from get(); it is dropped when the idle bytes would pass the limit."""
-        block = self._lent.pop(buf.ctypes.data, None)
-        if block is None:  # not one of ours: nothing to keep
+        block = buf.base if isinstance(buf.base, np.ndarray) else buf  # get() gave a view
+        if id(block) not in self._lent:  # not one of ours, or back already: nothing to keep
             return
+        self._lent.discard(id(block))
         cap = block.size
         self.in_use_bytes -= cap
         if self.idle_bytes + cap > self.limit:
