@@ -69,6 +69,7 @@ import os
 import platform
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -280,6 +281,21 @@ def find_daemon_pid() -> int | None:
     return None
 
 
+#: sizes whose timed calls also count their CPU (two /proc reads per call: nothing next to a
+#: millisecond call of a MiB or more, too much next to a 4 KiB one)
+CPU_COUNTED_FROM = 1 << 20
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds used so far by ``pids`` (all their threads), from /proc."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 class RssSampler(threading.Thread):
     """Samples a process's memory every 50 ms: start, end, and the peak per phase."""
 
@@ -428,6 +444,8 @@ class Bench:
         self.link = self._connect_raw()
         #: this client version registers shared-memory tensors with the daemon
         self.has_reg = "register" in inspect.signature(dt.connect).parameters
+        #: whose CPU a timed call of a large size counts: this worker and its daemon
+        self.cpu_pids = [os.getpid(), *([pid] if (pid := self.client.status().pid) else [])]
 
     def _agree_port(self) -> int:
         """Rank 0 picks a free loopback port (or $BENCH_GLOO_PORT) and broadcasts it via decent."""
@@ -467,6 +485,12 @@ class Bench:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [float(v) for v in t.tolist()]
 
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """Elementwise sum over ranks (NaN where any rank has none)."""
+        t = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return [float(v) for v in t.tolist()]
+
     def sync(self) -> None:
         """Line both ranks up: gloo barrier, then decent barrier."""
         dist.barrier()
@@ -475,9 +499,12 @@ class Bench:
     # -------------------------------------------------------------- generic timing
 
     def run_ops(self, ops: list[Op], cap: int, budget: float,
-                tick: Callable[[str], None]) -> dict[str, Any]:
-        """Warm up and check every op, agree on repeats, time them, check again, aggregate."""
+                tick: Callable[[str], None], count_cpu: bool = False) -> dict[str, Any]:
+        """Warm up and check every op, agree on repeats, time them, check again, aggregate.
+        ``count_cpu``: also the CPU each timed call took, this worker's and its daemon's (read
+        from /proc outside the timed span), summed over the ranks."""
         args = self.args
+        cpu: dict[str, list[float]] = {op.name: [] for op in ops}
         failures: dict[str, str] = {}
         errors: dict[str, float] = {}
         mismatches: dict[str, str] = {}
@@ -519,6 +546,7 @@ class Bench:
         def timed(op: Op) -> bool:
             if op.before is not None:
                 op.before()
+            c0 = cpu_seconds(self.cpu_pids) if count_cpu else 0.0
             t0 = time.perf_counter()
             try:
                 got = op.call()
@@ -526,6 +554,8 @@ class Bench:
                 failures[op.name] = describe(exc)
                 return False
             samples[op.name].append(time.perf_counter() - t0)
+            if count_cpu:
+                cpu[op.name].append(cpu_seconds(self.cpu_pids) - c0)
             last[op.name] = got
             return True
 
@@ -568,9 +598,13 @@ class Bench:
             vals = agg[i * len(STATS):(i + 1) * len(STATS)]
             if all(math.isfinite(v) for v in vals) and op.name not in merged:
                 stats[op.name] = dict(zip(STATS, vals, strict=True))
+        mean_cpu = self.sum_over_ranks([statistics.fmean(cpu[op.name]) if cpu[op.name]
+                                        else math.nan for op in ops]) if count_cpu else []
         return {
             "repeats": repeats,
             "stats": stats,
+            "cpu_s_per_call": {op.name: v for op, v in zip(ops, mean_cpu, strict=False)
+                               if math.isfinite(v)},
             "errors": {op.name: (e if math.isfinite(e) else None)
                        for op, e in zip(ops, err, strict=True)},
             "ok": {op.name: op.name not in merged and err[i] == 0.0
@@ -650,7 +684,8 @@ class Bench:
 
     def run_size(self, nbytes: int, tick: Callable[[str], None]) -> dict[str, Any]:
         """Every per-size series for one tensor size."""
-        res = self.run_ops(self.size_ops(nbytes), default_repeats(nbytes), self.args.budget, tick)
+        res = self.run_ops(self.size_ops(nbytes), default_repeats(nbytes), self.args.budget, tick,
+                           count_cpu=nbytes >= CPU_COUNTED_FROM)
         return {"nbytes": nbytes, **res}
 
     # -------------------------------------------------------------- ResNet-18

@@ -227,6 +227,16 @@ def _vs(res: dict[str, Any], ratio: float, timing: str = "") -> str:
         f"; CPU {per_gb[0]:.2f} vs {per_gb[1]:.2f} s per GB sent)" if per_gb else ")")
 
 
+def cpu_text(entry: dict[str, Any], op: str) -> str:
+    """``; CPU 1.92 vs 1.10 s per GB`` for a loopback size whose calls counted their CPU (both
+    workers and their daemons for decent, both workers for gloo; per GB of the tensor)."""
+    cpu = entry.get("cpu_s_per_call", {})
+    if op not in cpu or "gloo" not in cpu:
+        return ""
+    gb = entry["nbytes"] / 1e9
+    return f"; CPU {cpu[op] / gb:.2f} vs {cpu['gloo'] / gb:.2f} s per GB"
+
+
 def cpu_per_gb(res: dict[str, Any]) -> tuple[float, float] | None:
     """CPU seconds (every process of the run) per GB the ranks sent, gloo's and decent's, for a
     netns D-SGD result: a gloo ring allreduce sends 2 (n - 1) / n models per rank, a one-peer
@@ -301,8 +311,8 @@ def acceptance(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
                 continue
             r = ratio_to(entry, op)
             add(cid, label.format(what), r, target, False,
-                f"{ratio_text(r)} ({ms(median(entry, op))} vs {ms(median(entry, 'gloo'))} ms)"
-                if r is not None else _why(entry, op))
+                f"{ratio_text(r)} ({ms(median(entry, op))} vs {ms(median(entry, 'gloo'))} ms"
+                f"{cpu_text(entry, op)})" if r is not None else _why(entry, op))
 
     p2p = p2p or {}
     big = size_entry(p2p, MIB64)

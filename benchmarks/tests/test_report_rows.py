@@ -40,3 +40,9 @@ def test_cpu_per_gb_counts_what_each_system_sends() -> None:
     gloo, decent = report.cpu_per_gb(res) or (0.0, 0.0)
     assert abs(gloo - 0.35 / 0.35) < 1e-12 and abs(decent - 0.3 / 0.2) < 1e-12
     assert report.cpu_per_gb({"nodes": 8, "mbytes": 25, "gloo": {}, "decent": {}}) is None
+
+
+def test_cpu_text_is_per_gb_of_the_tensor() -> None:
+    entry = {"nbytes": 64 << 20, "cpu_s_per_call": {"gloo": 0.0671088640, "nar": 0.1342177280}}
+    assert report.cpu_text(entry, "nar") == "; CPU 2.00 vs 1.00 s per GB"
+    assert report.cpu_text(entry, "nar_reg") == ""
