@@ -11,7 +11,15 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.graphs import hops
-from decent_wire.numerics import ACCUM, INTEGER, divide, from_accum, reduce_into, to_accum
+from decent_wire.numerics import (
+    ACCUM,
+    INTEGER,
+    REDUCERS,
+    divide,
+    from_accum,
+    reduce_into,
+    to_accum,
+)
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.ops.api import DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
 from decentd.ops.faults import live_group
@@ -66,34 +74,40 @@ async def _allreduce_ring(ctx: OpContext) -> int:
     block = pool.get(p.x.size * accum.itemsize)
     try:
         work = block.view(accum)
-        if p.dtype == pb.BFLOAT16:
+        # summed in the tensor's own dtype: each chunk's first sum reads this rank's values
+        # from the tensor itself (no copy of the whole tensor first); else a widened copy
+        own = p.x.reshape(-1) if p.dtype != pb.BFLOAT16 and p.x.dtype == work.dtype else work
+        if own is work and p.dtype == pb.BFLOAT16:
             np.left_shift(p.x, 16, out=work.view(np.uint32), dtype=np.uint32)
-        else:
+        elif own is work:
             np.copyto(work, p.x, casting="safe")
         bounds = np.linspace(0, work.size, n + 1).astype(np.int64)
 
-        def chunk(i: int) -> np.ndarray:
+        def chunk(i: int, of: np.ndarray = work) -> np.ndarray:
             i %= n
-            return work[bounds[i]:bounds[i + 1]]
+            return of[bounds[i]:bounds[i + 1]]
 
-        async def step(tag: int, send: np.ndarray, into: np.ndarray, add: bool) -> None:
+        async def step(tag: int, send: np.ndarray, into: int, mine: np.ndarray | None) -> None:
+            """Send ``send``; the left neighbour's chunk comes into chunk ``into``: combined
+            with ``mine`` (this rank's values of it), or as it is (None)."""
             (arrival,), _ = await gather_all(ctx.recv_parts(left, tag, sized=False),
                                              _send_chunk(ctx, right, tag, send))
-            got = arrival.data.view(work.dtype)
-            if got.size != into.size:
+            got, out = arrival.data.view(work.dtype), chunk(into)
+            if got.size != out.size:
                 raise DecentError(pb.MISMATCH, f"tensor '{ctx.display}' round {ctx.round}: rank "
                               f"{left} sent a ring chunk of {got.size} elements, rank "
-                              f"{ctx.rank} expected {into.size}")
-            if add:
-                reduce_into(into, got, ctx.args.reduce_op)
+                              f"{ctx.rank} expected {out.size}")
+            if mine is not None:
+                REDUCERS[ctx.args.reduce_op](mine, got, out=out)
             else:
-                into[...] = got
+                out[...] = got
             ctx.release(arrival)
 
         for s in range(n - 1):
-            await step(1 + s, chunk(r - s), chunk(r - s - 1), True)
+            await step(1 + s, chunk(r - s, own if s == 0 else work), r - s - 1,
+                       chunk(r - s - 1, own))
         for s in range(n - 1):
-            await step(n + s, chunk(r + 1 - s), chunk(r - s), False)
+            await step(n + s, chunk(r + 1 - s), r - s, None)
         return _finish_allreduce(ctx, p, work)
     finally:
         pool.put(block)
