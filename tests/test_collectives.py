@@ -142,3 +142,22 @@ def test_single_rank_cluster(cluster: ClusterFactory) -> None:
     assert torch.equal(cl.allreduce(t), t)
     assert torch.equal(cl.broadcast(t), t)
     cl.barrier()
+
+
+def test_on_done_calls_back_once_when_the_op_finished(cluster: ClusterFactory) -> None:
+    """``Handle.on_done``: called once the op finished (failed ones too), at once for an op
+    that already has; never before (the torch backend wakes its completer thread with it)."""
+    c = cluster(2, "ring")
+
+    def work(cl: Client[torch.Tensor]) -> tuple[list[str], list[str]]:
+        seen: list[str] = []
+        h = cl.allreduce_async(torch.ones(3) * (cl.rank + 1), op="sum", name="od")
+        h.on_done(lambda: seen.append(f"done={h.done()}"))
+        out = h.wait()
+        later: list[str] = []
+        h.on_done(lambda: later.append("now"))
+        assert float(out[0]) == 3.0
+        return seen, later
+
+    for seen, later in c.run(work):
+        assert seen == ["done=True"] and later == ["now"]

@@ -104,6 +104,8 @@ class Pending:
     #: someone waited for it (``wait`` or ``join``): Horovod's ``synchronize``
     waited: bool = False
     event: Latch = field(default_factory=Latch)
+    #: called once it finished (:meth:`Handle.on_done`), on the thread that settled it
+    done_callbacks: list[Callable[[], None]] = field(default_factory=list)
     #: reentrant: the garbage collector may drop a handle while its request is being settled
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -164,6 +166,16 @@ class Handle(Generic[T]):
     def done(self) -> bool:
         """True once the daemon reported the op finished (successfully or not)."""
         return self.pending.event.is_set()
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once the op finished (successfully or not): at once if it has, else
+        on the thread that learns it (the completion reader: ``fn`` must not block)."""
+        p = self.pending
+        with p.lock:
+            if not p.event.is_set():
+                p.done_callbacks.append(fn)
+                return
+        fn()
 
     def _wait(self, timeout: float | None) -> Pending:
         p = self.pending

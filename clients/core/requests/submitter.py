@@ -275,6 +275,10 @@ class Submitter(Generic[T]):
                 with self._lock:
                     self._unread[p.request_id] = p
         p.event.set()
+        with p.lock:
+            callbacks, p.done_callbacks = p.done_callbacks, []
+        for fn in callbacks:
+            fn()
         self.arena.notify()
 
     def abandon(self, p: Pending) -> None:

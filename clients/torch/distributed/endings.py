@@ -82,7 +82,7 @@ def waited(handle: Handle[torch.Tensor], t: torch.Tensor, ranks: Sequence[int]) 
         handle.wait()
         whole(handle, ranks)
         return [t]
-    return end
+    return Ending(end, handle)
 
 
 def copied_back(handle: Handle[torch.Tensor], into: torch.Tensor,
@@ -94,7 +94,7 @@ def copied_back(handle: Handle[torch.Tensor], into: torch.Tensor,
         if ranks:
             whole(handle, ranks)
         return [into]
-    return end
+    return Ending(end, handle)
 
 
 def split_into(handle: Handle[torch.Tensor], outputs: Sequence[torch.Tensor]) -> Ending:
@@ -105,4 +105,4 @@ def split_into(handle: Handle[torch.Tensor], outputs: Sequence[torch.Tensor]) ->
             out.copy_(got[at:at + out.numel()].reshape(out.shape))
             at += out.numel()
         return list(outputs)
-    return end
+    return Ending(end, handle)

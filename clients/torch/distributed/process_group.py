@@ -58,7 +58,7 @@ from decent.torch.distributed.endings import (
     waited,
     whole,
 )
-from decent.torch.distributed.work import Completer, DecentWork
+from decent.torch.distributed.work import Completer, DecentWork, Ending
 
 #: the store key under which rank 0 gives the default group's decent job
 JOB_KEY = "decent/job"
@@ -364,7 +364,7 @@ class DecentProcessGroup(dist.ProcessGroup):
             joined.join()
             whole(joined, self.ranks)
             return []
-        return self._completer.submit(end)
+        return self._completer.submit(Ending(end, joined))
 
     # ------------------------------------------------------------------ point to point
 

@@ -6,16 +6,25 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from decent.core import DecentError
+from decent.core import DecentError, Handle
 
-#: an op's ending: wait for it, copy its result where torch wants it, give its outputs
-Ending = Callable[[], list[torch.Tensor]]
+
+@dataclass(frozen=True)
+class Ending:
+    """How an op ends: ``run()`` waits for the client's ``handle``, puts its result where
+    torch wants it and gives its outputs. With a handle, the completer thread is woken by the
+    op's completion, and only if no caller has ended the op by then (a blocking op is ended by
+    the thread that waits for it: no thread is woken for it)."""
+
+    run: Callable[[], list[torch.Tensor]]
+    handle: Handle[Any] | None = None
 
 
 class DecentWork(dist.Work):
@@ -87,17 +96,33 @@ class Completer:
 
     def __init__(self) -> None:
         self._items: collections.deque[Item | None] = collections.deque()
+        #: the futures whose op is queued (read without the lock by :meth:`_due`)
+        self._queued: set[torch.futures.Future[Any]] = set()
         self._lock = threading.RLock()  # held while a future completes and runs callbacks
-        self._ready = threading.Condition(self._lock)
+        #: set when there is work for the thread (its own lock: set from any thread)
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="decent-process-group",
                                         daemon=True)
         self._thread.start()
 
     def submit(self, ending: Ending) -> dist.Work:
-        """A Work completed with ``ending()``'s outputs (or failed with its error)."""
+        """A Work completed with ``ending.run()``'s outputs (or failed with its error)."""
         future = DrivenFuture(self)
-        self._put((future, lambda: self._end(ending, future)))
+        item = (future, lambda: self._end(ending.run, future))
+        if ending.handle is None:
+            self._put(item)
+        else:
+            with self._lock:
+                self._items.append(item)
+                self._queued.add(future)
+            ending.handle.on_done(lambda: self._due(future))
         return DecentWork(future)
+
+    def _due(self, future: torch.futures.Future[Any]) -> None:
+        """``future``'s op finished: wake the thread unless a caller has taken it (called on
+        the thread that learnt it, which must not wait for this group's lock)."""
+        if future in self._queued:
+            self._wake.set()
 
     def after(self, future: torch.futures.Future[Any],
               callback: Callable[[torch.futures.Future[Any]], None]) -> None:
@@ -138,6 +163,8 @@ class Completer:
                 self._items.remove(item)
             elif in_turn and self._items and self._items[0] is not None:
                 item = self._items.popleft()
+            if item is not None:
+                self._queued.discard(item[0])
             return item
 
     def close(self) -> None:
@@ -146,20 +173,28 @@ class Completer:
         self._thread.join()
 
     def _put(self, item: Item | None) -> None:
-        with self._ready:
+        """Queue ``item`` and wake the thread for it."""
+        with self._lock:
             self._items.append(item)
-            self._ready.notify()
+        self._wake.set()
 
     def _run(self) -> None:
         while True:
-            with self._ready:
-                self._ready.wait_for(lambda: bool(self._items))
-                item = self._items.popleft()
-            if item is None:
-                return
-            item[1]()
+            self._wake.wait()
+            self._wake.clear()
+            while True:  # everything queued, in order (an op not done yet is waited for)
+                with self._lock:
+                    if not self._items:
+                        break
+                    item = self._items.popleft()
+                    if item is not None:
+                        self._queued.discard(item[0])
+                if item is None:
+                    return
+                item[1]()
 
-    def _end(self, ending: Ending, future: torch.futures.Future[Any]) -> None:
+    def _end(self, ending: Callable[[], list[torch.Tensor]],
+             future: torch.futures.Future[Any]) -> None:
         try:
             outputs = ending()
         except DecentError as exc:
