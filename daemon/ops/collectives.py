@@ -49,7 +49,8 @@ def _finish_allreduce(ctx: OpContext, p: PartSpec, acc: np.ndarray) -> int:
     out = ctx.output(p, p.nbytes)
     if acc.dtype == out.dtype and p.dtype not in INTEGER:
         if divisor == 1:
-            np.copyto(out, acc)
+            if not _same_memory(out, acc):  # summed in place already
+                np.copyto(out, acc)
         else:
             divide(acc, divisor, out)
     else:
@@ -62,25 +63,27 @@ async def _allreduce_ring(ctx: OpContext) -> int:
 
     Partial sums travel in the accumulation dtype (float32 for 16-bit floats, int64 for
     integers), so they neither overflow nor lose precision on the way; each chunk is summed along
-    the ring once and then copied, so every rank ends with bit-identical values. The working
-    copy comes from the daemon's buffer pool, so a training step allocates nothing new.
+    the ring once and then copied, so every rank ends with bit-identical values. A float tensor
+    summed in its own dtype is reduced in its output region (read from the tensor, the last
+    chunks received straight into place: no whole-tensor copy; if the op fails, part of an
+    in-place tensor may hold sums already, as with neighbor ops); others in a working copy
+    from the daemon's buffer pool, so a training step allocates nothing new.
     """
     p = ctx.parts[0]
     group = live_group(ctx)
     n, r = len(group), group.index(ctx.rank)
     right, left = group[(r + 1) % n], group[(r - 1) % n]
-    accum = ACCUM[p.dtype]
-    pool = ctx.services.pool
-    block = pool.get(p.x.size * accum.itemsize)
+    own, work = _ring_memory(ctx, p)
+    block = None if work is not None else ctx.services.pool.get(
+        p.x.size * ACCUM[p.dtype].itemsize)
     try:
-        work = block.view(accum)
-        # summed in the tensor's own dtype: each chunk's first sum reads this rank's values
-        # from the tensor itself (no copy of the whole tensor first); else a widened copy
-        own = p.x.reshape(-1) if p.dtype != pb.BFLOAT16 and p.x.dtype == work.dtype else work
-        if own is work and p.dtype == pb.BFLOAT16:
-            np.left_shift(p.x, 16, out=work.view(np.uint32), dtype=np.uint32)
-        elif own is work:
-            np.copyto(work, p.x, casting="safe")
+        if work is None:
+            assert block is not None
+            work = own = block.view(ACCUM[p.dtype])
+            if p.dtype == pb.BFLOAT16:
+                np.left_shift(p.x, 16, out=work.view(np.uint32), dtype=np.uint32)
+            else:
+                np.copyto(work, p.x, casting="safe")
         bounds = np.linspace(0, work.size, n + 1).astype(np.int64)
 
         def chunk(i: int, of: np.ndarray = work) -> np.ndarray:
@@ -89,17 +92,20 @@ async def _allreduce_ring(ctx: OpContext) -> int:
 
         async def step(tag: int, send: np.ndarray, into: int, mine: np.ndarray | None) -> None:
             """Send ``send``; the left neighbour's chunk comes into chunk ``into``: combined
-            with ``mine`` (this rank's values of it), or as it is (None)."""
-            (arrival,), _ = await gather_all(ctx.recv_parts(left, tag, sized=False),
+            with ``mine`` (this rank's values of it), or as it is (None: straight into place
+            where it can land there)."""
+            out = chunk(into)
+            land = out.view(np.uint8) if mine is None and block is None else None
+            (arrival,), _ = await gather_all(ctx.recv_parts(left, tag, sized=False, into=land),
                                              _send_chunk(ctx, right, tag, send))
-            got, out = arrival.data.view(work.dtype), chunk(into)
+            got = arrival.data.view(work.dtype)
             if got.size != out.size:
                 raise DecentError(pb.MISMATCH, f"tensor '{ctx.display}' round {ctx.round}: rank "
                               f"{left} sent a ring chunk of {got.size} elements, rank "
                               f"{ctx.rank} expected {out.size}")
             if mine is not None:
                 REDUCERS[ctx.args.reduce_op](mine, got, out=out)
-            else:
+            elif not _same_memory(got, out):
                 out[...] = got
             ctx.release(arrival)
 
@@ -110,7 +116,27 @@ async def _allreduce_ring(ctx: OpContext) -> int:
             await step(n + s, chunk(r + 1 - s), r - s, None)
         return _finish_allreduce(ctx, p, work)
     finally:
-        pool.put(block)
+        if block is not None:
+            ctx.services.pool.put(block)
+
+
+def _ring_memory(ctx: OpContext, p: PartSpec) -> tuple[np.ndarray, np.ndarray | None]:
+    """(this rank's values, the region the ring sums in): the tensor and its output region for
+    a float tensor summed in its own dtype whose output is the tensor itself or apart from it;
+    else (the tensor, None): a working copy is needed."""
+    x = p.x.reshape(-1)
+    if p.dtype in INTEGER or p.dtype == pb.BFLOAT16 or x.dtype != ACCUM[p.dtype]:
+        return x, None
+    out = ctx.output(p, p.nbytes).view(x.dtype)
+    if np.may_share_memory(out, x) and not _same_memory(out, x):
+        return x, None
+    return x, out
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` are the same bytes."""
+    return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+                and a.nbytes == b.nbytes)
 
 
 async def _send_chunk(ctx: OpContext, dst: int, tag: int, chunk: np.ndarray) -> None:
