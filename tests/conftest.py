@@ -50,7 +50,6 @@ def pytest_configure(config: pytest.Config) -> None:
     """A run that leaves out slow tests (``-m "not slow ..."``) refuses programs to the rest.
     The session's first process (not a pytest-xdist worker) marks what it starts, for the
     check of what is left at its end."""
-    config.pluginmanager.register(SerialGroups(), "decent-serial-groups")
     if "not slow" in (config.option.markexpr or ""):
         subprocess.Popen.__init__ = _in_process_only  # type: ignore[method-assign]
     if not hasattr(config, "workerinput"):
@@ -60,34 +59,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 #: the files that take longest (measured: ``--durations``), most first: pytest-xdist hands
-#: whole files (``--dist loadfile``) to whichever worker is free, in collection order, so these
-#: go first and the short files fill in around them, instead of one long file running alone
-#: at the end while the other worker idles
-LONGEST_FIRST = ("benchmarks/tests/test_harness.py", "tests/test_tf.py", "tests/test_docs.py",
+#: whole files (``--dist loadfile``), or in the serial tier tests (``--dist load``), to
+#: whichever worker is free, in collection order, so these go first and the short ones fill in
+#: around them, instead of one long run going alone at the end while the other worker idles
+#: (the serial tier's chaos run, 71 s, ran last: 142 s for the tier instead of about 100)
+LONGEST_FIRST = ("benchmarks/tests/test_chaos.py",
+                 "benchmarks/tests/test_harness.py", "tests/test_tf.py", "tests/test_docs.py",
                  "tests/test_examples.py", "tests/test_torch_ddp.py", "tests/test_algorithms.py",
                  "tests/test_torch_backend.py", "tests/test_decentrun_restarts.py",
                  "tests/test_lifecycle.py", "tests/test_security.py", "tests/test_horovod.py",
                  "tests/test_bluefog.py", "tests/test_optimizers.py")
-
-
-#: the serial tests that run beside the others (``make test``'s serial tier, ``--dist
-#: loadgroup`` on 2 workers), by the start of their node ids: the chaos run mostly waits on its
-#: steps' pads; each group runs one test at a time
-BESIDE_THE_SERIAL = ("benchmarks/tests/test_chaos.py",
-                     "benchmarks/tests/test_harness.py::test_netns_hier_benchmark_short_run")
-
-
-class SerialGroups:
-    """Puts the serial tests in two groups (:data:`BESIDE_THE_SERIAL`, and the others) before
-    pytest-xdist reads the groups."""
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        """Mark each serial test with its group."""
-        for item in items:
-            if item.get_closest_marker("serial") is not None:
-                beside = item.nodeid.startswith(BESIDE_THE_SERIAL)
-                item.add_marker(pytest.mark.xdist_group("beside" if beside else "serial"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
