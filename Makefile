@@ -13,9 +13,9 @@ run: setup
 
 ## the whole test suite against real daemons, after ruff: first every test that may share the
 ## machine, on 2 pytest-xdist workers (a file's tests on one worker, which keeps its daemons for
-## them), then those marked serial (namespaces, whole deployments), two at a time, the longest
-## first (tests/conftest.py), with mypy beside them (that tier leaves most of the CPU idle: it
-## waits on timers and links; pytest 9 ignores pytest-xdist's groups). Two malloc
+## them), then those marked serial (namespaces, whole deployments), two at a time (pytest 9
+## ignores pytest-xdist's groups: each test is its own), with mypy beside them (that tier
+## leaves most of the CPU idle: it waits on timers and links). Two malloc
 ## arenas per process, not eight per core: the test processes and the daemons they start run
 ## many threads (gRPC, executors), and the arenas' free memory held 0.5 GB per xdist worker
 ## the files that hold serial tests: that tier collects only these (no TensorFlow imported)
@@ -24,7 +24,7 @@ test: export MALLOC_ARENA_MAX := 2
 test: setup ruff
 	$(VENV)/python -m pytest -n 2 --dist loadfile -m "not serial"; shared=$$?; \
 	mkdir -p build; $(MAKE) --no-print-directory typecheck > build/typecheck.log 2>&1 & typing=$$!; \
-	$(VENV)/python -m pytest -m serial -n 2 --dist load --maxschedchunk 1 $(SERIAL_FILES); serial=$$?; \
+	$(VENV)/python -m pytest -m serial -n 2 --dist loadgroup $(SERIAL_FILES); serial=$$?; \
 	wait $$typing; typed=$$?; cat build/typecheck.log; \
 	[ $$shared -eq 0 ] && [ $$typed -eq 0 ] && { [ $$serial -eq 0 ] || [ $$serial -eq 5 ]; }
 

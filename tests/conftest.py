@@ -59,12 +59,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 #: the files that take longest (measured: ``--durations``), most first: pytest-xdist hands
-#: whole files (``--dist loadfile``), or in the serial tier tests (``--dist load``), to
-#: whichever worker is free, in collection order, so these go first and the short ones fill in
-#: around them, instead of one long run going alone at the end while the other worker idles
-#: (the serial tier's chaos run, 71 s, ran last: 142 s for the tier instead of about 100)
-LONGEST_FIRST = ("benchmarks/tests/test_chaos.py",
-                 "benchmarks/tests/test_harness.py", "tests/test_tf.py", "tests/test_docs.py",
+#: whole files (``--dist loadfile``) to whichever worker is free, in collection order, so these
+#: go first and the short files fill in around them, instead of one long file running alone
+#: at the end while the other worker idles
+LONGEST_FIRST = ("benchmarks/tests/test_harness.py", "tests/test_tf.py", "tests/test_docs.py",
                  "tests/test_examples.py", "tests/test_torch_ddp.py", "tests/test_algorithms.py",
                  "tests/test_torch_backend.py", "tests/test_decentrun_restarts.py",
                  "tests/test_lifecycle.py", "tests/test_security.py", "tests/test_horovod.py",

@@ -76,3 +76,21 @@ def test_the_tags_a_pair_step_takes_follow_the_tensor_size() -> None:
     assert tags(context("ring", 2, 0, nbytes=16)) == {0}  # small: whole, even on a pair
     assert tags(context("ring", 2, 0, nbytes=PAIR_MIN_BYTES)) == {1, 2}
     assert tags(context("ring", 2, 0, host="10.0.0.1")) == {0}
+
+
+def test_an_agreement_takes_a_peers_verdict_as_it_is() -> None:
+    """A peer's abort of an agreement may come before the description its verdict was drawn
+    from: a verdict is the same on every rank, so it is taken word for word (every rank then
+    fails alike); any other abort names the peer that sent it."""
+    verdict = "broadcast 't' round 0: rank 1 cannot run it: root 9 is not a rank (0..3)"
+    agreeing = context("ring", 4, 0)
+    agreeing.op = pb.AGREEMENT
+    agreeing.aborted(2, pb.Error(code=pb.INVALID_ARGUMENT, message=verdict))
+    assert agreeing.failure is not None and agreeing.failure.message == verdict
+    lost = context("ring", 4, 0)
+    lost.op = pb.AGREEMENT
+    lost.aborted(2, pb.Error(code=pb.PEER_UNAVAILABLE, message="rank 3 is down"))
+    assert lost.failure is not None and lost.failure.message.startswith("rank 2 failed ")
+    other = context("ring", 4, 0)
+    other.aborted(2, pb.Error(code=pb.INVALID_ARGUMENT, message=verdict))
+    assert other.failure is not None and other.failure.message.startswith("rank 2 failed ")

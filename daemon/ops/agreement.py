@@ -30,7 +30,16 @@ from decent_wire.ops import BY_TYPE, Agreed, Result, exchanged_rows, op_types, r
 from decent_wire.protocol import op_label
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.keys import agreement
-from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Services, gather_all
+from decentd.ops.api import (
+    VERDICT_CODES,
+    Level,
+    OpContext,
+    OpResult,
+    OpSpec,
+    PartSpec,
+    Services,
+    gather_all,
+)
 from decentd.ops.faults import live_group
 
 #: the message tag of descriptions
@@ -136,15 +145,10 @@ def _exchange_problem(label: str, got: dict[int, pb.Agreement]) -> DecentError |
     return None
 
 
-#: what a verdict drawn from the descriptions fails with (others are the agreement's own
-#: failures: a timeout, a lost peer)
-VERDICTS = frozenset({pb.MISMATCH, pb.INVALID_ARGUMENT, pb.ARENA_ERROR})
-
-
 def outcome(verdict: DecentError | None, error: DecentError | None) -> DecentError | None:
     """How a collective that ran beside its agreement ends: a verdict from the descriptions
     wins (every rank has it); else the op's own error, else the agreement's."""
-    if verdict is not None and (verdict.code in VERDICTS or error is None):
+    if verdict is not None and (verdict.code in VERDICT_CODES or error is None):
         return verdict
     return error
 

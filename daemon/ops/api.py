@@ -96,6 +96,10 @@ class OpResult:
 
 OpFn = Callable[["OpContext"], Awaitable[OpResult]]
 
+#: what an agreement's verdict, drawn from the descriptions, fails a collective with (its other
+#: failures are the agreement's own: a timeout, a lost peer)
+VERDICT_CODES = frozenset({pb.MISMATCH, pb.INVALID_ARGUMENT, pb.ARENA_ERROR})
+
 
 @dataclass(frozen=True)
 class OpSpec:
@@ -423,10 +427,13 @@ class OpContext:
     # ------------------------------------------------------------------ told by the mailbox
 
     def aborted(self, src: int, error: pb.Error) -> None:
-        """Peer ``src`` failed this op and told us."""
+        """Peer ``src`` failed this op and told us. An agreement's verdict (drawn from the
+        descriptions, the same on every rank) is taken as it is: a peer's abort may come before
+        the description it was drawn from, and every rank must fail with the same message."""
         self.aborted_by = src
         message = error.message
-        if f"rank {src}" not in message:
+        verdict = self.op == pb.AGREEMENT and error.code in VERDICT_CODES
+        if f"rank {src}" not in message and not verdict:
             message = f"rank {src} failed {self.label}: {message}"
         self.fail(DecentError(error.code or pb.ABORTED, message))
 
