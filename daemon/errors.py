@@ -21,3 +21,8 @@ class PeerLost(DecentError):
 
     def __init__(self, message: str) -> None:
         super().__init__(pb.PEER_UNAVAILABLE, message)
+
+
+#: what an agreement's verdict, drawn from the descriptions, fails a collective with (its other
+#: failures are the agreement's own: a timeout, a lost peer)
+VERDICT_CODES = frozenset({pb.MISMATCH, pb.INVALID_ARGUMENT, pb.ARENA_ERROR})

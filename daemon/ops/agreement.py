@@ -29,9 +29,9 @@ from decent_wire.errors import DecentError
 from decent_wire.ops import BY_TYPE, Agreed, Result, exchanged_rows, op_types, result_nbytes
 from decent_wire.protocol import op_label
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.errors import VERDICT_CODES
 from decentd.keys import agreement
 from decentd.ops.api import (
-    VERDICT_CODES,
     Level,
     OpContext,
     OpResult,

@@ -5,8 +5,7 @@ An op reads the worker's input tensors (storage-dtype views of the arena), talks
 peers it involves with :meth:`OpContext.send` and :meth:`OpContext.recv_parts` (which match parts
 by ``(peer, name, round, tag)`` in the mailbox and check what arrives against what this op
 has), and writes its result into the worker's output region. The engine builds the context and
-runs the op; the op sees nothing else of the daemon.
-"""
+runs the op; the op sees nothing else of the daemon."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from decent_wire.protocol import clash, op_label
 from decent_wire.topology import Step, Topology
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.concurrency import gather_all
-from decentd.errors import PeerLost
+from decentd.errors import VERDICT_CODES, PeerLost
 from decentd.keys import part
 from decentd.mailbox.arrivals import Arrival
 from decentd.mailbox.records import Accepts, Key, Progress
@@ -95,10 +94,6 @@ class OpResult:
 
 
 OpFn = Callable[["OpContext"], Awaitable[OpResult]]
-
-#: what an agreement's verdict, drawn from the descriptions, fails a collective with (its other
-#: failures are the agreement's own: a timeout, a lost peer)
-VERDICT_CODES = frozenset({pb.MISMATCH, pb.INVALID_ARGUMENT, pb.ARENA_ERROR})
 
 
 @dataclass(frozen=True)
@@ -427,11 +422,9 @@ class OpContext:
     # ------------------------------------------------------------------ told by the mailbox
 
     def aborted(self, src: int, error: pb.Error) -> None:
-        """Peer ``src`` failed this op and told us. An agreement's verdict (drawn from the
-        descriptions, the same on every rank) is taken as it is: a peer's abort may come before
-        the description it was drawn from, and every rank must fail with the same message."""
-        self.aborted_by = src
-        message = error.message
+        """Peer ``src`` failed this op and told us (an agreement's verdict, the same on every
+        rank, word for word: it may come before the description it was drawn from)."""
+        self.aborted_by, message = src, error.message
         verdict = self.op == pb.AGREEMENT and error.code in VERDICT_CODES
         if f"rank {src}" not in message and not verdict:
             message = f"rank {src} failed {self.label}: {message}"
