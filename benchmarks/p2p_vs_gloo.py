@@ -93,6 +93,7 @@ if str(REPO) not in sys.path:  # `python benchmarks/p2p_vs_gloo.py` puts only be
 from benchmarks import report  # noqa: E402
 from benchmarks.hivemind_avg import resnet18_shapes  # noqa: E402
 from benchmarks.hostprobe import memmove_ms  # noqa: E402
+from benchmarks.netns_dsgd import proc_cpu_seconds  # noqa: E402
 from decentd.service.config import MemoryConfig  # noqa: E402
 
 OPS = tuple(report.OPS)
@@ -287,13 +288,8 @@ CPU_COUNTED_FROM = 1 << 20
 
 
 def cpu_seconds(pids: Sequence[int]) -> float:
-    """User + system CPU seconds used so far by ``pids`` (all their threads), from /proc."""
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds used so far by ``pids`` (all their threads)."""
+    return sum(proc_cpu_seconds(pid) for pid in pids)
 
 
 class RssSampler(threading.Thread):

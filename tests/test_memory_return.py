@@ -66,13 +66,11 @@ def test_the_pool_keeps_no_more_than_its_limit_and_ignores_foreign_buffers() -> 
     assert size_class(MAPPED_BLOCK + 1) == 2 * MiB and size_class(3000) == 4096
 
 
-def rss_anon(pid: int) -> int:
-    """``pid``'s anonymous resident bytes."""
+def resident(pid: int) -> dict[str, int]:
+    """``pid``'s VmRSS, RssAnon, RssFile and RssShmem in bytes."""
     with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError(f"no RssAnon for {pid}")
+        return {k: int(v.split()[0]) << 10 for k, _, v in (line.partition(":") for line in f)
+                if k in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
 
 
 @pytest.mark.slow
@@ -91,23 +89,16 @@ def test_a_daemon_gives_its_receive_buffers_back_after_a_burst() -> None:
         assert c.run(burst) == [[1.5] * len(sizes)] * 2
         statuses = [c.status(i) for i in range(2)]
         held = [s.pool_bytes for s in statuses]
-        anon = [rss_anon(s.pid) for s in statuses]
+        anon = [resident(s.pid)["RssAnon"] for s in statuses]
         assert all(h >= 20 * MiB for h in held), held  # the burst's buffers, kept idle
         until(lambda: all(c.status(i).pool_bytes <= floor for i in range(2)),
               "the pools to shrink to their floor")
         for i, s in enumerate(statuses):
             freed = held[i] - c.status(i).pool_bytes
-            assert anon[i] - rss_anon(s.pid) >= freed * 3 // 4, (i, freed, anon[i])
+            assert anon[i] - resident(s.pid)["RssAnon"] >= freed * 3 // 4, (i, freed, anon[i])
         assert c.run(burst) == [[1.5] * len(sizes)] * 2  # buffers made again as needed
     finally:
         c.stop()
-
-
-def resident(pid: int) -> dict[str, int]:
-    """``pid``'s VmRSS, RssAnon, RssFile and RssShmem in bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        return {k: int(v.split()[0]) << 10 for k, _, v in (line.partition(":") for line in f)
-                if k in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
 
 
 @pytest.mark.slow
