@@ -26,3 +26,11 @@ def int8(v: np.ndarray) -> np.ndarray:
     if not scale:
         return np.zeros_like(v)
     return (np.rint(v / scale) * scale).astype(v.dtype)
+
+
+def int4(v: np.ndarray) -> np.ndarray:
+    """max|v|/7 * rint(v / (max|v|/7)), levels -7..7; all zeros for a zero tensor."""
+    scale = v.dtype.type(np.abs(v).max() / 7.0)
+    if not scale:
+        return np.zeros_like(v)
+    return (np.rint(v / scale) * scale).astype(v.dtype)

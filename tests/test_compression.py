@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from compressors import int8, sign, topk
+from compressors import int4, int8, sign, topk
 from conftest import ClusterFactory
 from decent.core import DecentError
 from decent_wire.v1 import decent_pb2 as pb
@@ -23,6 +23,7 @@ COMPRESSORS: dict[str, tuple[Any, dict[str, Any]]] = {
     "topk": (lambda v: topk(v, 0.25), {"ratio": 0.25}),
     "sign": (sign, {}),
     "int8": (int8, {}),
+    "int4": (int4, {}),
 }
 
 
@@ -88,6 +89,7 @@ def test_compression_shrinks_the_bytes_each_daemon_sends(cluster: ClusterFactory
                                                               name="cb.topk")),
             ("sign", lambda: cl.compressed_neighbor_allreduce(t, "sign", name="cb.sign")),
             ("int8", lambda: cl.compressed_neighbor_allreduce(t, "int8", name="cb.int8")),
+            ("int4", lambda: cl.compressed_neighbor_allreduce(t, "int4", name="cb.int4")),
         ):
             cl.barrier(name="cb")
             before = sent(cl)
@@ -98,12 +100,14 @@ def test_compression_shrinks_the_bytes_each_daemon_sends(cluster: ClusterFactory
 
     for counts in c.run(run):
         assert raw <= counts["plain"] < raw + 4096
-        payload = {"topk": int(np.ceil(0.01 * size)) * 8, "sign": size // 8, "int8": size}
+        payload = {"topk": int(np.ceil(0.01 * size)) * 8, "sign": size // 8, "int8": size,
+                   "int4": size // 2}
         for name, want in payload.items():
             assert want <= counts[name] < want + 4096, (name, counts)
         assert counts["plain"] / counts["topk"] > 45
         assert counts["plain"] / counts["sign"] > 30
         assert counts["plain"] / counts["int8"] > 3.9
+        assert counts["plain"] / counts["int4"] > 7.8
 
 
 def test_different_compressors_fail_both_sides_and_the_daemons_go_on(
@@ -130,7 +134,7 @@ def test_bad_arguments_name_the_tensor(cluster: ClusterFactory) -> None:
     c = cluster(2, "ring")
     cl = c.clients[0]
     with pytest.raises(ValueError, match=r"tensor 'cx.a': unknown compressor 'zip'; known: "
-                                         r"int8, sign, topk"):
+                                         r"int4, int8, sign, topk"):
         cl.compressed_neighbor_allreduce(torch.ones(4), "zip", name="cx.a")
     with pytest.raises(ValueError, match=r"tensor 'cx\.b': compressor 'topk' needs a ratio"):
         cl.compressed_neighbor_allreduce(torch.ones(4), "topk", name="cx.b")

@@ -41,11 +41,14 @@ LAZY = build_topology("ring", N, weights={i: {i: 0.5, (i - 1) % N: 0.25, (i + 1)
                                           for i in range(N)})
 #: win-put's barrier: every put of a step lands before any rank combines, and every rank
 #: combines before any rank puts again (x' = W x - d exactly; without it, a rank combines whatever
-#: its neighbors put last, from zero to a dozen steps of theirs when the machine is loaded)
+#: its neighbors put last, from zero to a dozen steps of theirs when the machine is loaded);
+#: diloco: 8 outer steps in 40, too few for the published outer momentum (0.9) to build up
 OPTIONS: dict[str, dict[str, Any]] = {"d2": {"topology": LAZY}, "pga": {"period": 4},
                                       "wagma": {"group_size": 2, "tau": 4},
                                       "choco": {"compressor": "int8", "consensus_step": 0.8},
-                                      "decentlam": {"beta": 0.5}, "win-put": {"barrier": True}}
+                                      "decentlam": {"beta": 0.5}, "win-put": {"barrier": True},
+                                      "diloco": {"local_steps": 5, "mix": "neighbor",
+                                                 "outer_lr": 1.0, "outer_momentum": 0.5}}
 #: wagma: every rank has published the model of its last step before any group round starts, so
 #: a member that arrives late contributes the model it brings (the group mean is exact)
 BARRIER_AFTER_EACH_STEP = {"wagma"}

@@ -23,28 +23,36 @@ X = torch.linspace(-1, 1, 32).reshape(8, 4)
 
 
 class Trainer:
-    """One rank's model and decentralized optimizer (SGD with momentum, D-SGD)."""
+    """One rank's model and decentralized optimizer (SGD with momentum, D-SGD or
+    ``algorithm``)."""
 
-    def __init__(self, client: Any, seed: int) -> None:
+    def __init__(self, client: Any, seed: int, algorithm: str = "dsgd",
+                 **options: Any) -> None:
         torch.manual_seed(seed)
         self.client = client
         self.model = torch.nn.Linear(4, 1)
         self.opt = dt.DecentralizedOptimizer(
             torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9), self.model,
-            algorithm="dsgd", client=client)
+            algorithm=algorithm, client=client, **options)
         self.y = torch.full((8, 1), float(client.rank))
-        #: (parameters, momentum buffers) before each step
-        self.before: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        #: (parameters, momentum buffers, the algorithm's state) before each step
+        self.before: list[tuple[list[torch.Tensor], list[torch.Tensor],
+                                list[dict[str, torch.Tensor]]]] = []
 
     def step(self) -> None:
         delay(self.client.rank)
         params = [p.detach().clone() for p in self.model.parameters()]
         momentum = [self.opt.state[p]["momentum_buffer"].clone()
                     for p in self.model.parameters() if p in self.opt.state]
-        self.before.append((params, momentum))
+        self.before.append((params, momentum, self.algorithm_state()))
         self.opt.zero_grad()
         torch.nn.functional.mse_loss(self.model(X), self.y).backward()
         self.opt.step()
+
+    def algorithm_state(self) -> list[dict[str, torch.Tensor]]:
+        """A copy of the algorithm's per-parameter state (DiLoCo: anchor, outer momentum)."""
+        return [{k: v.clone() for k, v in self.opt.algorithm_state.get(p, {}).items()}
+                for p in self.model.parameters()]
 
     def flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
@@ -106,11 +114,20 @@ def assert_as_close_as_the_others(flats: list[Any]) -> None:
     assert distance[-1] <= 1.5 * max(distance[:-1]) + 1e-6, distance
 
 
-def test_a_restarted_node_takes_the_state_of_a_live_rank_and_trains_on() -> None:
+#: D-SGD, and DiLoCo gossiping every 2 steps (its outer state is part of what is taken; an
+#: outer step without momentum, so that 6 steps together bring the ranks as close as D-SGD's)
+REJOINING: dict[str, dict[str, Any]] = {"dsgd": {}, "diloco": {
+    "local_steps": 2, "mix": "neighbor", "outer_lr": 1.0, "outer_momentum": 0.0}}
+
+
+@pytest.mark.parametrize("algorithm", list(REJOINING))
+def test_a_restarted_node_takes_the_state_of_a_live_rank_and_trains_on(algorithm: str) -> None:
+    options = REJOINING[algorithm]
     c = Cluster(3, "ring")
     try:
         c.connect()
-        trainers = [Trainer(c.clients[r], seed=r) for r in range(3)]
+        trainers = [Trainer(c.clients[r], seed=r, algorithm=algorithm, **options)
+                    for r in range(3)]
         steps(trainers, 3)
         c.kill_node(2)
         steps(trainers[:2], 2)  # without rank 2: reweighted
@@ -118,12 +135,13 @@ def test_a_restarted_node_takes_the_state_of_a_live_rank_and_trains_on() -> None
         for i in (0, 1):
             until_state(c, i, 2, "up")
         trainers[2] = join_while_training(
-            trainers[:2], lambda: Trainer(dt.connect(f"unix://{c.sockets[2]}", 60), seed=99))
+            trainers[:2], lambda: Trainer(dt.connect(f"unix://{c.sockets[2]}", 60), seed=99,
+                                          algorithm=algorithm, **options))
         rejoined = trainers[2]
         assert rejoined.client.rejoining
         taken = [p.detach() for p in rejoined.model.parameters()]
         # exactly rank 0's parameters and momentum as they were before one of its steps
-        match = [k for k, (params, _) in enumerate(trainers[0].before)
+        match = [k for k, (params, _, _) in enumerate(trainers[0].before)
                  if all(torch.equal(a, b) for a, b in zip(params, taken, strict=True))]
         assert match, "the rejoined rank's parameters are none of its donor's"
         momentum = [rejoined.opt.state[p]["momentum_buffer"] for p in rejoined.model.parameters()]
@@ -131,6 +149,12 @@ def test_a_restarted_node_takes_the_state_of_a_live_rank_and_trains_on() -> None
         assert all(torch.equal(a, b) for a, b in zip(donor_momentum, momentum, strict=True))
         # the step counters too: as many steps as the donor had made
         assert rejoined.opt.algorithm.counters()["iteration"] == match[-1]
+        # and the algorithm's state (DiLoCo: the anchor and the outer momentum)
+        donor_state, taken_state = trainers[0].before[match[-1]][2], rejoined.algorithm_state()
+        assert [sorted(s) for s in taken_state] == [sorted(s) for s in donor_state]
+        assert algorithm == "dsgd" or sorted(taken_state[0]) == ["anchor", "momentum"]
+        for mine, theirs in zip(taken_state, donor_state, strict=True):
+            assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
         train_together(trainers[:2], rejoined)
         assert_as_close_as_the_others([t.flat().numpy() for t in trainers])
     finally:

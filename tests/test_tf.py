@@ -220,12 +220,13 @@ def _problem(r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 @pytest.mark.parametrize(("algorithm", "compiled"), [
     ("dsgd", True), ("dsgd", False), ("gradient-tracking", True), ("gradient-tracking", False),
     ("extra", True), ("exact-diffusion", True), ("decentlam", True), ("choco", False),
-    ("push-sum", True), ("win-put", True)])
+    ("push-sum", True), ("win-put", True), ("diloco", True), ("diloco", False)])
 def test_keras_wrapper_matches_the_torch_wrapper(tfc: Any, algorithm: str,
                                                  compiled: bool) -> None:
     c, clients = tfc
     # win-put is asynchronous unless every put lands before any rank combines
-    options: dict[str, Any] = {"barrier": True} if algorithm == "win-put" else {}
+    options: dict[str, Any] = {"win-put": {"barrier": True},
+                               "diloco": {"local_steps": 4, "mix": "neighbor"}}.get(algorithm, {})
 
     def with_torch(cl: Any) -> np.ndarray:
         a, b, x0 = (torch.from_numpy(v) for v in _problem(cl.rank))
@@ -267,7 +268,7 @@ def test_keras_wrapper_matches_the_torch_wrapper(tfc: Any, algorithm: str,
 #: every algorithm the Keras wrapper runs, by how: in the variables, or over host buffers
 KERAS_IN_PLACE = ("dsgd", "allreduce", "pga")
 KERAS_ON_HOST = ("dsgd-cta", "gradient-tracking", "extra", "exact-diffusion", "d2", "decentlam",
-                 "choco", "push-sum", "win-put", "adpsgd", "wagma")
+                 "choco", "push-sum", "win-put", "adpsgd", "wagma", "diloco")
 #: and the one that reduces the gradients before the wrapped optimizer's step
 KERAS_REDUCING = ("gradient-allreduce",)
 #: bytes of the model's larger variable (256 x 256 float32)

@@ -9,7 +9,8 @@ from decent_wire.v1 import decent_pb2 as pb
 PROTOCOL_VERSION: int = pb.PROTOCOL_VERSION_CURRENT
 
 #: compressors of compressed gossip, by the name users pass
-COMPRESSORS: dict[str, int] = {"topk": pb.TOPK, "sign": pb.SIGN, "int8": pb.QINT8}
+COMPRESSORS: dict[str, int] = {"topk": pb.TOPK, "sign": pb.SIGN, "int8": pb.QINT8,
+                               "int4": pb.QINT4}
 #: how an allreduce (or a reducing alltoall) combines, by the name users pass
 REDUCE_OPS: dict[str, int] = {"average": pb.AVERAGE, "sum": pb.SUM, "min": pb.MIN,
                               "max": pb.MAX, "product": pb.PRODUCT}

@@ -230,6 +230,8 @@ class DecentralizedOptimizer:
         elif self.algorithm.in_place:  # x' = M (x - d): the optimizer's step wrote x - d
             self.optimizer.step()
             self.algorithm.finish_in_place([p.detach() for p in params])
+        elif self.algorithm.local_step():  # x' = x - d: the optimizer's step is all of it
+            self.optimizer.step()
         else:
             xs = self._xs if self._xs is not None else self._buffers.copies(params)
             self._xs = None

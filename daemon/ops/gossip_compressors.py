@@ -11,6 +11,8 @@ element count, k, scale) so a receiver can tell a peer that compressed different
 * ``sign``: ``mean(|x|) * sign(x)`` (``x >= 0`` counts as +), one bit per entry; 1/32 of float32.
 * ``int8``: ``scale * rint(x / scale)`` with ``scale = max|x| / 127``, one byte per entry; 1/4 of
   float32.
+* ``int4``: ``scale * rint(x / scale)`` with ``scale = max|x| / 7``, levels -7..7, two entries
+  per byte (the low nibble first, two's complement); 1/8 of float32.
 
 All are deterministic (no random rounding), so a run can be replayed exactly.
 """
@@ -83,11 +85,29 @@ def encode(kind: int, ratio: float, x: np.ndarray, dtype: int) -> bytes:
         scale = float(np.abs(values, dtype=np.float64).mean()) if n else 0.0
         bits = np.packbits(values >= 0, bitorder="little")
         return _HEADER.pack(kind, 0, n, 0, scale) + bits.tobytes()
+    levels = 7 if kind == pb.QINT4 else 127
     peak = float(np.abs(values).max()) if n else 0.0
-    scale = peak / 127.0
+    scale = peak / levels
     q = np.zeros(n, np.int8) if scale == 0.0 else \
-        np.clip(np.rint(values / values.dtype.type(scale)), -127, 127).astype(np.int8)
-    return _HEADER.pack(kind, 0, n, 0, scale) + q.tobytes()
+        np.clip(np.rint(values / values.dtype.type(scale)), -levels, levels).astype(np.int8)
+    body = pack_nibbles(q) if kind == pb.QINT4 else q
+    return _HEADER.pack(kind, 0, n, 0, scale) + body.tobytes()
+
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """int8 values in -8..7, two per byte: entry 2i in the low nibble of byte i."""
+    u = np.zeros(2 * ((q.size + 1) // 2), np.uint8)
+    u[:q.size] = q.view(np.uint8) & 0x0F
+    return u[0::2] | (u[1::2] << 4)
+
+
+def unpack_nibbles(body: np.ndarray, n: int) -> np.ndarray:
+    """The ``n`` int8 values :func:`pack_nibbles` packed into ``body``."""
+    both = np.empty(2 * body.size, np.uint8)
+    both[0::2], both[1::2] = body & 0x0F, body >> 4
+    signed = both[:n].astype(np.int8)
+    signed[signed > 7] -= 16
+    return signed
 
 
 def header(payload: memoryview | bytes) -> tuple[int, int, int, float]:
@@ -125,5 +145,10 @@ def decode(payload: memoryview | bytes, out: np.ndarray, dtype: int) -> None:
             raise CompressionError(f"int8 payload of {body.size} bytes for {n} elements")
         out[...] = numerics.from_compute(body.view(np.int8).astype(compute) * compute.type(scale),
                                        dtype)
+    elif kind == pb.QINT4:
+        if body.size != (n + 1) // 2:
+            raise CompressionError(f"int4 payload of {body.size} bytes for {n} elements")
+        out[...] = numerics.from_compute(
+            unpack_nibbles(body, n).astype(compute) * compute.type(scale), dtype)
     else:
         raise CompressionError(f"payload of unknown compressor {kind}")

@@ -112,9 +112,9 @@ class OpCalls(Generic[T]):
     ) -> Handle[T]:
         """Start a neighbor_allreduce of ``Q(x)``, the tensor compressed by ``compressor``.
 
-        ``compressor``: ``"topk"`` (with ``ratio``, the fraction of entries kept), ``"sign"`` or
-        ``"int8"``. The daemon compresses, sends only the compressed bytes and decodes what
-        arrives. The result has shape ``[2, *shape]``: row 0 is
+        ``compressor``: ``"topk"`` (with ``ratio``, the fraction of entries kept),
+        ``"sign"``, ``"int8"`` or ``"int4"``. The daemon compresses, sends only the compressed
+        bytes and decodes what arrives. The result has shape ``[2, *shape]``: row 0 is
         ``self_weight * Q(x) + sum_j src_weights[j] * d_j * Q(x_j)`` (weights as in
         ``neighbor_allreduce``), row 1 is ``Q(x)`` exactly as the neighbors decoded it::
 

@@ -2,7 +2,8 @@
 
 :mod:`~decent.core.training.algorithms.base` holds what every algorithm declares and the hooks the
 adapters call; :mod:`~decent.core.training.algorithms.gossip` the synchronous ones and
-:mod:`~decent.core.training.algorithms.asynchronous` AD-PSGD and WAGMA.
+:mod:`~decent.core.training.algorithms.asynchronous` AD-PSGD and WAGMA,
+:mod:`~decent.core.training.algorithms.local_updates` DiLoCo (local steps, an outer optimizer).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from decent.core.training.algorithms.gossip import (
     PeriodicGlobalAveraging,
 )
 from decent.core.training.algorithms.gradients import GradientAllreduce
+from decent.core.training.algorithms.local_updates import DiLoCo
 from decent.core.training.algorithms.push import PushSum, WinPut
 
 T = TypeVar("T", bound=Arithmetic)
@@ -44,6 +46,7 @@ __all__ = [
     "AdaptThenCombine",
     "Algorithm",
     "AlgorithmError",
+    "DiLoCo",
     "GradientAllreduce",
     "PushSum",
     "State",
@@ -56,7 +59,7 @@ ALGORITHMS: dict[str, type[Algorithm[Any]]] = {
     cls.name: cls for cls in (DSGD, DSGDCombineThenAdapt, AllreduceBaseline,
                               PeriodicGlobalAveraging, GradientTracking, Extra, ExactDiffusion,
                               D2, DecentLaM, Choco, ADPSGD, WAGMA, GradientAllreduce, WinPut,
-                              PushSum)
+                              PushSum, DiLoCo)
 }
 #: other names users know them by
 ALIASES = {"dmsgd": "dsgd", "d-sgd": "dsgd", "dgd": "dsgd-cta", "d-psgd": "dsgd-cta",

@@ -245,6 +245,12 @@ class Algorithm(Generic[T]):
     def start(self, xs: Sequence[T], states: Sequence[State]) -> None:
         """Before the forward pass of an iteration: start what needs only ``x_k``."""
 
+    def local_step(self) -> bool:
+        """Whether this iteration is the wrapped optimizer's step alone, with nothing exchanged
+        and no state changed: an adapter may then skip :meth:`finish` (and the copies of
+        ``x_k`` and ``d_k`` it takes) and only :meth:`advance`. Never, by default."""
+        return False
+
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         """After the local update ``d_k`` at ``x_k``: the next parameters ``x_{k+1}``."""
         raise NotImplementedError
