@@ -106,8 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "anneals to 0, which also drives the D-SGD workers to consensus)")
     p.add_argument("--batch-size", type=int, default=32,
                    help="minibatch size per worker (default 32)")
-    p.add_argument("--algorithms", default=",".join(ALGORITHMS),
-                   help=f"comma-separated algorithm names (default {','.join(ALGORITHMS)})")
+    p.add_argument("--algorithms", "--algorithm", default=",".join(ALGORITHMS),
+                   help=f"comma-separated algorithm names (default {','.join(ALGORITHMS)}; "
+                        "--algorithm is the same flag, as in train_charlm.py)")
     p.add_argument("--seed", type=int, default=0, help="seed for split, shards and init")
     p.add_argument("--hierarchical", action="store_true",
                    help="dsgd/pga mix node means over the daemons' machine topology (each "
