@@ -332,16 +332,17 @@ def leftover_namespaces(prefix: str = PREFIX) -> list[str]:
     return [n for n in names if n.startswith(prefix)]
 
 
-def cleanup_leftovers(prefix: str = PREFIX) -> list[str]:
-    """Delete namespaces named ``prefix*`` (killing their processes) and old run directories.
+def cleanup_leftovers(prefix: str = PREFIX, script: str | None = None) -> list[str]:
+    """Delete namespaces named ``prefix*`` (killing their processes) and old run directories
+    of runs of ``script`` (a benchmark's file name; default this one's) no longer alive.
 
     Returns what was removed.
     """
-    names = [n for n in leftover_namespaces(prefix) if not owner_alive(n, prefix)]
+    names = [n for n in leftover_namespaces(prefix) if not owner_alive(n, prefix, script)]
     for ns in sorted(names, key=lambda n: n.endswith("-sw")):  # node namespaces first
         delete_namespace(ns)
     dirs = [d for d in Path("/tmp").glob(f"{prefix}*-*") if re.fullmatch(
-        rf"{prefix}\d+-\w+", d.name) and d.is_dir() and not owner_alive(d.name, prefix)]
+        rf"{prefix}\d+-\w+", d.name) and d.is_dir() and not owner_alive(d.name, prefix, script)]
     for d in dirs:
         for pid in leftover_procs(str(d)):
             with contextlib.suppress(ProcessLookupError):
@@ -350,8 +351,9 @@ def cleanup_leftovers(prefix: str = PREFIX) -> list[str]:
     return names + [str(d) for d in dirs]
 
 
-def owner_alive(name: str, prefix: str = PREFIX) -> bool:
-    """True when ``name`` (``<prefix><pid>-...``) belongs to a benchmark run still going."""
+def owner_alive(name: str, prefix: str = PREFIX, script: str | None = None) -> bool:
+    """True when ``name`` (``<prefix><pid>-...``) belongs to a run of ``script`` (a benchmark's
+    file name; default this one's) still going."""
     m = re.match(rf"{prefix}(\d+)-", name)
     if not m or int(m.group(1)) == os.getpid():
         return False
@@ -359,7 +361,7 @@ def owner_alive(name: str, prefix: str = PREFIX) -> bool:
         cmdline = Path(f"/proc/{m.group(1)}/cmdline").read_bytes()
     except OSError:
         return False
-    return Path(__file__).name.encode() in cmdline
+    return (script or Path(__file__).name).encode() in cmdline
 
 
 @contextlib.contextmanager

@@ -40,13 +40,9 @@ whatever happens (exceptions, Ctrl-C, SIGTERM).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
-import re
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -71,9 +67,7 @@ from benchmarks.netns_dsgd import (  # noqa: E402
     TimedSystem,
     begin_run,
     decent_source,
-    delete_namespace,
     leftover_namespaces,
-    leftover_procs,
     link_test,
     numel,
     parse_rate,
@@ -86,6 +80,9 @@ from benchmarks.netns_dsgd import (  # noqa: E402
     tbf_drops,
     tear_down,
     warmup_steps,
+)
+from benchmarks.netns_dsgd import (  # noqa: E402
+    cleanup_leftovers as netns_cleanup_leftovers,
 )
 from decent_wire.topology import build_topology, from_spec  # noqa: E402
 from decentd.security.auth import write_secret  # noqa: E402
@@ -387,27 +384,8 @@ def run(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
 
 
 def cleanup_leftovers() -> list[str]:
-    """Delete ``dchr*`` namespaces and run directories of runs no longer alive."""
-    def alive(name: str) -> bool:
-        m = re.match(rf"{PREFIX}(\d+)-", name)
-        if not m or int(m.group(1)) == os.getpid():
-            return False
-        try:
-            return Path(__file__).name.encode() in Path(f"/proc/{m.group(1)}/cmdline").read_bytes()
-        except OSError:
-            return False
-
-    names = [n for n in leftover_namespaces(PREFIX) if not alive(n)]
-    for ns in sorted(names, key=lambda n: n.endswith("-sw")):  # node namespaces first
-        delete_namespace(ns)
-    dirs = [d for d in Path("/tmp").glob(f"{PREFIX}*-*")
-            if re.fullmatch(rf"{PREFIX}\d+-\w+", d.name) and d.is_dir() and not alive(d.name)]
-    for d in dirs:
-        for pid in leftover_procs(str(d)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(d, ignore_errors=True)
-    return names + [str(d) for d in dirs]
+    """Delete ``dchr*`` namespaces and run directories whose run is no longer alive."""
+    return netns_cleanup_leftovers(PREFIX, Path(__file__).name)
 
 
 # ------------------------------------------------------------------------------ output

@@ -1167,8 +1167,9 @@ def render_report(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
              "Merged from `p2p_vs_gloo.json` (`decentrun -np 2 -- python "
              "benchmarks/p2p_vs_gloo.py`), `netns_dsgd.json` (`python "
              "benchmarks/netns_dsgd.py`, as root), `netns_hier.json` (`python "
-             "benchmarks/netns_hier.py`, as root) and `security_cost.json` (`python "
-             "benchmarks/security_cost.py`) by `python benchmarks/report.py`.", "",
+             "benchmarks/netns_hier.py`, as root), `security_cost.json` (`python "
+             "benchmarks/security_cost.py`), `wan_link.md` and `wan.md` (`make wan-link`, "
+             "`make wan`) by `python benchmarks/report.py`.", "",
              "## Acceptance", "", *acceptance_lines(rows), ""]
     if p2p is None or "sizes" not in p2p:
         lines += ["## Loopback (2 daemons)", "",
@@ -1188,9 +1189,22 @@ def render_report(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
               *netns_hier_lines(load(results / "netns_hier.json"), results), ""]
     lines += ["## What security costs (2 daemons on loopback, every mode in one run)", "",
               *security_lines(load(results / "security_cost.json"), results), ""]
+    lines += ["## Across a WAN (emulated links with a true RTT)", "", *wan_lines(results), ""]
     if p2p is not None and "sizes" in p2p:
         lines += ["Full per-series details: `p2p_vs_gloo.md`.", ""]
     return "\n".join(lines)
+
+
+def wan_lines(results: Path) -> list[str]:
+    """The emulated WAN's check (``wan_link.md``, ``make wan-link``) and the training across it
+    (``wan.md``, ``make wan``), as those benchmarks wrote them."""
+    lines = []
+    for name, command in (("wan_link", "make wan-link"), ("wan", "make wan")):
+        path = results / f"{name}.md"
+        lines += [path.read_text().strip() if path.exists() else
+                  f"`{name}.md` is missing: run `{command}` (as root).", "",
+                  f"![{name}]({name}.png)" if (results / f"{name}.png").exists() else "", ""]
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -225,8 +225,9 @@ def test_keras_wrapper_matches_the_torch_wrapper(tfc: Any, algorithm: str,
                                                  compiled: bool) -> None:
     c, clients = tfc
     # win-put is asynchronous unless every put lands before any rank combines
-    options: dict[str, Any] = {"win-put": {"barrier": True},
-                               "diloco": {"local_steps": 4, "mix": "neighbor"}}.get(algorithm, {})
+    by_algorithm: dict[str, dict[str, Any]] = {"win-put": {"barrier": True},
+                                               "diloco": {"local_steps": 4, "mix": "neighbor"}}
+    options = by_algorithm.get(algorithm, {})
 
     def with_torch(cl: Any) -> np.ndarray:
         a, b, x0 = (torch.from_numpy(v) for v in _problem(cl.rank))

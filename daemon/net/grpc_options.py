@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+#: how long one connection attempt to a peer may take (a few round trips of the slowest link)
+MIN_CONNECT_TIMEOUT_MS = 5000
+
 #: every channel and server
 GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", 16 << 20),
     ("grpc.max_receive_message_length", 16 << 20),
     # peers start in any order: retry a peer that is not up yet soon, not after gRPC's 1 s
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # gRPC also takes this as each connection attempt's deadline: at 100 ms (it once was), a
+    # peer 100 ms of RTT away was never reached (TCP's and HTTP/2's handshakes take two round
+    # trips); a refused attempt fails at once whatever it is
+    ("grpc.min_reconnect_backoff_ms", MIN_CONNECT_TIMEOUT_MS),
     # a second daemon on a port in use must fail to bind, not share the port with the first
     ("grpc.so_reuseport", 0),
 ]
