@@ -57,8 +57,9 @@ def test_the_wan_benchmark_runs_both_systems_across_a_100_ms_link(tmp_path: Path
     for row in rows.values():
         assert math.isfinite(row["final_loss"]) and 0 < row["final_loss"] < math.log(10) + 1
         assert row["tx_bytes_per_node"] > 0 and 0 < row["utilisation"] <= 1
-    # every baseline step waits for a ring allreduce across the 100 ms link
-    assert base["step_s"] > 0.1 and base["time_to_target_s"] <= base["wall_s"]
+    # every baseline step waits for an allreduce across the link: at least one crossing of
+    # its 50 ms one-way delay
+    assert base["step_s"] > 0.05 and base["time_to_target_s"] <= base["wall_s"]
     assert diloco["fewer_bytes"] > 2
     assert {v["what"] for v in setting["targets"]} == {"speedup", "fewer_bytes",
                                                        "final_within", "utilisation"}
