@@ -211,26 +211,10 @@ def run_netns(a: argparse.Namespace) -> dict[str, Any]:
 
 def _daemons(runner: Runner, run_dir: Path) -> dict[str, Any]:
     """One decentd per namespace (secret mode, 256 MiB arenas), once their sockets exist."""
-    net = runner.net
-    peers = [f"{net.ip(i)}:{DECENT_PORT}" for i in range(net.nodes)]
     secret = write_secret(run_dir / "secret")
-    daemons = {}
-    for i in range(net.nodes):
-        cfg = run_dir / f"node-{i}.yaml"
-        cfg.write_text(
-            f"cluster_id: ddp-bench\nrank: {i}\npeers: {json.dumps(peers)}\n"
-            f'listen: "{peers[i]}"\nsocket: {run_dir / f"decentd-{i}.sock"}\n'
-            "memory: {arena_bytes: 268435456}\nlog_level: warning\n"
-            f"security: {{mode: secret, secret_file: {secret}}}\n")
-        daemons[f"decentd-{i}"] = runner.spawn(
-            i, f"decentd-{i}", [str(Path(sys.executable).parent / "decentd"), "--config",
-                                str(cfg)])
-    deadline = time.monotonic() + 60
-    while not all((run_dir / f"decentd-{i}.sock").exists() for i in range(net.nodes)):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in daemons.values()):
-            raise RuntimeError("decentd did not start\n" + runner.tails(list(daemons)))
-        time.sleep(0.1)
-    return daemons
+    return runner.start_daemons(DECENT_PORT, "ddp-bench", (
+        "memory: {arena_bytes: 268435456}\nlog_level: warning\n"
+        f"security: {{mode: secret, secret_file: {secret}}}\n"))
 
 
 # ------------------------------------------------------------------------------ output

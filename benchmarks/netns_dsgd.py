@@ -529,6 +529,30 @@ class Runner:
         """Log tails of the given process labels (each once)."""
         return "\n".join(tail(self.run_dir / f"{k}.log", lines) for k in dict.fromkeys(labels))
 
+    def start_daemons(self, port: int, cluster_id: str,
+                      settings: str) -> dict[str, subprocess.Popen[bytes]]:
+        """One ``decentd`` per namespace, listening on ``port``, its socket in the run
+        directory (``decentd-<i>.sock``), configured with ``settings`` besides (YAML lines);
+        returned once every socket exists."""
+        peers = [f"{self.net.ip(i)}:{port}" for i in range(self.net.nodes)]
+        daemons = {}
+        for i in range(self.net.nodes):
+            cfg = self.run_dir / f"node-{i}.yaml"
+            cfg.write_text(
+                f"cluster_id: {cluster_id}\nrank: {i}\npeers: {json.dumps(peers)}\n"
+                f'listen: "{peers[i]}"\nsocket: {self.run_dir / f"decentd-{i}.sock"}\n'
+                f"{settings}")
+            daemons[f"decentd-{i}"] = self.spawn(
+                i, f"decentd-{i}", [str(Path(sys.executable).parent / "decentd"), "--config",
+                                    str(cfg)])
+        deadline = time.monotonic() + 60
+        while not all((self.run_dir / f"decentd-{i}.sock").exists()
+                      for i in range(self.net.nodes)):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in daemons.values()):
+                raise BenchError("decentd did not start\n" + self.tails(list(daemons)))
+            time.sleep(0.1)
+        return daemons
+
     def results(self, kind: str) -> list[dict[str, Any]]:
         """The JSON each ``kind`` worker wrote, in rank order."""
         return [json.loads((self.run_dir / f"{kind}-{i}.json").read_text())

@@ -76,7 +76,9 @@ def run_setting(a: argparse.Namespace, key: str) -> dict[str, Any]:
         for ns in net.ns if a.no_slow_start_after_idle else ():
             sysctl(ns, "net.ipv4.tcp_slow_start_after_idle=0")
         runner = Runner(net, run_dir, cleanup)
-        daemons = start_daemons(runner, run_dir)
+        # no security: gloo has none either
+        daemons = runner.start_daemons(DECENT_PORT, "wan-bench",
+                                       "log_level: warning\nsecurity: {mode: insecure}\n")
         line_cpu = net.line_cpu_seconds()
         began = time.monotonic()
         ranks = {f"rank-{i}": runner.spawn(i, f"rank-{i}", [
@@ -128,29 +130,6 @@ def rank_args(a: argparse.Namespace) -> list[str]:
             "--outer-momentum", str(a.outer_momentum), "--overlap", str(a.overlap),
             "--methods", ",".join(a.methods),
             *(f"--option={o}" for o in a.option)]
-
-
-def start_daemons(runner: Runner, run_dir: Path) -> dict[str, Any]:
-    """One decentd per namespace (no security: gloo has none either), once their sockets
-    exist."""
-    net = runner.net
-    peers = [f"{net.ip(i)}:{DECENT_PORT}" for i in range(net.nodes)]
-    daemons = {}
-    for i in range(net.nodes):
-        cfg = run_dir / f"node-{i}.yaml"
-        cfg.write_text(
-            f"cluster_id: wan-bench\nrank: {i}\npeers: {json.dumps(peers)}\n"
-            f'listen: "{peers[i]}"\nsocket: {run_dir / f"decentd-{i}.sock"}\n'
-            "log_level: warning\nsecurity: {mode: insecure}\n")
-        daemons[f"decentd-{i}"] = runner.spawn(
-            i, f"decentd-{i}", [str(Path(sys.executable).parent / "decentd"), "--config",
-                                str(cfg)])
-    deadline = time.monotonic() + 60
-    while not all((run_dir / f"decentd-{i}.sock").exists() for i in range(net.nodes)):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in daemons.values()):
-            raise RuntimeError("decentd did not start\n" + runner.tails(list(daemons)))
-        time.sleep(0.1)
-    return daemons
 
 
 # ------------------------------------------------------------------------------ the figures

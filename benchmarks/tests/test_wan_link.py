@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +19,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.netns_dsgd import leftover_namespaces  # noqa: E402
-from benchmarks.wan.link import BINARY  # noqa: E402
+from benchmarks.wan.link import BINARY, cannot_emulate  # noqa: E402
 
-pytestmark = [pytest.mark.netns, pytest.mark.serial, pytest.mark.slow, pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None
-    or shutil.which("cc") is None or not os.path.exists("/dev/net/tun"),
-    reason="needs root, iproute2, cc and /dev/net/tun: it creates network namespaces (ip netns "
-    "add) and tun devices, and builds the delay line")]
+pytestmark = [pytest.mark.netns, pytest.mark.serial, pytest.mark.slow,
+              pytest.mark.skipif(cannot_emulate() is not None, reason=cannot_emulate() or "")]
 
 RTT_MS = 40.0
 RATE = "100mbit"

@@ -57,6 +57,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,15 @@ LINE_MAX_BYTES = 64 << 20
 LINE_RT_PRIORITY = 10
 #: seconds to wait for the line to create its tun devices
 READY_TIMEOUT_S = 10.0
+
+
+def cannot_emulate() -> str | None:
+    """Why this machine cannot build a :class:`WanNetwork` (None: it can)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None \
+            or shutil.which("cc") is None or not os.path.exists("/dev/net/tun"):
+        return ("needs root, iproute2, cc and /dev/net/tun: it creates network namespaces (ip "
+                "netns add) and tun devices, and builds the delay line")
+    return None
 
 
 def build_delayline(source: Path = SOURCE, binary: Path = BINARY) -> Path:
