@@ -810,10 +810,12 @@ class BulkUnauth:
         h = pb.BulkHeader(kind=pb.HELLO, cluster_id=g.pick((CLUSTER_ID, CLUSTER_ID, "other",
                                                              g.text(), "x" * 4000)),
                           from_rank=g.pick((0, 1, 2, 2, 2, -1, 3, 2**31 - 1)),
-                          proof=g.pick((b"", g.blob(32), g.r.randbytes(32), g.blob(200))))
+                          proof=g.pick((b"", g.blob(32), g.r.randbytes(32), g.blob(200))),
+                          stripe=g.pick((0, 0, 0, 1, 5, 64, 2**32 - 1)),
+                          stripes=g.pick((0, 1, 1, 3, 64, 65, 2**32 - 1)), bundle=g.u64())
         if g.chance(0.2):  # a proof under a key nobody was given
             h.proof = PeerAuth("secret", CLUSTER_ID, g.r.randbytes(32)).hello_proof(
-                g.r.randbytes(32), h.from_rank, d)
+                g.r.randbytes(32), h.from_rank, d, h)
         if g.chance(0.1):
             h.payload_bytes = g.u64()
         data = framing.encode(h)
@@ -975,9 +977,9 @@ def rank2_handshake(cluster: FuzzCluster, stub: pb_grpc.PeerStub, auth: PeerAuth
 
 def rank2_hello(auth: PeerAuth, key: bytes, d: int) -> bytes:
     """The HELLO frame that proves rank 2's session key at daemon ``d``."""
-    return framing.encode(pb.BulkHeader(kind=pb.HELLO, cluster_id=CLUSTER_ID,
-                                        from_rank=FAKE_RANK,
-                                        proof=auth.hello_proof(key, FAKE_RANK, d)))
+    hello = pb.BulkHeader(kind=pb.HELLO, cluster_id=CLUSTER_ID, from_rank=FAKE_RANK)
+    hello.proof = auth.hello_proof(key, FAKE_RANK, d, hello)
+    return framing.encode(hello)
 
 
 def taken(status: Callable[[], pb.StatusReply], timeout: float) -> bool:

@@ -231,9 +231,7 @@ class Receiver:
         self._mailbox.arrived(conn)
         kind = header.kind
         if kind == pb.HELLO:
-            self._links.bind_inbound(conn, int(header.from_rank), header.cluster_id,
-                                     bytes(header.proof))
-            if not conn.trusted:
+            if self._links.bind_inbound(conn, header) and not conn.trusted:
                 self._peers.link_bound(conn.src)
             return
         src = conn.src

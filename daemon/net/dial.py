@@ -1,14 +1,17 @@
 """How a daemon reaches one peer (at start, and again after the link dropped): a gRPC handshake
 (cluster id, protocol version, ranks, topology, workers per node, incarnation; in secret mode
 after a challenge-response both ways, :mod:`decentd.security.auth`), retried until a deadline, then
-its bulk connection, greeted with a HELLO that proves the handshake's session key. Who calls it when
-is :mod:`decentd.membership.liveness`."""
+its bulk connection, greeted with a HELLO that proves the handshake's session key. A link whose
+round trip (measured as that connection opens) needs it opens more connections, its lanes
+(:mod:`decentd.net.stripes`), each greeted the same way. Who calls it when is
+:mod:`decentd.membership.liveness`."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
+import secrets
 import socket
 import ssl
 import time
@@ -47,22 +50,47 @@ async def connect_peer(links: Links, link: PeerLink, deadline: float, was_down: 
                         grpc.aio.insecure_channel(link.address, options))
     reply, key = await _handshake(links, link, pb_grpc.PeerStub(link.channel), deadline,
                                   was_down, serving)
+    key = key or bytes(reply.bulk_key)
+    hello = pb.BulkHeader(kind=pb.HELLO, cluster_id=links.cluster_id, from_rank=links.rank,
+                          bundle=secrets.randbits(63))
+    bulk_tls = tls.client_context() if tls is not None and tls.encrypt_bulk else None
+    socks: list[socket.socket] = []
     try:
-        bulk_tls = tls.client_context() if tls is not None and tls.encrypt_bulk else None
-        sock = await _open(host_of(link.address), int(reply.data_port), bulk_tls)
+        start = time.monotonic()
+        socks.append(await _open(host_of(link.address), int(reply.data_port), bulk_tls))
+        link.connect_rtt = time.monotonic() - start
+        hello.stripes = links.striping.count(link.connect_rtt)
+        lanes = await asyncio.gather(*(
+            _open(host_of(link.address), int(reply.data_port), bulk_tls)
+            for _ in range(hello.stripes - 1)), return_exceptions=True)
+        socks += [lane for lane in lanes if isinstance(lane, socket.socket)]
+        for lane in lanes:
+            if isinstance(lane, BaseException):
+                raise lane
+        for index, lane in enumerate(socks[1:], 1):
+            lane.sendall(framing.encode(_greeting(links, link, hello, key, index)))
     except OSError as exc:
+        for sock in socks:
+            sock.close()
         raise ConnectionError(f"rank {link.rank} at {link.address}: cannot open the bulk "
                               f"connection to port {reply.data_port}: {exc}") from None
     link.flow.credits = int(reply.window_bytes)
-    link.sender = Sender(sock, asyncio.get_running_loop(), link.rank, on_broken)
-    proof = links.auth.hello_proof(key or bytes(reply.bulk_key), links.rank, link.rank)
-    link.sender.send([framing.encode(pb.BulkHeader(kind=pb.HELLO, cluster_id=links.cluster_id,
-                                                   from_rank=links.rank, proof=proof))])
+    link.sender = Sender(socks[0], asyncio.get_running_loop(), link.rank, on_broken, socks[1:])
+    link.sender.send([framing.encode(_greeting(links, link, hello, key, 0))])
     link.connected = True
     link.last_heartbeat = time.monotonic()
-    log.debug("connected to rank %d at %s (bulk port %d)", link.rank, link.address,
-              reply.data_port)
+    log.debug("connected to rank %d at %s (bulk port %d, %d connection(s), %.1f ms)",
+              link.rank, link.address, reply.data_port, hello.stripes,
+              link.connect_rtt * 1e3)
     return reply
+
+
+def _greeting(links: Links, link: PeerLink, hello: pb.BulkHeader, key: bytes,
+              stripe: int) -> pb.BulkHeader:
+    """``hello`` for connection ``stripe`` of the link, with its proof of ``key``."""
+    hello.stripe = stripe
+    hello.proof = links.auth.hello_proof(key, links.rank, link.rank, hello)
+    return hello
 
 
 async def _handshake(links: Links, link: PeerLink, stub: pb_grpc.PeerStub, deadline: float,

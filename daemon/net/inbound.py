@@ -7,6 +7,9 @@ A frame is a ``BulkHeader`` framed as :mod:`decent_wire.framing` frames it, then
 * :class:`Inbound` is an ``asyncio.BufferedProtocol`` on the incoming socket. Headers are parsed
   from a reused scratch buffer; a payload is received straight into the buffer its consumer
   provides (``recv_into`` semantics, no per-chunk objects).
+
+A striped link (:mod:`decentd.net.stripes`) has more incoming connections: the main one parses
+frames as above, the others are lanes that receive the shares of striped payloads in place.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 
 from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.net.stripes import Lane, LaneSet, StripedFrame
 from decentd.security.refusals import Refusals
 
 log = logging.getLogger("decentd.net.inbound")
@@ -84,6 +88,11 @@ class _Partial:
     view: memoryview
     filled: int = 0
     reported: int = 0  # progress last reported at
+    end: int = -1  # bytes of it that come over this connection (-1: all)
+
+    def __post_init__(self) -> None:
+        if self.end < 0:
+            self.end = self.dest.size
 
 
 @dataclass(eq=False)
@@ -104,6 +113,13 @@ class Inbound(asyncio.BufferedProtocol):
     _closed: bool = False
     _sock: socket.socket | None = None
     _lowat: int = 1
+    #: the main connection of a striped link: its lanes (set by its HELLO)
+    lanes: LaneSet | None = None
+    #: a lane of a striped link: what it receives (set by its HELLO)
+    lane: Lane | None = None
+    #: a striped frame whose own share is in, waiting for the lanes' shares
+    _striped: tuple[pb.BulkHeader, StripedFrame] | None = None
+    _paused: bool = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Tune the socket."""
@@ -136,8 +152,10 @@ class Inbound(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         """The payload being received, else free scratch space."""
+        if self.lane is not None:
+            return self.lane.buffer()
         if self._partial is not None:
-            return self._partial.view[self._partial.filled:]
+            return self._partial.view[self._partial.filled:self._partial.end]
         if self.src >= 0 and self._start == self._end and len(self._scratch) < SCRATCH:
             self._scratch = bytearray(SCRATCH)  # proven: the full-size buffer
             self._start = self._end = 0
@@ -155,16 +173,25 @@ class Inbound(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         """Advance the payload in progress, or parse the frames now complete in scratch."""
         self.bytes_received += nbytes
+        if self.lane is not None:
+            try:
+                self.lane.arrived(nbytes)
+            except ValueError as exc:
+                self.fail(str(exc))
+                return
+            self._low_water(next_step(self.lane.left))
+            return
         part = self._partial
         if part is not None:
             part.filled += nbytes
-            if part.filled == part.dest.size:
+            if part.filled == part.end:
                 self._partial = None
                 self._low_water(1)
-                self._deliver(part.header, part.dest)
+                if self._own_share_done(part.header, part.dest):
+                    self._parse_or_fail()
             else:
-                self._low_water(next_step(part.dest.size - part.filled))
-                if part.filled - part.reported >= next_step(part.dest.size - part.reported):
+                self._low_water(next_step(part.end - part.filled))
+                if part.filled - part.reported >= next_step(part.end - part.reported):
                     part.reported = part.filled
                     try:
                         self.sink.on_progress(self, part.header, part.dest, part.filled)
@@ -172,6 +199,9 @@ class Inbound(asyncio.BufferedProtocol):
                         log.exception("progress callback failed")
             return
         self._end += nbytes
+        self._parse_or_fail()
+
+    def _parse_or_fail(self) -> None:
         try:
             self._parse()
         except ValueError as exc:
@@ -180,7 +210,12 @@ class Inbound(asyncio.BufferedProtocol):
     def _parse(self) -> None:
         buf = self._scratch
         length = framing.LENGTH
-        while not self._closed:
+        while not self._closed and self._striped is None:
+            if self.lane is not None:  # its HELLO made it a lane: the rest is payload bytes
+                if self._end > self._start:
+                    self.lane.take_early(memoryview(buf)[self._start:self._end])
+                self._start = self._end = 0
+                return
             limit = MAX_HEADER if self.src >= 0 else UNPROVEN_HEADER
             hlen = framing.body_length(buf, self._start, self._end, limit)
             if hlen is None or self._end - self._start < length + hlen:
@@ -192,26 +227,87 @@ class Inbound(asyncio.BufferedProtocol):
                 raise ValueError(f"undecodable header ({exc})") from None
             self._start += length + hlen
             size = header.payload_bytes
+            striped = self._striped_bytes(header)
             dest = self.sink.on_header(self, header) if size else None
             if size and (dest is None or dest.size != size):
                 raise ValueError(f"no buffer for a {size}-byte payload")
             if dest is None:
                 self._deliver(header, None)
                 continue
-            take = min(size, self._end - self._start)
+            own = size - striped
+            if striped:
+                self._announce(header, dest, own, striped)
+            take = min(own, self._end - self._start)
             if take:
                 dest[:take] = np.frombuffer(buf, np.uint8, take, self._start)
                 self._start += take
-            if take == size:
-                self._deliver(header, dest)
-                continue
-            self._partial = _Partial(header, dest, dest.data, take)
-            self._low_water(next_step(size - take))
+            if take == own:
+                if self._own_share_done(header, dest):
+                    continue
+                break
+            self._partial = _Partial(header, dest, dest.data, take, end=own)
+            self._low_water(next_step(own - take))
             break
         if self._start == self._end:
             self._start = self._end = 0
         if self._partial is not None and len(self._scratch) > SCRATCH:
             self._scratch = bytearray(SCRATCH)  # shrink after a huge header
+
+    def _striped_bytes(self, header: pb.BulkHeader) -> int:
+        """Bytes of ``header``'s payload that come over the lanes (checked)."""
+        striped = int(header.stripe_bytes)
+        if striped and (self.lanes is None or striped > header.payload_bytes
+                        or header.kind not in (pb.DATA, pb.PAYLOAD)):
+            raise ValueError(f"{striped} striped bytes of a {header.payload_bytes}-byte "
+                             f"payload on a link of {self.lanes.stripes if self.lanes else 1} "
+                             "connection(s)")
+        return striped
+
+    def _announce(self, header: pb.BulkHeader, dest: np.ndarray, own: int,
+                  striped: int) -> None:
+        """The lanes will carry ``dest[own:]``."""
+        assert self.lanes is not None
+        frame = StripedFrame(dest, self, len(self.lanes.lanes) + 1)
+        self._striped = (header, frame)
+        self.lanes.announce(frame, own, striped)
+
+    def _own_share_done(self, header: pb.BulkHeader, dest: np.ndarray) -> bool:
+        """This connection's share of a payload is in: deliver the frame if it is whole
+        (True: go on parsing); else stop reading until the lanes' shares are in."""
+        striped = self._striped
+        if striped is None:
+            self._deliver(header, dest)
+            return True
+        if striped[1].share_done():
+            self._striped = None
+            self._deliver(header, striped[1].dest)
+            return True
+        self.pause()
+        return False
+
+    def stripes_done(self) -> None:
+        """The lanes' shares of the striped frame are in, after this connection's: deliver
+        it and read on."""
+        striped, self._striped = self._striped, None
+        if striped is None or self._closed:
+            return
+        self._deliver(striped[0], striped[1].dest)
+        self.resume()
+        if self._end > self._start:
+            self._parse_or_fail()
+
+    def pause(self) -> None:
+        """Stop reading this connection (a lane with nothing announced, or a main connection
+        waiting for its lanes)."""
+        if not self._paused and self.transport is not None and not self._closed:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        """Read this connection again."""
+        if self._paused and self.transport is not None and not self._closed:
+            self._paused = False
+            self.transport.resume_reading()
 
     def _deliver(self, header: pb.BulkHeader, payload: np.ndarray | None) -> None:
         self.frames_received += 1
@@ -222,21 +318,28 @@ class Inbound(asyncio.BufferedProtocol):
 
     def receiving_into(self, dest: np.ndarray) -> bool:
         """Whether the payload being received goes into ``dest``."""
-        return self._partial is not None and self._partial.dest is dest
+        return ((self._partial is not None and self._partial.dest is dest)
+                or (self._striped is not None and self._striped[1].dest is dest))
 
     def redirect(self, dest: np.ndarray, into: np.ndarray) -> bool:
         """If the payload being received goes into ``dest``, send the rest into ``into``
         instead (same size; what already arrived is not copied). True when it did."""
-        part = self._partial
-        if part is None or part.dest is not dest:
+        if not self.receiving_into(dest):
             return False
-        part.dest, part.view = into, into.data
+        part = self._partial
+        if part is not None:
+            part.dest, part.view = into, into.data
+        if self._striped is not None:
+            self._striped[1].dest = into  # the lanes' regions read it afresh
         return True
 
     def take_partial(self) -> tuple[pb.BulkHeader, np.ndarray] | None:
         """The header and destination of a payload cut off mid-way (to return its buffer)."""
         part, self._partial = self._partial, None
-        return None if part is None else (part.header, part.dest)
+        striped, self._striped = self._striped, None
+        if part is not None:
+            return part.header, part.dest
+        return None if striped is None else (striped[0], striped[1].dest)
 
     def fail(self, reason: str) -> None:
         """Close this connection (and only this one) after a protocol error."""
@@ -251,6 +354,7 @@ class Inbound(asyncio.BufferedProtocol):
             self.gate.settled(self)
         if self.transport is not None:
             self.transport.abort()
+        self._lanes_lost(reason)
         self.sink.on_lost(self, reason)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -260,7 +364,18 @@ class Inbound(asyncio.BufferedProtocol):
         self._closed = True
         if self.gate is not None:
             self.gate.settled(self)
-        self.sink.on_lost(self, "stream closed" if exc is None else type(exc).__name__)
+        reason = "stream closed" if exc is None else type(exc).__name__
+        self._lanes_lost(reason)
+        self.sink.on_lost(self, reason)
+
+    def _lanes_lost(self, reason: str) -> None:
+        """A striped link's connection ended: the others go with it (a lane's main
+        connection fails, so that the link is reopened whole)."""
+        if self.lanes is not None:
+            lanes, self.lanes = self.lanes, None
+            lanes.close(f"its main connection ended ({reason})")
+        if self.lane is not None:
+            self.lane.lost(reason)
 
 
 class Gate:

@@ -21,6 +21,7 @@ from decentd.net.loopback import LoopbackSender
 from decentd.net.outbound import Sender
 from decentd.net.outbox import Outbox
 from decentd.net.peer import PeerLink, is_loopback
+from decentd.net.stripes import MAX_STRIPES, LaneSet, Striping
 from decentd.security.auth import PeerAuth, shown
 from decentd.security.refusals import Refusals
 
@@ -39,8 +40,11 @@ class Links:
     def __init__(self, rank: int, addresses: list[str], cluster_id: str, window: int,
                  topology_digest: str, per_node: int = 1, machine_digest: str = "",
                  auth: PeerAuth | None = None, auth_timeout: float = 10.0,
-                 incarnation: int = 0, refusals: Refusals | None = None) -> None:
+                 incarnation: int = 0, refusals: Refusals | None = None,
+                 striping: Striping | None = None) -> None:
         self.rank = rank
+        #: how many connections our link to each peer opens (:mod:`decentd.net.stripes`)
+        self.striping = striping or Striping()
         #: this daemon's start (ns since the epoch), told at every handshake
         self.incarnation = incarnation
         self.cluster_id = cluster_id
@@ -138,9 +142,11 @@ class Links:
         self.data_port = int(self._server.sockets[0].getsockname()[1])
         return self.data_port
 
-    def bind_inbound(self, conn: Inbound, src: int, cluster_id: str, proof: bytes) -> None:
-        """A bulk connection said HELLO as rank ``src`` with ``proof``
-        (:mod:`decentd.security.auth`); ValueError closes it if it cannot be that rank's."""
+    def bind_inbound(self, conn: Inbound, hello: pb.BulkHeader) -> bool:
+        """A bulk connection said ``hello`` (as rank ``from_rank``, with a ``proof``,
+        :mod:`decentd.security.auth`); ValueError closes it if it cannot be that rank's.
+        True for the link's main connection, False for a lane of a striped one."""
+        src, cluster_id = int(hello.from_rank), hello.cluster_id
         if conn.src >= 0:
             raise ValueError("a second HELLO")
         link = self.link(src)
@@ -148,15 +154,40 @@ class Links:
             raise ValueError(f"HELLO from rank {src} of cluster {shown(cluster_id)}")
         if (src == self.rank) != conn.trusted:
             raise ValueError(f"HELLO as rank {src} (this daemon's own) from the network")
-        if not conn.trusted and not self.auth.admit_hello(src, self.rank, proof):
+        if not conn.trusted and not self.auth.admit_hello(src, self.rank, hello):
             raise ValueError(f"HELLO as rank {src} without a valid proof (security mode "
                              f"{self.auth.mode})")
+        stripes, index = max(1, int(hello.stripes)), int(hello.stripe)
+        if stripes > MAX_STRIPES or index >= stripes or (stripes > 1 and conn.trusted):
+            raise ValueError(f"HELLO for stripe {index} of {stripes}")
         if not conn.trusted:
             self.gate.settled(conn)
+        if index:
+            conn.lane = self._lanes(link, stripes, int(hello.bundle)).attach(index, conn)
+            conn.src = src
+            return False
         if link.inbound is not None:  # a new one comes after a handshake that drops the old
             raise ValueError(f"a second HELLO from rank {src}, which is already connected")
         conn.src = src
         link.inbound = conn
+        if stripes > 1:
+            conn.lanes = self._lanes(link, stripes, int(hello.bundle))
+            conn.lanes.main = conn
+        return True
+
+    @staticmethod
+    def _lanes(link: PeerLink, stripes: int, bundle: int) -> LaneSet:
+        """The lanes of the link opening ``bundle``: an older opening's give way, unless its
+        main connection is up (then ``bundle`` is the stale one: ValueError)."""
+        lanes = link.lanes
+        if lanes is not None and lanes.bundle == bundle and lanes.stripes == stripes:
+            return lanes
+        if lanes is not None and lanes.main is not None:
+            raise ValueError(f"a stripe of link opening {bundle} while {lanes.bundle} is up")
+        if lanes is not None:
+            lanes.close("a newer opening of the link")
+        link.lanes = LaneSet(stripes, bundle)
+        return link.lanes
 
     def inbound_lost(self, conn: Inbound) -> int | None:
         """A bulk connection ended: its peer's rank when it was that peer's current one."""
@@ -191,6 +222,9 @@ class Links:
         inbound, link.inbound = link.inbound, None
         if inbound is not None and inbound.transport is not None:
             inbound.transport.abort()
+        lanes, link.lanes = link.lanes, None
+        if lanes is not None:
+            lanes.close("the link was dropped")
         link.flow = LinkFlow(self.window)
         link.generation += 1
         link.heartbeat_mark = -1

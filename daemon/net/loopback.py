@@ -34,12 +34,17 @@ class LoopbackSender:
         hello = pb.BulkHeader(kind=pb.HELLO, cluster_id=cluster_id, from_rank=rank)
         self.send([framing.encode(hello)])
 
+    @staticmethod
+    def stripe_bytes(payload: int) -> int:
+        """Nothing is striped: frames never leave the process."""
+        return 0
+
     def send(self, buffers: list[Buffer],
              on_done: Callable[[BaseException | None], None] | None = None,
-             gate: FillGate | None = None) -> Outgoing:
+             gate: FillGate | None = None, striped: int = 0) -> Outgoing:
         """Queue one frame; ``on_done`` runs once the receiving side has all of it (``gate``
-        must be None: inputs reach this daemon's workers whole)."""
-        assert gate is None
+        must be None: inputs reach this daemon's workers whole; ``striped`` 0)."""
+        assert gate is None and not striped
         item = Outgoing(list(buffers), on_done)
         self._queue.append(item)
         if not self._draining:

@@ -4,6 +4,10 @@ When nothing is queued, the event loop writes what the socket takes of a frame's
 non-blocking ``sendmsg``; the rest goes to the sender's thread, which writes it with blocking
 ``sendmsg`` calls (the GIL is released while the kernel copies) directly from the worker's
 shared-memory slot. Frames are framed as :mod:`decentd.net.inbound` describes.
+
+A striped link (:mod:`decentd.net.stripes`) has more connections, its lanes, each a
+:class:`Sender` of its own: a large payload's last bytes are handed to them when its frame
+starts on the main connection, so that they carry their shares in the main connection's order.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import errno
 import socket
 import ssl
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
+from decentd.net.stripes import Countdown, layout, stripe_bytes
 from decentd.workers.arena import fault_in
 from decentd.workers.staging import FillGate
 
@@ -42,6 +47,18 @@ class Outgoing:
     write: int = -1  # the sender's write (sendmsg call) that took its last byte
     #: its payload is an input still being copied in: bytes go out as they are copied
     gate: FillGate | None = None
+    #: the lanes' shares of its payload, handed to them when it starts (striped links)
+    shares: list[Share] = field(default_factory=list)
+
+
+@dataclass
+class Share:
+    """A lane's share of a striped frame's payload."""
+
+    lane: Sender
+    buffers: list[Buffer]
+    on_done: Callable[[BaseException | None], None]
+    gate: FillGate | None
 
 
 def _take(buffers: list[Buffer], limit: int, total: int | None = None) -> list[Buffer]:
@@ -58,6 +75,22 @@ def _take(buffers: list[Buffer], limit: int, total: int | None = None) -> list[B
         out.append(b)
         limit -= n
     return out
+
+
+def _split(buffers: list[Buffer], keep: int) -> tuple[list[Buffer], list[Buffer]]:
+    """The first ``keep`` bytes of ``buffers``, and the rest."""
+    head: list[Buffer] = []
+    for i, b in enumerate(buffers):
+        n = len(b)
+        if keep >= n:
+            head.append(b)
+            keep -= n
+            continue
+        if keep:
+            head.append(memoryview(b)[:keep])
+            return head, [memoryview(b)[keep:], *buffers[i + 1:]]
+        return head, list(buffers[i:])
+    return head, []
 
 
 def _advance(buffers: list[Buffer], sent: int) -> list[Buffer]:
@@ -88,13 +121,18 @@ class Sender:
     """The outgoing connection to one peer: frames go out whole and in order."""
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, peer: int,
-                 on_broken: Callable[[Sender, BaseException], None] | None = None) -> None:
-        """``on_broken(sender, error)`` runs on ``loop`` once when a write fails."""
+                 on_broken: Callable[[Sender, BaseException], None] | None = None,
+                 lanes: Sequence[socket.socket] = ()) -> None:
+        """``on_broken(sender, error)`` runs on ``loop`` once when a write fails (on any
+        connection of the link); ``lanes``: the other connections of a striped link, each
+        already greeted with its HELLO."""
         self.sock = sock
         self.loop = loop
         self.peer = peer
         self._on_broken = on_broken
-        self.bytes_sent = 0
+        self.lanes = [Sender(lane, loop, peer, self._lane_broken) for lane in lanes]
+        #: bytes written to this connection
+        self.written = 0
         #: frames sent, and the writes (sendmsg calls) that carried them: everything queued for
         #: this peer goes out together, several frames per write
         self.frames = 0
@@ -112,14 +150,34 @@ class Sender:
                                         name=f"decentd-send-{peer}")
         self._thread.start()
 
+    @property
+    def stripes(self) -> int:
+        """Connections of the link (1: not striped)."""
+        return 1 + len(self.lanes)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes written to the link (every connection of it)."""
+        return self.written + sum(lane.written for lane in self.lanes)
+
+    def stripe_bytes(self, payload: int) -> int:
+        """Of a ``payload``-byte frame, the bytes the lanes carry (its header says so)."""
+        return stripe_bytes(payload, self.stripes)
+
     def send(self, buffers: list[Buffer],
              on_done: Callable[[BaseException | None], None] | None = None,
-             gate: FillGate | None = None) -> Outgoing | None:
+             gate: FillGate | None = None, striped: int = 0,
+             queued: bool = False) -> Outgoing | None:
         """Queue one frame (header and payload buffers); ``on_done`` runs on the event loop.
-        ``gate``: the payload is an input still being copied in (the thread writes it).
+        ``gate``: the payload is an input still being copied in (the thread writes it);
+        ``striped``: the payload's last bytes that go over the lanes (:meth:`stripe_bytes`);
+        ``queued``: the thread writes it even when nothing else is queued.
 
         Returns the queued item (to abandon it), or None when it went out at once.
         """
+        shares: list[Share] = []
+        if striped:
+            buffers, shares, on_done = self._shares(buffers, striped, on_done, gate)
         total = sum(map(len, buffers))
         with self._cv:
             if self.error is not None or self._closed:
@@ -127,12 +185,13 @@ class Sender:
                 if on_done is not None:
                     on_done(err)
                 return None
-            if gate is not None:
-                item = Outgoing(buffers, on_done, gate=gate)
+            if gate is not None or queued:
+                item = Outgoing(buffers, on_done, gate=gate, shares=shares)
                 self._queue.append(item)
                 self._cv.notify()
                 return item
             if not self._busy and not self._queue and not self._tls:
+                self._hand_out(shares)  # this frame goes next: its shares may start
                 head = _take(buffers, DIRECT_HEAD, total)  # at most 64 buffers: < IOV_MAX
                 try:
                     sent = sendmsg(self.sock, head, socket.MSG_DONTWAIT)
@@ -143,7 +202,7 @@ class Sender:
                     if on_done is not None:
                         on_done(exc)
                     return None
-                self.bytes_sent += sent
+                self.written += sent
                 self.writes += sent > 0
                 if sent == total:
                     self.frames += 1
@@ -152,15 +211,46 @@ class Sender:
                     return None
                 buffers = _advance(buffers, sent)
                 total -= sent
-                # part of the frame is on the wire: the rest must follow, whatever happens
-                item = Outgoing(buffers, on_done, started=sent > 0, sent=sent)
+                # part of the frame (or of its shares) is on the wire: the rest must follow
+                item = Outgoing(buffers, on_done, started=sent > 0 or bool(shares), sent=sent)
                 self._queue.append(item)
                 self._cv.notify()
                 return item
-            item = Outgoing(buffers, on_done)
+            item = Outgoing(buffers, on_done, shares=shares)
             self._queue.append(item)
             self._cv.notify()
             return item
+
+    def _shares(self, buffers: list[Buffer], striped: int,
+                on_done: Callable[[BaseException | None], None] | None,
+                gate: FillGate | None) -> tuple[list[Buffer], list[Share],
+                                                Callable[[BaseException | None], None]]:
+        """The main connection's part of a frame, the lanes' shares of its last ``striped``
+        payload bytes, and the callback that ends the frame once all of them are out."""
+        total = sum(map(len, buffers))
+        head = len(buffers[0])  # the header
+        own, rest = _split(buffers, total - striped)
+        ending = Countdown(on_done or (lambda err: None), self.stripes)
+        shares = []
+        start = total - striped - head  # where the striped bytes start in the payload
+        for lane, (offset, length) in zip(self.lanes, layout(striped, self.stripes),
+                                          strict=True):
+            share, rest = _split(rest, length)
+            lane_gate = None if gate is None else FillGate(gate.fill, gate.base + start + offset)
+            shares.append(Share(lane, share, ending, lane_gate))
+        return own, shares, ending
+
+    @staticmethod
+    def _hand_out(shares: list[Share]) -> None:
+        """The frame of ``shares`` starts: queue them on their lanes (in frame order)."""
+        for share in shares:
+            share.lane.send(share.buffers, share.on_done, share.gate, queued=True)
+
+    def _lane_broken(self, lane: Sender, exc: BaseException) -> None:
+        """A lane's write failed: the whole link is broken (on the loop)."""
+        with self._cv:
+            self._broken(exc)
+        self.abort()
 
     @property
     def queued(self) -> int:
@@ -170,9 +260,11 @@ class Sender:
 
     @property
     def idle(self) -> bool:
-        """Nothing queued or going out."""
+        """Nothing queued or going out (on any connection of the link)."""
         with self._cv:
-            return not self._busy and not self._queue
+            if self._busy or self._queue:
+                return False
+        return all(lane.idle for lane in self.lanes)
 
     def abandon(self, item: Outgoing) -> bool:
         """Skip ``item`` if the thread has not started it; True when it is already going out."""
@@ -211,6 +303,7 @@ class Sender:
                 self._done(item, asyncio.CancelledError())
                 continue
             item.started = True
+            self._hand_out(item.shares)
             batch.append(item)
         return batch
 
@@ -221,7 +314,7 @@ class Sender:
         while pending:
             buffers = [b for item in pending for b in item.buffers]
             sent = self._write_slice(_take(buffers, self._ready(pending)))
-            self.bytes_sent += sent
+            self.written += sent
             self.writes += 1
             while pending and sent:
                 item = pending[0]
@@ -296,14 +389,18 @@ class Sender:
             self.sock.shutdown(socket.SHUT_RDWR)
         with self._cv:
             if self._held is not None:
-                self._held.fill.release()
+                self._held.fill.interrupt()
+        for lane in self.lanes:
+            lane.abort()
 
     def close(self) -> None:
         """Stop after what is queued; the socket is shut down for writing."""
         with self._cv:
             self._closed = True
             self._cv.notify()
-        self._thread.join(timeout=2.0)
+        self._thread.join(timeout=2.0)  # the lanes' shares were handed out meanwhile
+        for lane in self.lanes:
+            lane.close()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_WR)
         self.sock.close()

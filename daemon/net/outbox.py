@@ -64,6 +64,11 @@ def _settle(fut: asyncio.Future[None], err: BaseException | None, rank: int, nam
                                    f"({type(err).__name__}: {err})"))
 
 
+def _striped(link: PeerLink, size: int) -> int:
+    """Bytes of a ``size``-byte payload to ``link`` that go over its lanes."""
+    return link.sender.stripe_bytes(size) if link.sender is not None else 0
+
+
 class Outbox:
     """Every frame this daemon sends to its peers (and to itself, over its loopback link)."""
 
@@ -85,7 +90,7 @@ class Outbox:
     async def _write(self, link: PeerLink, buffers: list[Buffer], name: str,
                      refund: tuple[int, int] | None = None,
                      track: list[tuple[Outgoing, int]] | None = None, header: int = 0,
-                     gate: FillGate | None = None) -> None:
+                     gate: FillGate | None = None, striped: int = 0) -> None:
         """Write one frame to ``link`` and wait until the kernel has all of it.
 
         A frame is never abandoned half-way: its payload is read straight from the worker's arena
@@ -102,7 +107,8 @@ class Outbox:
                 flow.refund(*refund)  # skipped: the peer never saw it
             _settle(fut, err, link.rank, name)
 
-        item = link.sender.send(buffers, done, None if gate is None else gate.with_head(header))
+        gate = None if gate is None else gate.with_head(header)
+        item = link.sender.send(buffers, done, gate, striped)
         if item is not None and track is not None:
             track.append((item, header))  # (frame, header bytes): its payload's progress
         if item is None:
@@ -162,10 +168,12 @@ class Outbox:
         flow = link.flow
         mid = flow.next_id()
         if flow.take(size):
-            header = pb.BulkHeader(kind=pb.DATA, message_id=mid, payload_bytes=size, parts=parts)
+            striped = _striped(link, size)
+            header = pb.BulkHeader(kind=pb.DATA, message_id=mid, payload_bytes=size, parts=parts,
+                                   stripe_bytes=striped)
             stamped = flow.stamp(header)
             await self._write(link, [stamped, *payload], name, (size, int(header.credit)),
-                              track, len(stamped), gate)
+                              track, len(stamped), gate, striped)
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         rdv = Rendezvous(payload, name, done, gate=gate)
@@ -189,12 +197,14 @@ class Outbox:
         if rdv is None or rdv.done.done() or link.sender is None:
             return  # its op gave up meanwhile
         size = sum(len(b) for b in rdv.payload)
-        header = pb.BulkHeader(kind=pb.PAYLOAD, message_id=mid, payload_bytes=size)
+        striped = _striped(link, size)
+        header = pb.BulkHeader(kind=pb.PAYLOAD, message_id=mid, payload_bytes=size,
+                               stripe_bytes=striped)
         done, name = rdv.done, rdv.name  # not rdv: the callback must not keep its payload
         stamped = link.flow.stamp(header)
+        gate = None if rdv.gate is None else rdv.gate.with_head(len(stamped))
         item = link.sender.send([stamped, *rdv.payload],
-                                lambda err: _settle(done, err, link.rank, name),
-                                None if rdv.gate is None else rdv.gate.with_head(len(stamped)))
+                                lambda err: _settle(done, err, link.rank, name), gate, striped)
         rdv.queued = item if item is not None else Outgoing([], None, started=True)
 
     async def send_data(

@@ -14,6 +14,7 @@ from decentd.net.flow import LinkFlow
 from decentd.net.inbound import Inbound
 from decentd.net.loopback import LoopbackSender
 from decentd.net.outbound import Sender
+from decentd.net.stripes import LaneSet
 
 
 def host_of(address: str) -> str:
@@ -56,6 +57,10 @@ class PeerLink:
     back: asyncio.Future[bool] | None = None
     #: ABORT and SKIP frames for the peer held while the link is reopened (sent once it is up)
     held: list[pb.BulkHeader] = field(default_factory=list)
+    #: the lanes of the peer's striped connection to us (:mod:`decentd.net.stripes`)
+    lanes: LaneSet | None = None
+    #: the round trip (seconds) our bulk connection measured when it opened
+    connect_rtt: float = 0.0
 
     @property
     def bytes_sent(self) -> int:
@@ -74,5 +79,6 @@ class PeerLink:
 
     @property
     def bytes_received(self) -> int:
-        """Bytes read from the peer's bulk connection."""
-        return self.inbound.bytes_received if self.inbound is not None else 0
+        """Bytes read from the peer's bulk connections."""
+        lanes = self.lanes.bytes_received if self.lanes is not None else 0
+        return lanes + (self.inbound.bytes_received if self.inbound is not None else 0)

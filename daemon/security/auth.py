@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from decent_wire.v1 import decent_pb2 as pb
+
 if TYPE_CHECKING:
     from decentd.security.tls import Tls
 
@@ -105,8 +107,10 @@ class PeerAuth:
         self.cluster_id = cluster_id
         self._secret = secret or b""
         self._challenges: collections.OrderedDict[bytes, Challenge] = collections.OrderedDict()
-        #: by peer rank: the session key its next bulk HELLO must prove
+        #: by peer rank: the session key its next bulk HELLOs must prove (one per connection
+        #: of its link), and the connections that proved it already
         self._bulk_keys: dict[int, bytes] = {}
+        self._hellos: dict[int, set[int]] = {}
 
     @property
     def proves(self) -> bool:
@@ -137,6 +141,7 @@ class PeerAuth:
             return pending
         self._bulk_keys[from_rank] = self._proof("session", from_rank, to_rank,
                                                  pending.client_nonce, server_nonce)
+        self._hellos[from_rank] = set()
         return None
 
     def admit_status(self, from_rank: int, to_rank: int, server_nonce: bytes,
@@ -163,18 +168,24 @@ class PeerAuth:
         """A fresh session key for an authenticated caller (mtls: sent over TLS)."""
         key = secrets.token_bytes(32)
         self._bulk_keys[from_rank] = key
+        self._hellos[from_rank] = set()
         return key
 
-    def admit_hello(self, from_rank: int, to_rank: int, proof: bytes) -> bool:
-        """Whether a bulk HELLO from ``from_rank`` proves the key of its handshake (which it
-        consumes); always True in insecure mode."""
+    def admit_hello(self, from_rank: int, to_rank: int, hello: pb.BulkHeader) -> bool:
+        """Whether a bulk HELLO from ``from_rank`` proves the key of its handshake, for its
+        connection of the link (each connection once; the key is consumed when all of them
+        proved it); always True in insecure mode."""
         if not self.proves:
             return True
         key = self._bulk_keys.get(from_rank)
-        if key is None or not hmac.compare_digest(
-                mac(key, "hello", self.cluster_id, from_rank, to_rank), proof):
+        stripe, used = int(hello.stripe), self._hellos.get(from_rank, set())
+        if key is None or stripe in used or not hmac.compare_digest(
+                self.hello_proof(key, from_rank, to_rank, hello), bytes(hello.proof)):
             return False
-        del self._bulk_keys[from_rank]
+        used.add(stripe)
+        if len(used) >= max(1, int(hello.stripes)):
+            del self._bulk_keys[from_rank]
+            self._hellos.pop(from_rank, None)
         return True
 
     # ------------------------------------------------------------------ caller
@@ -196,9 +207,12 @@ class PeerAuth:
         """Our proof for a status request that answers a challenge."""
         return self._proof("status", from_rank, to_rank, client_nonce, server_nonce)
 
-    def hello_proof(self, key: bytes, from_rank: int, to_rank: int) -> bytes:
-        """The proof our bulk HELLO carries (empty in insecure mode)."""
-        return mac(key, "hello", self.cluster_id, from_rank, to_rank) if key else b""
+    def hello_proof(self, key: bytes, from_rank: int, to_rank: int,
+                    hello: pb.BulkHeader) -> bytes:
+        """The proof a bulk ``hello`` carries for one connection of a link (empty in insecure
+        mode)."""
+        return mac(key, "hello", self.cluster_id, from_rank, to_rank, int(hello.bundle),
+                   int(hello.stripe), int(hello.stripes)) if key else b""
 
     def _proof(self, label: str, from_rank: int, to_rank: int, client_nonce: bytes,
                server_nonce: bytes) -> bytes:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from decent_wire import topology
 from decent_wire.local import default_socket
 from decentd.errors import ConfigError
+from decentd.net.stripes import Striping
 
 
 class _Strict(BaseModel):
@@ -138,6 +139,28 @@ class TransportConfig(_Strict):
     ring_threshold_bytes: int = Field(
         256 << 10, ge=0, description="allreduce uses the ring at or above this size"
     )
+    stripes: int | Literal["auto"] = Field(
+        "auto",
+        description="TCP connections each link to a peer sends over; a large message's bytes "
+        "are split across them (one flow moves at most its window per round trip). \"auto\": "
+        "as many as the round trip measured when the link opens needs to keep "
+        "stripe_rate_mbit in flight, given the kernel's socket buffer maxima (1 on a LAN)",
+    )
+    max_stripes: int = Field(8, ge=1, le=64, description="the most connections \"auto\" opens")
+    stripe_rate_mbit: float = Field(
+        1000.0, gt=0, description="the link rate \"auto\" sizes the connection count for")
+
+    @field_validator("stripes")
+    @classmethod
+    def _stripes_in_range(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 64:
+            raise ValueError(f"stripes must be \"auto\" or 1 to 64, not {value}")
+        return value
+
+    def striping(self) -> Striping:
+        """How many connections each link opens (:mod:`decentd.net.stripes`)."""
+        return Striping(None if self.stripes == "auto" else self.stripes, self.max_stripes,
+                        self.stripe_rate_mbit * 1e6)
 
 
 class SecurityConfig(_Strict):

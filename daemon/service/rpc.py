@@ -224,6 +224,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             incarnation=members.incarnation_of(link.rank),
             reconnects=members.members[link.rank].reconnects,
             down_reason=members.members[link.rank].reason,
+            stripes=link.sender.stripes if isinstance(link.sender, Sender) else 0,
+            connect_rtt_ms=link.connect_rtt * 1e3,
         )
 
     async def Topology(

@@ -110,7 +110,7 @@ def build_services(cfg: NodeConfig, rank: int,
                   window_per_peer(cfg.memory.early_arrival_bytes, len(addresses) - 1),
                   topology.digest(), cfg.workers_per_node, machine_topology.digest(),
                   build_auth(cfg, rank), cfg.timeouts.auth, incarnation=time.time_ns(),
-                  refusals=refusals)
+                  refusals=refusals, striping=cfg.transport.striping())
     members = Membership(rank, len(addresses), links.incarnation, cfg.workers_per_node)
     mailbox = Mailbox(links.outbox)
     windows = WindowStore(cfg.worker_count, links, cfg.timeouts.op,

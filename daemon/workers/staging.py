@@ -31,6 +31,8 @@ class FillState:
         self.nbytes = nbytes
         self.filled = 0
         self.released = False  #: the op ended: nothing waits any more, whole or not
+        #: the connection a sender thread waits to write it to was closed
+        self.interrupted = False
         #: bytes of it that sender threads wrote before the copy ended (written by them)
         self.early = 0
         self._cv = threading.Condition()
@@ -57,6 +59,13 @@ class FillState:
         if not self._whole.done():
             self._whole.cancel()
 
+    def interrupt(self) -> None:
+        """The link a sender thread waits to write this input to was closed: wake the
+        thread (its frame is given up; the op itself waits on)."""
+        with self._cv:
+            self.interrupted = True
+            self._cv.notify_all()
+
     async def whole(self) -> None:
         """Wait until every byte is in the arena (CancelledError once released short)."""
         if not self.complete:
@@ -68,10 +77,11 @@ class FillState:
         the worker copied nothing for :data:`STALL` seconds: a frame started on the wire can
         then not be completed (and the frames behind it, heartbeats too, must not wait)."""
         with self._cv:
-            moved = self._cv.wait_for(
-                lambda: self.filled > filled or self.complete or self.released, STALL)
+            self._cv.wait_for(lambda: self.filled > filled or self.complete
+                                      or self.released or self.interrupted, STALL)
             if self.filled <= filled and not self.complete:
-                why = "ended" if moved else f"copied nothing for {STALL:g}s"
+                why = ("ended" if self.released else "lost its link" if self.interrupted
+                       else f"copied nothing for {STALL:g}s")
                 raise ConnectionAbortedError(f"the worker's op {why} before its input was all "
                                              "copied in: the frame carrying it is cut off")
             return self.filled
