@@ -1,7 +1,7 @@
 # The two commands of the README: `make run` (set up, then the main job) and `make test`.
 VENV := .venv/bin
 
-.PHONY: setup run test test-fast lint ruff typecheck docs docs-serve bench convergence stragglers chaos mutation wan wan-link \
+.PHONY: setup run test test-fast lint ruff typecheck docs docs-serve bench convergence stragglers chaos mutation wan wan-link wan-stripes \
 	imports fuzz clean soak
 
 setup:
@@ -86,6 +86,12 @@ wan: setup
 ## RTT 10, 50 and 100 ms and 100 Mbit/s and 1 Gbit/s (benchmarks/results/wan_link.*; root)
 wan-link: setup
 	$(VENV)/python benchmarks/wan_link.py
+
+## one 64 MiB transfer across 1 Gbit/s with a 100 ms RTT: one TCP flow against a striped link
+## (transport.stripes), with the kernel's default socket buffers and raised ones
+## (benchmarks/results/wan_stripes.*; ~2 min, root)
+wan-stripes: setup
+	$(VENV)/python benchmarks/wan_stripes.py
 
 ## the data-plane benchmarks, side by side with gloo (and hivemind, raw TCP) in the same run:
 ## 2 daemons on loopback, then 8 nodes in network namespaces at 1 Gbit/s (root only), then the

@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,9 +81,18 @@ def run_case(a: argparse.Namespace, buffers: str, stripes: str) -> dict[str, Any
         runner.wait_all(ranks, timeout=120 + a.repeats * 30, watch=daemons)
         ok = True
         return {"ranks": [json.loads((run_dir / f"rank-{i}.json").read_text())
-                          for i in range(2)]}
+                          for i in range(2)],
+                "retransmitted": sum(retransmitted(ns) for ns in net.ns)}
     finally:
         tear_down(cleanup, run_dir, ok)
+
+
+def retransmitted(ns: str) -> int:
+    """TCP segments namespace ``ns`` has retransmitted (``/proc/net/snmp``)."""
+    out = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"],
+                         capture_output=True, text=True, check=True).stdout
+    names, values = [line.split() for line in out.splitlines() if line.startswith("Tcp:")]
+    return int(values[names.index("RetransSegs")])
 
 
 def rank_main(a: argparse.Namespace) -> int:
@@ -118,7 +128,8 @@ def summarize(case: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
             "first_share": ideal / per_call[0], "warm_share": ideal / warm,
             "stripes": [r["stripes"] for r in case["ranks"]],
             "connect_rtt_ms": [round(r["connect_rtt_ms"], 1) for r in case["ranks"]],
-            "exact": all(r["value"] == 1.5 for r in case["ranks"])}
+            "exact": all(r["value"] == 1.5 for r in case["ranks"]),
+            "retransmitted": case["retransmitted"]}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -127,14 +138,14 @@ def table(result: dict[str, Any]) -> str:
              f"{result['rate']}, RTT {result['rtt_ms']:g} ms, {result['mbytes']} MiB, "
              "both directions at once)", "",
              "| buffers | stripes | connections (RTT measured) | first call | share | "
-             "later calls (median) | share | exact |",
-             "|---|---|---|---|---|---|---|---|"]
+             "later calls (median) | share | segments retransmitted | exact |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in result["cases"]:
         s = c["summary"]
         lines.append(
             f"| {c['buffers']} | {c['stripes']} | {s['stripes'][0]} ({s['connect_rtt_ms'][0]} ms)"
             f" | {s['first_s']:.3f} s | {s['first_share']:.0%} | {s['warm_s']:.3f} s | "
-            f"{s['warm_share']:.0%} | {'yes' if s['exact'] else 'NO'} |")
+            f"{s['warm_share']:.0%} | {s['retransmitted']} | {'yes' if s['exact'] else 'NO'} |")
     lines.append("")
     lines.append(f"Target: a striped link reaches {TARGET:.0%} of the link rate with the "
                  "default buffers.")
@@ -204,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         result["cases"].append({"buffers": buffers, "stripes": stripes, "summary": summary})
         print(f"{buffers} buffers, stripes {stripes}: {summary['stripes'][0]} connection(s), "
               f"first {summary['first_s']:.3f} s, later {summary['warm_s']:.3f} s "
-              f"({summary['warm_share']:.0%} of the link rate)", flush=True)
+              f"({summary['warm_share']:.0%} of the link rate), calls "
+              f"{' '.join(f'{x:.2f}' for x in summary['calls_s'])}, "
+              f"{summary['retransmitted']} segments retransmitted", flush=True)
     a.json.write_text(json.dumps(result, indent=1) + "\n")
     a.md.write_text(table(result) + "\n")
     draw(result, a.png)

@@ -27,7 +27,16 @@ from cluster import Cluster
 from decent_wire import framing
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.net.inbound import Inbound
-from decentd.net.stripes import MAX_EARLY, STRIPE_MIN, LaneSet, Striping, layout, stripe_bytes
+from decentd.net.stripes import (
+    CHUNK,
+    CHUNK_HEAD,
+    MAX_EARLY,
+    STRIPE_MIN,
+    LaneSet,
+    Pull,
+    Striping,
+    stripe_bytes,
+)
 from decentd.security.refusals import Refusals
 from decentd.service.config import NodeConfig
 from decentd.service.server import build_services
@@ -60,17 +69,29 @@ def test_the_kernel_window_is_half_the_smaller_buffer_maximum(tmp_path: Path) ->
 
 
 @given(st.integers(0, 64 * MIB), st.integers(1, 64))
-def test_the_lanes_shares_tile_the_end_of_the_payload(payload: int, stripes: int) -> None:
+def test_the_main_connection_keeps_half_a_lanes_share(payload: int, stripes: int) -> None:
     striped = stripe_bytes(payload, stripes)
     if stripes == 1 or payload < STRIPE_MIN:
         assert striped == 0
-        return
-    assert payload - striped == payload // stripes  # the main connection's share
-    shares = layout(striped, stripes)
-    assert len(shares) == stripes - 1
-    assert shares[0][0] == 0 and sum(n for _, n in shares) == striped
-    assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(shares))
-    assert all(n == striped // (stripes - 1) for _, n in shares[:-1])
+    else:
+        assert payload - striped == payload // (2 * stripes)
+
+
+@given(st.lists(st.integers(1, 3 * CHUNK), min_size=1, max_size=4), st.integers(0, 7))
+def test_chunks_taken_by_turns_tile_the_striped_bytes_once(sizes: list[int], seq: int) -> None:
+    data = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+    done: list[int] = []
+    pull = Pull(seq, [memoryview(d) for d in data], lambda: done.append(1))
+    got, at = b"", 0
+    while (chunk := pull.take()) is not None:
+        offset, buffers = chunk
+        head = CHUNK_HEAD.unpack(buffers[0])
+        body = b"".join(bytes(b) for b in buffers[1:])
+        assert head == (seq, offset, len(body)) and offset == at and 0 < len(body) <= CHUNK
+        got, at = got + body, at + len(body)
+        assert not done
+        pull.wrote(len(body))
+    assert got == b"".join(data) and done == [1]
 
 
 # ------------------------------------------------------------------ reassembly, in-process
@@ -158,19 +179,27 @@ def deliver(conns: list[Inbound], data: list[bytes], order: tuple[int, ...],
         left[i] = left[i][piece:]
 
 
-def streams(payload: bytes, stripes: int, after: bytes = b"") -> list[bytes]:
-    """What each connection carries for one DATA frame of ``payload`` (then ``after`` on the
-    main connection), as a striped sender writes it."""
-    striped = stripe_bytes(len(payload), stripes)
-    header = pb.BulkHeader(kind=pb.DATA, message_id=1, payload_bytes=len(payload),
-                           stripe_bytes=striped)
-    own = len(payload) - striped
-    out = [framing.encode(header) + payload[:own] + after]
-    out += [payload[own + off:own + off + n] for off, n in layout(striped, stripes)]
+def streams(payloads: list[bytes], stripes: int, after: bytes = b"") -> list[bytes]:
+    """What each connection carries for DATA frames of ``payloads`` (then ``after`` on the
+    main connection), as a striped sender writes them: the lanes take chunks in turn."""
+    out = [b""] * stripes
+    for seq, payload in enumerate(payloads):
+        striped = stripe_bytes(len(payload), stripes)
+        header = pb.BulkHeader(kind=pb.DATA, message_id=seq, payload_bytes=len(payload),
+                               stripe_bytes=striped)
+        own = len(payload) - striped
+        out[0] += framing.encode(header) + payload[:own]
+        pull = Pull(seq, [payload[own:]], lambda: None)
+        lane = 0
+        while (chunk := pull.take()) is not None:
+            out[1 + lane] += b"".join(bytes(b) for b in chunk[1])
+            lane = (lane + 1 + seq) % (stripes - 1)  # an uneven turn per frame
+    out[0] += after
     return out
 
 
 PAYLOAD = bytes(np.random.default_rng(5).integers(0, 256, 3 * MIB + 11, np.uint8))
+SECOND = bytes(np.random.default_rng(6).integers(0, 256, 2 * MIB + 5, np.uint8))
 BEAT = framing.encode(pb.BulkHeader(kind=pb.ACK))  # a heartbeat
 
 
@@ -179,41 +208,59 @@ BEAT = framing.encode(pb.BulkHeader(kind=pb.ACK))  # a heartbeat
 def test_a_striped_frame_is_whole_and_in_order_whatever_connection_comes_first(
         order: tuple[int, ...]) -> None:
     sink, conns = striped_link(3)
-    deliver(conns, streams(PAYLOAD, 3, after=BEAT), order, 1 << 16)
-    assert [h.kind for h, _ in sink.frames] == [pb.DATA, pb.ACK]
-    assert sink.frames[0][1] == PAYLOAD
-    assert all(cast(Transport, c.transport).reading == (i == 0) for i, c in enumerate(conns))
+    deliver(conns, streams([PAYLOAD, SECOND], 3, after=BEAT), order, 1 << 16)
+    assert [h.kind for h, _ in sink.frames] == [pb.DATA, pb.DATA, pb.ACK]
+    assert [p for _, p in sink.frames[:2]] == [PAYLOAD, SECOND]
+    assert all(cast(Transport, c.transport).reading for c in conns)  # none left waiting
     assert not sink.lost
 
 
 def test_lanes_bytes_interleaved_in_small_pieces_land_in_place() -> None:
     sink, conns = striped_link(4)
-    deliver(conns, streams(PAYLOAD, 4), (3, 1, 2, 0), 4096)  # the lanes' pieces first
-    assert [p for _, p in sink.frames] == [PAYLOAD]
+    deliver(conns, streams([PAYLOAD, SECOND], 4), (3, 1, 2, 0), 4096)  # lanes first
+    assert [p for _, p in sink.frames] == [PAYLOAD, SECOND]
 
 
 def test_a_lane_that_sends_what_no_frame_announced_is_closed_with_its_link() -> None:
     sink, conns = striped_link(2)
-    feed(conns[1], bytes(MAX_EARLY))  # held (as if read with its HELLO): a header may come
+    feed(conns[1], CHUNK_HEAD.pack(0, 0, 10) + bytes(MAX_EARLY))  # frame 0 may still come
     assert not sink.lost
     feed(conns[1], b"x")
     assert cast(Transport, conns[1].transport).aborted
     assert cast(Transport, conns[0].transport).aborted  # the link goes whole
-    assert any("that no frame announced" in why for why in sink.lost)
+    assert any("for frames not announced" in why for why in sink.lost)
+
+
+@pytest.mark.parametrize("head", [(0, 0, 0), (0, 2 * MIB, 4), (0, 0, 3 * MIB)],
+                         ids=["empty", "past-the-end", "longer-than-striped"])
+def test_a_chunk_outside_its_frame_closes_the_link(head: tuple[int, int, int]) -> None:
+    sink, conns = striped_link(2)
+    feed(conns[0], streams([SECOND], 2)[0])
+    feed(conns[1], CHUNK_HEAD.pack(*head))
+    assert cast(Transport, conns[0].transport).aborted and not sink.frames
+    assert any("striped bytes" in why for why in sink.lost)
+
+
+def test_a_chunk_of_a_frame_already_whole_closes_the_link() -> None:
+    sink, conns = striped_link(2)
+    data = streams([SECOND], 2)
+    feed(conns[0], data[0])
+    feed(conns[1], data[1] + CHUNK_HEAD.pack(0, 0, 4))
+    assert len(sink.frames) == 1 and "which is complete" in sink.lost[0]
 
 
 def test_striped_bytes_on_a_link_without_lanes_close_it() -> None:
     sink = Sink()
     conn = Inbound(cast(Any, sink))
     conn.transport, conn.src = cast(asyncio.Transport, Transport()), 1
-    feed(conn, streams(PAYLOAD, 3)[0])
+    feed(conn, streams([PAYLOAD], 3)[0])
     assert cast(Transport, conn.transport).aborted and not sink.frames
     assert "striped bytes of a" in sink.lost[0] and "1 connection(s)" in sink.lost[0]
 
 
 def test_a_frame_redirected_while_its_lanes_arrive_goes_on_into_the_new_buffer() -> None:
     sink, conns = striped_link(3)
-    data = streams(PAYLOAD, 3)
+    data = streams([PAYLOAD], 3)
     feed(conns[0], data[0])  # the main share is in; the op stops waiting for it
     dest = sink.buffers[0]
     assert conns[0].receiving_into(dest)
@@ -260,7 +307,6 @@ def test_hellos_bind_a_link_and_its_lanes_in_any_order(receiver: Any) -> None:
     link = links.links[1]
     assert link.inbound is main and main.lanes is link.lanes and link.lanes.main is main
     assert [x.reader for x in link.lanes.lanes] == [other, lane]
-    assert not lane_t.reading and not other_t.reading  # nothing announced yet
     _, again = connection(recv, links, hello(2, 3))  # a second one for a bound lane
     _, stale = connection(recv, links, hello(1, 3, bundle=8))  # an older opening's
     _, beyond = connection(recv, links, hello(3, 3, bundle=10))

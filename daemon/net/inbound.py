@@ -178,8 +178,8 @@ class Inbound(asyncio.BufferedProtocol):
                 self.lane.arrived(nbytes)
             except ValueError as exc:
                 self.fail(str(exc))
-                return
-            self._low_water(next_step(self.lane.left))
+            # no SO_RCVLOWAT here: a chunk's threshold above what a young connection's receive
+            # window lets the peer send stalls the lane until the kernel grows the buffer
             return
         part = self._partial
         if part is not None:
@@ -212,9 +212,9 @@ class Inbound(asyncio.BufferedProtocol):
         length = framing.LENGTH
         while not self._closed and self._striped is None:
             if self.lane is not None:  # its HELLO made it a lane: the rest is payload bytes
-                if self._end > self._start:
-                    self.lane.take_early(memoryview(buf)[self._start:self._end])
+                leftover = bytes(buf[self._start:self._end])
                 self._start = self._end = 0
+                self.lane.replay(leftover)
                 return
             limit = MAX_HEADER if self.src >= 0 else UNPROVEN_HEADER
             hlen = framing.body_length(buf, self._start, self._end, limit)
@@ -267,9 +267,9 @@ class Inbound(asyncio.BufferedProtocol):
                   striped: int) -> None:
         """The lanes will carry ``dest[own:]``."""
         assert self.lanes is not None
-        frame = StripedFrame(dest, self, len(self.lanes.lanes) + 1)
+        frame = StripedFrame(dest, self, own, striped)
         self._striped = (header, frame)
-        self.lanes.announce(frame, own, striped)
+        self.lanes.announce(frame)
 
     def _own_share_done(self, header: pb.BulkHeader, dest: np.ndarray) -> bool:
         """This connection's share of a payload is in: deliver the frame if it is whole
@@ -278,7 +278,7 @@ class Inbound(asyncio.BufferedProtocol):
         if striped is None:
             self._deliver(header, dest)
             return True
-        if striped[1].share_done():
+        if striped[1].own_done():
             self._striped = None
             self._deliver(header, striped[1].dest)
             return True

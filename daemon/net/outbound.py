@@ -6,8 +6,9 @@ non-blocking ``sendmsg``; the rest goes to the sender's thread, which writes it 
 shared-memory slot. Frames are framed as :mod:`decentd.net.inbound` describes.
 
 A striped link (:mod:`decentd.net.stripes`) has more connections, its lanes, each a
-:class:`Sender` of its own: a large payload's last bytes are handed to them when its frame
-starts on the main connection, so that they carry their shares in the main connection's order.
+:class:`Sender` of its own: a large payload's last bytes are handed to them (a
+:class:`~decentd.net.stripes.Pull` they take chunks of) when its frame starts on the main
+connection, so that striped frames are numbered in the main connection's order.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from decentd.net.stripes import Countdown, layout, stripe_bytes
+from decentd.net.stripes import CHUNK_HEAD, NOTSENT_LOWAT, Countdown, Pull, stripe_bytes
 from decentd.workers.arena import fault_in
 from decentd.workers.staging import FillGate
 
@@ -31,6 +32,8 @@ SLICE = 1 << 20
 #: when nothing is queued, the event loop writes what the socket takes of a frame's first this
 #: many bytes at once; the sender thread writes the rest (the link starts without a thread switch)
 DIRECT_HEAD = 2 << 20
+#: Linux's TCP_NOTSENT_LOWAT (Python names it from 3.12 only)
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -47,18 +50,19 @@ class Outgoing:
     write: int = -1  # the sender's write (sendmsg call) that took its last byte
     #: its payload is an input still being copied in: bytes go out as they are copied
     gate: FillGate | None = None
-    #: the lanes' shares of its payload, handed to them when it starts (striped links)
-    shares: list[Share] = field(default_factory=list)
+    #: its payload's striped bytes, handed to the lanes when it starts (striped links)
+    striped: Striped | None = None
+    #: (a lane's item) the striped bytes it takes chunks of
+    pull: Pull | None = None
 
 
 @dataclass
-class Share:
-    """A lane's share of a striped frame's payload."""
+class Striped:
+    """A frame's striped bytes before its frame starts."""
 
-    lane: Sender
     buffers: list[Buffer]
     on_done: Callable[[BaseException | None], None]
-    gate: FillGate | None
+    gate: FillGate | None  #: their first byte is the input's at ``gate.base``
 
 
 def _take(buffers: list[Buffer], limit: int, total: int | None = None) -> list[Buffer]:
@@ -130,7 +134,11 @@ class Sender:
         self.loop = loop
         self.peer = peer
         self._on_broken = on_broken
+        for lane in lanes:
+            with contextlib.suppress(OSError):
+                lane.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, NOTSENT_LOWAT)
         self.lanes = [Sender(lane, loop, peer, self._lane_broken) for lane in lanes]
+        self._striped_frames = 0  #: striped frames started (their numbers on the wire)
         #: bytes written to this connection
         self.written = 0
         #: frames sent, and the writes (sendmsg calls) that carried them: everything queued for
@@ -167,15 +175,16 @@ class Sender:
     def send(self, buffers: list[Buffer],
              on_done: Callable[[BaseException | None], None] | None = None,
              gate: FillGate | None = None, striped: int = 0,
-             queued: bool = False) -> Outgoing | None:
+             queued: bool = False, pull: Pull | None = None) -> Outgoing | None:
         """Queue one frame (header and payload buffers); ``on_done`` runs on the event loop.
         ``gate``: the payload is an input still being copied in (the thread writes it);
         ``striped``: the payload's last bytes that go over the lanes (:meth:`stripe_bytes`);
-        ``queued``: the thread writes it even when nothing else is queued.
+        ``queued``: the thread writes it even when nothing else is queued; ``pull`` (a
+        lane's): take chunks of those striped bytes (``gate``: where they start in the input).
 
         Returns the queued item (to abandon it), or None when it went out at once.
         """
-        shares: list[Share] = []
+        shares: Striped | None = None
         if striped:
             buffers, shares, on_done = self._shares(buffers, striped, on_done, gate)
         total = sum(map(len, buffers))
@@ -186,12 +195,12 @@ class Sender:
                     on_done(err)
                 return None
             if gate is not None or queued:
-                item = Outgoing(buffers, on_done, gate=gate, shares=shares)
+                item = Outgoing(buffers, on_done, gate=gate, striped=shares, pull=pull)
                 self._queue.append(item)
                 self._cv.notify()
                 return item
             if not self._busy and not self._queue and not self._tls:
-                self._hand_out(shares)  # this frame goes next: its shares may start
+                self._hand_out(shares)  # this frame goes next: its striped bytes may start
                 head = _take(buffers, DIRECT_HEAD, total)  # at most 64 buffers: < IOV_MAX
                 try:
                     sent = sendmsg(self.sock, head, socket.MSG_DONTWAIT)
@@ -212,39 +221,43 @@ class Sender:
                 buffers = _advance(buffers, sent)
                 total -= sent
                 # part of the frame (or of its shares) is on the wire: the rest must follow
-                item = Outgoing(buffers, on_done, started=sent > 0 or bool(shares), sent=sent)
+                item = Outgoing(buffers, on_done, started=sent > 0 or shares is not None,
+                                sent=sent)
                 self._queue.append(item)
                 self._cv.notify()
                 return item
-            item = Outgoing(buffers, on_done, shares=shares)
+            item = Outgoing(buffers, on_done, striped=shares)
             self._queue.append(item)
             self._cv.notify()
             return item
 
     def _shares(self, buffers: list[Buffer], striped: int,
                 on_done: Callable[[BaseException | None], None] | None,
-                gate: FillGate | None) -> tuple[list[Buffer], list[Share],
+                gate: FillGate | None) -> tuple[list[Buffer], Striped,
                                                 Callable[[BaseException | None], None]]:
-        """The main connection's part of a frame, the lanes' shares of its last ``striped``
-        payload bytes, and the callback that ends the frame once all of them are out."""
+        """The main connection's part of a frame, its last ``striped`` payload bytes for the
+        lanes, and the callback that ends the frame once both are out."""
         total = sum(map(len, buffers))
-        head = len(buffers[0])  # the header
         own, rest = _split(buffers, total - striped)
-        ending = Countdown(on_done or (lambda err: None), self.stripes)
-        shares = []
-        start = total - striped - head  # where the striped bytes start in the payload
-        for lane, (offset, length) in zip(self.lanes, layout(striped, self.stripes),
-                                          strict=True):
-            share, rest = _split(rest, length)
-            lane_gate = None if gate is None else FillGate(gate.fill, gate.base + start + offset)
-            shares.append(Share(lane, share, ending, lane_gate))
-        return own, shares, ending
+        ending = Countdown(on_done or (lambda err: None), 2)
+        start = total - striped - len(buffers[0])  # in the payload (buffers[0]: the header)
+        return own, Striped(rest, ending, None if gate is None else
+                            FillGate(gate.fill, gate.base + start)), ending
 
-    @staticmethod
-    def _hand_out(shares: list[Share]) -> None:
-        """The frame of ``shares`` starts: queue them on their lanes (in frame order)."""
-        for share in shares:
-            share.lane.send(share.buffers, share.on_done, share.gate, queued=True)
+    def _hand_out(self, striped: Striped | None) -> None:
+        """The frame of ``striped`` starts (lock held): number it, and let the lanes take
+        its chunks."""
+        if striped is None:
+            return
+        ending, loop = striped.on_done, self.loop
+
+        def written() -> None:  # a lane's thread wrote the last chunk
+            with contextlib.suppress(RuntimeError):  # the loop is gone
+                loop.call_soon_threadsafe(ending, None)
+        pull = Pull(self._striped_frames, striped.buffers, written)
+        self._striped_frames += 1
+        for lane in self.lanes:
+            lane.send([], ending, striped.gate, queued=True, pull=pull)
 
     def _lane_broken(self, lane: Sender, exc: BaseException) -> None:
         """A lane's write failed: the whole link is broken (on the loop)."""
@@ -283,7 +296,10 @@ class Sender:
                 self._busy = True
             err: BaseException | None = None
             try:
-                self._write(batch)
+                for item in batch:  # a lane's items (nothing else is queued on a lane)
+                    if item.pull is not None:
+                        self._drain(item.pull, item.gate)
+                self._write([item for item in batch if item.pull is None])
             except OSError as exc:
                 err = exc
             with self._cv:
@@ -291,8 +307,18 @@ class Sender:
                 if err is not None:
                     self._broken(err)
             for item in batch:
-                if item.buffers:  # not all of it went out
-                    self._done(item, err)
+                if item.buffers or (item.pull is not None and err is not None):
+                    self._done(item, err)  # not all of it went out
+
+    def _drain(self, pull: Pull, gate: FillGate | None) -> None:
+        """Take chunks of a striped frame's bytes and write them, until none are left (the
+        lanes take turns: a slower connection takes fewer)."""
+        while (chunk := pull.take()) is not None:
+            offset, buffers = chunk
+            chunk_gate = None if gate is None else \
+                FillGate(gate.fill, gate.base + offset, CHUNK_HEAD.size)
+            self._write([Outgoing(buffers, None, gate=chunk_gate, started=True)])
+            pull.wrote(sum(map(len, buffers)) - CHUNK_HEAD.size)
 
     def _take_queued(self) -> list[Outgoing]:
         """Every frame queued now (lock held), in order; abandoned ones are dropped."""
@@ -303,7 +329,7 @@ class Sender:
                 self._done(item, asyncio.CancelledError())
                 continue
             item.started = True
-            self._hand_out(item.shares)
+            self._hand_out(item.striped)
             batch.append(item)
         return batch
 

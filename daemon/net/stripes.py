@@ -9,20 +9,26 @@ under the kernel's buffer maxima: the buffers keep their autotuning, which setti
 SO_SNDBUF/SO_RCVBUF would turn off (and cap at ``net.core.*mem_max``).
 
 The main connection carries every frame as before. The last :func:`stripe_bytes` of a large
-payload go over the other connections ("lanes") instead: each lane is a raw byte stream of its
-shares, frame after frame in the main connection's order, with no headers of its own, split as
-:func:`layout` says and received in place into the frame's destination (:class:`Lane`).
+payload go over the other connections ("lanes") instead, in chunks that the lanes take in turn
+as their connections drain (:class:`Pull`): a flow that slows down (a loss, a smaller window)
+carries less, and the frame is whole when the lanes together have moved its bytes. Each chunk
+says which striped frame it belongs to (the link's striped frames are numbered in the main
+connection's order), where in it, and how long; the receiver puts it in place in the frame's
+destination (:class:`Lane`).
 """
 
 from __future__ import annotations
 
-import collections
 import math
+import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+
+Buffer = bytes | bytearray | memoryview
 
 #: payloads smaller than this go whole over the main connection
 STRIPE_MIN = 1 << 20
@@ -30,9 +36,16 @@ STRIPE_MIN = 1 << 20
 MAX_STRIPES = 64
 #: the in-flight bytes "auto" plans for: this much above the bandwidth-delay product
 HEADROOM = 1.25
-#: bytes a lane holds that came before the frame they belong to was known (they can only have
-#: come in the read that carried its HELLO: a lane with nothing expected stops reading)
+#: bytes a lane holds that came before the frame they belong to was announced (a lane
+#: waiting for one stops reading)
 MAX_EARLY = 1 << 20
+#: a lane chunk's head: the striped frame's number, the offset into its striped bytes, length
+CHUNK_HEAD = struct.Struct("<QQQ")
+#: bytes per chunk a lane takes
+CHUNK = 256 << 10
+#: a lane's connection takes its next chunk once fewer than this many bytes wait unsent in it
+#: (TCP_NOTSENT_LOWAT): what a slow flow holds back at the end of a frame stays small
+NOTSENT_LOWAT = 256 << 10
 
 
 def kernel_window(proc: str = "/proc/sys/net/ipv4") -> int:
@@ -68,52 +81,107 @@ class Striping:
 
 def stripe_bytes(payload: int, stripes: int) -> int:
     """Of a ``payload``-byte frame on a link of ``stripes`` connections, the bytes that go
-    over the lanes (the main connection keeps the first ``payload // stripes``)."""
+    over the lanes: all but the first ``payload // (2 * stripes)``, which the main connection
+    carries after the header (half a lane's average: a fixed share that must not be the
+    last to arrive)."""
     if stripes <= 1 or payload < STRIPE_MIN:
         return 0
-    return payload - payload // stripes
+    return payload - payload // (2 * stripes)
 
 
-def layout(striped: int, stripes: int) -> list[tuple[int, int]]:
-    """(offset, length) of each lane's share of the last ``striped`` bytes of a payload,
-    offsets from where those bytes start; the last lane takes the remainder."""
-    lanes = stripes - 1
-    share = striped // lanes
-    return [(i * share, share if i < lanes - 1 else striped - i * share) for i in range(lanes)]
+def window(buffers: list[Buffer], start: int, length: int) -> list[Buffer]:
+    """Bytes ``[start, start + length)`` of ``buffers`` taken together, as views."""
+    out: list[Buffer] = []
+    for b in buffers:
+        n = len(b)
+        if start >= n:
+            start -= n
+            continue
+        take = min(n - start, length)
+        out.append(memoryview(b)[start:start + take])
+        length -= take
+        start = 0
+        if not length:
+            break
+    return out
+
+
+class Pull:
+    """The striped bytes of one frame, sending side: the lanes take chunks of them in turn
+    (any thread); ``on_done`` is told once, from the thread that wrote the last one."""
+
+    def __init__(self, seq: int, buffers: list[Buffer], on_done: Callable[[], None]) -> None:
+        self.seq = seq
+        self.buffers = buffers
+        self.total = sum(map(len, buffers))
+        self._lock = threading.Lock()
+        self._next = 0  #: offset of the next chunk to hand out
+        self._written = 0
+        self._on_done = on_done
+
+    def take(self) -> tuple[int, list[Buffer]] | None:
+        """The next chunk to write (its offset and bytes, the head first), or None."""
+        with self._lock:
+            offset = self._next
+            if offset >= self.total:
+                return None
+            length = min(CHUNK, self.total - offset)
+            self._next += length
+        head = CHUNK_HEAD.pack(self.seq, offset, length)
+        return offset, [head, *window(self.buffers, offset, length)]
+
+    def wrote(self, length: int) -> None:
+        """A chunk of ``length`` bytes is in its connection's kernel buffer."""
+        with self._lock:
+            self._written += length
+            last = self._written == self.total
+        if last:
+            self._on_done()
 
 
 class Whole(Protocol):
-    """Told when every share of a striped frame has arrived."""
+    """Told when every chunk of a striped frame has arrived."""
 
     def stripes_done(self) -> None:
-        """The lanes' shares are in (the main connection's share came earlier)."""
+        """The lanes' chunks are in (the main connection's share came earlier)."""
 
 
 @dataclass(eq=False)
 class StripedFrame:
-    """A frame whose payload arrives over the main connection and the lanes."""
+    """A frame whose payload arrives over the main connection (its first bytes) and the lanes
+    (the last ``striped`` bytes, from ``start``, in chunks)."""
 
     dest: np.ndarray  #: where the payload goes (uint8; replaced when the op stops waiting)
-    owner: Whole  #: the main connection, told when the lanes' shares are in
-    waiting: int  #: shares not in yet (the main connection's one included)
+    owner: Whole  #: the main connection, told when the lanes' chunks are in
+    start: int
+    striped: int
+    received: int = 0  #: of the striped bytes
+    main_done: bool = False
+    seq: int = -1  #: its place among the link's striped frames (set when announced)
+    chunks: int = 0  #: chunks begun
+    chunks_in: int = 0  #: chunks received whole
 
-    def share_done(self) -> bool:
-        """One share is in; whether the frame is now whole."""
-        self.waiting -= 1
-        return self.waiting == 0
+    def own_done(self) -> bool:
+        """The main connection's share is in; whether the frame is now whole."""
+        self.main_done = True
+        return self.whole
 
+    def chunk_done(self) -> None:
+        """A chunk is in; the owner is told when that made the frame whole."""
+        self.chunks_in += 1
+        if self.main_done and self.whole:
+            self.owner.stripes_done()
 
-@dataclass(eq=False)
-class Region:
-    """One lane's share of a striped frame: ``dest[pos:end]`` is still to come."""
-
-    frame: StripedFrame
-    pos: int
-    end: int
+    @property
+    def whole(self) -> bool:
+        """Every chunk announced is in, and they cover the striped bytes."""
+        return self.received == self.striped and self.chunks_in == self.chunks
 
 
 class Reader(Protocol):
     """The connection a lane reads from (:class:`decentd.net.inbound.Inbound`)."""
+
+    bytes_received: int
 
     def pause(self) -> None:
         """Stop reading (nothing is expected)."""
@@ -126,80 +194,115 @@ class Reader(Protocol):
 
 
 class Lane:
-    """One lane of a link, receiving side: the shares it will carry, in order."""
+    """One lane of a link, receiving side: chunks, each a :data:`CHUNK_HEAD` (the frame's
+    sequence number among the link's striped frames, the offset into its striped bytes, the
+    length) and its bytes, received in place."""
 
     def __init__(self, index: int, group: LaneSet) -> None:
         self.index = index
         self.group = group
         self.reader: Reader | None = None
-        self.regions: collections.deque[Region] = collections.deque()
-        self.early = bytearray()  #: bytes before their region was known
-        self.received = 0  #: bytes read from its connection
         self._spill = bytearray(64 << 10)
-
-    def expect(self, region: Region) -> None:
-        """The main connection announced ``region`` for this lane."""
-        if self.early:
-            take = min(len(self.early), region.end - region.pos)
-            region.frame.dest[region.pos:region.pos + take] = np.frombuffer(
-                self.early, np.uint8, take)
-            del self.early[:take]
-            region.pos += take
-            if region.pos == region.end:
-                self._region_done(region)
-                return
-        self.regions.append(region)
-        if self.reader is not None:
-            self.reader.resume()
-
-    @property
-    def left(self) -> int:
-        """Bytes of the current region still to come (0: none expected)."""
-        return self.regions[0].end - self.regions[0].pos if self.regions else 0
+        self._head = bytearray(CHUNK_HEAD.size)
+        self._head_filled = 0
+        #: the chunk being received: its frame, dest[pos:end] still to come, its length
+        self._chunk: tuple[StripedFrame, int, int, int] | None = None
+        #: a chunk head whose frame the main connection has not announced yet
+        self.waiting: int | None = None
+        self._early = bytearray()  #: bytes read while waiting (replayed once it is announced)
 
     def buffer(self) -> memoryview:
-        """Where the next bytes read go: the current region, else a spill area (counted as
-        early bytes)."""
-        if self.regions:
-            r = self.regions[0]
-            return memoryview(r.frame.dest.data)[r.pos:r.end]
+        """Where the next bytes read go: the chunk being received, else its head (or, while
+        waiting for an announcement, the bytes held)."""
+        if self._chunk is not None:
+            frame, pos, end, _ = self._chunk
+            return memoryview(frame.dest.data)[pos:end]
+        if self.waiting is None:
+            return memoryview(self._head)[self._head_filled:]
         return memoryview(self._spill)
 
     def arrived(self, nbytes: int) -> None:
-        """``nbytes`` were read into :meth:`buffer`; ValueError when the peer sent more
-        than it announced."""
-        if not self.regions:
-            self.take_early(memoryview(self._spill)[:nbytes])
-            return
-        self.received += nbytes
-        r = self.regions[0]
-        r.pos += nbytes
-        if r.pos == r.end:
-            self.regions.popleft()
-            self._region_done(r)
-        if not self.regions and self.reader is not None:
-            self.reader.pause()
+        """``nbytes`` were read into :meth:`buffer`; ValueError when the peer broke the
+        chunk format."""
+        if self._chunk is not None:
+            self._advance(nbytes)
+        elif self.waiting is None:
+            self._head_filled += nbytes
+            if self._head_filled == CHUNK_HEAD.size:
+                self._begin()
+        else:
+            self.hold(memoryview(self._spill)[:nbytes])
 
-    def take_early(self, data: memoryview | bytes) -> None:
-        """Bytes that came before any region did (left over from the read of its HELLO, or
-        read into the spill area)."""
-        if len(self.early) + len(data) > MAX_EARLY:
-            raise ValueError(f"stripe {self.index} sent {len(self.early) + len(data)} bytes "
-                             "that no frame announced")
-        self.early += data
-        self.received += len(data)
+    def hold(self, data: memoryview | bytes) -> None:
+        """Bytes that came before the frame they belong to was announced."""
+        if len(self._early) + len(data) > MAX_EARLY:
+            raise ValueError(f"stripe {self.index} sent {len(self._early) + len(data)} bytes "
+                             "for frames not announced")
+        self._early += data
         if self.reader is not None:
             self.reader.pause()
+
+    def replay(self, data: Buffer) -> None:
+        """Run ``data`` (bytes read earlier) through the chunk format."""
+        view = memoryview(bytes(data))
+        while view:
+            if self.waiting is not None:
+                self.hold(view)
+                return
+            buf = self.buffer()
+            n = min(len(buf), len(view))
+            buf[:n] = view[:n]
+            view = view[n:]
+            self.arrived(n)
+
+    def announced(self) -> None:
+        """The frame this lane waits for may be known now: go on with it."""
+        if self.waiting is None or self.waiting not in self.group.frames:
+            return
+        self._begin()
+        early, self._early = self._early, bytearray()
+        self.replay(early)
+        if self.reader is not None and self.waiting is None:
+            self.reader.resume()
+
+    def _begin(self) -> None:
+        """A chunk head is in: start receiving its bytes (or wait for its frame)."""
+        seq, offset, length = CHUNK_HEAD.unpack(self._head)
+        frame = self.group.frames.get(seq)
+        if frame is None:
+            if seq < self.group.announced:
+                raise ValueError(f"stripe {self.index} sent a chunk of striped frame {seq}, "
+                                 "which is complete")
+            self.waiting = seq
+            if self.reader is not None:
+                self.reader.pause()
+            return
+        if length == 0 or offset + length > frame.striped or \
+                frame.received + length > frame.striped:
+            raise ValueError(f"stripe {self.index} sent {length} bytes at {offset} of a frame's "
+                             f"{frame.striped} striped bytes ({frame.received} in already)")
+        self.waiting, self._head_filled = None, 0
+        frame.chunks += 1
+        if frame.received + length == frame.striped:  # its last chunk: the seq is done
+            del self.group.frames[seq]
+        pos = frame.start + offset
+        self._chunk = (frame, pos, pos + length, length)
+        frame.received += length  # reserved: a chunk overlapping it is refused
+
+    def _advance(self, nbytes: int) -> None:
+        assert self._chunk is not None
+        frame, pos, end, length = self._chunk
+        pos += nbytes
+        if pos < end:
+            self._chunk = (frame, pos, end, length)
+            return
+        self._chunk = None
+        frame.chunk_done()
 
     def lost(self, reason: str) -> None:
         """This lane's connection ended: so does the link's main connection."""
         if self.group.main is not None:
             self.group.main.fail(f"stripe {self.index} ended ({reason})")
-
-    @staticmethod
-    def _region_done(region: Region) -> None:
-        if region.frame.share_done():
-            region.frame.owner.stripes_done()
 
 
 class LaneSet:
@@ -210,11 +313,14 @@ class LaneSet:
         self.lanes = [Lane(i, self) for i in range(1, stripes)]
         #: the link's main connection, once its HELLO came
         self.main: Reader | None = None
+        #: striped frames announced by the main connection and not whole yet, by sequence
+        self.frames: dict[int, StripedFrame] = {}
+        self.announced = 0  #: striped frames announced so far
 
     @property
     def bytes_received(self) -> int:
         """Bytes read from the lanes' connections."""
-        return sum(lane.received for lane in self.lanes)
+        return sum(lane.reader.bytes_received for lane in self.lanes if lane.reader is not None)
 
     def attach(self, index: int, reader: Reader) -> Lane:
         """Lane ``index`` is read from ``reader`` now; ValueError when it already is."""
@@ -222,16 +328,15 @@ class LaneSet:
         if lane.reader is not None:
             raise ValueError(f"a second connection for stripe {index}")
         lane.reader = reader
-        if not lane.regions:
-            reader.pause()
         return lane
 
-    def announce(self, frame: StripedFrame, start: int, striped: int) -> None:
-        """The last ``striped`` bytes of ``frame``'s payload, from ``start``, come over the
-        lanes."""
-        for lane, (offset, length) in zip(self.lanes, layout(striped, self.stripes),
-                                          strict=True):
-            lane.expect(Region(frame, start + offset, start + offset + length))
+    def announce(self, frame: StripedFrame) -> None:
+        """The main connection parsed the header of the next striped frame."""
+        frame.seq = self.announced
+        self.frames[self.announced] = frame
+        self.announced += 1
+        for lane in self.lanes:
+            lane.announced()
 
     def close(self, reason: str) -> None:
         """The link is gone: close every lane's connection."""
