@@ -1169,7 +1169,8 @@ def render_report(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
              "benchmarks/netns_dsgd.py`, as root), `netns_hier.json` (`python "
              "benchmarks/netns_hier.py`, as root), `security_cost.json` (`python "
              "benchmarks/security_cost.py`), `wan_link.md`, `wan_stripes.md` and `wan.md` "
-             "(`make wan-link`, `make wan-stripes`, `make wan`) by `python benchmarks/report.py`.", "",
+             "(`make wan-link`, `make wan-stripes`, `make wan`) by `python "
+             "benchmarks/report.py`.", "",
              "## Acceptance", "", *acceptance_lines(rows), ""]
     if p2p is None or "sizes" not in p2p:
         lines += ["## Loopback (2 daemons)", "",

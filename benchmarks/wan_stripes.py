@@ -2,7 +2,7 @@
 point 2). Needs root::
 
     sudo .venv/bin/python benchmarks/wan_stripes.py            # make wan-stripes
-        [--rate 1gbit] [--rtt 100] [--mbytes 64] [--repeats 6] [--stripes 1,auto]
+        [--rate 1gbit] [--rtt 100] [--mbytes 64] [--repeats 8] [--stripes 1,auto]
         [--buffers default,raised] [--json PATH] [--md PATH] [--png PATH]
 
 Two nodes of :mod:`benchmarks.wan` (a true RTT: every packet is held RTT/2 each way), one
@@ -182,7 +182,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--rtt", type=float, default=100.0, help="round trip in ms")
     p.add_argument("--mbytes", type=int, default=64, help="MiB per call")
-    p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--stripes", default="1,auto", help="transport.stripes values")
     p.add_argument("--buffers", default="default,raised", help=f"of {', '.join(BUFFERS)}")
     p.add_argument("--json", type=Path, default=RESULTS / "wan_stripes.json")
