@@ -1142,7 +1142,7 @@ class WorkerData:
     def register(self, d: int) -> None:
         """Spoofed registrations: the real workers' job and rank, another protocol."""
         g = self.g
-        req = pb.RegisterRequest(protocol_version=g.pick((PROTOCOL_VERSION, 1, 3, 0, g.u32())),
+        req = pb.RegisterRequest(protocol_version=g.pick((PROTOCOL_VERSION, 1, 2, 0, g.u32())),
                                  pid=g.int_in(-(2**63), 2**63 - 1), framework=g.text(),
                                  job=g.pick((self.ctx.cluster.job, g.text())))
         if g.chance(0.8):

@@ -26,7 +26,8 @@ ADDRESSES = ["[2001:db8:85a3:1234:5678:8a2e:370:7334]:7700",
 def reply() -> pb.StatusReply:
     """A daemon with two peers at long IPv6 addresses, the second down."""
     peers = [pb.PeerStatus(rank=1, address=ADDRESSES[0], state="up", last_heartbeat_age_s=0.1,
-                           bytes_sent=123_456_789, bytes_received=987_654_321),
+                           bytes_sent=123_456_789, bytes_received=987_654_321, stripes=8,
+                           connect_rtt_ms=100.42),
              pb.PeerStatus(rank=2, address=ADDRESSES[1], state="down",
                            down_reason=f"rank 2 at {ADDRESSES[1]} refused or unreachable",
                            last_heartbeat_age_s=4.2, reconnects=3)]
@@ -118,4 +119,5 @@ def test_a_wide_terminal_keeps_the_table_and_the_address_column_whole() -> None:
     assert out.startswith("┏") and "…" not in out, out
     rows = [line.split("│") for line in out.splitlines() if line.startswith("│")]
     assert [r[2].strip() for r in rows if r[2].strip()] == ADDRESSES, out
+    assert "8 (100.4 ms)" in out, out  # a striped link: its connections, its measured RTT
     assert all(len(line) <= 160 for line in out.splitlines()), out

@@ -94,6 +94,8 @@ def test_a_real_job_moves_the_counters_by_what_it_did(served: tuple[Cluster, lis
             grew = moved(b, a, "decent_peer_bytes_total", peer=peer, direction=direction)
             assert 3 * 4000 < grew < 3 * 4000 + 6 * 256  # payloads and their headers
         assert a[("decent_peer_connected", (("peer", peer),))] == 1
+        assert a[("decent_peer_connections", (("peer", peer),))] == 1  # loopback: one
+        assert 0 < a[("decent_peer_connect_rtt_seconds", (("peer", peer),))] < 1
         assert a[("decent_ops_in_flight", ())] == 0
         assert a[("decent_workers", ())] == 1
         assert a[("decent_arena_bytes", ())] == c.status(i).arena_bytes > 0

@@ -20,6 +20,7 @@ from lone import LoneDaemon, closed_by_peer, secret_args, secret_file, wait_for
 
 from cluster import Cluster, free_ports
 from decent_wire import framing
+from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 from decentd.security.auth import NONCE_BYTES, PeerAuth, new_nonce
@@ -91,8 +92,9 @@ def test_handshakes_without_the_secret_or_replayed_are_refused(tmp_path: Path) -
         # the daemon proved it holds the secret; a guessed proof is refused
         wrong = PeerAuth("secret", "decent", b"not the cluster secret at all")
         proof, _ = wrong.client_proof(1, 0, nonce, ch.server_nonce)
-        hs = pb.HandshakeRequest(cluster_id="decent", protocol_version=2, from_rank=1,
-                                 to_rank=0, server_nonce=ch.server_nonce, proof=proof)
+        hs = pb.HandshakeRequest(cluster_id="decent", protocol_version=PROTOCOL_VERSION,
+                                 from_rank=1, to_rank=0, server_nonce=ch.server_nonce,
+                                 proof=proof)
         reply = stub.Handshake(hs, timeout=30)
         assert reply.error.code == pb.UNAUTHENTICATED, reply
         assert "secret" in reply.error.message and reply.data_port == 0
@@ -358,7 +360,7 @@ def test_a_valid_certificate_claiming_another_rank_is_refused(tmp_path: Path) ->
         with grpc.secure_channel(f"127.0.0.1:{ports[0]}", creds) as channel:
             stub = pb_grpc.PeerStub(channel)
             reply = stub.Handshake(pb.HandshakeRequest(
-                cluster_id="decent", protocol_version=2, from_rank=1, to_rank=0,
+                cluster_id="decent", protocol_version=PROTOCOL_VERSION, from_rank=1, to_rank=0,
                 workers_per_node=1), timeout=30)
         assert reply.error.code == pb.UNAUTHENTICATED, reply
         assert "certificate names rank 2" in reply.error.message, reply.error.message

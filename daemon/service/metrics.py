@@ -129,6 +129,10 @@ def _peer_metrics(status: pb.StatusReply) -> Iterator[Metric]:
                             "heard from (-1: never)", labels=["peer"])
     up = GaugeMetricFamily("decent_peer_connected", "Our connection to the peer is up",
                            labels=["peer"])
+    conns = GaugeMetricFamily("decent_peer_connections", "TCP connections our link to the peer "
+                              "sends over (transport.stripes)", labels=["peer"])
+    rtt = GaugeMetricFamily("decent_peer_connect_rtt_seconds", "The round trip our bulk "
+                            "connection measured when it opened", labels=["peer"])
     for p in status.peers:
         peer = str(p.rank)
         sent.add_metric([peer, "sent"], p.bytes_sent)
@@ -138,7 +142,9 @@ def _peer_metrics(status: pb.StatusReply) -> Iterator[Metric]:
         queued.add_metric([peer], p.frames_queued)
         age.add_metric([peer], p.last_heartbeat_age_s)
         up.add_metric([peer], 1.0 if p.connected else 0.0)
-    yield from (sent, frames, queued, age, up)
+        conns.add_metric([peer], p.stripes)
+        rtt.add_metric([peer], p.connect_rtt_ms / 1e3)
+    yield from (sent, frames, queued, age, up, conns, rtt)
 
 
 class MetricsServer:

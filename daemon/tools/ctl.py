@@ -74,13 +74,15 @@ def status(address: str, console: Console) -> int:
 def peer_table(s: pb.StatusReply) -> Table:
     """A daemon's peers, one row each, no address ever cut (see ``cluster_view.uncut_table``)."""
     table = cluster_view.uncut_table("peer", "address", "state", "heartbeat age (s)", "sent (B)",
-                                     "received (B)", "reconnects")
+                                     "received (B)", "reconnects", "connections (RTT)")
     for p in s.peers:
         state = Text(p.state) if p.state == "up" else \
             Text.assemble((p.state, "red"), f": {p.down_reason}")
         table.add_row(*map(cluster_view.cell, (p.rank, p.address)), state,
                       *map(cluster_view.cell, (f"{p.last_heartbeat_age_s:.1f}", p.bytes_sent,
-                                               p.bytes_received, p.reconnects)))
+                                               p.bytes_received, p.reconnects,
+                                               f"{p.stripes} ({p.connect_rtt_ms:.1f} ms)"
+                                               if p.stripes else "-")))
     return table
 
 
