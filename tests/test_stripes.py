@@ -16,11 +16,13 @@ from typing import Any, cast
 
 import numpy as np
 import pytest
+import test_hostile_input as hostile
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from lone import secret_args, secret_file
 from prometheus_client import CollectorRegistry
+from test_hostile_input import feed
 from test_security import PerRankCluster, make_certs, mtls_args
 
 from cluster import Cluster
@@ -97,15 +99,12 @@ def test_chunks_taken_by_turns_tile_the_striped_bytes_once(sizes: list[int], seq
 # ------------------------------------------------------------------ reassembly, in-process
 
 
-class Transport:
+class Transport(hostile.Transport):
     """What an ``Inbound`` calls on its transport: whether it reads, whether it closed."""
 
     def __init__(self) -> None:
-        self.aborted = False
+        super().__init__()
         self.reading = True
-
-    def abort(self) -> None:
-        self.aborted = True
 
     def pause_reading(self) -> None:
         assert self.reading
@@ -114,9 +113,6 @@ class Transport:
     def resume_reading(self) -> None:
         assert not self.reading
         self.reading = True
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
 
 
 class Sink:
@@ -153,17 +149,6 @@ def striped_link(stripes: int) -> tuple[Sink, list[Inbound]]:
             conn.lane = lanes.attach(i, conn)
     conns[0].lanes, lanes.main = lanes, conns[0]
     return sink, conns
-
-
-def feed(conn: Inbound, data: bytes) -> None:
-    """``data`` as the event loop hands it over, in pieces of what the protocol asks for."""
-    view = memoryview(data)
-    while view:
-        buf = conn.get_buffer(len(view))
-        n = min(len(buf), len(view))
-        buf[:n] = view[:n]
-        conn.buffer_updated(n)
-        view = view[n:]
 
 
 def deliver(conns: list[Inbound], data: list[bytes], order: tuple[int, ...],

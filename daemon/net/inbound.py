@@ -342,13 +342,21 @@ class Inbound(asyncio.BufferedProtocol):
         return None if striped is None else (striped[0], striped[1].dest)
 
     def fail(self, reason: str) -> None:
-        """Close this connection (and only this one) after a protocol error."""
+        """Close this connection (and only this one, or its link if it is striped) after a
+        protocol error."""
         if self._closed:
             return
         if self.src >= 0 or self.gate is None:
             log.error("bulk connection from rank %d: %s; closing it", self.src, reason)
         else:
             self.gate.refused(reason)
+        self.drop(reason)
+
+    def drop(self, reason: str) -> None:
+        """Close this connection because another of its link ended for ``reason`` (or, from
+        :meth:`fail`, because of that protocol error)."""
+        if self._closed:
+            return
         self._closed = True
         if self.gate is not None:
             self.gate.settled(self)

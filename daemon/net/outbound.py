@@ -330,6 +330,7 @@ class Sender:
                 continue
             item.started = True
             self._hand_out(item.striped)
+            item.striped = None  # the lanes hold those bytes now (not this item, kept a while)
             batch.append(item)
         return batch
 

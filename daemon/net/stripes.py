@@ -124,6 +124,7 @@ class Pull:
         with self._lock:
             offset = self._next
             if offset >= self.total:
+                self.buffers = []  # every chunk is handed out: the memory is not ours to hold
                 return None
             length = min(CHUNK, self.total - offset)
             self._next += length
@@ -189,8 +190,8 @@ class Reader(Protocol):
     def resume(self) -> None:
         """Read again."""
 
-    def fail(self, reason: str) -> None:
-        """Close this connection after a protocol error."""
+    def drop(self, reason: str) -> None:
+        """Close this connection: another of its link ended for ``reason``."""
 
 
 class Lane:
@@ -300,9 +301,10 @@ class Lane:
         frame.chunk_done()
 
     def lost(self, reason: str) -> None:
-        """This lane's connection ended: so does the link's main connection."""
+        """This lane's connection ended: so does the link's main connection (and with it
+        the link, for the same reason)."""
         if self.group.main is not None:
-            self.group.main.fail(f"stripe {self.index} ended ({reason})")
+            self.group.main.drop(reason)
 
 
 class LaneSet:
@@ -344,7 +346,7 @@ class LaneSet:
         for lane in self.lanes:
             if lane.reader is not None:
                 reader, lane.reader = lane.reader, None
-                reader.fail(reason)
+                reader.drop(reason)
 
 
 class Countdown:
