@@ -352,8 +352,10 @@ def cleanup_leftovers(prefix: str = PREFIX, script: str | None = None) -> list[s
 
 
 def owner_alive(name: str, prefix: str = PREFIX, script: str | None = None) -> bool:
-    """True when ``name`` (``<prefix><pid>-...``) belongs to a run of ``script`` (a benchmark's
-    file name; default this one's) still going."""
+    """True when ``name`` (``<prefix><pid>-...``) belongs to a run still going: of ``script``
+    (a benchmark's file name; default this one's), or of any other benchmark of this directory
+    (several share a prefix, and their runs may overlap: one's cleanup must not take another's
+    namespaces)."""
     m = re.match(rf"{prefix}(\d+)-", name)
     if not m or int(m.group(1)) == os.getpid():
         return False
@@ -361,7 +363,9 @@ def owner_alive(name: str, prefix: str = PREFIX, script: str | None = None) -> b
         cmdline = Path(f"/proc/{m.group(1)}/cmdline").read_bytes()
     except OSError:
         return False
-    return (script or Path(__file__).name).encode() in cmdline
+    ours = {(script or Path(__file__).name).encode(),
+            *(f.name.encode() for f in Path(__file__).parent.glob("*.py"))}
+    return any(name in cmdline for name in ours)
 
 
 @contextlib.contextmanager

@@ -641,3 +641,25 @@ def test_netns_benchmark_says_why_it_skips_without_root(script: str) -> None:
         assert "needs root" in json.loads(out.read_text())["skipped"]
     finally:
         shutil.rmtree(where, ignore_errors=True)
+
+
+def test_a_cleanup_spares_the_live_runs_of_every_benchmark_sharing_its_prefix() -> None:
+    # netns_hier's cleanup at its start once took the namespaces of a wan_train run going on
+    # beside it (same prefix, another script): a live run of any benchmark here is spared
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from benchmarks.netns_dsgd import owner_alive
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ours = subprocess.Popen([*sleeper, str(REPO / "benchmarks" / "wan_stripes.py")])
+    other = subprocess.Popen([*sleeper, "unrelated.py"])
+    try:
+        assert owner_alive(f"dcnt{ours.pid}-0", "dcnt", "netns_hier.py")
+        assert owner_alive(f"dcnt{ours.pid}-sw", "dcnt")
+        assert not owner_alive(f"dcnt{other.pid}-0", "dcnt", "netns_hier.py")  # not ours
+        assert not owner_alive(f"dcnt{os.getpid()}-0", "dcnt")  # this process's own
+    finally:
+        for proc in (ours, other):
+            proc.kill()
+            proc.wait()
+    assert not owner_alive(f"dcnt{ours.pid}-0", "dcnt")  # its run ended
