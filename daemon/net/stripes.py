@@ -158,7 +158,6 @@ class StripedFrame:
     striped: int
     received: int = 0  #: of the striped bytes
     main_done: bool = False
-    seq: int = -1  #: its place among the link's striped frames (set when announced)
     chunks: int = 0  #: chunks begun
     chunks_in: int = 0  #: chunks received whole
 
@@ -334,7 +333,6 @@ class LaneSet:
 
     def announce(self, frame: StripedFrame) -> None:
         """The main connection parsed the header of the next striped frame."""
-        frame.seq = self.announced
         self.frames[self.announced] = frame
         self.announced += 1
         for lane in self.lanes:
