@@ -261,8 +261,8 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
                                          "copying_its_input_waits_for_it_before_combining"],
      "the weighted sum reads an input still being copied in"),
     ("daemon/workers/staging.py",
-     "                                      or self.released or self.interrupted, STALL)",
-     "                                      or self.released or self.interrupted)",
+     "                                          or self.released or interrupted(), STALL)",
+     "                                          or self.released or interrupted())",
      ["tests/test_streaming.py::test_a_worker_that_stops_copying_fails_its_op_and_the_link_"
       "carries_the_next"], "a frame waits for ever for a worker that stopped copying"),
     # issue 28: collectives end the same way on every rank; gradients

@@ -105,3 +105,36 @@ def test_the_loopback_link_delivers_frames_in_order_on_the_event_loop() -> None:
         assert len(sink.frames) == 2 and sender.bytes_sent > payload.nbytes
 
     asyncio.run(body())
+
+
+def test_closing_one_link_gives_up_only_its_own_wait_for_an_input_being_copied() -> None:
+    # one input going to two peers, each sender thread waiting for bytes not copied yet: the
+    # link to the first is closed, so its wait ends; the other's goes on and gets its bytes
+    from decentd.workers.staging import FillGate, FillState
+
+    async def main() -> tuple[str, int]:
+        fill = FillState(1000, asyncio.get_running_loop())
+        fill.advance(100)
+        gone, kept = FillGate(fill, 0, 8), FillGate(fill, 0, 8)
+        outcome: dict[str, object] = {}
+
+        def waits(name: str, gate: FillGate) -> None:
+            try:
+                gate.wait(108)  # header and the 100 bytes copied are out: waits for byte 101
+                outcome[name] = fill.filled
+            except ConnectionAbortedError as exc:
+                outcome[name] = str(exc)
+        threads = [threading.Thread(target=waits, args=("gone", gone)),
+                   threading.Thread(target=waits, args=("kept", kept))]
+        for t in threads:
+            t.start()
+        gone.interrupt()
+        threads[0].join(5)
+        assert not threads[1].is_alive() or "kept" not in outcome
+        fill.advance(500)
+        threads[1].join(5)
+        return str(outcome["gone"]), int(outcome["kept"])  # type: ignore[call-overload]
+
+    gone, kept = asyncio.run(main())
+    assert "lost its link" in gone
+    assert kept == 500

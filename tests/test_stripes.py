@@ -226,6 +226,19 @@ def test_a_chunk_outside_its_frame_closes_the_link(head: tuple[int, int, int]) -
     assert any("striped bytes" in why for why in sink.lost)
 
 
+@pytest.mark.parametrize("second", [(0, 0, CHUNK), (0, CHUNK // 2, CHUNK)],
+                         ids=["twice", "misaligned"])
+def test_a_chunk_sent_twice_or_off_the_chunk_grid_closes_the_link(
+        second: tuple[int, int, int]) -> None:
+    # a chunk over bytes already given would leave others never written (stale buffer bytes
+    # delivered as data): each chunk is at a multiple of CHUNK, and comes once
+    sink, conns = striped_link(2)
+    feed(conns[0], streams([SECOND], 2)[0])
+    feed(conns[1], CHUNK_HEAD.pack(0, 0, CHUNK) + bytes(CHUNK) + CHUNK_HEAD.pack(*second))
+    assert cast(Transport, conns[0].transport).aborted and not sink.frames
+    assert any("each once" in why for why in sink.lost)
+
+
 def test_a_chunk_of_a_frame_already_whole_closes_the_link() -> None:
     sink, conns = striped_link(2)
     data = streams([SECOND], 2)

@@ -54,29 +54,30 @@ async def connect_peer(links: Links, link: PeerLink, deadline: float, was_down: 
     hello = pb.BulkHeader(kind=pb.HELLO, cluster_id=links.cluster_id, from_rank=links.rank,
                           bundle=secrets.randbits(63))
     bulk_tls = tls.client_context() if tls is not None and tls.encrypt_bulk else None
+    host, port = host_of(link.address), int(reply.data_port)
     socks: list[socket.socket] = []
+
+    async def greeted(stripe: int) -> None:
+        # each says HELLO at once: it leaves the peer's bound on unproven connections at once
+        sock, rtt = await _open(host, port, bulk_tls)
+        socks.append(sock)
+        if stripe == 0:
+            link.connect_rtt = rtt
+            hello.stripes = links.striping.count(rtt)
+        sock.sendall(framing.encode(_greeting(links, link, hello, key, stripe)))
+
     try:
-        start = time.monotonic()
-        socks.append(await _open(host_of(link.address), int(reply.data_port), bulk_tls))
-        link.connect_rtt = time.monotonic() - start
-        hello.stripes = links.striping.count(link.connect_rtt)
-        lanes = await asyncio.gather(*(
-            _open(host_of(link.address), int(reply.data_port), bulk_tls)
-            for _ in range(hello.stripes - 1)), return_exceptions=True)
-        socks += [lane for lane in lanes if isinstance(lane, socket.socket)]
-        for lane in lanes:
-            if isinstance(lane, BaseException):
-                raise lane
-        for index, lane in enumerate(socks[1:], 1):
-            lane.sendall(framing.encode(_greeting(links, link, hello, key, index)))
-    except OSError as exc:
+        await greeted(0)
+        await asyncio.gather(*(greeted(i) for i in range(1, hello.stripes)))
+    except BaseException as exc:
         for sock in socks:
             sock.close()
+        if not isinstance(exc, OSError):
+            raise
         raise ConnectionError(f"rank {link.rank} at {link.address}: cannot open the bulk "
-                              f"connection to port {reply.data_port}: {exc}") from None
+                              f"connection to port {port}: {exc}") from None
     link.flow.credits = int(reply.window_bytes)
     link.sender = Sender(socks[0], asyncio.get_running_loop(), link.rank, on_broken, socks[1:])
-    link.sender.send([framing.encode(_greeting(links, link, hello, key, 0))])
     link.connected = True
     link.last_heartbeat = time.monotonic()
     log.debug("connected to rank %d at %s (bulk port %d, %d connection(s), %.1f ms)",
@@ -156,26 +157,30 @@ async def _prove(links: Links, link: PeerLink, stub: pb_grpc.PeerStub,
     return key
 
 
-async def _open(host: str, port: int, tls: ssl.SSLContext | None) -> socket.socket:
+async def _open(host: str, port: int,
+                tls: ssl.SSLContext | None) -> tuple[socket.socket, float]:
     """A tuned, blocking bulk connection to ``host:port`` (over TLS with ``tls``, the peer's
-    certificate checked against ``host``)."""
+    certificate checked against ``host``), and the seconds its TCP handshake took (one round
+    trip; name lookup and TLS not counted)."""
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     family, kind, proto, _, addr = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setblocking(False)
     try:
+        start = time.monotonic()
         await loop.sock_connect(sock, addr)
+        rtt = time.monotonic() - start
     except BaseException:
         sock.close()
         raise
     tune(sock)
     sock.setblocking(True)  # the sender thread writes with blocking calls
     if tls is None:
-        return sock
+        return sock, rtt
     try:  # the handshake blocks: off the event loop, which serves the peer's side of ours
         return await loop.run_in_executor(None, functools.partial(
-            tls.wrap_socket, sock, server_hostname=host))
+            tls.wrap_socket, sock, server_hostname=host)), rtt
     except BaseException:
         sock.close()
         raise

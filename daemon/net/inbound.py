@@ -55,10 +55,20 @@ def next_step(remaining: int) -> int:
     return max(min(LOW_WATER, remaining // 2), min(remaining, TAIL))
 
 
+#: TCP keepalive of bulk connections: probes after this long idle, this often, this many
+KEEPALIVE = (30, 10, 3)
+
+
 def tune(sock: socket.socket) -> None:
-    """TCP options for the bulk path: no Nagle delay. Buffer sizes are left to the kernel's
-    autotuning, which grows them past what SO_SNDBUF/SO_RCVBUF may set (net.core.*mem_max)."""
+    """TCP options for the bulk path: no Nagle delay; keepalive probes, so that a connection
+    idle between large frames (a striped link's lanes carry no heartbeats) keeps its place in
+    a NAT's table. Buffer sizes are left to the kernel's autotuning, which grows them past what
+    SO_SNDBUF/SO_RCVBUF may set (net.core.*mem_max)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in zip((socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT),
+                             KEEPALIVE, strict=True):
+        sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 class FrameSink(Protocol):

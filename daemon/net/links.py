@@ -180,9 +180,10 @@ class Links:
         """The lanes of the link opening ``bundle``: an older opening's give way, unless its
         main connection is up (then ``bundle`` is the stale one: ValueError)."""
         lanes = link.lanes
-        if lanes is not None and lanes.bundle == bundle and lanes.stripes == stripes:
+        if lanes is not None and not lanes.closed and lanes.bundle == bundle and \
+                lanes.stripes == stripes:
             return lanes
-        if lanes is not None and lanes.main is not None:
+        if lanes is not None and not lanes.closed and lanes.main is not None:
             raise ValueError(f"a stripe of link opening {bundle} while {lanes.bundle} is up")
         if lanes is not None:
             lanes.close("a newer opening of the link")

@@ -190,9 +190,7 @@ class Sender:
         total = sum(map(len, buffers))
         with self._cv:
             if self.error is not None or self._closed:
-                err = self.error or ConnectionError(f"connection to rank {self.peer} is closed")
-                if on_done is not None:
-                    on_done(err)
+                self._refuse(on_done, pull is not None)
                 return None
             if gate is not None or queued:
                 item = Outgoing(buffers, on_done, gate=gate, striped=shares, pull=pull)
@@ -230,6 +228,17 @@ class Sender:
             self._queue.append(item)
             self._cv.notify()
             return item
+
+    def _refuse(self, on_done: Callable[[BaseException | None], None] | None,
+                threaded: bool) -> None:
+        """A frame for a connection that failed or closed fails (``threaded``: the caller is
+        the main connection's sender thread, handing a lane its chunks: on the loop)."""
+        err = self.error or ConnectionError(f"connection to rank {self.peer} is closed")
+        if on_done is not None and threaded:
+            with contextlib.suppress(RuntimeError):  # the loop is gone
+                self.loop.call_soon_threadsafe(on_done, err)
+        elif on_done is not None:
+            on_done(err)
 
     def _shares(self, buffers: list[Buffer], striped: int,
                 on_done: Callable[[BaseException | None], None] | None,
@@ -394,7 +403,7 @@ class Sender:
         return sum(len(b) for b in chunk)
 
     def _done(self, item: Outgoing, err: BaseException | None) -> None:
-        item.buffers = []
+        item.buffers, item.striped, item.pull = [], None, None
         if item.on_done is not None:
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
                 self.loop.call_soon_threadsafe(item.on_done, err)
@@ -416,7 +425,7 @@ class Sender:
             self.sock.shutdown(socket.SHUT_RDWR)
         with self._cv:
             if self._held is not None:
-                self._held.fill.interrupt()
+                self._held.interrupt()
         for lane in self.lanes:
             lane.abort()
 
@@ -425,7 +434,7 @@ class Sender:
         with self._cv:
             self._closed = True
             self._cv.notify()
-        self._thread.join(timeout=2.0)  # the lanes' shares were handed out meanwhile
+        self._thread.join(timeout=2.0)  # what it started has been handed to the lanes
         for lane in self.lanes:
             lane.close()
         with contextlib.suppress(OSError):

@@ -32,8 +32,9 @@ Buffer = bytes | bytearray | memoryview
 
 #: payloads smaller than this go whole over the main connection
 STRIPE_MIN = 1 << 20
-#: connections of one link, at most (what a HELLO may announce)
-MAX_STRIPES = 64
+#: connections of one link, at most (what a HELLO may announce; within the bulk port's bound on
+#: connections from one address that have not said HELLO yet)
+MAX_STRIPES = 16
 #: the in-flight bytes "auto" plans for: this much above the bandwidth-delay product
 HEADROOM = 1.25
 #: bytes a lane holds that came before the frame they belong to was announced (a lane
@@ -41,7 +42,8 @@ HEADROOM = 1.25
 MAX_EARLY = 1 << 20
 #: a lane chunk's head: the striped frame's number, the offset into its striped bytes, length
 CHUNK_HEAD = struct.Struct("<QQQ")
-#: bytes per chunk a lane takes
+#: bytes per chunk a lane takes (every chunk but a frame's last is this long, at a multiple
+#: of it: the receiver checks both)
 CHUNK = 256 << 10
 #: a lane's connection takes its next chunk once fewer than this many bytes wait unsent in it
 #: (TCP_NOTSENT_LOWAT): what a slow flow holds back at the end of a frame stays small
@@ -82,8 +84,8 @@ class Striping:
 def stripe_bytes(payload: int, stripes: int) -> int:
     """Of a ``payload``-byte frame on a link of ``stripes`` connections, the bytes that go
     over the lanes: all but the first ``payload // (2 * stripes)``, which the main connection
-    carries after the header (half a lane's average: a fixed share that must not be the
-    last to arrive)."""
+    carries after the header (half of an even share: a fixed share that must not be the last
+    to arrive)."""
     if stripes <= 1 or payload < STRIPE_MIN:
         return 0
     return payload - payload // (2 * stripes)
@@ -124,18 +126,19 @@ class Pull:
         with self._lock:
             offset = self._next
             if offset >= self.total:
-                self.buffers = []  # every chunk is handed out: the memory is not ours to hold
                 return None
             length = min(CHUNK, self.total - offset)
             self._next += length
-        head = CHUNK_HEAD.pack(self.seq, offset, length)
-        return offset, [head, *window(self.buffers, offset, length)]
+            body = window(self.buffers, offset, length)
+        return offset, [CHUNK_HEAD.pack(self.seq, offset, length), *body]
 
     def wrote(self, length: int) -> None:
         """A chunk of ``length`` bytes is in its connection's kernel buffer."""
         with self._lock:
             self._written += length
             last = self._written == self.total
+            if last:
+                self.buffers = []  # every chunk is out: the memory is not ours to hold
         if last:
             self._on_done()
 
@@ -160,6 +163,7 @@ class StripedFrame:
     main_done: bool = False
     chunks: int = 0  #: chunks begun
     chunks_in: int = 0  #: chunks received whole
+    seen: set[int] = field(default_factory=set)  #: offsets of the chunks begun
 
     def own_done(self) -> bool:
         """The main connection's share is in; whether the frame is now whole."""
@@ -277,17 +281,18 @@ class Lane:
             if self.reader is not None:
                 self.reader.pause()
             return
-        if length == 0 or offset + length > frame.striped or \
-                frame.received + length > frame.striped:
+        if offset % CHUNK or offset >= frame.striped or offset in frame.seen or \
+                length != min(CHUNK, frame.striped - offset):
             raise ValueError(f"stripe {self.index} sent {length} bytes at {offset} of a frame's "
-                             f"{frame.striped} striped bytes ({frame.received} in already)")
+                             f"{frame.striped} striped bytes (chunks of {CHUNK}, each once)")
         self.waiting, self._head_filled = None, 0
+        frame.seen.add(offset)
         frame.chunks += 1
         if frame.received + length == frame.striped:  # its last chunk: the seq is done
             del self.group.frames[seq]
         pos = frame.start + offset
         self._chunk = (frame, pos, pos + length, length)
-        frame.received += length  # reserved: a chunk overlapping it is refused
+        frame.received += length
 
     def _advance(self, nbytes: int) -> None:
         assert self._chunk is not None
@@ -317,6 +322,7 @@ class LaneSet:
         #: striped frames announced by the main connection and not whole yet, by sequence
         self.frames: dict[int, StripedFrame] = {}
         self.announced = 0  #: striped frames announced so far
+        self.closed = False  #: the link is gone: a late connection of it gets a new set
 
     @property
     def bytes_received(self) -> int:
@@ -339,8 +345,11 @@ class LaneSet:
             lane.announced()
 
     def close(self, reason: str) -> None:
-        """The link is gone: close every lane's connection."""
+        """The link is gone: close every lane's connection; nothing is received any more
+        (the frames' buffers go back to the pool)."""
         self.main = None
+        self.closed = True
+        self.frames.clear()
         for lane in self.lanes:
             if lane.reader is not None:
                 reader, lane.reader = lane.reader, None

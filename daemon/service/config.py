@@ -146,15 +146,15 @@ class TransportConfig(_Strict):
         "as many as the round trip measured when the link opens needs to keep "
         "stripe_rate_mbit in flight, given the kernel's socket buffer maxima (1 on a LAN)",
     )
-    max_stripes: int = Field(8, ge=1, le=64, description="the most connections \"auto\" opens")
+    max_stripes: int = Field(8, ge=1, le=16, description="the most connections \"auto\" opens")
     stripe_rate_mbit: float = Field(
         1000.0, gt=0, description="the link rate \"auto\" sizes the connection count for")
 
     @field_validator("stripes")
     @classmethod
     def _stripes_in_range(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and not 1 <= value <= 64:
-            raise ValueError(f"stripes must be \"auto\" or 1 to 64, not {value}")
+        if isinstance(value, int) and not 1 <= value <= 16:
+            raise ValueError(f"stripes must be \"auto\" or 1 to 16, not {value}")
         return value
 
     def striping(self) -> Striping:

@@ -31,8 +31,6 @@ class FillState:
         self.nbytes = nbytes
         self.filled = 0
         self.released = False  #: the op ended: nothing waits any more, whole or not
-        #: the connection a sender thread waits to write it to was closed
-        self.interrupted = False
         #: bytes of it that sender threads wrote before the copy ended (written by them)
         self.early = 0
         self._cv = threading.Condition()
@@ -59,11 +57,9 @@ class FillState:
         if not self._whole.done():
             self._whole.cancel()
 
-    def interrupt(self) -> None:
-        """The link a sender thread waits to write this input to was closed: wake the
-        thread (its frame is given up; the op itself waits on)."""
+    def wake(self) -> None:
+        """Wake every waiting sender thread (each checks whether its own wait is over)."""
         with self._cv:
-            self.interrupted = True
             self._cv.notify_all()
 
     async def whole(self) -> None:
@@ -71,20 +67,25 @@ class FillState:
         if not self.complete:
             await asyncio.shield(self._whole)
 
-    def wait_past(self, filled: int) -> int:
+    def wait_past(self, filled: int, interrupted: Callable[[], bool] = lambda: False) -> int:
         """Block (a sender thread) until more than ``filled`` bytes are in, or all are; the
-        bytes in now. ConnectionAbortedError once the op ended with the input still short, or
-        the worker copied nothing for :data:`STALL` seconds: a frame started on the wire can
-        then not be completed (and the frames behind it, heartbeats too, must not wait)."""
+        bytes in now. ConnectionAbortedError once the op ended with the input still short,
+        the worker copied nothing for :data:`STALL` seconds (a frame started on the wire can
+        then not be completed, and the frames behind it, heartbeats too, must not wait), or
+        ``interrupted()`` (this waiter's link was closed; others wait on)."""
         with self._cv:
-            self._cv.wait_for(lambda: self.filled > filled or self.complete
-                                      or self.released or self.interrupted, STALL)
-            if self.filled <= filled and not self.complete:
-                why = ("ended" if self.released else "lost its link" if self.interrupted
-                       else f"copied nothing for {STALL:g}s")
-                raise ConnectionAbortedError(f"the worker's op {why} before its input was all "
-                                             "copied in: the frame carrying it is cut off")
-            return self.filled
+            while True:
+                seen = self.filled
+                self._cv.wait_for(lambda: self.filled > filled or self.complete
+                                          or self.released or interrupted(), STALL)
+                if self.filled > filled or self.complete:
+                    return self.filled
+                if self.released or interrupted() or self.filled == seen:
+                    break  # else the copy moves on, short of this waiter's bytes yet
+            why = ("ended" if self.released else "lost its link" if interrupted()
+                   else f"copied nothing for {STALL:g}s")
+            raise ConnectionAbortedError(f"the worker's op {why} before its input was all "
+                                         "copied in: the frame carrying it is cut off")
 
 
 class FillGate:
@@ -93,6 +94,7 @@ class FillGate:
 
     def __init__(self, fill: FillState, base: int = 0, head: int = 0) -> None:
         self.fill, self.base, self.head = fill, base, head
+        self.interrupted = False  #: the link this frame goes to was closed
 
     def with_head(self, head: int) -> FillGate:
         """The same gate behind a header of ``head`` bytes."""
@@ -107,7 +109,13 @@ class FillGate:
 
     def wait(self, frame_sent: int) -> None:
         """Block until at least one more byte of the frame may go out (sender thread)."""
-        self.fill.wait_past(self.base + frame_sent - self.head)
+        self.fill.wait_past(self.base + frame_sent - self.head, lambda: self.interrupted)
+
+    def interrupt(self) -> None:
+        """The link this frame goes to was closed: its waiting sender thread gives it up
+        (the op, and sends of the same input to other peers, go on)."""
+        self.interrupted = True
+        self.fill.wake()
 
 
 #: a worker copying a result out is told in steps of at least this many bytes (one note each)
