@@ -255,7 +255,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--steps", type=int, default=200,
                    help="inner steps per method: the budget every method is compared at")
-    p.add_argument("--long-steps", type=int, default=1000,
+    p.add_argument("--long-steps", type=int, default=3000,
                    help="inner steps of the DiLoCo family (their time to the target loss)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's, every method")
