@@ -23,7 +23,14 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from decentd.net.stripes import CHUNK_HEAD, NOTSENT_LOWAT, Countdown, Pull, stripe_bytes
+from decentd.net.stripes import (
+    CHUNK_HEAD,
+    NOTSENT_LOWAT,
+    Countdown,
+    Pull,
+    stripe_bytes,
+    window,
+)
 from decentd.workers.arena import fault_in
 from decentd.workers.staging import FillGate
 
@@ -79,22 +86,6 @@ def _take(buffers: list[Buffer], limit: int, total: int | None = None) -> list[B
         out.append(b)
         limit -= n
     return out
-
-
-def _split(buffers: list[Buffer], keep: int) -> tuple[list[Buffer], list[Buffer]]:
-    """The first ``keep`` bytes of ``buffers``, and the rest."""
-    head: list[Buffer] = []
-    for i, b in enumerate(buffers):
-        n = len(b)
-        if keep >= n:
-            head.append(b)
-            keep -= n
-            continue
-        if keep:
-            head.append(memoryview(b)[:keep])
-            return head, [memoryview(b)[keep:], *buffers[i + 1:]]
-        return head, list(buffers[i:])
-    return head, []
 
 
 def _advance(buffers: list[Buffer], sent: int) -> list[Buffer]:
@@ -247,7 +238,7 @@ class Sender:
         """The main connection's part of a frame, its last ``striped`` payload bytes for the
         lanes, and the callback that ends the frame once both are out."""
         total = sum(map(len, buffers))
-        own, rest = _split(buffers, total - striped)
+        own, rest = window(buffers, 0, total - striped), window(buffers, total - striped, striped)
         ending = Countdown(on_done or (lambda err: None), 2)
         start = total - striped - len(buffers[0])  # in the payload (buffers[0]: the header)
         return own, Striped(rest, ending, None if gate is None else
