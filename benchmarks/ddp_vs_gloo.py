@@ -15,7 +15,8 @@ host shared by 8 ranks do not hide the links):
 * ``gloo``: ``DistributedDataParallel`` over a gloo group;
 * ``decent``: the same over the default ``decent`` group (the daemons' allreduce);
 * ``decentralized``: the same DDP model put on D-SGD over the one-peer exponential graph with
-  ``decent.torch.ddp.decentralize`` (one neighbor averaging of the parameters per step).
+  ``decent.torch.ddp.decentralize`` (its default, combine-then-adapt: one neighbor averaging of
+  the parameters per step, run while forward and backward compute the gradient).
 
 The systems' steps are interleaved (the order rotates every step), each after a gloo barrier,
 so all three meet the same host; a step's time is the slowest rank's. Then the latency of a
@@ -112,7 +113,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any] | None:
         model = DDP(resnet18(), process_group=gloo if name == "gloo" else None)
         sgd = torch.optim.SGD(model.parameters(), lr=0.01)
         opt: Any = sgd if name != "decentralized" else decentralize(
-            model, sgd, "dsgd", topology="one-peer-exponential")
+            model, sgd, topology="one-peer-exponential")
         steppers[name] = _stepper(model, opt, x, y)
     times: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     for k in range(a.warmup + a.steps):

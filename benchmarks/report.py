@@ -572,7 +572,7 @@ def ddp_rows(add: Callable[..., None], loop: dict[str, Any] | None,
              ("10n", netns, "decent_over_gloo", 1.0, False, "decent", "gloo",
               "DDP step of ResNet-18 over decent / over gloo, 8 netns at 1 Gbit/s"),
              ("10d", netns, "decentralized_speedup", 1.6, True, "gloo", "decentralized",
-              "DDP over gloo / DDP in decent's decentralized mode (one-peer D-SGD), 8 netns"))
+              "DDP over gloo / DDP in decent's decentralized mode (one-peer CTA D-SGD), 8 netns"))
     for cid, res, key, target, at_least, a, b, what in specs:
         if res is None or key not in res:
             add(cid, what, None, target, at_least, "not measured (benchmarks/ddp_vs_gloo.py)")

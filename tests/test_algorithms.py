@@ -105,8 +105,9 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         assert c.stop() == [0] * N
 
 
-#: the algorithms whose update is x' = M (x - d): the optimizer flattens their parameters
-IN_PLACE = {"dsgd", "dmsgd", "allreduce", "pga"}
+#: the algorithms whose update is x' = M (x - d), and CTA D-SGD (x' = W x - d with W x taken
+#: from the parameters while the gradient is computed): the optimizer flattens their parameters
+IN_PLACE = {"dsgd", "dmsgd", "allreduce", "pga", "dsgd-cta"}
 
 
 def _train(c: Cluster, algorithm: str, make_sgd: Callable[[list[torch.Tensor]], Any],

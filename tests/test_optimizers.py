@@ -214,3 +214,51 @@ def test_the_general_path_allocates_no_model_sized_tensor_per_step(
 
     for made in c.run(work):
         assert made == [], made
+
+
+class LargeOps(TorchDispatchMode):
+    """Records every op of this thread that reads or writes the data of a tensor of
+    ``min_numel`` elements or more (views and detaches, which touch none, left out)."""
+
+    VIEWS = ("aten.detach.", "aten.view.", "aten.alias.", "aten.as_strided.", "aten.slice.")
+
+    def __init__(self, min_numel: int) -> None:
+        super().__init__()
+        self.min_numel = min_numel
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if any(isinstance(t, torch.Tensor) and t.numel() >= self.min_numel
+               for t in tree_leaves((args, kwargs))) and not str(func).startswith(self.VIEWS):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_combine_then_adapt_on_flat_parameters_copies_nothing(cluster: ClusterFactory) -> None:
+    # dsgd-cta on flattened parameters: W x is taken from the flat buffer itself while forward
+    # and backward run (the forward pre-hook), and a step touches the model-sized buffers twice,
+    # W x - x and (x - d) + (W x - x): no copy of x, no copy back (the general path copies x
+    # into a buffer, takes d = x - (x - d), and copies W x - d back into the parameters)
+    c = cluster(2)
+    numel = 256 * 256 + 256 + 256 * 10 + 10  # the flat buffer; no parameter is this large
+
+    def work(cl: Client[torch.Tensor]) -> tuple[bool, list[list[str]]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 10))
+        opt = dt.DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                        momentum=0.9), model,
+                                        algorithm="dsgd-cta", client=cl, prefix="flat.cta")
+        steps = []
+        for _ in range(3):
+            opt.zero_grad()
+            watch = LargeOps(numel)
+            with watch:
+                model(torch.ones(4, 256)).sum().backward()
+                opt.step()
+            steps.append(watch.ops)
+        return opt.flattened, steps
+
+    for flattened, steps in c.run(work):
+        assert flattened
+        assert steps == [["aten.sub_.Tensor", "aten.add_.Tensor"]] * 3, steps

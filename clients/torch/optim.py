@@ -114,7 +114,8 @@ class DecentralizedOptimizer:
                                                                  **options)
         self.algorithm.check_optimizer(optimizer.param_groups)
         self.algorithm.prepare([p.detach() for p in self._params()])
-        self._flatten = flatten and self.algorithm.in_place
+        self._flatten = flatten and (self.algorithm.in_place
+                                     or self.algorithm.overlaps_in_place)
         #: the flat parameter buffers that :meth:`step` averages in place, or None
         self._flat: list[torch.Tensor] | None = None
         self._layout: list[tuple[int, int]] = []  # (id, data_ptr) of each parameter when laid out
@@ -185,7 +186,11 @@ class DecentralizedOptimizer:
         return list(self._flat or [])
 
     def _start(self) -> None:
-        if self.algorithm.starts_early:
+        if self.algorithm.overlaps_in_place and self._flatten:
+            self._lay_out()
+        if self._flat is not None and self.algorithm.overlaps_in_place:
+            self.algorithm.start_in_place(self._flat)  # from the parameters: nothing copied
+        elif self.algorithm.starts_early:
             params = self._params()
             self._xs = self._buffers.copies(params)
             self.algorithm.start(self._xs, self._states(params))
@@ -216,8 +221,14 @@ class DecentralizedOptimizer:
                 loss = closure()
         if not self._started:
             self._start()
+        started_on = self._flat
         self._lay_out()
         if self._flat is not None:
+            if self.algorithm.overlaps_in_place:
+                if started_on is not self._flat:  # the parameters moved since it started
+                    self.algorithm.discard_started()
+                    self._xs = None
+                self.algorithm.settle_in_place(self._flat)
             self.optimizer.step()  # x - d, written into the flat buffers
             self.algorithm.finish_in_place(self._flat)
             self.algorithm.advance()

@@ -69,6 +69,11 @@ class Algorithm(Generic[T]):
     #: the update is ``x' = M (x - d)``: :meth:`finish_in_place` may combine the parameters
     #: where the wrapped optimizer left them, with nothing copied
     in_place: ClassVar[bool] = False
+    #: the update is ``x' = W x - d`` with ``W x`` started before the forward pass: an adapter
+    #: that keeps the parameters in shared memory starts it from them (:meth:`start_in_place`,
+    #: nothing copied), settles it before the wrapped optimizer's step
+    #: (:meth:`settle_in_place`) and adds it to what that step wrote (:meth:`finish_in_place`)
+    overlaps_in_place: ClassVar[bool] = False
     #: the gradients are reduced (:meth:`average_async`) before the wrapped optimizer's step
     reduces_gradients: ClassVar[bool] = False
 
@@ -206,6 +211,12 @@ class Algorithm(Generic[T]):
         one: the adapter reads it before the next step): :meth:`difference` may reuse it."""
         self._spares[(key, i)] = tensor
 
+    def discard_started(self) -> None:
+        """Wait for the exchanges started and not collected yet, and drop their results (what
+        they were started from changed before they were used)."""
+        for key in list(self._pending):
+            self.mixed(key)
+
     def mix(self, key: str, tensors: Sequence[T], mean: bool = False) -> list[T]:
         """``W t`` for every tensor (blocking)."""
         self.mix_async(key, tensors, mean)
@@ -256,9 +267,22 @@ class Algorithm(Generic[T]):
         raise NotImplementedError
 
     def finish_in_place(self, halves: Sequence[T]) -> None:
-        """Algorithms that declare :attr:`in_place`: ``x' = M halves`` written into
-        ``halves``, which hold ``x - d`` (the parameters after the optimizer's step)."""
+        """Algorithms that declare :attr:`in_place` or :attr:`overlaps_in_place`: ``x'``
+        written into ``halves``, which hold ``x - d`` (the parameters after the optimizer's
+        step): ``M halves``, or ``halves + (W x - x)``."""
         raise NotImplementedError(f"algorithm {self.name!r} does not finish in place")
+
+    def start_in_place(self, xs: Sequence[T]) -> None:
+        """Algorithms that declare :attr:`overlaps_in_place`, before the forward pass: start
+        the exchange from the parameters themselves (``xs``, in shared memory; they must not
+        change until :meth:`settle_in_place`)."""
+        raise NotImplementedError(f"algorithm {self.name!r} does not start in place")
+
+    def settle_in_place(self, xs: Sequence[T]) -> None:
+        """Algorithms that declare :attr:`overlaps_in_place`, before the wrapped optimizer's
+        step: wait for the exchange :meth:`start_in_place` began (starting it now if it has
+        not) and keep what :meth:`finish_in_place` adds; ``xs`` may change afterwards."""
+        raise NotImplementedError(f"algorithm {self.name!r} does not start in place")
 
     def average_async(self, grads: Sequence[T], names: Sequence[str]) -> list[Handle[T]]:
         """Algorithms that declare :attr:`reduces_gradients`: start reducing each gradient;

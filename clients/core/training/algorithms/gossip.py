@@ -28,10 +28,42 @@ class DSGD(AdaptThenCombine[T]):
 
 
 class DSGDCombineThenAdapt(Algorithm[T]):
-    """Combine-then-adapt D-SGD: ``x' = W x - d(x)``; ``W x`` overlaps forward/backward."""
+    """Combine-then-adapt D-SGD: ``x' = W x - d(x)``; ``W x`` overlaps forward/backward.
+
+    In place (:attr:`overlaps_in_place`), ``W x`` is taken from the parameters themselves
+    while the gradient is computed; before the optimizer's step, ``W x - x`` is kept (in
+    ``W x``'s own tensors), and after it, added to the ``x - d`` the step wrote: the same
+    rule, with nothing copied.
+    """
 
     name = "dsgd-cta"
     starts_early = True
+    overlaps_in_place = True
+
+    def __init__(self, client: Client[T], **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        #: ``W x - x`` of this step, once settled (in place)
+        self._moves: list[T] | None = None
+
+    def start_in_place(self, xs: Sequence[T]) -> None:
+        if self.communicates and "x" not in self._pending:
+            self.mix_async("x", xs)
+
+    def settle_in_place(self, xs: Sequence[T]) -> None:
+        if not self.communicates:
+            self._moves = None
+            return
+        self.start_in_place(xs)
+        moves = self.mixed("x")  # this rank's own new tensors
+        for wx, x in zip(moves, xs, strict=True):
+            wx -= x
+        self._moves = moves
+
+    def finish_in_place(self, halves: Sequence[T]) -> None:
+        moves, self._moves = self._moves, None
+        if moves is not None:  # None: a step without an exchange (x' = x - d)
+            for half, move in zip(halves, moves, strict=True):
+                half += move
 
     def start(self, xs: Sequence[T], states: Sequence[State]) -> None:
         if self.communicates and "x" not in self._pending:
