@@ -235,10 +235,10 @@ class LargeOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_combine_then_adapt_on_flat_parameters_copies_nothing(cluster: ClusterFactory) -> None:
+def test_combine_then_adapt_on_flat_parameters_keeps_no_copy(cluster: ClusterFactory) -> None:
     # dsgd-cta on flattened parameters: W x is taken from the flat buffer itself while forward
     # and backward run (the forward pre-hook), and a step touches the model-sized buffers twice,
-    # W x - x and (x - d) + (W x - x): no copy of x, no copy back (the general path copies x
+    # W x - x and (x - d) + (W x - x): no torch copy of x, no copy back (the general path copies x
     # into a buffer, takes d = x - (x - d), and copies W x - d back into the parameters)
     c = cluster(2)
     numel = 256 * 256 + 256 + 256 * 10 + 10  # the flat buffer; no parameter is this large

@@ -189,7 +189,7 @@ class DecentralizedOptimizer:
         if self.algorithm.overlaps_in_place and self._flatten:
             self._lay_out()
         if self._flat is not None and self.algorithm.overlaps_in_place:
-            self.algorithm.start_in_place(self._flat)  # from the parameters: nothing copied
+            self.algorithm.start_in_place(self._flat)  # from the parameters themselves
         elif self.algorithm.starts_early:
             params = self._params()
             self._xs = self._buffers.copies(params)

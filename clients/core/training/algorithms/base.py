@@ -71,7 +71,7 @@ class Algorithm(Generic[T]):
     in_place: ClassVar[bool] = False
     #: the update is ``x' = W x - d`` with ``W x`` started before the forward pass: an adapter
     #: that keeps the parameters in shared memory starts it from them (:meth:`start_in_place`,
-    #: nothing copied), settles it before the wrapped optimizer's step
+    #: no copy kept), settles it before the wrapped optimizer's step
     #: (:meth:`settle_in_place`) and adds it to what that step wrote (:meth:`finish_in_place`)
     overlaps_in_place: ClassVar[bool] = False
     #: the gradients are reduced (:meth:`average_async`) before the wrapped optimizer's step

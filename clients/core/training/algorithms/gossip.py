@@ -33,7 +33,7 @@ class DSGDCombineThenAdapt(Algorithm[T]):
     In place (:attr:`overlaps_in_place`), ``W x`` is taken from the parameters themselves
     while the gradient is computed; before the optimizer's step, ``W x - x`` is kept (in
     ``W x``'s own tensors), and after it, added to the ``x - d`` the step wrote: the same
-    rule, with nothing copied.
+    rule, with no copy of ``x`` kept and none written back.
     """
 
     name = "dsgd-cta"
