@@ -96,6 +96,28 @@ def optimizer_is_a_torch_optimizer_with_step_weights() -> None:
         raise AssertionError("push-sum took per-step weights")
 
 
+def awc_takes_the_step_weights_set_before_forward() -> None:
+    """BlueFog's AWC wrapper with a model averages beside forward and backward: weights set
+    before the forward pass (as its dynamic-topology loops set them) are that step's, on the
+    flat parameters and with ``flatten=False`` alike (lr 0: x' = 0.5 x + 0.5 x_left)."""
+    left, right = (bf.rank() - 1) % N, (bf.rank() + 1) % N
+    for flatten in (True, False):
+        net = torch.nn.Linear(1, 1, bias=False, dtype=torch.float64)
+        torch.nn.init.constant_(net.weight, float(bf.rank()))
+        sgd = torch.optim.SGD(net.parameters(), lr=0.0)
+        opt = bf.DistributedAdaptWithCombineOptimizer(sgd, model=net) if flatten else \
+            bf.DecentralizedOptimizer(sgd, net, algorithm="dsgd-cta", flatten=False)
+        for _ in range(2):  # the second step's weights differ from the first's
+            opt.self_weight, opt.src_weights, opt.dst_weights = 0.5, {left: 0.5}, {right: 1.0}
+            want = 0.5 * float(net.weight) + 0.5 * float(bf.allgather(net.weight.detach()
+                                                                      .reshape(1))[left])
+            net(torch.ones(1, 1, dtype=torch.float64)).sum().backward()
+            opt.step()
+            assert opt.flattened == flatten
+            assert abs(float(net.weight) - want) < 1e-12, (flatten, float(net.weight), want)
+        opt.close()
+
+
 def graph_builders_have_bluefogs_weights() -> None:
     """BlueFog's topology_util, with its numbers."""
     tu = bf.topology_util
@@ -125,4 +147,5 @@ def nonblocking_wait_and_queries() -> None:
 #: every check, in order (tests/horovod_rules.py runs them on 4 ranks)
 CHECKS = (window_push_sum_keeps_its_mass, win_free_returns_true_and_is_local,
           load_topology_gives_the_graph_set, optimizer_is_a_torch_optimizer_with_step_weights,
-          graph_builders_have_bluefogs_weights, nonblocking_wait_and_queries)
+          awc_takes_the_step_weights_set_before_forward, graph_builders_have_bluefogs_weights,
+          nonblocking_wait_and_queries)

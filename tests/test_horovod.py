@@ -264,7 +264,8 @@ def test_horovod_and_bluefog_programs_calls_under_decentrun(np_: int) -> None:
     keeps its mass (p totals 4.0), win_free returns True (no name: every window; local, where
     BlueFog's is collective: a get from a rank that freed it fails with NOT_FOUND),
     load_topology gives the graph set, the optimizer wrappers are torch optimizers
-    (CosineAnnealingLR) honouring per-step weights (1.5, not the topology's average),
+    (CosineAnnealingLR) honouring per-step weights (1.5, not the topology's average; with a
+    model, the weights set before the forward pass, where BlueFog's AWC averaging starts),
     BlueFog's graph builders and helpers, neighbor_allreduce_nonblocking with
     enable_topo_check, bf.wait, and the queries."""
     import subprocess

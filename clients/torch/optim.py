@@ -60,8 +60,10 @@ class DecentralizedOptimizer:
     As Horovod's and BlueFog's wrappers, the object is an instance of the wrapped optimizer's
     class too (``isinstance``, learning-rate schedulers); ``.optimizer`` is the wrapped one.
     BlueFog's per-step attributes ``self_weight``, ``src_weights``, ``dst_weights`` (and
-    ``enable_topo_check``), set on it before a step, are that step's neighbor weights (for
-    ``dsgd`` and ``dsgd-cta``; other algorithms refuse them); None: the topology's.
+    ``enable_topo_check``), set on it before a step's forward pass (before ``step()`` when no
+    model is given), are that step's neighbor weights (for ``dsgd`` and ``dsgd-cta``, whose
+    averaging may start with the forward pass; other algorithms refuse them); None: the
+    topology's.
 
     ``options``: ``topology`` (a kind name, a ``decent_wire.topology.Topology`` or a networkx graph;
     default: the daemon's), ``communication_interval`` (average every k-th step), and the
@@ -87,6 +89,12 @@ class DecentralizedOptimizer:
     parameters partly averaged (the daemon writes results as they arrive): after a DecentError,
     restore them from a checkpoint.
     """
+
+    #: BlueFog's per-step attributes (above; None: not set)
+    self_weight: float | None
+    src_weights: Mapping[int, float] | None
+    dst_weights: Any
+    enable_topo_check: bool | None
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *_args: Any, **_kwargs: Any
                 ) -> DecentralizedOptimizer:
@@ -186,6 +194,9 @@ class DecentralizedOptimizer:
         return list(self._flat or [])
 
     def _start(self) -> None:
+        """The step's first hook (before forward, or in step()): its per-step weights, as set
+        now, and the exchanges that start before forward."""
+        self.algorithm.step_weights = self._step_weights()
         if self.algorithm.overlaps_in_place and self._flatten:
             self._lay_out()
         if self._flat is not None and self.algorithm.overlaps_in_place:
@@ -214,7 +225,6 @@ class DecentralizedOptimizer:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One local update by the wrapped optimizer, then the algorithm's combine."""
         loss = None
-        self.algorithm.step_weights = self._step_weights()
         self._serve_joiners()
         if closure is not None:
             with torch.enable_grad():
