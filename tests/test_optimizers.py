@@ -262,3 +262,54 @@ def test_combine_then_adapt_on_flat_parameters_keeps_no_copy(cluster: ClusterFac
     for flattened, steps in c.run(work):
         assert flattened
         assert steps == [["aten.sub_.Tensor", "aten.add_.Tensor"]] * 3, steps
+
+
+def test_combine_then_adapt_sees_writes_and_layouts_between_forward_and_step(
+        cluster: ClusterFactory) -> None:
+    # the exchange starts in the forward pre-hook from the flat buffers; a checkpoint loaded
+    # after forward makes the step average the parameters as loaded (lr 0: the 2-rank mean of
+    # 100 + r), and a parameter group added after forward that cannot be flattened drops the
+    # flat exchange for the general path's (the step averaged the stale buffer before, or
+    # failed with a size mismatch)
+    c = cluster(2)
+
+    def work(cl: Client[torch.Tensor]) -> tuple[float, list[float], float]:
+        r = cl.rank
+        net = torch.nn.Linear(1, 1, bias=False, dtype=torch.float64)
+        torch.nn.init.constant_(net.weight, float(r))
+        opt = dt.DecentralizedOptimizer(torch.optim.SGD(net.parameters(), lr=0.0), net,
+                                        algorithm="dsgd-cta", client=cl, prefix="cta.moved")
+        net(torch.ones(1, 1, dtype=torch.float64)).sum().backward()
+        net.load_state_dict({"weight": torch.full((1, 1), 100.0 + r, dtype=torch.float64)})
+        opt.step()
+        loaded = float(net.weight)
+        net(torch.ones(1, 1, dtype=torch.float64)).sum().backward()
+        extra = torch.nn.Parameter(torch.full((3,), float(r), dtype=torch.float64)
+                                   .share_memory_())
+        opt.add_param_group({"params": [extra]})
+        opt.step()
+        return loaded, extra.detach().tolist(), float(net.weight)
+
+    for loaded, extra, weight in c.run(work):
+        assert loaded == 100.5 and weight == 100.5
+        assert extra == [0.5, 0.5, 0.5]
+
+
+def test_adapt_then_combine_takes_step_weights_set_after_forward(
+        cluster: ClusterFactory) -> None:
+    # ATC averages in step(): BlueFog's per-step weights set after the forward pass still
+    # apply to that step (lr 0: 0.25 x_r + 0.75 x_other, not the topology's halves)
+    c = cluster(2)
+
+    def work(cl: Client[torch.Tensor]) -> float:
+        r = cl.rank
+        net = torch.nn.Linear(1, 1, bias=False, dtype=torch.float64)
+        torch.nn.init.constant_(net.weight, float(r))
+        opt = dt.DecentralizedOptimizer(torch.optim.SGD(net.parameters(), lr=0.0), net,
+                                        algorithm="dsgd", client=cl, prefix="atc.late")
+        net(torch.ones(1, 1, dtype=torch.float64)).sum().backward()
+        opt.self_weight, opt.src_weights, opt.dst_weights = 0.25, {1 - r: 0.75}, {1 - r: 1.0}
+        opt.step()
+        return float(net.weight)
+
+    assert c.run(work) == [0.75, 0.25]

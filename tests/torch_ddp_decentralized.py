@@ -41,17 +41,19 @@ def recursion(n: int, adapt_first: bool) -> np.ndarray:
 
 def decentralized_mode_follows_the_recursion() -> None:
     """This rank's parameters after ``STEPS`` decentralized DDP steps equal the recursion's,
-    for the default algorithm (CTA) and for ``"dsgd"`` (ATC)."""
+    for the default algorithm (CTA), for ``"dsgd"`` (ATC), and with ``static_graph=True``."""
     rank, size = dist.get_rank(), dist.get_world_size()
     a, b = (torch.from_numpy(v) for v in problem(rank))
-    for algorithm, adapt_first in ((None, False), ("dsgd", True)):
+    # the default (CTA), ATC, and CTA under a static graph (DDP's reducer stays on)
+    for algorithm, adapt_first, static in ((None, False, False), ("dsgd", True, False),
+                                           (None, False, True)):
         net = torch.nn.Linear(DIM, 1, bias=False, dtype=torch.float64)
         torch.nn.init.zeros_(net.weight)
-        model = DDP(net)
+        model = DDP(net, static_graph=static)
         sgd = torch.optim.SGD(model.parameters(), lr=LR)
         opt = decentralize(model, sgd, topology="exponential") if algorithm is None else \
             decentralize(model, sgd, algorithm, topology="exponential")
-        assert opt.flattened and not model.require_backward_grad_sync
+        assert opt.flattened and model.require_backward_grad_sync == static
         for _ in range(STEPS):
             opt.zero_grad()
             (0.5 * ((model(a).squeeze(1) - b) ** 2).sum()).backward()

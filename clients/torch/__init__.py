@@ -36,6 +36,7 @@ from decent.torch.bluefog import (
     wait,
     win_update_then_collect,
 )
+from decent.torch.broadcasts import broadcast_optimizer_state, broadcast_parameters
 from decent.torch.client import TorchClient, connect, default_client
 from decent.torch.distributed import register as register_backend
 from decent.torch.flat import flatten_parameters
@@ -53,12 +54,7 @@ from decent.torch.horovod import (
     poll,
     synchronize,
 )
-from decent.torch.optim import (
-    DecentralizedOptimizer,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-    consensus,
-)
+from decent.torch.optim import DecentralizedOptimizer, consensus
 
 # BlueFog's graph builders, also at module level (bf.ExponentialTwoGraph(bf.size()))
 globals().update({name: getattr(topology_util, name) for name in topology_util.__all__})

@@ -9,7 +9,10 @@ one call away::
     loss.backward(); optimizer.step()                     # as before
 
 :func:`decentralize` turns DDP's gradient reduction off (as ``no_sync()`` does, for good: each
-rank keeps its own gradient, and backward copies nothing into DDP's buckets) and returns a
+rank keeps its own gradient, and backward copies nothing into DDP's buckets; as under
+``no_sync()``, DDP no longer broadcasts rank 0's buffers, such as BatchNorm's statistics, at each
+forward: each rank keeps its own, as BlueFog's optimizers do; with ``static_graph=True`` DDP keeps
+its reducer, which then only copies each gradient in and out) and returns a
 :class:`~decent.torch.optim.DecentralizedOptimizer` around the optimizer, over the process
 group's own decent client: its ``step()`` runs the algorithm's update. By default that is
 combine-then-adapt D-SGD (``"dsgd-cta"``, D-PSGD), ``x_i' = sum_j w_ij x_j - lr g_i(x_i)``: as
@@ -50,7 +53,9 @@ def decentralize(model: DistributedDataParallel, optimizer: torch.optim.Optimize
     group = model.process_group
     model.register_comm_hook(None, local_gradients_hook)
     # as under ``no_sync()``, for good: backward leaves each gradient where autograd puts it,
-    # with no copy into DDP's buckets and back (the hook above covers a caller who turns it on)
-    model.require_backward_grad_sync = False
+    # with no copy into DDP's buckets and back (the hook above covers a caller who turns it on,
+    # and a static graph, whose reducer expects every backward)
+    if not getattr(model, "static_graph", False):
+        model.require_backward_grad_sync = False
     return DecentralizedOptimizer(optimizer, model.module, algorithm, client=client_of(group),
                                   topology=topology, **options)

@@ -30,7 +30,6 @@ from decent.core.training.algorithms import (
 )
 from decent.core.training.transfer import StateLink, Taken
 from decent.torch import rejoin
-from decent.torch import state as state_format
 from decent.torch.client import TorchClient, default_client
 from decent.torch.flat import flatten_parameters, share_in_place
 from decent.torch.state import KIT
@@ -40,6 +39,12 @@ log = logging.getLogger("decent.optim")
 
 def _default_client() -> TorchClient:
     return default_client.init()
+
+
+def _versions(params: Sequence[torch.Tensor]) -> list[int]:
+    """Each parameter's count of in-place writes (torch's version counter): a write between
+    forward and step shows as a change."""
+    return [p._version for p in params]
 
 
 def _where(params: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
@@ -75,7 +80,10 @@ class DecentralizedOptimizer:
     ``flatten`` (default True): for the algorithms whose update is ``x' = M (x - d)`` (dsgd,
     dmsgd, allreduce, pga), CPU parameters move into one shared-memory buffer per dtype
     (:func:`decent.torch.flat.flatten_parameters`) and each step averages those buffers in place,
-    with no per-step clone or copy of the model. Numpy views of a parameter taken before no
+    with no per-step clone or copy of the model; dsgd-cta (``x' = W x - d``) starts ``W x``
+    from them before forward and adds ``W x - x`` to what the optimizer's step wrote (a
+    parameter written between forward and step, as by a checkpoint load, makes the step
+    exchange them again as they are). Numpy views of a parameter taken before no
     longer follow it, and ``torch.save`` of one parameter writes its whole buffer (save
     ``.clone()``s or the model's state dict). When the parameters change (``model.double()``,
     ``add_param_group``), the next step lays them out again. If any parameter cannot be moved
@@ -133,6 +141,8 @@ class DecentralizedOptimizer:
         #: the algorithms' exchanges of them copy nothing to the daemon)
         self._buffers = StepBuffers(self.client.shared_or_none)
         self._xs: list[torch.Tensor] | None = None  #: this step's x_k, once taken
+        #: the parameters' version counters when an exchange started from them in place
+        self._versions: list[int] = []
         self._hook = model.register_forward_pre_hook(self._before_forward) \
             if model is not None else None
         #: ranks that joined late and get this rank's state (the donor's sends, in flight)
@@ -194,13 +204,15 @@ class DecentralizedOptimizer:
         return list(self._flat or [])
 
     def _start(self) -> None:
-        """The step's first hook (before forward, or in step()): its per-step weights, as set
-        now, and the exchanges that start before forward."""
-        self.algorithm.step_weights = self._step_weights()
+        """The step's first hook (before forward, or in step()): the exchanges that start
+        before forward, with the per-step weights as set now."""
+        if self.algorithm.starts_early:  # its averaging starts here: so do its weights
+            self.algorithm.step_weights = self._step_weights()
         if self.algorithm.overlaps_in_place and self._flatten:
             self._lay_out()
         if self._flat is not None and self.algorithm.overlaps_in_place:
             self.algorithm.start_in_place(self._flat)  # from the parameters themselves
+            self._versions = _versions(self._params())
         elif self.algorithm.starts_early:
             params = self._params()
             self._xs = self._buffers.copies(params)
@@ -225,25 +237,44 @@ class DecentralizedOptimizer:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One local update by the wrapped optimizer, then the algorithm's combine."""
         loss = None
+        if not self.algorithm.starts_early:  # its averaging starts in this step
+            self.algorithm.step_weights = self._step_weights()
         self._serve_joiners()
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self._started:
-            self._start()
+        try:
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            if not self._started:
+                self._start()
+            self._restart_if_moved()
+            if self._flat is not None:
+                if self.algorithm.overlaps_in_place:  # W x - x, before the step writes x - d
+                    self.algorithm.settle_in_place(self._flat)
+                self.optimizer.step()  # x - d, written into the flat buffers
+                self.algorithm.finish_in_place(self._flat)
+            else:
+                self._step_general()
+            self.algorithm.advance()
+        finally:
+            self._started = False
+        return loss
+
+    def _restart_if_moved(self) -> None:
+        """Lay the parameters out again if they changed, and drop an exchange started before
+        forward whose input is no longer the parameters: they were laid out again, or written
+        since (a checkpoint loaded, a broadcast); the step starts it again from them as they
+        are."""
         started_on = self._flat
         self._lay_out()
-        if self._flat is not None:
-            if self.algorithm.overlaps_in_place:
-                if started_on is not self._flat:  # the parameters moved since it started
-                    self.algorithm.discard_started()
-                    self._xs = None
-                self.algorithm.settle_in_place(self._flat)
-            self.optimizer.step()  # x - d, written into the flat buffers
-            self.algorithm.finish_in_place(self._flat)
-            self.algorithm.advance()
-            self._started = False
-            return loss
+        if not self.algorithm.overlaps_in_place:
+            return
+        if started_on is not self._flat or (
+                self._flat is not None and self._versions != _versions(self._params())):
+            self.algorithm.discard_started()
+            self._xs = None
+
+    def _step_general(self) -> None:
+        """:meth:`step` for parameters that are not flattened."""
         params = self._params()
         if self.algorithm.reduces_gradients:  # the step on the reduced gradients is the update
             average_gradients(self.algorithm, params)
@@ -261,9 +292,6 @@ class DecentralizedOptimizer:
             new = self.algorithm.finish(xs, ds, self._states(params))
             for p, value in zip(params, new, strict=True):
                 p.copy_(value)
-        self.algorithm.advance()
-        self._started = False
-        return loss
 
     def _take_state(self) -> None:
         """This rank joined a running job: the parameters and the optimizer's state from its
@@ -424,69 +452,6 @@ def average_gradients(algorithm: Algorithm[torch.Tensor], params: Sequence[torch
             p.grad = reduced
         elif reduced is not p.grad:
             p.grad.copy_(reduced)
-
-
-def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                         root: int = 0, client: Client[torch.Tensor] | None = None,
-                         root_rank: int | None = None) -> None:
-    """Overwrite every tensor (``model.state_dict()`` or ``named_parameters()``) with ``root``'s
-    (``root_rank``: Horovod's name), in place."""
-    client = client if client is not None else _default_client()
-    root = root if root_rank is None else root_rank
-    items = sorted(params.items() if isinstance(params, Mapping) else params)
-    handles = [client.broadcast_async_(t.data if isinstance(t, torch.nn.Parameter) else t,
-                                       root=root, name=f"decent.bcast.{name}")
-               for name, t in items]
-    for h in handles:
-        h.wait()
-
-
-def broadcast_optimizer_state(optimizer: Any, root: int = 0,
-                              client: Client[torch.Tensor] | None = None,
-                              root_rank: int | None = None) -> None:
-    """Give every rank ``root``'s optimizer state (momentum buffers, steps, the algorithm's
-    state and counters), whatever state the others had.
-
-    The state travels as tensors and plain values (:mod:`decent.torch.state`), never as a pickle:
-    a peer can send wrong numbers, not code. ``optimizer``: a torch optimizer or a wrapper
-    (``DecentralizedOptimizer``, ``DistributedOptimizer``); ``root_rank``: Horovod's name.
-    """
-    client = client if client is not None else _default_client()
-    root = root if root_rank is None else root_rank
-    tensors: list[torch.Tensor] = []
-    meta = b""
-    if client.rank == root:
-        meta, tensors = state_format.encode(optimizer.state_dict())
-    announced = _broadcast_bytes(client, meta, root)
-    if client.rank == root:
-        for i, t in enumerate(tensors):
-            client.broadcast(t, root=root, name=f"decent.optstate.{i}")
-        return
-    try:
-        state = state_format.decode(announced, lambda i, wire: client.broadcast_(
-            wire, root=root, name=f"decent.optstate.{i}"))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise AlgorithmError(f"rank {root} sent an optimizer state this rank cannot read: "
-                             f"{exc}") from None
-    optimizer.load_state_dict(state)
-
-
-#: the largest state description a rank accepts from the root (the tensors travel apart)
-MAX_STATE_META = 256 << 20
-
-
-def _broadcast_bytes(client: Client[torch.Tensor], data: bytes, root: int) -> bytes:
-    """``root``'s ``data`` on every rank."""
-    size = int(client.broadcast(torch.tensor([len(data)], dtype=torch.int64), root=root,
-                                name="decent.optstate.size")[0])
-    if not 0 <= size <= MAX_STATE_META:
-        raise AlgorithmError(f"rank {root} announced an optimizer state description of "
-                             f"{size} bytes (at most {MAX_STATE_META})")
-    blob = torch.zeros(size, dtype=torch.uint8)
-    if client.rank == root and size:
-        blob[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    got = client.broadcast(blob, root=root, name="decent.optstate")
-    return bytes(got.numpy().tobytes())
 
 
 def consensus(params: Iterable[torch.Tensor], client: Client[torch.Tensor] | None = None) -> float:
