@@ -159,18 +159,26 @@ def test_the_wrapped_optimizers_state_is_its_own(cluster: ClusterFactory) -> Non
 
 class LargeAllocations(TorchDispatchMode):
     """Records every op of this thread that makes a new tensor of ``min_numel`` elements or
-    more (a result that shares no storage with the op's inputs)."""
+    more (``made``: a result that shares no storage with the op's inputs), and every op that
+    reads or writes the data of such a tensor (``ops``; views and detaches, which touch none,
+    left out)."""
+
+    VIEWS = ("aten.detach.", "aten.view.", "aten.alias.", "aten.as_strided.", "aten.slice.")
 
     def __init__(self, min_numel: int) -> None:
         super().__init__()
         self.min_numel = min_numel
         self.made: list[str] = []
+        self.ops: list[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(t.numel() >= self.min_numel for t in leaves) and \
+                not str(func).startswith(self.VIEWS):
+            self.ops.append(str(func))
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
+        inputs = {t.untyped_storage().data_ptr() for t in leaves}
         self.made += [str(func) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
                       and t.numel() >= self.min_numel
                       and t.untyped_storage().data_ptr() not in inputs]
@@ -216,25 +224,6 @@ def test_the_general_path_allocates_no_model_sized_tensor_per_step(
         assert made == [], made
 
 
-class LargeOps(TorchDispatchMode):
-    """Records every op of this thread that reads or writes the data of a tensor of
-    ``min_numel`` elements or more (views and detaches, which touch none, left out)."""
-
-    VIEWS = ("aten.detach.", "aten.view.", "aten.alias.", "aten.as_strided.", "aten.slice.")
-
-    def __init__(self, min_numel: int) -> None:
-        super().__init__()
-        self.min_numel = min_numel
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        if any(isinstance(t, torch.Tensor) and t.numel() >= self.min_numel
-               for t in tree_leaves((args, kwargs))) and not str(func).startswith(self.VIEWS):
-            self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_combine_then_adapt_on_flat_parameters_keeps_no_copy(cluster: ClusterFactory) -> None:
     # dsgd-cta on flattened parameters: W x is taken from the flat buffer itself while forward
     # and backward run (the forward pre-hook), and a step touches the model-sized buffers twice,
@@ -252,7 +241,7 @@ def test_combine_then_adapt_on_flat_parameters_keeps_no_copy(cluster: ClusterFac
         steps = []
         for _ in range(3):
             opt.zero_grad()
-            watch = LargeOps(numel)
+            watch = LargeAllocations(numel)
             with watch:
                 model(torch.ones(4, 256)).sum().backward()
                 opt.step()
@@ -262,6 +251,18 @@ def test_combine_then_adapt_on_flat_parameters_keeps_no_copy(cluster: ClusterFac
     for flattened, steps in c.run(work):
         assert flattened
         assert steps == [["aten.sub_.Tensor", "aten.add_.Tensor"]] * 3, steps
+
+
+def one_weight_after_forward(cl: Client[torch.Tensor], algorithm: str
+                             ) -> tuple[torch.nn.Linear, dt.DecentralizedOptimizer]:
+    """A one-weight model (the weight: the rank) under ``algorithm`` with lr 0, after its
+    first forward and backward (the step not taken)."""
+    net = torch.nn.Linear(1, 1, bias=False, dtype=torch.float64)
+    torch.nn.init.constant_(net.weight, float(cl.rank))
+    opt = dt.DecentralizedOptimizer(torch.optim.SGD(net.parameters(), lr=0.0), net,
+                                    algorithm=algorithm, client=cl, prefix=f"late.{algorithm}")
+    net(torch.ones(1, 1, dtype=torch.float64)).sum().backward()
+    return net, opt
 
 
 def test_combine_then_adapt_sees_writes_and_layouts_between_forward_and_step(
@@ -275,11 +276,7 @@ def test_combine_then_adapt_sees_writes_and_layouts_between_forward_and_step(
 
     def work(cl: Client[torch.Tensor]) -> tuple[float, list[float], float]:
         r = cl.rank
-        net = torch.nn.Linear(1, 1, bias=False, dtype=torch.float64)
-        torch.nn.init.constant_(net.weight, float(r))
-        opt = dt.DecentralizedOptimizer(torch.optim.SGD(net.parameters(), lr=0.0), net,
-                                        algorithm="dsgd-cta", client=cl, prefix="cta.moved")
-        net(torch.ones(1, 1, dtype=torch.float64)).sum().backward()
+        net, opt = one_weight_after_forward(cl, "dsgd-cta")
         net.load_state_dict({"weight": torch.full((1, 1), 100.0 + r, dtype=torch.float64)})
         opt.step()
         loaded = float(net.weight)
@@ -303,11 +300,7 @@ def test_adapt_then_combine_takes_step_weights_set_after_forward(
 
     def work(cl: Client[torch.Tensor]) -> float:
         r = cl.rank
-        net = torch.nn.Linear(1, 1, bias=False, dtype=torch.float64)
-        torch.nn.init.constant_(net.weight, float(r))
-        opt = dt.DecentralizedOptimizer(torch.optim.SGD(net.parameters(), lr=0.0), net,
-                                        algorithm="dsgd", client=cl, prefix="atc.late")
-        net(torch.ones(1, 1, dtype=torch.float64)).sum().backward()
+        net, opt = one_weight_after_forward(cl, "dsgd")
         opt.self_weight, opt.src_weights, opt.dst_weights = 0.25, {1 - r: 0.75}, {1 - r: 1.0}
         opt.step()
         return float(net.weight)
