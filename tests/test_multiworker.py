@@ -215,12 +215,14 @@ def test_a_worker_that_leaves_fails_its_node_collectives_with_a_clear_error(
     assert torch.equal(got[2], torch.full((2,), 2.5)) and torch.equal(got[3], got[2])
 
 
-@pytest.mark.parametrize("algorithm", ["dsgd", "pga"])
+@pytest.mark.parametrize("algorithm", ["dsgd", "pga", "dsgd-cta"])
 @pytest.mark.parametrize("shape", SHAPES, ids=ids)
 def test_the_hierarchical_optimizer_matches_its_recursion(
         cluster: ClusterFactory, shape: tuple[int, int], algorithm: str) -> None:
     # x_i' = sum_J Wm[I, J] mean_{j in J} (x_j - lr g_j(x_j)) on the machine ring (pga: every
-    # 4th combine the global mean), least squares with each worker's own data
+    # 4th combine the global mean; dsgd-cta, BlueFog's AWC with hierarchical_neighbor_allreduce:
+    # x_i' = sum_J Wm[I, J] mean_{j in J} x_j - lr g_i(x_i)), least squares with each worker's
+    # own data
     nodes, per = shape
     n, dim, steps, lr = nodes * per, 3, 30, 0.1
     rng = np.random.default_rng(5)
@@ -247,7 +249,11 @@ def test_the_hierarchical_optimizer_matches_its_recursion(
     wm = build_topology("ring", nodes).matrix()
     x = x0.copy()
     for k in range(steps):
-        half = x - lr * np.einsum("nrd,nr->nd", a, np.einsum("nrd,nd->nr", a, x) - b)
+        step = lr * np.einsum("nrd,nr->nd", a, np.einsum("nrd,nd->nr", a, x) - b)
+        if algorithm == "dsgd-cta":
+            x = np.repeat(wm @ x.reshape(nodes, per, dim).mean(axis=1), per, axis=0) - step
+            continue
+        half = x - step
         means = half.reshape(nodes, per, dim).mean(axis=1)
         if algorithm == "pga" and (k + 1) % 4 == 0:
             mixed = np.repeat(half.mean(axis=0, keepdims=True), nodes, axis=0)

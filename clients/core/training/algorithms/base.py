@@ -305,19 +305,14 @@ class Algorithm(Generic[T]):
         self.iteration += 1
 
 
-class AdaptThenCombine(Algorithm[T]):
-    """Algorithms whose update is ``x' = M (x - d)``: the optimizer's own step, then one linear
-    combine chosen per iteration by :meth:`combine` (or none).
+class Hierarchical(Algorithm[T]):
+    """Algorithms whose exchange is one neighbor averaging of the parameters, which may be
+    hierarchical.
 
-    ``x - d`` is exactly what the wrapped optimizer writes into the parameters, so an adapter
-    that keeps them where the daemon can read them (torch: one shared-memory buffer per dtype)
-    finishes with :meth:`finish_in_place` instead: nothing is cloned, subtracted or copied, and
-    the combine reads and writes the parameters themselves.
+    ``hierarchical``: each exchange averages the node's workers, then mixes the nodes' means
+    over the daemons' machine topology (BlueFog's hierarchical_neighbor_allreduce).
     """
 
-    in_place = True
-    #: ``hierarchical``: each combine averages the node's workers, then mixes the nodes' means
-    #: over the daemons' machine topology (BlueFog's hierarchical_neighbor_allreduce)
     defaults: ClassVar[dict[str, Any]] = {"hierarchical": False}
 
     def __init__(self, client: Client[T], **kwargs: Any) -> None:
@@ -333,6 +328,19 @@ class AdaptThenCombine(Algorithm[T]):
                 machines.check(self.needs, f"algorithm {self.name!r} (machine topology)")
             except TopologyError as exc:
                 raise AlgorithmError(str(exc)) from None
+
+
+class AdaptThenCombine(Hierarchical[T]):
+    """Algorithms whose update is ``x' = M (x - d)``: the optimizer's own step, then one linear
+    combine chosen per iteration by :meth:`combine` (or none).
+
+    ``x - d`` is exactly what the wrapped optimizer writes into the parameters, so an adapter
+    that keeps them where the daemon can read them (torch: one shared-memory buffer per dtype)
+    finishes with :meth:`finish_in_place` instead: nothing is cloned, subtracted or copied, and
+    the combine reads and writes the parameters themselves.
+    """
+
+    in_place = True
 
     def combine(self) -> tuple[str, bool] | None:
         """This iteration's combine, ``(exchange key, global mean?)``, or None (a local step)."""

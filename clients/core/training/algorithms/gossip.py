@@ -14,6 +14,7 @@ from decent.core.training.algorithms.base import (
     Algorithm,
     AlgorithmError,
     Arithmetic,
+    Hierarchical,
     State,
 )
 from decent_wire.protocol import COMPRESSORS
@@ -27,7 +28,7 @@ class DSGD(AdaptThenCombine[T]):
     name = "dsgd"
 
 
-class DSGDCombineThenAdapt(Algorithm[T]):
+class DSGDCombineThenAdapt(Hierarchical[T]):
     """Combine-then-adapt D-SGD: ``x' = W x - d(x)``; ``W x`` overlaps forward/backward.
 
     In place (:attr:`overlaps_in_place`), ``W x`` is taken from the parameters themselves
