@@ -67,8 +67,7 @@ class DSGDCombineThenAdapt(Hierarchical[T]):
                 half += move
 
     def start(self, xs: Sequence[T], states: Sequence[State]) -> None:
-        if self.communicates and "x" not in self._pending:
-            self.mix_async("x", xs)
+        self.start_in_place(xs)  # the same exchange, of copies of the parameters
 
     def finish(self, xs: Sequence[T], ds: Sequence[T], states: Sequence[State]) -> list[T]:
         if not self.communicates:
