@@ -359,6 +359,24 @@ def test_auto_opens_one_connection_on_loopback() -> None:
         c.kill()
 
 
+def test_auto_sizes_from_the_kernels_round_trip_not_the_event_loops() -> None:
+    """A connect that a busy loop saw end 200 ms late (daemons starting together on a loaded
+    host measured up to 15 ms on a LAN, and striped it) counts the kernel's round trip."""
+    import socket
+
+    from decentd.net.dial import kernel_rtt
+
+    with socket.create_server(("127.0.0.1", 0)) as server, \
+            socket.create_connection(server.getsockname()) as sock:
+        rtt = kernel_rtt(sock, 0.2)
+    assert 0 < rtt < 0.01
+    lan = Striping(window=1 << 20)
+    assert lan.count(0.2) == 8 and lan.count(rtt) == 1
+    left, right = socket.socketpair()  # no TCP_INFO: what the loop saw
+    with left, right:
+        assert kernel_rtt(left, 0.2) == 0.2
+
+
 def test_secret_mode_proves_every_connection_of_a_striped_link(tmp_path: Path) -> None:
     c = Cluster(2, "ring", *STRIPED, *secret_args(secret_file(tmp_path)))
     try:
