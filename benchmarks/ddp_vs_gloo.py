@@ -22,6 +22,14 @@ The systems' steps are interleaved (the order rotates every step), each after a 
 so all three meet the same host; a step's time is the slowest rank's. Then the latency of a
 4 KiB ``all_reduce`` (1024 float32), decent's default group vs gloo, interleaved in blocks.
 Rank 0 prints a table and writes the JSON (and ``--png``, a bar chart of the medians).
+
+Where a step's time goes: every timed step is cut in four phases (each one's mean over the
+ranks, median over the steps): before forward (DDP's buffer broadcast), forward, backward (to
+the last gradient computed) and after backward (the reductions still running, then the
+optimizer's step). Then ``--profile-steps`` more steps of each system, one system at a time,
+while rank 0 reads from ``/proc`` the CPU that this host's processes spent on them: the ranks'
+own threads, gloo's threads in the ranks, and the daemons (all ranks and daemons of the run
+share this host).
 """
 
 from __future__ import annotations
@@ -52,6 +60,12 @@ from benchmarks.netns_dsgd import (  # noqa: E402
 from decentd.security.auth import write_secret  # noqa: E402
 
 SYSTEMS = ("gloo", "decent", "decentralized")
+#: the phases a step is cut in (see the module's docstring)
+PHASES = ("before forward", "forward", "backward", "after backward")
+#: who spends a step's CPU: the ranks' own threads, gloo's threads in the ranks, the daemons
+CPU_KINDS = ("ranks", "gloo threads", "daemons")
+#: clock ticks per second of /proc's CPU times
+TICKS = os.sysconf("SC_CLK_TCK")
 #: issue 43's targets: decent / gloo step time on loopback and on the namespaces, and gloo /
 #: decentralized on the namespaces
 TARGETS = {"loopback_ratio": 1.1, "netns_ratio": 1.0, "decentralized_speedup": 1.6}
@@ -104,7 +118,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any] | None:
     dist.init_process_group("decent")
     rank, size = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
-    steppers: dict[str, Callable[[], None]] = {}
+    steppers: dict[str, Callable[[], list[float]]] = {}
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(a.batch, 3, 16, 16, generator=gen)
     y = torch.randint(0, 10, (a.batch,), generator=gen)
@@ -116,16 +130,21 @@ def measure(a: argparse.Namespace) -> dict[str, Any] | None:
             model, sgd, topology="one-peer-exponential")
         steppers[name] = _stepper(model, opt, x, y)
     times: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    phases: dict[str, list[list[float]]] = {name: [] for name in SYSTEMS}
     for k in range(a.warmup + a.steps):
         for j in range(len(SYSTEMS)):
             name = SYSTEMS[(k + j) % len(SYSTEMS)]
             dist.barrier(group=gloo)
-            began = time.perf_counter()
-            steppers[name]()
+            stamps = steppers[name]()
             if k >= a.warmup:
-                times[name].append(time.perf_counter() - began)
+                times[name].append(stamps[-1] - stamps[0])
+                phases[name].append(step_phases(stamps))
+    cpu = {name: _step_cpu(dist, gloo, rank, steppers[name], a.profile_steps)
+           for name in SYSTEMS}
     latency = _latencies(dist, torch, gloo, a.latency_calls)
     slowest = {name: _slowest(dist, torch, gloo, times[name]) for name in SYSTEMS}
+    mean_phases = {name: [_mean(dist, torch, gloo, [p[i] for p in phases[name]])
+                          for i in range(len(PHASES))] for name in SYSTEMS}
     slow_latency = {name: _slowest(dist, torch, gloo, v) for name, v in latency.items()}
     dist.destroy_process_group()
     if rank != 0:
@@ -133,6 +152,11 @@ def measure(a: argparse.Namespace) -> dict[str, Any] | None:
     median = {name: statistics.median(v) for name, v in slowest.items()}
     lat = {name: statistics.median(v) for name, v in slow_latency.items()}
     return {
+        "phases_ms": {name: {phase: 1e3 * statistics.median(v)
+                             for phase, v in zip(PHASES, mean_phases[name], strict=True)}
+                      for name in SYSTEMS},
+        "cpu_ms_per_step": cpu,
+        "profile_steps": a.profile_steps,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "ranks": size, "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
         "step_median_s": median, "steps_s": slowest,
@@ -144,14 +168,86 @@ def measure(a: argparse.Namespace) -> dict[str, Any] | None:
     }
 
 
-def _stepper(model: Any, opt: Any, x: Any, y: Any) -> Callable[[], None]:
+def _stepper(model: Any, opt: Any, x: Any, y: Any) -> Callable[[], list[float]]:
+    """One training step that returns its times: begun, the module's forward begun, the loss
+    computed, the last gradient computed (the first layer's), ended."""
     import torch
 
-    def step() -> None:
+    stamps: list[float] = []
+    model.module.register_forward_pre_hook(lambda *_: stamps.append(time.perf_counter()))
+    first = next(model.parameters())  # its gradient is the last that backward computes
+    first.register_post_accumulate_grad_hook(lambda _: stamps.append(time.perf_counter()))
+
+    def step() -> list[float]:
+        stamps.clear()
+        stamps.append(time.perf_counter())
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        stamps.append(time.perf_counter())
+        loss.backward()
         opt.step()
+        stamps.append(time.perf_counter())
+        return list(stamps)
     return step
+
+
+def step_phases(stamps: list[float]) -> list[float]:
+    """The durations of :data:`PHASES` from a step's times (:func:`_stepper`)."""
+    begun, forward, loss, last_grad, ended = stamps
+    return [forward - begun, loss - forward, last_grad - loss, ended - last_grad]
+
+
+def _step_cpu(dist: Any, gloo: Any, rank: int, step: Callable[[], list[float]],
+              steps: int) -> dict[str, list[float]]:
+    """Per step of ``steps`` untimed ones: the milliseconds of user and system CPU that each
+    of :data:`CPU_KINDS` spent on this host (read by rank 0; empty on the others)."""
+    before = cpu_ticks() if rank == 0 else {}
+    for _ in range(steps):
+        dist.barrier(group=gloo)
+        step()
+    dist.barrier(group=gloo)
+    if rank != 0 or steps == 0:
+        return {}
+    after = cpu_ticks()
+    return {kind: [1e3 * (after[kind][i] - before[kind][i]) / TICKS / steps for i in (0, 1)]
+            for kind in CPU_KINDS}
+
+
+def cpu_ticks(proc: Path = Path("/proc")) -> dict[str, tuple[int, int]]:
+    """User and system clock ticks so far of this host's daemons and benchmark ranks, by
+    :data:`CPU_KINDS` (threads of gloo by their names)."""
+    ticks = {kind: [0, 0] for kind in CPU_KINDS}
+    for pid in (p for p in proc.iterdir() if p.name.isdigit()):
+        try:
+            argv = (pid / "cmdline").read_bytes().split(b"\0")
+            kind = process_kind(argv)
+            if kind is None:
+                continue
+            for task in (pid / "task").iterdir():
+                name, user, system = thread_ticks((task / "stat").read_text())
+                k = "gloo threads" if kind == "ranks" and "gloo" in name else kind
+                ticks[k][0] += user
+                ticks[k][1] += system
+        except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
+            continue
+    return {kind: (u, s) for kind, (u, s) in ticks.items()}
+
+
+def process_kind(argv: list[bytes]) -> str | None:
+    """"daemons", "ranks" (a rank of this benchmark) or None, from a process's command line."""
+    words = [os.path.basename(w) for w in argv]
+    if b"decentd" in words:  # .../bin/decentd, or python -m decentd
+        return "daemons"
+    if b"ddp_vs_gloo.py" in words and not {b"decentrun", b"--netns"} & set(words):
+        return "ranks"  # not the launcher, not the namespaces' driver
+    return None
+
+
+def thread_ticks(stat: str) -> tuple[str, int, int]:
+    """(name, user ticks, system ticks) from a ``/proc/PID/task/TID/stat`` line."""
+    name = stat[stat.index("(") + 1:stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2:].split()
+    return name, int(fields[11]), int(fields[12])
 
 
 def _latencies(dist: Any, torch: Any, gloo: Any, calls: int) -> dict[str, list[float]]:
@@ -166,6 +262,13 @@ def _latencies(dist: Any, torch: Any, gloo: Any, calls: int) -> dict[str, list[f
             dist.all_reduce(t, group=group)
             got[name].append(time.perf_counter() - began)
     return got
+
+
+def _mean(dist: Any, torch: Any, gloo: Any, mine: list[float]) -> list[float]:
+    """Each call's mean over the ranks (an all_reduce AVG over gloo)."""
+    t = torch.tensor(mine, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=gloo)
+    return [float(v) / dist.get_world_size() for v in t]
 
 
 def _slowest(dist: Any, torch: Any, gloo: Any, mine: list[float]) -> list[float]:
@@ -195,6 +298,7 @@ def run_netns(a: argparse.Namespace) -> dict[str, Any]:
         out = run_dir / "result.json"
         argv = [sys.executable, str(Path(__file__).resolve()), "--rank-of-netns",
                 "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
+                "--profile-steps", str(a.profile_steps),
                 "--latency-calls", str(a.latency_calls), "--json", str(out)]
         ranks = {f"rank-{i}": runner.spawn(i, f"rank-{i}", argv, {
             "DECENT_DAEMON": str(run_dir / f"decentd-{i}.sock"), "RANK": str(i),
@@ -238,6 +342,25 @@ def report(result: dict[str, Any], where: str) -> None:
     table.add_row("4 KiB all_reduce", f"gloo {lat['gloo']:.0f} us, decent {lat['decent']:.0f} us",
                   f"{result['allreduce_4kib_decent_over_gloo']:.2f}x")
     Console().print(table)
+    Console().print(breakdown_table(result))
+
+
+def breakdown_table(result: dict[str, Any]) -> Any:
+    """Where a step goes: each system's phases and the CPU its steps took on this host."""
+    from rich.table import Table
+
+    table = Table(title="where a step goes: phases (mean over the ranks, median over the steps, "
+                        "ms) and CPU per step "
+                        f"over {result['profile_steps']} more steps (ms user + system, "
+                        "all ranks and daemons)")
+    for col in ("system", *PHASES, *CPU_KINDS):
+        table.add_column(col)
+    for name in SYSTEMS:
+        phases = result["phases_ms"][name]
+        cpu = result["cpu_ms_per_step"][name]
+        table.add_row(name, *(f"{phases[p]:.0f}" for p in PHASES),
+                      *(f"{cpu[k][0]:.0f} + {cpu[k][1]:.0f}" if cpu else "-" for k in CPU_KINDS))
+    return table
 
 
 def draw(result: dict[str, Any], png: Path, where: str) -> None:
@@ -267,6 +390,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile-steps", type=int, default=5,
+                   help="steps of each system whose CPU is read from /proc (0: none)")
     p.add_argument("--latency-calls", type=int, default=200)
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)

@@ -577,14 +577,28 @@ def ddp_rows(add: Callable[..., None], loop: dict[str, Any] | None,
         if res is None or key not in res:
             add(cid, what, None, target, at_least, "not measured (benchmarks/ddp_vs_gloo.py)")
             continue
+        where = ddp_breakdown_text(res) if cid != "10d" else ""
         add(cid, what, float(res[key]), target, at_least,
-            f"{ratio_text(float(res[key]))} ({steps(res, a, b)}; {res['date']})")
+            f"{ratio_text(float(res[key]))} ({steps(res, a, b)}; {res['date']}){where}")
     if loop is not None and "allreduce_4kib_median_us" in loop:
         lat = loop["allreduce_4kib_median_us"]
         add("10t", "4 KiB all_reduce latency, decent / gloo, 2 daemons on loopback (reported)",
             float(loop["allreduce_4kib_decent_over_gloo"]), math.inf, False,
             f"{ratio_text(float(loop['allreduce_4kib_decent_over_gloo']))} "
             f"({lat['decent']:.0f} vs {lat['gloo']:.0f} us)", lambda _: "reported")
+
+
+def ddp_breakdown_text(res: dict[str, Any]) -> str:
+    """Where decent's DDP step differs from gloo's: the backward phase and the CPU that moving
+    the gradients took (runs before the breakdown was recorded: nothing)."""
+    if "phases_ms" not in res or not res.get("cpu_ms_per_step", {}).get("gloo"):
+        return ""
+    back = {name: res["phases_ms"][name]["backward"] for name in ("decent", "gloo")}
+    mover = res["cpu_ms_per_step"]["decent"]["daemons"]
+    gloo = res["cpu_ms_per_step"]["gloo"]["gloo threads"]
+    return (f"; backward {back['decent']:.0f} vs {back['gloo']:.0f} ms; CPU per step moving "
+            f"the gradients (user + system, all ranks): decent's daemons {mover[0]:.0f} + "
+            f"{mover[1]:.0f} ms, gloo's threads {gloo[0]:.0f} + {gloo[1]:.0f} ms")
 
 
 def acceptance_lines(rows: list[dict[str, Any]]) -> list[str]:
