@@ -58,7 +58,7 @@ fi
 if [ "${1:-}" = "bench" ]; then
   bench_stamp=.venv/.decent-bench
   if [ ! -f "$bench_stamp" ] || [ "$(cat "$bench_stamp")" != "$want" ]; then
-    echo "installing the benchmark extra (hivemind)"
+    echo "installing the benchmark extra (hivemind, py-spy)"
     pip_install -e ".[torch,dev,bench]"
     echo "$want" > "$bench_stamp"
   fi
