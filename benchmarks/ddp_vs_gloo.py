@@ -265,7 +265,7 @@ def _latencies(dist: Any, torch: Any, gloo: Any, calls: int) -> dict[str, list[f
 
 
 def _mean(dist: Any, torch: Any, gloo: Any, mine: list[float]) -> list[float]:
-    """Each call's mean over the ranks (an all_reduce AVG over gloo)."""
+    """Each call's mean over the ranks (an all_reduce SUM over gloo, divided by the ranks)."""
     t = torch.tensor(mine, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=gloo)
     return [float(v) / dist.get_world_size() for v in t]

@@ -144,7 +144,8 @@ class TransportConfig(_Strict):
         description="TCP connections each link to a peer sends over; a large message's bytes "
         "are split across them (one flow moves at most its window per round trip). \"auto\": "
         "as many as the round trip of the link's first TCP handshake (as the kernel timed it) "
-        "needs to keep stripe_rate_mbit in flight, given the kernel's socket buffer maxima (1 on a LAN)",
+        "needs to keep stripe_rate_mbit in flight, given the kernel's socket buffer maxima "
+        "(1 on a LAN)",
     )
     max_stripes: int = Field(8, ge=1, le=16, description="the most connections \"auto\" opens")
     stripe_rate_mbit: float = Field(
