@@ -142,10 +142,10 @@ def measure(a: argparse.Namespace) -> dict[str, Any] | None:
     cpu = {name: _step_cpu(dist, gloo, rank, steppers[name], a.profile_steps)
            for name in SYSTEMS}
     latency = _latencies(dist, torch, gloo, a.latency_calls)
-    slowest = {name: _slowest(dist, torch, gloo, times[name]) for name in SYSTEMS}
-    mean_phases = {name: [_mean(dist, torch, gloo, [p[i] for p in phases[name]])
+    slowest = {name: _over_ranks(dist, torch, gloo, times[name]) for name in SYSTEMS}
+    mean_phases = {name: [_over_ranks(dist, torch, gloo, [p[i] for p in phases[name]], mean=True)
                           for i in range(len(PHASES))] for name in SYSTEMS}
-    slow_latency = {name: _slowest(dist, torch, gloo, v) for name, v in latency.items()}
+    slow_latency = {name: _over_ranks(dist, torch, gloo, v) for name, v in latency.items()}
     dist.destroy_process_group()
     if rank != 0:
         return None
@@ -264,18 +264,14 @@ def _latencies(dist: Any, torch: Any, gloo: Any, calls: int) -> dict[str, list[f
     return got
 
 
-def _mean(dist: Any, torch: Any, gloo: Any, mine: list[float]) -> list[float]:
-    """Each call's mean over the ranks (an all_reduce SUM over gloo, divided by the ranks)."""
+def _over_ranks(dist: Any, torch: Any, gloo: Any, mine: list[float],
+                mean: bool = False) -> list[float]:
+    """Each call's time on the slowest rank (an all_reduce MAX over gloo), or its mean over
+    the ranks (``mean``)."""
     t = torch.tensor(mine, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=gloo)
-    return [float(v) / dist.get_world_size() for v in t]
-
-
-def _slowest(dist: Any, torch: Any, gloo: Any, mine: list[float]) -> list[float]:
-    """Each call's time on the slowest rank (an all_reduce MAX over gloo)."""
-    t = torch.tensor(mine, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
-    return [float(v) for v in t]
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if mean else dist.ReduceOp.MAX, group=gloo)
+    ranks = dist.get_world_size() if mean else 1
+    return [float(v) / ranks for v in t]
 
 
 # ------------------------------------------------------------------------------ namespaces
