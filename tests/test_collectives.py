@@ -58,8 +58,21 @@ def test_allreduce_average_and_sum(cluster: ClusterFactory, n: int, numel: int) 
                                          name=f"ars{numel}"))
     for i in range(n):
         np.testing.assert_array_equal(sums[i].numpy(), total)  # integers in float64: exact
-        np.testing.assert_allclose(avg[i].numpy(), total / n, rtol=1e-15)
+        np.testing.assert_array_equal(avg[i].numpy(), total / n)  # the exact sum, divided once
         assert torch.equal(avg[i], avg[0]), "every rank must get bit-identical results"
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_ring_average_in_place_divides_each_chunk_once(cluster: ClusterFactory, n: int) -> None:
+    """In place, the ring sums in the tensor itself and only the rank that summed a chunk last
+    divides it: every rank still ends with the correctly rounded average, bit for bit (n = 3:
+    a division; n = 4: a multiplication by 1/4, exact)."""
+    c = cluster(n, "ring")
+    xs = [np.arange(300_000, dtype=np.float32) * (r + 1) - 7 * r for r in range(n)]
+    total = np.sum(np.stack(xs).astype(np.float64), axis=0).astype(np.float32)  # exact here
+    got = c.run(lambda cl: cl.allreduce_(torch.from_numpy(xs[cl.rank].copy()), name="avg_"))
+    for out in got:
+        np.testing.assert_array_equal(out.numpy(), total / np.float32(n))
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float16, torch.bfloat16])

@@ -43,9 +43,12 @@ async def _allreduce_direct(ctx: OpContext) -> int:
     return total
 
 
-def _finish_allreduce(ctx: OpContext, p: PartSpec, acc: np.ndarray) -> int:
-    """Write a sum (or average) in the accumulation dtype to part ``p``'s output."""
-    divisor = len(live_group(ctx)) if ctx.args.reduce_op == pb.AVERAGE else 1
+def _finish_allreduce(ctx: OpContext, p: PartSpec, acc: np.ndarray,
+                      averaged: bool = False) -> int:
+    """Write a sum (or average) in the accumulation dtype to part ``p``'s output
+    (``averaged``: ``acc`` holds the average already)."""
+    average = ctx.args.reduce_op == pb.AVERAGE and not averaged
+    divisor = len(live_group(ctx)) if average else 1
     out = ctx.output(p, p.nbytes)
     if acc.dtype == out.dtype and p.dtype not in INTEGER:
         if divisor == 1:
@@ -63,7 +66,8 @@ async def _allreduce_ring(ctx: OpContext) -> int:
 
     Partial sums travel in the accumulation dtype (float32 for 16-bit floats, int64 for
     integers), so they neither overflow nor lose precision on the way; each chunk is summed along
-    the ring once and then copied, so every rank ends with bit-identical values. A float tensor
+    the ring once (and averaged once, by the rank that summed it last) and then copied, so every
+    rank ends with bit-identical values. A float tensor
     summed in its own dtype is reduced in its output region (read from the tensor, the last
     chunks received straight into place: no whole-tensor copy; if the op fails, part of an
     in-place tensor may hold sums already, as with neighbor ops); others in a working copy
@@ -112,9 +116,13 @@ async def _allreduce_ring(ctx: OpContext) -> int:
         for s in range(n - 1):
             await step(1 + s, chunk(r - s, own if s == 0 else work), r - s - 1,
                        chunk(r - s - 1, own))
+        # in the output region, an average divides only the chunk this rank summed last
+        averaged = block is None and ctx.args.reduce_op == pb.AVERAGE
+        if averaged:
+            divide(chunk(r + 1), n, chunk(r + 1))
         for s in range(n - 1):
             await step(n + s, chunk(r + 1 - s), r - s, None)
-        return _finish_allreduce(ctx, p, work)
+        return _finish_allreduce(ctx, p, work, averaged)
     finally:
         if block is not None:
             ctx.services.pool.put(block)
