@@ -185,10 +185,10 @@ async def broadcast(ctx: OpContext) -> OpResult:
     root = _root(ctx)  # the tag is the root, so ranks that disagree on it notice
     if ctx.rank == root:
         others = [r for r in live_group(ctx) if r != root]
-        await gather_all(*(ctx.send(r, root, ack=True) for r in others))
+        await gather_all(*(ctx.send(r, root) for r in others))
         values = [p.x for p in ctx.parts]
     else:  # a lone tensor is received straight into the output
-        got = await ctx.recv_parts(root, root, ack=True, direct=len(ctx.parts) == 1)
+        got = await ctx.recv_parts(root, root, direct=len(ctx.parts) == 1)
         values = [a.data.view(dtypes.STORAGE[p.dtype]) for a, p in zip(got, ctx.parts,
                                                                         strict=True)]
     total = 0
