@@ -67,11 +67,11 @@ async def _allreduce_ring(ctx: OpContext) -> int:
     Partial sums travel in the accumulation dtype (float32 for 16-bit floats, int64 for
     integers), so they neither overflow nor lose precision on the way; each chunk is summed along
     the ring once (and averaged once, by the rank that summed it last) and then copied, so every
-    rank ends with bit-identical values. A float tensor
-    summed in its own dtype is reduced in its output region (read from the tensor, the last
-    chunks received straight into place: no whole-tensor copy; if the op fails, part of an
-    in-place tensor may hold sums already, as with neighbor ops); others in a working copy
-    from the daemon's buffer pool, so a training step allocates nothing new.
+    rank ends with bit-identical values. A float tensor summed in its own dtype is reduced in
+    its output region (read from the tensor, the last chunks received straight into place: no
+    whole-tensor copy; if the op fails, part of an in-place tensor may hold sums already, as
+    with neighbor ops); others in a working copy from the daemon's buffer pool, so a training
+    step allocates nothing new.
     """
     p = ctx.parts[0]
     group = live_group(ctx)
@@ -84,10 +84,7 @@ async def _allreduce_ring(ctx: OpContext) -> int:
         if work is None:
             assert block is not None
             work = own = block.view(ACCUM[p.dtype])
-            if p.dtype == pb.BFLOAT16:
-                np.left_shift(p.x, 16, out=work.view(np.uint32), dtype=np.uint32)
-            else:
-                np.copyto(work, p.x, casting="safe")
+            _accumulate_from(p.x, p.dtype, work)
         bounds = np.linspace(0, work.size, n + 1).astype(np.int64)
 
         def chunk(i: int, of: np.ndarray = work) -> np.ndarray:
@@ -103,10 +100,7 @@ async def _allreduce_ring(ctx: OpContext) -> int:
             (arrival,), _ = await gather_all(ctx.recv_parts(left, tag, sized=False, into=land),
                                              _send_chunk(ctx, right, tag, send))
             got = arrival.data.view(work.dtype)
-            if got.size != out.size:
-                raise DecentError(pb.MISMATCH, f"tensor '{ctx.display}' round {ctx.round}: rank "
-                              f"{left} sent a ring chunk of {got.size} elements, rank "
-                              f"{ctx.rank} expected {out.size}")
+            _check_chunk(ctx, left, got.size, out.size)
             if mine is not None:
                 REDUCERS[ctx.args.reduce_op](mine, got, out=out)
             elif not _same_memory(got, out):
@@ -126,6 +120,21 @@ async def _allreduce_ring(ctx: OpContext) -> int:
     finally:
         if block is not None:
             ctx.services.pool.put(block)
+
+
+def _check_chunk(ctx: OpContext, left: int, got: int, want: int) -> None:
+    """MISMATCH unless the ring chunk from rank ``left`` has the ``want`` elements expected."""
+    if got != want:
+        raise DecentError(pb.MISMATCH, f"tensor '{ctx.display}' round {ctx.round}: rank {left} "
+                          f"sent a ring chunk of {got} elements, rank {ctx.rank} expected {want}")
+
+
+def _accumulate_from(x: np.ndarray, dtype: int, work: np.ndarray) -> None:
+    """``work`` (in the accumulation dtype) holds ``x`` (a tensor of ``dtype``) from now on."""
+    if dtype == pb.BFLOAT16:
+        np.left_shift(x, 16, out=work.view(np.uint32), dtype=np.uint32)
+    else:
+        np.copyto(work, x, casting="safe")
 
 
 def _ring_memory(ctx: OpContext, p: PartSpec) -> tuple[np.ndarray, np.ndarray | None]:
