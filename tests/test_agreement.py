@@ -123,13 +123,18 @@ def test_ops_of_different_kinds_under_one_name_fail_as_a_mismatch(
         assert first in g.message and other in g.message, g
 
 
-def test_an_invalid_root_on_one_rank_fails_every_rank(cluster: ClusterFactory) -> None:
-    c = cluster(N)
+@pytest.mark.parametrize(("n", "bad"), [(4, 1), (4, 0), (3, 1)])
+def test_an_invalid_root_on_one_rank_fails_every_rank(cluster: ClusterFactory, n: int,
+                                                      bad: int) -> None:
+    """Four daemons agree through rank 0 (the one that cannot run it is another rank, or rank 0
+    itself); three all to all."""
+    c = cluster(n)
 
     def work(cl):  # type: ignore[no-untyped-def]
         delay(cl.rank)
         try:
-            return cl.broadcast(torch.ones(4), root=9 if cl.rank == 1 else 0, name="bad.root")
+            return cl.broadcast(torch.ones(4), root=9 if cl.rank == bad else 1,
+                                name=f"bad.root.{bad}")
         except DecentError as err:
             return err
 
@@ -137,7 +142,38 @@ def test_an_invalid_root_on_one_rank_fails_every_rank(cluster: ClusterFactory) -
     assert all(isinstance(g, DecentError) for g in got), got
     assert {g.code_name for g in got} == {"INVALID_ARGUMENT"}
     assert len({str(g) for g in got}) == 1
-    assert "rank 1 cannot run it: root 9 is not a rank" in str(got[0])
+    assert f"rank {bad} cannot run it: root 9 is not a rank" in str(got[0])
+
+
+def test_a_larger_group_agrees_through_its_lowest_rank() -> None:
+    """Five daemons (more than ``ALL_TO_ALL_UP_TO``): in each broadcast from rank 0, every
+    other daemon sends rank 0 its description and nothing to the others; rank 0 sends each the
+    tensor and the verdict. All to all, each would have sent every other one a description."""
+    from decentd.ops.agreement import ALL_TO_ALL_UP_TO
+
+    n, calls = 5, 10
+    assert n > ALL_TO_ALL_UP_TO
+    c = Cluster(n, "ring", "--set", "timeouts.heartbeat=60")  # no idle heartbeats meanwhile
+    try:
+        c.connect()
+        c.run(lambda cl: cl.broadcast(torch.ones(3), root=0, name="links.up"))
+
+        def frames() -> list[dict[int, int]]:
+            return [{p.rank: p.frames_sent for p in c.status(i).peers} for i in range(n)]
+
+        before = frames()
+        got = c.run(lambda cl: [cl.broadcast(torch.full((3,), float(cl.rank + 1)), root=0,
+                                             name=f"coordinated.{k}") for k in range(calls)])
+        after = frames()
+        sent = [{j: after[i][j] - before[i][j] for j in after[i]} for i in range(n)]
+        assert all(torch.equal(t, torch.ones(3)) for per in got for t in per)
+        assert sent[0] == {j: 2 * calls for j in range(1, n)}, sent[0]
+        for i in range(1, n):
+            # its descriptions (and perhaps a flow-control credit) to rank 0, nothing else
+            assert calls <= sent[i][0] <= calls + 2, (i, sent[i])
+            assert all(sent[i][j] == 0 for j in range(1, n) if j != i), (i, sent[i])
+    finally:
+        c.stop()
 
 
 def test_agreeing_collectives_still_run_exact(cluster: ClusterFactory) -> None:

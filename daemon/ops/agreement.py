@@ -1,15 +1,19 @@
 """A collective ends the same way on every rank: its participants agree on what it is.
 
 Before a collective (allreduce, broadcast, barrier among the daemons; allgather among the
-workers) runs, every participant sends every other one, for each of its tensors, what it was
-asked to run (a ``pb.Agreement``: op, dtype, shape, arguments, or why it cannot run it) and
-waits for theirs. Each then has the same set of descriptions and draws the same verdict from
-it: run the op, or fail it with the same error code and a message naming the ranks that
-disagree. Nobody gets a result from an op another rank fails for a disagreement. Only then does
-the op's result go out: node-level collectives run beside their agreement (one round instead of
-two) and hold their results until the verdict, which cancels them if it is against. A
-participant that cannot run it (a root that is not a rank) tells the others and fails at once,
-without waiting for them (if two such fail, each names itself). Neighbor ops keep their pairwise
+workers) runs, each participant says, for each of its tensors, what it was asked to run (a
+``pb.Agreement``: op, dtype, shape, arguments, or why it cannot run it). In a group of up to
+:data:`ALL_TO_ALL_UP_TO` every participant sends every other one its descriptions and waits
+for theirs, and each draws the verdict from the same set; in a larger one, n(n - 1) messages per
+collective would cost more than the hop they save, so each sends them to the lowest live
+participant, which draws the verdict and sends it to every other one (2(n - 1) messages). Either
+way every participant ends with the same verdict: run the op, or fail it with the same error
+code and a message naming the ranks that disagree. Nobody gets a result from an op another rank
+fails for a disagreement. Only then does the op's result go out: node-level collectives run
+beside their agreement and hold their results until the verdict, which cancels them if it is
+against. A participant that cannot run it (a root that is not a rank) tells the others (or the
+coordinator, who tells the others) and fails at once, without waiting for them (if two such
+fail, each names itself). Neighbor ops keep their pairwise
 checks (an op there involves only its peers).
 
 The agreement is an op of its own (``pb.AGREEMENT``, keys from :func:`decentd.keys.agreement`),
@@ -19,7 +23,7 @@ run by the engine like any other: timeouts, aborts, lost peers and the live view
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +48,10 @@ from decentd.ops.faults import live_group
 
 #: the message tag of descriptions
 AGREE_TAG = 1 << 20
+#: ... and of the verdict a coordinator sends
+VERDICT_TAG = AGREE_TAG + 1
+#: groups up to this size agree all to all (one hop); larger ones through a coordinator
+ALL_TO_ALL_UP_TO = 3
 #: the longest description a peer may send (a shape, arguments and a message)
 MAX_DESCRIPTION = 64 << 10
 #: collectives that agree first, by the level they run at (the op table's ``agreed``)
@@ -159,34 +167,90 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 async def agree(ctx: OpContext) -> OpResult:
-    """The agreement op: descriptions to and from every live participant, then the verdict."""
+    """The agreement op: descriptions to and from every live participant (a few of them), or
+    through the lowest live one (more), then the verdict."""
     group = live_group(ctx)
-    others = [r for r in group if r != ctx.rank]
     mine = [pb.Agreement.FromString(bytes(p.raw)) for p in ctx.parts]
     refused = next((i for i, d in enumerate(mine) if d.error.code != pb.OK), None)
+    if len(group) > ALL_TO_ALL_UP_TO:
+        return OpResult(0, (), group, verdict=await _through_coordinator(ctx, group, mine,
+                                                                         refused))
+    others = [r for r in group if r != ctx.rank]
     if refused is not None:  # it fails whatever the others say: tell them, and fail now
         await gather_all(*(ctx.send(r, AGREE_TAG) for r in others))
-        p = ctx.parts[refused]
-        return OpResult(0, (), group, verdict=verdict(p.display, p.round,
-                                                       {ctx.rank: mine[refused]}))
+        return OpResult(0, (), group, verdict=_refusal(ctx, mine, refused))
+    arrived = await _descriptions(ctx, others, ctx.send)
+    return OpResult(0, (), group, verdict=_verdict(ctx, mine, arrived))
+
+
+def _refusal(ctx: OpContext, mine: list[pb.Agreement], refused: int) -> DecentError | None:
+    """The verdict of a participant that cannot run it: its own description says why."""
+    p = ctx.parts[refused]
+    return verdict(p.display, p.round, {ctx.rank: mine[refused]})
+
+
+async def _descriptions(ctx: OpContext, others: Sequence[int],
+                        send: Callable[[int, int], Awaitable[None]]
+                        ) -> dict[int, list[pb.Agreement]]:
+    """Every one of ``others``' descriptions (one per part), while ``send(rank, AGREE_TAG)``
+    sends ours to whom it should go."""
     mailbox = ctx.services.mailbox
     futs = {r: [mailbox.expect(r, p.name, p.round, AGREE_TAG) for p in ctx.parts]
             for r in others}
     try:
-        await gather_all(*(ctx.send(r, AGREE_TAG) for r in others))
-        arrived = {r: await asyncio.gather(*fs) for r, fs in futs.items()}
+        await gather_all(*(send(r, AGREE_TAG) for r in others))
+        arrivals = {r: await asyncio.gather(*fs) for r, fs in futs.items()}
     finally:
         for fs in futs.values():
             for f in fs:
                 f.cancel()
-    outcome = None
+    got = {}
+    for r, mail in arrivals.items():
+        got[r] = [_parse(ctx, r, a.data) for a in mail]
+        for a in mail:
+            ctx.release(a)
+    return got
+
+
+def _verdict(ctx: OpContext, mine: list[pb.Agreement],
+             arrived: dict[int, list[pb.Agreement]]) -> DecentError | None:
+    """The first part's verdict against running it, from every participant's descriptions."""
     for i, p in enumerate(ctx.parts):
-        got = {ctx.rank: mine[i]}
-        for r, arrivals in arrived.items():
-            got[r] = _parse(ctx, r, arrivals[i].data)
-            ctx.release(arrivals[i])
-        outcome = outcome or verdict(p.display, p.round, got)
-    return OpResult(0, (), group, verdict=outcome)
+        got = {ctx.rank: mine[i], **{r: ds[i] for r, ds in arrived.items()}}
+        against = verdict(p.display, p.round, got)
+        if against is not None:
+            return against
+    return None
+
+
+async def _through_coordinator(ctx: OpContext, group: list[int], mine: list[pb.Agreement],
+                               refused: int | None) -> DecentError | None:
+    """The lowest live participant collects every description and sends each other one the
+    verdict it draws: 2(n - 1) messages instead of n(n - 1), in two hops instead of one."""
+    head, others = group[0], group[1:]
+    if ctx.rank != head:
+        if refused is not None:  # tell the coordinator (who tells the others), fail now
+            await ctx.send(head, AGREE_TAG)
+            return _refusal(ctx, mine, refused)
+        first = ctx.parts[0]
+        told = ctx.services.mailbox.expect(head, first.name, first.round, VERDICT_TAG)
+        try:
+            _, arrival = await gather_all(ctx.send(head, AGREE_TAG), told)
+        finally:
+            told.cancel()
+        ruled = _parse_verdict(ctx, head, arrival.data)
+        ctx.release(arrival)
+        return ruled
+    ruled = _refusal(ctx, mine, refused) if refused is not None else \
+        _verdict(ctx, mine, await _descriptions(ctx, others, _nothing))
+    said = memoryview((ruled.to_pb() if ruled is not None else pb.Error()).SerializeToString())
+    await gather_all(*(ctx.send(r, VERDICT_TAG, parts=ctx.parts[:1], data=said)
+                       for r in others))
+    return ruled
+
+
+async def _nothing(_rank: int, _tag: int) -> None:
+    """The coordinator sends no description: it draws the verdict itself."""
 
 
 def _parse(ctx: OpContext, src: int, data: np.ndarray) -> pb.Agreement:
@@ -201,8 +265,21 @@ def _parse(ctx: OpContext, src: int, data: np.ndarray) -> pb.Agreement:
                           "that does not parse") from None
 
 
+def _parse_verdict(ctx: OpContext, src: int, data: np.ndarray) -> DecentError | None:
+    """The coordinator's verdict (``pb.Error``; OK: run it), checked."""
+    if data.nbytes > MAX_DESCRIPTION:
+        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: rank {src} sent a verdict of "
+                          f"{data.nbytes} bytes (at most {MAX_DESCRIPTION})")
+    try:
+        said = pb.Error.FromString(data.tobytes())
+    except Exception:  # DecodeError: a peer that speaks another protocol
+        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: rank {src} sent a verdict "
+                          "that does not parse") from None
+    return None if said.code == pb.OK else DecentError.from_pb(said)
+
+
 AGREEMENT_SPEC = OpSpec(agree, lambda ctx: set(live_group(ctx)) - {ctx.rank},
-                        lambda _ctx: {AGREE_TAG}, counted=False)
+                        lambda _ctx: {AGREE_TAG, VERDICT_TAG}, counted=False)
 
 
 class Agreements:
