@@ -19,8 +19,11 @@ host shared by 8 ranks do not hide the links):
   the parameters per step, run while forward and backward compute the gradient).
 
 The systems' steps are interleaved (the order rotates every step), each after a gloo barrier,
-so all three meet the same host; a step's time is the slowest rank's. Then the latency of a
-4 KiB ``all_reduce`` (1024 float32), decent's default group vs gloo, interleaved in blocks.
+so all three meet the same host; a step's time is the slowest rank's. Then the latencies of
+two small collectives, decent's default group vs gloo, interleaved in blocks: a 4 KiB
+``all_reduce`` (1024 float32) and the broadcast of the model's buffers from rank 0 that DDP
+runs before every forward (``broadcast_buffers``: one broadcast per dtype, BatchNorm's running
+statistics and counters).
 Rank 0 prints a table and writes the JSON (and ``--png``, a bar chart of the medians).
 
 Where a step's time goes: every timed step is cut in four phases (each one's mean over the
@@ -141,16 +144,18 @@ def measure(a: argparse.Namespace) -> dict[str, Any] | None:
                 phases[name].append(step_phases(stamps))
     cpu = {name: _step_cpu(dist, gloo, rank, steppers[name], a.profile_steps)
            for name in SYSTEMS}
-    latency = _latencies(dist, torch, gloo, a.latency_calls)
+    latency = _latencies(dist, gloo, a.latency_calls, small_ops(torch, dist, resnet18()))
     slowest = {name: _over_ranks(dist, torch, gloo, times[name]) for name in SYSTEMS}
     mean_phases = {name: [_over_ranks(dist, torch, gloo, [p[i] for p in phases[name]], mean=True)
                           for i in range(len(PHASES))] for name in SYSTEMS}
-    slow_latency = {name: _over_ranks(dist, torch, gloo, v) for name, v in latency.items()}
+    slow_latency = {op: {name: _over_ranks(dist, torch, gloo, v) for name, v in by.items()}
+                    for op, by in latency.items()}
     dist.destroy_process_group()
     if rank != 0:
         return None
     median = {name: statistics.median(v) for name, v in slowest.items()}
-    lat = {name: statistics.median(v) for name, v in slow_latency.items()}
+    lat = {op: {name: statistics.median(v) for name, v in by.items()}
+           for op, by in slow_latency.items()}
     return {
         "phases_ms": {name: {phase: 1e3 * statistics.median(v)
                              for phase, v in zip(PHASES, mean_phases[name], strict=True)}
@@ -162,8 +167,8 @@ def measure(a: argparse.Namespace) -> dict[str, Any] | None:
         "step_median_s": median, "steps_s": slowest,
         "decent_over_gloo": median["decent"] / median["gloo"],
         "decentralized_speedup": median["gloo"] / median["decentralized"],
-        "allreduce_4kib_median_us": {k: v * 1e6 for k, v in lat.items()},
-        "allreduce_4kib_decent_over_gloo": lat["decent"] / lat["gloo"],
+        **{f"{op}_median_us": {k: v * 1e6 for k, v in by.items()} for op, by in lat.items()},
+        **{f"{op}_decent_over_gloo": by["decent"] / by["gloo"] for op, by in lat.items()},
         "cpus": os.cpu_count(),
     }
 
@@ -250,17 +255,39 @@ def thread_ticks(stat: str) -> tuple[str, int, int]:
     return name, int(fields[11]), int(fields[12])
 
 
-def _latencies(dist: Any, torch: Any, gloo: Any, calls: int) -> dict[str, list[float]]:
-    """Per-call times of a 4 KiB all_reduce, decent and gloo in alternating blocks of 20."""
+#: the small collectives timed after the steps, as the table names them
+SMALL_OPS = {"allreduce_4kib": "4 KiB all_reduce", "broadcast_buffers": "DDP's buffer broadcast"}
+
+
+def small_ops(torch: Any, dist: Any, module: Any) -> dict[str, Callable[[Any], None]]:
+    """:data:`SMALL_OPS` as calls on a group: a 4 KiB all_reduce, and the broadcast from rank
+    0 of ``module``'s buffers, one flat tensor per dtype (as DDP's ``broadcast_buffers`` sends
+    them before each forward)."""
     t = torch.ones(1024)
-    got: dict[str, list[float]] = {"gloo": [], "decent": []}
-    for block in range(2 * (calls // 20)):
-        name, group = ("gloo", gloo) if block % 2 == 0 else ("decent", None)
-        dist.barrier(group=gloo)
-        for _ in range(20):
-            began = time.perf_counter()
-            dist.all_reduce(t, group=group)
-            got[name].append(time.perf_counter() - began)
+    by_dtype: dict[Any, list[Any]] = {}
+    for b in module.buffers():
+        by_dtype.setdefault(b.dtype, []).append(b.detach().reshape(-1))
+    flats = [torch.cat(bs) for bs in by_dtype.values()]
+
+    def broadcast(group: Any) -> None:
+        for flat in flats:
+            dist.broadcast(flat, 0, group=group)
+    return {"allreduce_4kib": lambda group: dist.all_reduce(t, group=group),
+            "broadcast_buffers": broadcast}
+
+
+def _latencies(dist: Any, gloo: Any, calls: int, ops: dict[str, Callable[[Any], None]]
+               ) -> dict[str, dict[str, list[float]]]:
+    """Per-call times of each of ``ops``, decent and gloo in alternating blocks of 20."""
+    got: dict[str, dict[str, list[float]]] = {op: {"gloo": [], "decent": []} for op in ops}
+    for op, call in ops.items():
+        for block in range(2 * (calls // 20)):
+            name, group = ("gloo", gloo) if block % 2 == 0 else ("decent", None)
+            dist.barrier(group=gloo)
+            for _ in range(20):
+                began = time.perf_counter()
+                call(group)
+                got[op][name].append(time.perf_counter() - began)
     return got
 
 
@@ -334,9 +361,11 @@ def report(result: dict[str, Any], where: str) -> None:
     for name in SYSTEMS:
         step = result["step_median_s"][name]
         table.add_row(name, f"{step:.3f}", f"{step / gloo:.2f}x")
-    lat = result["allreduce_4kib_median_us"]
-    table.add_row("4 KiB all_reduce", f"gloo {lat['gloo']:.0f} us, decent {lat['decent']:.0f} us",
-                  f"{result['allreduce_4kib_decent_over_gloo']:.2f}x")
+    for op, label in SMALL_OPS.items():
+        if f"{op}_median_us" in result:  # results from before the buffer broadcast lack it
+            lat = result[f"{op}_median_us"]
+            table.add_row(label, f"gloo {lat['gloo']:.0f} us, decent {lat['decent']:.0f} us",
+                          f"{result[f'{op}_decent_over_gloo']:.2f}x")
     Console().print(table)
     Console().print(breakdown_table(result))
 

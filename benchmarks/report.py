@@ -561,7 +561,7 @@ def optimizer_rows(add: Callable[..., None], opt: dict[str, Any] | None) -> None
 
 def ddp_rows(add: Callable[..., None], loop: dict[str, Any] | None,
              netns: dict[str, Any] | None) -> None:
-    """Rows 10l, 10n, 10d, 10t: DDP of ResNet-18 over the ``decent`` backend against gloo
+    """Rows 10l, 10n, 10d, 10t, 10b: DDP of ResNet-18 over the ``decent`` backend against gloo
     (``ddp_loopback.json``, ``ddp_netns.json``: ``benchmarks/ddp_vs_gloo.py``)."""
     def steps(res: dict[str, Any], a: str, b: str) -> str:
         med = res["step_median_s"]
@@ -586,6 +586,13 @@ def ddp_rows(add: Callable[..., None], loop: dict[str, Any] | None,
             float(loop["allreduce_4kib_decent_over_gloo"]), math.inf, False,
             f"{ratio_text(float(loop['allreduce_4kib_decent_over_gloo']))} "
             f"({lat['decent']:.0f} vs {lat['gloo']:.0f} us)", lambda _: "reported")
+    if netns is not None and "broadcast_buffers_median_us" in netns:
+        lat = netns["broadcast_buffers_median_us"]
+        ratio = float(netns["broadcast_buffers_decent_over_gloo"])
+        add("10b", "DDP's per-step buffer broadcast (BatchNorm statistics, one per dtype), "
+            "decent / gloo, slowest rank, 8 netns (reported)", ratio, math.inf, False,
+            f"{ratio_text(ratio)} ({lat['decent']:.0f} vs {lat['gloo']:.0f} us)",
+            lambda _: "reported")
 
 
 def ddp_breakdown_text(res: dict[str, Any]) -> str:

@@ -65,3 +65,39 @@ def test_the_report_row_says_where_decents_step_differs() -> None:
         "ranks): decent's daemons 374 + 398 ms, gloo's threads 62 + 372 ms")
     assert ddp_breakdown_text({"step_median_s": {}}) == ""  # a run from before
     assert ddp_breakdown_text({**res, "cpu_ms_per_step": {"gloo": {}}}) == ""  # not profiled
+
+
+def test_the_buffer_broadcast_sends_one_flat_tensor_per_dtype_from_rank_0() -> None:
+    """As DDP's ``broadcast_buffers``: BatchNorm's running statistics in one float32 tensor,
+    its batch counters in one int64 tensor."""
+    import torch
+    from torch import nn
+
+    from benchmarks.ddp_vs_gloo import small_ops
+
+    sent: list[tuple[int, torch.dtype, int, str]] = []
+
+    class Recorder:
+        def broadcast(self, t: torch.Tensor, src: int, group: str) -> None:
+            sent.append((t.numel(), t.dtype, src, group))
+
+        def all_reduce(self, t: torch.Tensor, group: str) -> None:
+            sent.append((t.numel(), t.dtype, -1, group))
+
+    ops = small_ops(torch, Recorder(), nn.Sequential(nn.BatchNorm2d(3), nn.Linear(2, 2),
+                                                     nn.BatchNorm1d(5)))
+    ops["broadcast_buffers"]("g")
+    ops["allreduce_4kib"]("g")
+    assert sent == [(16, torch.float32, 0, "g"), (2, torch.int64, 0, "g"),
+                    (1024, torch.float32, -1, "g")]
+
+
+def test_the_buffer_broadcast_row_is_reported_from_the_namespaces_run() -> None:
+    from benchmarks.report import ddp_rows
+
+    rows: list[tuple[object, ...]] = []
+    netns = {"broadcast_buffers_median_us": {"decent": 9700.0, "gloo": 1900.0},
+             "broadcast_buffers_decent_over_gloo": 9700.0 / 1900.0}
+    ddp_rows(lambda *row: rows.append(row), None, netns)
+    (row,) = [r for r in rows if r[0] == "10b"]
+    assert row[2] == 9700.0 / 1900.0 and "(9700 vs 1900 us)" in str(row[5])
