@@ -180,7 +180,7 @@ async def agree(ctx: OpContext) -> OpResult:
         await gather_all(*(ctx.send(r, AGREE_TAG) for r in others))
         return OpResult(0, (), group, verdict=_refusal(ctx, mine, refused))
     arrived = await _descriptions(ctx, others, ctx.send)
-    return OpResult(0, (), group, verdict=_verdict(ctx, mine, arrived))
+    return OpResult(0, (), group, verdict=_first(_rulings(ctx, mine, arrived)))
 
 
 def _refusal(ctx: OpContext, mine: list[pb.Agreement], refused: int) -> DecentError | None:
@@ -212,41 +212,61 @@ async def _descriptions(ctx: OpContext, others: Sequence[int],
     return got
 
 
-def _verdict(ctx: OpContext, mine: list[pb.Agreement],
-             arrived: dict[int, list[pb.Agreement]]) -> DecentError | None:
-    """The first part's verdict against running it, from every participant's descriptions."""
-    for i, p in enumerate(ctx.parts):
-        got = {ctx.rank: mine[i], **{r: ds[i] for r, ds in arrived.items()}}
-        against = verdict(p.display, p.round, got)
-        if against is not None:
-            return against
-    return None
+def _rulings(ctx: OpContext, mine: list[pb.Agreement],
+             arrived: dict[int, list[pb.Agreement]]) -> list[DecentError | None]:
+    """Each part's verdict against running it (None: run it), from every participant's
+    descriptions."""
+    return [verdict(p.display, p.round, {ctx.rank: mine[i], **{r: ds[i] for r, ds in
+                                                                arrived.items()}})
+            for i, p in enumerate(ctx.parts)]
+
+
+def _first(rulings: Sequence[DecentError | None]) -> DecentError | None:
+    """The op's verdict: its first part's against, if any."""
+    return next((r for r in rulings if r is not None), None)
 
 
 async def _through_coordinator(ctx: OpContext, group: list[int], mine: list[pb.Agreement],
                                refused: int | None) -> DecentError | None:
     """The lowest live participant collects every description and sends each other one the
-    verdict it draws: 2(n - 1) messages instead of n(n - 1), in two hops instead of one."""
+    verdict it draws for each tensor (ranks may have fused them differently): 2(n - 1)
+    messages instead of n(n - 1), in two hops instead of one."""
     head, others = group[0], group[1:]
-    if ctx.rank != head:
-        if refused is not None:  # tell the coordinator (who tells the others), fail now
-            await ctx.send(head, AGREE_TAG)
-            return _refusal(ctx, mine, refused)
-        first = ctx.parts[0]
-        told = ctx.services.mailbox.expect(head, first.name, first.round, VERDICT_TAG)
-        try:
-            _, arrival = await gather_all(ctx.send(head, AGREE_TAG), told)
-        finally:
-            told.cancel()
-        ruled = _parse_verdict(ctx, head, arrival.data)
-        ctx.release(arrival)
-        return ruled
-    ruled = _refusal(ctx, mine, refused) if refused is not None else \
-        _verdict(ctx, mine, await _descriptions(ctx, others, _nothing))
-    said = memoryview((ruled.to_pb() if ruled is not None else pb.Error()).SerializeToString())
-    await gather_all(*(ctx.send(r, VERDICT_TAG, parts=ctx.parts[:1], data=said)
-                       for r in others))
-    return ruled
+    if ctx.rank == head:
+        return await _coordinate(ctx, others, mine, refused)
+    if refused is not None:  # tell the coordinator (who tells the others), fail now
+        await ctx.send(head, AGREE_TAG)
+        return _refusal(ctx, mine, refused)
+    mailbox = ctx.services.mailbox
+    told = [mailbox.expect(head, p.name, p.round, VERDICT_TAG) for p in ctx.parts]
+    try:
+        await ctx.send(head, AGREE_TAG)
+        arrivals = await asyncio.gather(*told)
+    finally:
+        for f in told:
+            f.cancel()
+    rulings = [_parse_verdict(ctx, head, a.data) for a in arrivals]
+    for a in arrivals:
+        ctx.release(a)
+    return _first(rulings)
+
+
+async def _coordinate(ctx: OpContext, others: list[int], mine: list[pb.Agreement],
+                      refused: int | None) -> DecentError | None:
+    """The coordinator's part: each tensor's verdict from every description (or this rank's
+    refusal), sent to ``others``; the first against."""
+    rulings = [_refusal(ctx, mine, refused)] * len(ctx.parts) if refused is not None else \
+        _rulings(ctx, mine, await _descriptions(ctx, others, _nothing))
+    said = [_verdict_part(p, ruled) for p, ruled in zip(ctx.parts, rulings, strict=True)]
+    await gather_all(*(ctx.send(r, VERDICT_TAG, parts=said) for r in others))
+    return _first(rulings)
+
+
+def _verdict_part(p: PartSpec, ruled: DecentError | None) -> PartSpec:
+    """Tensor ``p``'s verdict as a part to send (``pb.Error``; empty: run it)."""
+    raw = (ruled.to_pb() if ruled is not None else pb.Error()).SerializeToString()
+    return PartSpec.over(p.name, p.display, p.round, pb.UINT8, (0,),
+                         np.frombuffer(raw, np.uint8), memoryview(b""), memoryview(raw))
 
 
 async def _nothing(_rank: int, _tag: int) -> None:
