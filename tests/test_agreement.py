@@ -176,6 +176,52 @@ def test_a_larger_group_agrees_through_its_lowest_rank() -> None:
         c.stop()
 
 
+def test_a_coordinator_that_fused_more_does_not_hold_back_the_others(
+        cluster: ClusterFactory) -> None:
+    """Rank 0, the coordinator of five, sends t1 and t2 in one request; the others send t2 only
+    once t1 has returned. t1's verdict goes out when t1's descriptions are in, not when t2's
+    are (which would wait for t1: a deadlock until the timeout)."""
+    c = cluster(5)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        a, b = torch.full((3,), float(cl.rank)), torch.ones(3)
+        if cl.rank == 0:
+            with cl.fused():
+                first = cl.allreduce_async(a, name="fused.t1", timeout=30)
+                second = cl.allreduce_async(b, name="fused.t2", timeout=30)
+            return first.wait(), second.wait()
+        first_result = cl.allreduce(a, name="fused.t1", timeout=30)
+        return first_result, cl.allreduce(b, name="fused.t2", timeout=30)
+
+    for first, second in c.run(work):
+        assert torch.equal(first, torch.full((3,), 2.0)) and torch.equal(second, torch.ones(3))
+
+
+def test_a_coordinators_timeout_names_the_rank_it_still_waits_for() -> None:
+    """Five daemons, rank 4 never calls: the coordinator (with the shortest timeout) says it
+    waits for rank 4, the others that they wait for the coordinator."""
+    c = Cluster(5, "ring")
+    try:
+        c.connect()
+
+        def work(cl):  # type: ignore[no-untyped-def]
+            if cl.rank == 4:
+                return None
+            try:
+                return cl.broadcast(torch.ones(2), root=0, name="silent.4",
+                                    timeout=2 if cl.rank == 0 else 30)
+            except DecentError as err:
+                return err
+
+        got = c.run(work)
+        assert isinstance(got[0], DecentError) and got[0].code_name == "TIMEOUT", got[0]
+        assert "still waiting for rank(s) [4]" in got[0].message, got[0].message
+        assert all(isinstance(g, DecentError) for g in got[1:4]), got
+    finally:
+        c.stop()
+
+
 def test_agreeing_collectives_still_run_exact(cluster: ClusterFactory) -> None:
     c = cluster(N)
 

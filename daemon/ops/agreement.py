@@ -23,7 +23,8 @@ run by the engine like any other: timeouts, aborts, lost peers and the live view
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,8 @@ VERDICT_TAG = AGREE_TAG + 1
 ALL_TO_ALL_UP_TO = 3
 #: the longest description a peer may send (a shape, arguments and a message)
 MAX_DESCRIPTION = 64 << 10
+#: the characters of a verdict's message a coordinator sends (4 bytes each at most in UTF-8)
+MAX_VERDICT_TEXT = MAX_DESCRIPTION // 4 - 64
 #: collectives that agree first, by the level they run at (the op table's ``agreed``)
 NODE_AGREED = op_types(agreed=Agreed.NODES)
 WORKER_AGREED = op_types(agreed=Agreed.WORKERS)
@@ -179,7 +182,7 @@ async def agree(ctx: OpContext) -> OpResult:
     if refused is not None:  # it fails whatever the others say: tell them, and fail now
         await gather_all(*(ctx.send(r, AGREE_TAG) for r in others))
         return OpResult(0, (), group, verdict=_refusal(ctx, mine, refused))
-    arrived = await _descriptions(ctx, others, ctx.send)
+    arrived = await _descriptions(ctx, others)
     return OpResult(0, (), group, verdict=_first(_rulings(ctx, mine, arrived)))
 
 
@@ -189,16 +192,15 @@ def _refusal(ctx: OpContext, mine: list[pb.Agreement], refused: int) -> DecentEr
     return verdict(p.display, p.round, {ctx.rank: mine[refused]})
 
 
-async def _descriptions(ctx: OpContext, others: Sequence[int],
-                        send: Callable[[int, int], Awaitable[None]]
+async def _descriptions(ctx: OpContext, others: Sequence[int]
                         ) -> dict[int, list[pb.Agreement]]:
-    """Every one of ``others``' descriptions (one per part), while ``send(rank, AGREE_TAG)``
-    sends ours to whom it should go."""
+    """Every one of ``others``' descriptions (one per part), while ours go to each of them."""
     mailbox = ctx.services.mailbox
     futs = {r: [mailbox.expect(r, p.name, p.round, AGREE_TAG) for p in ctx.parts]
             for r in others}
+    _track_waiting(ctx, futs)
     try:
-        await gather_all(*(send(r, AGREE_TAG) for r in others))
+        await gather_all(*(ctx.send(r, AGREE_TAG) for r in others))
         arrivals = {r: await asyncio.gather(*fs) for r, fs in futs.items()}
     finally:
         for fs in futs.values():
@@ -236,9 +238,10 @@ async def _through_coordinator(ctx: OpContext, group: list[int], mine: list[pb.A
         return await _coordinate(ctx, others, mine, refused)
     if refused is not None:  # tell the coordinator (who tells the others), fail now
         await ctx.send(head, AGREE_TAG)
-        return _refusal(ctx, mine, refused)
+        return _bounded(_refusal(ctx, mine, refused))
     mailbox = ctx.services.mailbox
     told = [mailbox.expect(head, p.name, p.round, VERDICT_TAG) for p in ctx.parts]
+    _track_waiting(ctx, {head: told})
     try:
         await ctx.send(head, AGREE_TAG)
         arrivals = await asyncio.gather(*told)
@@ -254,12 +257,85 @@ async def _through_coordinator(ctx: OpContext, group: list[int], mine: list[pb.A
 async def _coordinate(ctx: OpContext, others: list[int], mine: list[pb.Agreement],
                       refused: int | None) -> DecentError | None:
     """The coordinator's part: each tensor's verdict from every description (or this rank's
-    refusal), sent to ``others``; the first against."""
-    rulings = [_refusal(ctx, mine, refused)] * len(ctx.parts) if refused is not None else \
-        _rulings(ctx, mine, await _descriptions(ctx, others, _nothing))
-    said = [_verdict_part(p, ruled) for p, ruled in zip(ctx.parts, rulings, strict=True)]
-    await gather_all(*(ctx.send(r, VERDICT_TAG, parts=said) for r in others))
+    refusal), sent to ``others`` as soon as that tensor's descriptions are all in (a rank that
+    fused it with other tensors than here does not wait for those); the first against."""
+    if refused is not None:
+        rulings: list[DecentError | None] = \
+            [_bounded(_refusal(ctx, mine, refused))] * len(ctx.parts)
+        await _tell(ctx, others, range(len(ctx.parts)), rulings)
+        return _first(rulings)
+    mailbox = ctx.services.mailbox
+    futs = {r: [mailbox.expect(r, p.name, p.round, AGREE_TAG) for p in ctx.parts]
+            for r in others}
+    _track_waiting(ctx, futs)
+    ready = [asyncio.gather(*(futs[r][i] for r in others)) for i in range(len(ctx.parts))]
+    rulings = [None] * len(ctx.parts)
+    pending = set(range(len(ctx.parts)))
+    try:
+        while pending:
+            await asyncio.wait([ready[i] for i in pending], return_when=asyncio.FIRST_COMPLETED)
+            done = [i for i in sorted(pending) if ready[i].done()]
+            for i in done:
+                rulings[i] = _ruling(ctx, i, mine[i], dict(zip(others, ready[i].result(),
+                                                               strict=True)))
+            pending.difference_update(done)
+            await _tell(ctx, others, done, rulings)
+    finally:
+        for r in others:
+            for f in futs[r]:
+                f.cancel()
+        for g in ready:  # their failures are the op's (raised above), not for the loop's log
+            g.add_done_callback(_retrieved)
     return _first(rulings)
+
+
+def _track_waiting(ctx: OpContext, futs: dict[int, list[asyncio.Future[Any]]]) -> None:
+    """Each rank in ``futs`` counts as one the op waits for (stall and timeout messages name
+    it) until all its descriptions are in."""
+    for r, fs in futs.items():
+        ctx.waiting.add(r)
+        asyncio.gather(*fs).add_done_callback(functools.partial(_heard, ctx, r))
+
+
+def _heard(ctx: OpContext, rank: int, _done: asyncio.Future[Any]) -> None:
+    """All that ``rank`` had to say has come (or will not): the op no longer waits for it."""
+    ctx.waiting.discard(rank)
+    _retrieved(_done)
+
+
+def _retrieved(done: asyncio.Future[Any]) -> None:
+    """Mark ``done``'s failure as seen (the op reports it)."""
+    if not done.cancelled():
+        done.exception()
+
+
+def _ruling(ctx: OpContext, i: int, mine: pb.Agreement, arrived: dict[int, Any]
+            ) -> DecentError | None:
+    """Part ``i``'s verdict from this rank's description and the others' arrivals."""
+    got = {ctx.rank: mine}
+    for r, a in arrived.items():
+        got[r] = _parse(ctx, r, a.data)
+        ctx.release(a)
+    p = ctx.parts[i]
+    return _bounded(verdict(p.display, p.round, got))
+
+
+async def _tell(ctx: OpContext, others: list[int], parts: Iterable[int],
+                rulings: list[DecentError | None]) -> None:
+    """Send ``others`` the verdicts of ``parts`` (indexes), one message each. A send that
+    fails (a peer lost meanwhile) does not stop the others: that peer's op fails on its own."""
+    said = [_verdict_part(ctx.parts[i], rulings[i]) for i in parts]
+    if said:
+        await asyncio.gather(*(ctx.send(r, VERDICT_TAG, parts=said) for r in others),
+                             return_exceptions=True)
+
+
+def _bounded(ruled: DecentError | None) -> DecentError | None:
+    """``ruled`` with its message cut to what a verdict may carry (:data:`MAX_DESCRIPTION`
+    bytes), so that the coordinator fails with the very message it sends."""
+    if ruled is None or len(ruled.message) <= MAX_VERDICT_TEXT:
+        return ruled
+    return DecentError(ruled.code, ruled.message[:MAX_VERDICT_TEXT] + " [cut]")
 
 
 def _verdict_part(p: PartSpec, ruled: DecentError | None) -> PartSpec:
@@ -267,10 +343,6 @@ def _verdict_part(p: PartSpec, ruled: DecentError | None) -> PartSpec:
     raw = (ruled.to_pb() if ruled is not None else pb.Error()).SerializeToString()
     return PartSpec.over(p.name, p.display, p.round, pb.UINT8, (0,),
                          np.frombuffer(raw, np.uint8), memoryview(b""), memoryview(raw))
-
-
-async def _nothing(_rank: int, _tag: int) -> None:
-    """The coordinator sends no description: it draws the verdict itself."""
 
 
 def _parse(ctx: OpContext, src: int, data: np.ndarray) -> pb.Agreement:
