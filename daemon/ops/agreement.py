@@ -13,8 +13,8 @@ fails for a disagreement. Only then does the op's result go out: node-level coll
 beside their agreement and hold their results until the verdict, which cancels them if it is
 against. A participant that cannot run it (a root that is not a rank) tells the others (or the
 coordinator, who tells the others) and fails at once, without waiting for them (if two such
-fail, each names itself). Neighbor ops keep their pairwise
-checks (an op there involves only its peers).
+fail, each names itself). Neighbor ops keep their pairwise checks (an op there involves only
+its peers).
 
 The agreement is an op of its own (``pb.AGREEMENT``, keys from :func:`decentd.keys.agreement`),
 run by the engine like any other: timeouts, aborts, lost peers and the live view apply to it.
