@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from decent_wire.v1 import decent_pb2 as pb
 from decentd.errors import VERDICT_CODES
 from decentd.keys import agreement
 from decentd.ops.api import (
+    Arrival,
     Level,
     OpContext,
     OpResult,
@@ -46,6 +47,9 @@ from decentd.ops.api import (
     gather_all,
 )
 from decentd.ops.faults import live_group
+
+#: what a peer sends in an agreement: its descriptions, or (a coordinator) the verdicts
+M = TypeVar("M", pb.Agreement, pb.Error)
 
 #: the message tag of descriptions
 AGREE_TAG = 1 << 20
@@ -182,45 +186,21 @@ async def agree(ctx: OpContext) -> OpResult:
     if refused is not None:  # it fails whatever the others say: tell them, and fail now
         await gather_all(*(ctx.send(r, AGREE_TAG) for r in others))
         return OpResult(0, (), group, verdict=_refusal(ctx, mine, refused))
-    arrived = await _descriptions(ctx, others)
-    return OpResult(0, (), group, verdict=_first(_rulings(ctx, mine, arrived)))
+    futs = _expect(ctx, others, AGREE_TAG)
+    try:
+        await gather_all(*(ctx.send(r, AGREE_TAG) for r in others))
+        arrived = {r: await asyncio.gather(*fs) for r, fs in futs.items()}
+    finally:
+        _drop(futs)
+    return OpResult(0, (), group, verdict=_first([
+        _ruling(ctx, i, mine[i], {r: arrived[r][i] for r in others})
+        for i in range(len(ctx.parts))]))
 
 
 def _refusal(ctx: OpContext, mine: list[pb.Agreement], refused: int) -> DecentError | None:
     """The verdict of a participant that cannot run it: its own description says why."""
     p = ctx.parts[refused]
     return verdict(p.display, p.round, {ctx.rank: mine[refused]})
-
-
-async def _descriptions(ctx: OpContext, others: Sequence[int]
-                        ) -> dict[int, list[pb.Agreement]]:
-    """Every one of ``others``' descriptions (one per part), while ours go to each of them."""
-    mailbox = ctx.services.mailbox
-    futs = {r: [mailbox.expect(r, p.name, p.round, AGREE_TAG) for p in ctx.parts]
-            for r in others}
-    _track_waiting(ctx, futs)
-    try:
-        await gather_all(*(ctx.send(r, AGREE_TAG) for r in others))
-        arrivals = {r: await asyncio.gather(*fs) for r, fs in futs.items()}
-    finally:
-        for fs in futs.values():
-            for f in fs:
-                f.cancel()
-    got = {}
-    for r, mail in arrivals.items():
-        got[r] = [_parse(ctx, r, a.data) for a in mail]
-        for a in mail:
-            ctx.release(a)
-    return got
-
-
-def _rulings(ctx: OpContext, mine: list[pb.Agreement],
-             arrived: dict[int, list[pb.Agreement]]) -> list[DecentError | None]:
-    """Each part's verdict against running it (None: run it), from every participant's
-    descriptions."""
-    return [verdict(p.display, p.round, {ctx.rank: mine[i], **{r: ds[i] for r, ds in
-                                                                arrived.items()}})
-            for i, p in enumerate(ctx.parts)]
 
 
 def _first(rulings: Sequence[DecentError | None]) -> DecentError | None:
@@ -239,15 +219,12 @@ async def _through_coordinator(ctx: OpContext, group: list[int], mine: list[pb.A
     if refused is not None:  # tell the coordinator (who tells the others), fail now
         await ctx.send(head, AGREE_TAG)
         return _bounded(_refusal(ctx, mine, refused))
-    mailbox = ctx.services.mailbox
-    told = [mailbox.expect(head, p.name, p.round, VERDICT_TAG) for p in ctx.parts]
-    _track_waiting(ctx, {head: told})
+    told = _expect(ctx, [head], VERDICT_TAG)
     try:
         await ctx.send(head, AGREE_TAG)
-        arrivals = await asyncio.gather(*told)
+        arrivals = await asyncio.gather(*told[head])
     finally:
-        for f in told:
-            f.cancel()
+        _drop(told)
     rulings = [_parse_verdict(ctx, head, a.data) for a in arrivals]
     for a in arrivals:
         ctx.release(a)
@@ -264,10 +241,7 @@ async def _coordinate(ctx: OpContext, others: list[int], mine: list[pb.Agreement
             [_bounded(_refusal(ctx, mine, refused))] * len(ctx.parts)
         await _tell(ctx, others, range(len(ctx.parts)), rulings)
         return _first(rulings)
-    mailbox = ctx.services.mailbox
-    futs = {r: [mailbox.expect(r, p.name, p.round, AGREE_TAG) for p in ctx.parts]
-            for r in others}
-    _track_waiting(ctx, futs)
+    futs = _expect(ctx, others, AGREE_TAG)
     ready = [asyncio.gather(*(futs[r][i] for r in others)) for i in range(len(ctx.parts))]
     rulings = [None] * len(ctx.parts)
     pending = set(range(len(ctx.parts)))
@@ -276,25 +250,34 @@ async def _coordinate(ctx: OpContext, others: list[int], mine: list[pb.Agreement
             await asyncio.wait([ready[i] for i in pending], return_when=asyncio.FIRST_COMPLETED)
             done = [i for i in sorted(pending) if ready[i].done()]
             for i in done:
-                rulings[i] = _ruling(ctx, i, mine[i], dict(zip(others, ready[i].result(),
-                                                               strict=True)))
+                rulings[i] = _bounded(_ruling(ctx, i, mine[i], dict(zip(
+                    others, ready[i].result(), strict=True))))
             pending.difference_update(done)
             await _tell(ctx, others, done, rulings)
     finally:
-        for r in others:
-            for f in futs[r]:
-                f.cancel()
+        _drop(futs)
         for g in ready:  # their failures are the op's (raised above), not for the loop's log
             g.add_done_callback(_retrieved)
     return _first(rulings)
 
 
-def _track_waiting(ctx: OpContext, futs: dict[int, list[asyncio.Future[Any]]]) -> None:
-    """Each rank in ``futs`` counts as one the op waits for (stall and timeout messages name
-    it) until all its descriptions are in."""
+def _expect(ctx: OpContext, ranks: Sequence[int], tag: int
+            ) -> dict[int, list[asyncio.Future[Arrival]]]:
+    """Each part's message with ``tag`` from each of ``ranks``, expected from now on; the op
+    waits for a rank (stall and timeout messages name it) until all of its are in."""
+    mailbox = ctx.services.mailbox
+    futs = {r: [mailbox.expect(r, p.name, p.round, tag) for p in ctx.parts] for r in ranks}
     for r, fs in futs.items():
         ctx.waiting.add(r)
         asyncio.gather(*fs).add_done_callback(functools.partial(_heard, ctx, r))
+    return futs
+
+
+def _drop(futs: dict[int, list[asyncio.Future[Arrival]]]) -> None:
+    """No longer expect what is still to come of ``futs``."""
+    for fs in futs.values():
+        for f in fs:
+            f.cancel()
 
 
 def _heard(ctx: OpContext, rank: int, _done: asyncio.Future[Any]) -> None:
@@ -309,9 +292,10 @@ def _retrieved(done: asyncio.Future[Any]) -> None:
         done.exception()
 
 
-def _ruling(ctx: OpContext, i: int, mine: pb.Agreement, arrived: dict[int, Any]
+def _ruling(ctx: OpContext, i: int, mine: pb.Agreement, arrived: dict[int, Arrival]
             ) -> DecentError | None:
-    """Part ``i``'s verdict from this rank's description and the others' arrivals."""
+    """Part ``i``'s verdict from this rank's description and the others' (their arrivals,
+    released here)."""
     got = {ctx.rank: mine}
     for r, a in arrived.items():
         got[r] = _parse(ctx, r, a.data)
@@ -347,27 +331,26 @@ def _verdict_part(p: PartSpec, ruled: DecentError | None) -> PartSpec:
 
 def _parse(ctx: OpContext, src: int, data: np.ndarray) -> pb.Agreement:
     """A peer's description, checked."""
-    if data.nbytes > MAX_DESCRIPTION:
-        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: rank {src} sent a description of "
-                          f"{data.nbytes} bytes (at most {MAX_DESCRIPTION})")
-    try:
-        return pb.Agreement.FromString(data.tobytes())
-    except Exception:  # DecodeError: a peer that speaks another protocol
-        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: rank {src} sent a description "
-                          "that does not parse") from None
+    return _checked(ctx, src, data, pb.Agreement, "description")
 
 
 def _parse_verdict(ctx: OpContext, src: int, data: np.ndarray) -> DecentError | None:
     """The coordinator's verdict (``pb.Error``; OK: run it), checked."""
+    said = _checked(ctx, src, data, pb.Error, "verdict")
+    return None if said.code == pb.OK else DecentError.from_pb(said)
+
+
+def _checked(ctx: OpContext, src: int, data: np.ndarray, kind: type[M], what: str) -> M:
+    """Message ``kind`` from rank ``src``'s ``data``: INVALID_ARGUMENT if it is too long or
+    does not parse (a peer that speaks another protocol)."""
     if data.nbytes > MAX_DESCRIPTION:
-        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: rank {src} sent a verdict of "
+        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: rank {src} sent a {what} of "
                           f"{data.nbytes} bytes (at most {MAX_DESCRIPTION})")
     try:
-        said = pb.Error.FromString(data.tobytes())
-    except Exception:  # DecodeError: a peer that speaks another protocol
-        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: rank {src} sent a verdict "
+        return kind.FromString(data.tobytes())
+    except Exception:  # DecodeError
+        raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: rank {src} sent a {what} "
                           "that does not parse") from None
-    return None if said.code == pb.OK else DecentError.from_pb(said)
 
 
 AGREEMENT_SPEC = OpSpec(agree, lambda ctx: set(live_group(ctx)) - {ctx.rank},
