@@ -317,3 +317,67 @@ def catch(call: Callable[[], Any]) -> DecentError:
     with pytest.raises(DecentError) as e:
         call()
     return e.value
+
+
+#: (what differs, the call on rank r of a group of n, what the message must name)
+FEW: dict[str, tuple[Callable[[Any, int, int, str], Any], str]] = {
+    "shape": (lambda cl, r, n, name: cl.allreduce(tensor_of(r, {}, {n - 1: (7,)}), name=name),
+              "allreduce float32[7]"),
+    "dtype": (lambda cl, r, n, name: cl.allreduce(tensor_of(r, {0: torch.float64}, {}),
+                                                  name=name), "rank 0 allreduce float64[6]"),
+    "reduce op": (lambda cl, r, n, name: cl.allreduce(tensor_of(r, {}, {}), name=name,
+                                                      op="sum" if r == 1 else "average"),
+                  "reduce_op: SUM"),
+}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_small_allreduce_among_a_few_agrees_in_its_own_exchange(cluster: ClusterFactory,
+                                                                  n: int) -> None:
+    """Up to ALL_TO_ALL_UP_TO daemons, a direct allreduce carries each tensor's description in
+    its own message: one frame per peer and call (no agreement messages beside it), exact; and
+    a disagreement still fails every rank with the same message, however late a rank is."""
+    from decentd.ops.agreement import ALL_TO_ALL_UP_TO
+
+    assert n <= ALL_TO_ALL_UP_TO
+    c = cluster(n)
+    c.run(lambda cl: cl.allreduce(torch.ones(3), name="links.up"))
+
+    def frames() -> list[dict[int, int]]:
+        return [{p.rank: p.frames_sent for p in c.status(i).peers} for i in range(n)]
+
+    before, calls = frames(), 10
+    got = c.run(lambda cl: [cl.allreduce(torch.full((5,), float(cl.rank + 1)), op="sum",
+                                         name=f"few.{k}") for k in range(calls)])
+    after = frames()
+    total = float(sum(range(1, n + 1)))
+    assert all(torch.equal(t, torch.full((5,), total)) for per in got for t in per)
+    for i in range(n):  # its tensors (perhaps a credit or a heartbeat) to each other rank
+        assert all(calls <= after[i][j] - before[i][j] <= calls + 2 for j in after[i]), \
+            (i, before[i], after[i])
+    rng = random.Random(n)
+    for what, (call, named) in FEW.items():
+        for run in range(RUNS // 2):
+            errors = c.run(_late_one(call, n, rng.randrange(n), rng.uniform(0.0, 0.2),
+                                     f"few.{what}.{run}"))
+            assert all(isinstance(e, DecentError) for e in errors), (what, run, errors)
+            assert {e.code_name for e in errors} == {"MISMATCH"}, (what, errors)
+            assert len({str(e) for e in errors}) == 1, "\n".join(map(str, errors))
+            assert named in str(errors[0]) and "none runs it" in str(errors[0]), errors[0]
+    after_all = c.run(lambda cl: cl.allreduce(torch.full((3,), float(cl.rank)), op="sum",
+                                              name="few.after"))
+    assert all(torch.equal(t, torch.full((3,), float(sum(range(n))))) for t in after_all)
+
+
+def _late_one(call: Callable[[Any, int, int, str], Any], n: int, slow: int, pause: float,
+              name: str) -> Callable[[Any], Any]:
+    """Rank ``slow`` makes ``call`` ``pause`` seconds after the others; its error, if any."""
+    def work(cl: Any) -> Any:
+        delay(cl.rank)
+        if cl.rank == slow:
+            time.sleep(pause)
+        try:
+            return call(cl, cl.rank, n, name)
+        except DecentError as err:
+            return err
+    return work

@@ -29,6 +29,7 @@ import pytest
 
 from decent.core import Client, NumpyCodec
 from decent_wire import framing
+from decent_wire.errors import DecentError
 from decent_wire.protocol import PROTOCOL_VERSION
 from decent_wire.v1 import decent_pb2 as pb
 from decent_wire.v1 import decent_pb2_grpc as pb_grpc
@@ -138,6 +139,34 @@ def test_a_broadcast_into_a_small_output_region_is_an_arena_error(fuzz_cluster: 
     # as every other op says: "result of 4096 bytes does not fit the 8-byte output region"
     assert done.error.code == pb.ARENA_ERROR, done.error
     assert fuzz.TRACEBACK not in fuzz_cluster.log(0)
+
+
+def test_an_allreduce_into_a_small_output_region_fails_every_rank_alike(
+        fuzz_cluster: Any) -> None:
+    """A direct allreduce among two daemons agrees in its own exchange: the daemon whose worker
+    gave too small an output region sends its description alone, and both ranks fail at once
+    with the same verdict (nobody waits for data that never comes)."""
+    w = fuzz_cluster.attach(0, "fz-allreduce")
+    peer = Client(NumpyCodec(), f"unix://{fuzz_cluster.sockets[1]}", 60, job="fz-allreduce")
+    try:
+        with w.data:
+            began = time.monotonic()
+            w.data.sendall(framing.encode(pb.SubmitRequest(
+                request_id=1, timeout_s=30, allreduce=pb.Allreduce(), tensors=[pb.TensorRef(
+                    name="x", meta=pb.TensorMeta(dtype=pb.FLOAT32, shape=[16]), offset=0,
+                    nbytes=64, out_offset=8192, out_capacity=8)])))
+            with pytest.raises(DecentError) as theirs:
+                peer.allreduce(np.ones(16, np.float32), name="x", timeout=30)
+            bodies, _ = fuzz.read_frames_until(w.data, 1, 30)
+        done = framing.decode(pb.Completion, bodies[0])
+        assert time.monotonic() - began < 20  # long before the 30 s timeout
+    finally:
+        peer.close()
+    assert done.error.code == pb.ARENA_ERROR == theirs.value.code, (done.error, theirs.value)
+    assert done.error.message == theirs.value.message, (done.error, theirs.value)
+    assert "rank 0 cannot run it: " in done.error.message
+    assert "does not fit the 8-byte output region" in done.error.message
+    _exact_pair(fuzz_cluster)
 
 
 def test_a_worker_that_sent_past_the_window_leaves_no_arena_behind(fuzz_cluster: Any) -> None:

@@ -15,6 +15,7 @@ from decentd.net.buffers import BufferPool
 from decentd.net.links import Links
 from decentd.net.peer import is_loopback
 from decentd.ops.api import Level, OpContext, PartSpec, Services
+from decentd.ops.collectives import COLLECTIVE_OPS
 from decentd.ops.neighbor import NEIGHBOR_OPS, PAIR_MIN_BYTES, neighbor_plan, pair_peer
 from decentd.windows.groups import GroupSums
 from decentd.windows.locks import WindowLocks
@@ -22,8 +23,10 @@ from decentd.windows.store import WindowStore
 
 
 def context(kind: str, n: int, rank: int, round_: int = 0, host: str = "127.0.0.1",
-            args: pb.NeighborAllreduce | None = None, nbytes: int = 16) -> OpContext:
-    """A neighbor_allreduce of rank ``rank`` as its daemon would run it."""
+            args: pb.NeighborAllreduce | None = None, nbytes: int = 16,
+            allreduce: pb.Agreement | None = None) -> OpContext:
+    """A neighbor_allreduce of rank ``rank`` as its daemon would run it (``allreduce``: a
+    node-level allreduce of a tensor with this description instead)."""
     topo = build_topology(kind, n)
     links = Links(rank, [f"{host}:{7000 + r}" for r in range(n)], "c", 1 << 20, topo.digest())
     mailbox = Mailbox(links.outbox)
@@ -38,6 +41,9 @@ def context(kind: str, n: int, rank: int, round_: int = 0, host: str = "127.0.0.
     x = np.zeros(nbytes // 4, np.float32)
     raw = x.view(np.uint8).data
     part = PartSpec.over(at_worker("t", rank), "t", round_, pb.FLOAT32, x.shape, x, raw, raw)
+    if allreduce is not None:
+        return OpContext(services, pb.ALLREDUCE, pb.Allreduce(), [part.copy(agreement=allreduce)],
+                         COLLECTIVE_OPS[pb.ALLREDUCE], Level(rank, n, topo, node=True))
     return OpContext(services, pb.NEIGHBOR_ALLREDUCE, args or pb.NeighborAllreduce(), [part],
                      NEIGHBOR_OPS[pb.NEIGHBOR_ALLREDUCE], Level(rank, n, topo))
 
@@ -94,3 +100,18 @@ def test_an_agreement_takes_a_peers_verdict_as_it_is() -> None:
     other = context("ring", 4, 0)
     other.aborted(2, pb.Error(code=pb.INVALID_ARGUMENT, message=verdict))
     assert other.failure is not None and other.failure.message.startswith("rank 2 failed ")
+
+
+def test_a_small_allreduce_among_a_few_daemons_agrees_in_its_own_exchange() -> None:
+    """A direct allreduce among 2 or 3 live daemons (all to all, as their agreement would be)
+    carries each tensor's description in its parts; alone, among more, large enough for the
+    ring, or without descriptions (several workers per node), it agrees beside."""
+    said = pb.Agreement(op=pb.ALLREDUCE, dtype=pb.FLOAT32, shape=[4], text="allreduce")
+    agrees = [context("ring", n, 0, allreduce=said).agrees_in_exchange for n in range(1, 6)]
+    assert agrees == [False, True, True, False, False]
+    assert not context("ring", 2, 0, nbytes=1 << 18, allreduce=said).agrees_in_exchange
+    assert not context("ring", 2, 0, allreduce=None).agrees_in_exchange
+    (wire,) = context("ring", 3, 1, allreduce=said).wire_parts(0, 1.0)
+    assert pb.Agreement.FromString(wire.agreement) == said
+    (apart,) = context("ring", 4, 1, allreduce=said).wire_parts(0, 1.0)
+    assert apart.agreement == b""

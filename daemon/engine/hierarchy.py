@@ -36,8 +36,16 @@ from decent_wire.protocol import op_label
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.engine.node_gathers import Gather, Launch, Request, Staged, Worker, segment_bounds
 from decentd.keys import OpKey, at_node, segment
-from decentd.ops.agreement import NODE_AGREED, Agreements, description, outcome
+from decentd.ops.agreement import (
+    NODE_AGREED,
+    Agreements,
+    description,
+    outcome,
+    refusal_parts,
+    refused_verdict,
+)
 from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Services
+from decentd.ops.faults import live_group
 
 log = logging.getLogger("decentd.engine.hierarchy")
 
@@ -146,7 +154,7 @@ class Hierarchy:
             g.timer.cancel()
         req, _ = next(iter(g.members.values()))
         if req.op in NODE_AGREED:
-            self._agree(req, [g], err, None)
+            self._agree(req, [g], self._descriptions(req, [g], err), None)
             return
         ctx = self._context(req, [g])
         try:
@@ -173,19 +181,47 @@ class Hierarchy:
             return
         refused = next((m.refused for g in ready for m, _ in g.members.values()
                         if m.refused is not None), None)
-        if refused is not None:  # it cannot run here: only the verdict
-            self._agree(req, ready, refused, None)
-            return
-        self._agree(req, ready, None, self._run_launch(req, ready, agreeing=True))
+        descriptions = self._descriptions(req, ready, refused)
+        ctx = self._context(req, ready, descriptions=descriptions) if self.per_node == 1 \
+            else None
+        if ctx is not None and ctx.agrees_in_exchange:
+            self._run_agreeing(req, ready, ctx)
+        elif refused is not None:  # it cannot run here: only the verdict
+            self._agree(req, ready, descriptions, None)
+        else:
+            self._agree(req, ready, descriptions,
+                        self._run_launch(req, ready, agreeing=True, ctx=ctx))
 
-    def _agree(self, req: Request, ready: list[Gather], refused: DecentError | None,
+    def _descriptions(self, req: Request, ready: list[Gather], refused: DecentError | None
+                      ) -> list[pb.Agreement]:
+        """What this node was asked to run for each of the gathers' tensors (``refused``: why
+        it cannot run it)."""
+        ranks = [self.services.machine * self.per_node + k for k in range(self.per_node)]
+        return [description(req.op, req.args, p, ranks, refused)
+                for _, p in (next(iter(g.members.values())) for g in ready)]
+
+    def _run_agreeing(self, req: Request, ready: list[Gather], ctx: OpContext) -> None:
+        """Run a collective that agrees in its own exchange; if this node cannot run it, send
+        the others its descriptions alone (they fail with the verdict they draw from them)
+        and fail with its own."""
+        if all(p.agreement is None or p.agreement.error.code == pb.OK for p in ctx.parts):
+            self._run_launch(req, ready, agreeing=False, ctx=ctx)
+            return
+        said = refusal_parts(ctx)
+        for peer in live_group(ctx):
+            if peer != ctx.rank:
+                self.services.links.outbox.send_nowait(peer, said)
+        err = refused_verdict(ctx)
+        for g in ready:
+            for member, _ in g.members.values():
+                self._resolve(member, err)
+
+    def _agree(self, req: Request, ready: list[Gather], descriptions: list[pb.Agreement],
                launch: Launch | None) -> None:
-        """The daemons agree on the gathers' collective (``refused``: why this node cannot run
-        it); :meth:`_agreed` applies the verdict to ``launch`` (None: not run)."""
+        """The daemons agree on the gathers' collective (``descriptions``: this node's, one
+        per gather); :meth:`_agreed` applies the verdict to ``launch`` (None: not run)."""
         s = self.services
         members = [next(iter(g.members.values())) for g in ready]
-        ranks = [s.machine * self.per_node + k for k in range(self.per_node)]
-        descriptions = [description(req.op, req.args, p, ranks, refused) for _, p in members]
         parts = [p.copy(at_node(p.name)) for _, p in members]
         level = Level(s.machine, s.machines, s.machine_topology, node=True)
         timeout = min(m.timeout for g in ready for m, _ in g.members.values())
@@ -208,12 +244,13 @@ class Hierarchy:
                 ctx.fail(err)
         self._segments_ended(launch)
 
-    def _run_launch(self, req: Request, ready: list[Gather], agreeing: bool) -> Launch:
+    def _run_launch(self, req: Request, ready: list[Gather], agreeing: bool,
+                    ctx: OpContext | None = None) -> Launch:
         """Run the ready gathers' op among the daemons: the one local worker's tensors as they
-        are, else staged in pooled buffers, segment by segment (``agreeing``: its results wait
-        for an agreement's verdict)."""
+        are (in ``ctx``, if built already), else staged in pooled buffers, segment by segment
+        (``agreeing``: its results wait for an agreement's verdict)."""
         if self.per_node == 1:
-            ctx = self._context(req, ready)
+            ctx = ctx or self._context(req, ready)
             for g in ready:
                 g.launched = ctx
             launch = Launch(req, ready, [], 1, agreeing=agreeing)
@@ -313,16 +350,17 @@ class Hierarchy:
             self.services.pool.put(st.buf)
         launch.staged = []
 
-    def _context(self, req: Request, gathers: list[Gather],
-                 staged: list[PartSpec] | None = None) -> OpContext:
+    def _context(self, req: Request, gathers: list[Gather], staged: list[PartSpec] | None = None,
+                 descriptions: list[pb.Agreement] | None = None) -> OpContext:
         """The node-level op of ``gathers``: on ``staged`` tensors (copies of their specs: the
         op drops its views when it ends), else on the one local worker's own tensors."""
         op, args, spec = self._machine_op(req.op, req.args)
         if staged is not None:
             parts = [p.copy() for p in staged]
         else:
-            parts = [p.copy(at_node(p.name))
-                     for p in (next(iter(g.members.values()))[1] for g in gathers)]
+            members = [next(iter(g.members.values()))[1] for g in gathers]
+            parts = [p.copy(at_node(p.name), d) for p, d in
+                     zip(members, descriptions or [None] * len(members), strict=True)]
         s = self.services
         level = Level(s.machine, s.machines, s.machine_topology, node=True)
         return OpContext(s, op, args, parts, spec, level)

@@ -267,7 +267,8 @@ class Engine:
         except asyncio.CancelledError:
             error = ctx.failure or DecentError(pb.SHUTTING_DOWN, f"{ctx.label} was cancelled")
         except DecentError as err:
-            if not err.message.startswith(ctx.label) and ctx.display not in err.message:
+            if not err.message.startswith(ctx.label) and \
+                    not any(p.display in err.message for p in ctx.parts):
                 err = DecentError(err.code, f"{ctx.label}: {err.message}")
             error = err
         except Exception as exc:  # a bug: fail this request, keep the daemon
@@ -314,7 +315,7 @@ class Engine:
 
     def _time_out(self, ctx: OpContext, timeout: float) -> None:
         ctx.fail(DecentError(pb.TIMEOUT, f"{ctx.label} timed out after {timeout:g}s on rank "
-                                         f"{ctx.rank}; still waiting for {ctx.waiting_for()}"))
+                                         f"{ctx.rank}; still waiting for {waiting_for(ctx)}"))
 
     def _fail(self, ctx: OpContext, err: DecentError) -> None:
         self.failed += 1
@@ -336,7 +337,7 @@ class Engine:
                 if age >= self.stall_warning and now - ctx.warned_at >= self.stall_warning:
                     ctx.warned_at = now
                     log.warning("stall: %s on rank %d has waited %.1fs; still waiting for %s",
-                                ctx.label, ctx.rank, age, ctx.waiting_for())
+                                ctx.label, ctx.rank, age, waiting_for(ctx))
 
     def fail_session(self, session: WorkerSession) -> list[asyncio.Task[None]]:
         """The worker went away: fail its in-flight ops (and the node's collectives that wait
@@ -380,3 +381,16 @@ class Engine:
                 tasks.append(ctx.task)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def waiting_for(ctx: OpContext) -> str:
+    """``rank(s) [2] to send, rank(s) [1] to take ours``: what op ``ctx`` waits for, for
+    stall and timeout messages."""
+    said = []
+    if ctx.waiting:
+        said.append(f"rank(s) {sorted(ctx.waiting)} to send their tensor (not submitted there "
+                    "yet? a rank behind, ops submitted in another order, or a worker waiting "
+                    "for room in a full arena)")
+    if ctx.unacked:
+        said.append(f"rank(s) {sorted(ctx.unacked)} to match the tensor sent to them")
+    return "; ".join(said) or "nothing remote (local work)"

@@ -38,6 +38,8 @@ class Arrival:
     step: int = 0  #: window ops: the writer's step
     p: float = 0.0  #: window writes: the writer's associated p times its weight
     topology: str = ""  #: neighbor ops: the name of the topology the sender's op used
+    #: a collective that agrees in its own exchange: the sender's description (pb.Agreement)
+    agreement: bytes = b""
 
     def release(self) -> None:
         """Done with the bytes (idempotent): the message is released with its last part."""

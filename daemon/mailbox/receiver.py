@@ -406,7 +406,8 @@ class Receiver:
             offset += n
             shape = tuple(int(s) for s in p.meta.shape)
             arrival = Arrival(int(p.src), int(p.op), int(p.meta.dtype), shape, float(p.weight),
-                              data, msg, step=int(p.step), p=float(p.p), topology=p.topology)
+                              data, msg, step=int(p.step), p=float(p.p), topology=p.topology,
+                              agreement=p.agreement)
             if not self._one_sided.serves(p):
                 self._mailbox.deliver(p, arrival)
                 continue

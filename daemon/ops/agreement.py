@@ -18,6 +18,11 @@ its peers).
 
 The agreement is an op of its own (``pb.AGREEMENT``, keys from :func:`decentd.keys.agreement`),
 run by the engine like any other: timeouts, aborts, lost peers and the live view apply to it.
+A collective whose own exchange is all to all among a few (a small allreduce, each sending its
+tensors to every other) agrees in that exchange instead (:func:`exchange_agreed`): each part
+carries its sender's description, every participant draws the verdict from the same set before
+it looks at the data, and one sending nothing but its descriptions (:func:`refusal_parts`)
+cannot run it; one message per peer, no agreement op.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from decent_wire.ops import BY_TYPE, Agreed, Result, exchanged_rows, op_types, r
 from decent_wire.protocol import op_label
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.errors import VERDICT_CODES
-from decentd.keys import agreement
+from decentd.keys import agreement, part
 from decentd.ops.api import (
     Arrival,
     Level,
@@ -57,6 +62,8 @@ AGREE_TAG = 1 << 20
 VERDICT_TAG = AGREE_TAG + 1
 #: groups up to this size agree all to all (one hop); larger ones through a coordinator
 ALL_TO_ALL_UP_TO = 3
+#: the message tag of an exchange that agrees in itself (the direct allreduce's)
+EXCHANGE_TAG = 0
 #: the longest description a peer may send (a shape, arguments and a message)
 MAX_DESCRIPTION = 64 << 10
 #: the characters of a verdict's message a coordinator sends (4 bytes each at most in UTF-8)
@@ -297,8 +304,8 @@ def _ruling(ctx: OpContext, i: int, mine: pb.Agreement, arrived: dict[int, Arriv
     """Part ``i``'s verdict from this rank's description and the others' (their arrivals,
     released here)."""
     got = {ctx.rank: mine}
-    for r, a in arrived.items():
-        got[r] = _parse(ctx, r, a.data)
+    for r, a in arrived.items():  # (a peer agreeing in its exchange says it in ``agreement``)
+        got[r] = _parse(ctx, r, np.frombuffer(a.agreement, np.uint8) if a.agreement else a.data)
         ctx.release(a)
     p = ctx.parts[i]
     return _bounded(verdict(p.display, p.round, got))
@@ -351,6 +358,88 @@ def _checked(ctx: OpContext, src: int, data: np.ndarray, kind: type[M], what: st
     except Exception:  # DecodeError
         raise DecentError(pb.INVALID_ARGUMENT, f"{ctx.label}: rank {src} sent a {what} "
                           "that does not parse") from None
+
+
+def agrees_in_exchange(ctx: OpContext) -> bool:
+    """Whether a collective whose exchange is all to all agrees in it: among a few live
+    participants, as an agreement of its own would be all to all."""
+    try:
+        return 1 < len(live_group(ctx)) <= ALL_TO_ALL_UP_TO
+    except DecentError:  # no quorum: the op fails as it starts
+        return False
+
+
+async def exchange_agreed(ctx: OpContext, others: list[int]) -> list[list[Arrival]]:
+    """Send this op's tensors, each with its description, to every one of ``others`` and
+    receive theirs: each tensor's verdict, drawn from every description before the data is
+    looked at (the same everywhere), is raised if against; then the data is checked as
+    :meth:`OpContext.recv_parts` checks it. The arrivals, by peer in ``others``' order."""
+    expected = [ctx.expect_parts(r, EXCHANGE_TAG) for r in others]
+    told: set[int] = set()  # the peers whose descriptions came with their tensors
+    try:
+        got = await gather_all(*(ctx.arrivals(e, checked=False) for e in expected),
+                               *(ctx.send(r, EXCHANGE_TAG) for r in others))
+        by_rank = dict(zip(others, got[:len(others)], strict=True))
+        told = {r for r, arrivals in by_rank.items() if all(a.agreement for a in arrivals)}
+        ruled = _first([_exchange_ruling(ctx, i, {r: a[i] for r, a in by_rank.items()})
+                        for i in range(len(ctx.parts))])
+        if ruled is not None:
+            raise ruled
+        for e, arrivals in zip(expected, by_rank.values(), strict=True):
+            for p, a in zip(e.parts, arrivals, strict=True):
+                if (problem := ctx.mismatch(e.src, a, p)) is not None:
+                    raise problem
+    except BaseException:
+        for e in expected:
+            e.drop()
+        _tell_apart(ctx, [r for r in others if r not in told])
+        raise
+    return list(by_rank.values())
+
+
+def _tell_apart(ctx: OpContext, ranks: list[int]) -> None:
+    """Send ``ranks`` this op's descriptions as an agreement of its own would (best effort):
+    a peer that ran another op under this name, or agrees apart, then draws its verdict
+    instead of waiting for it until its timeout."""
+    said = [part(agreement(p.name), p.round, AGREE_TAG, pb.AGREEMENT, pb.UINT8, (0,), 0)
+            for p in ctx.parts]
+    for w, p in zip(said, ctx.parts, strict=True):
+        w.agreement = p.agreement.SerializeToString() if p.agreement else b""
+    for r in ranks:
+        ctx.services.links.outbox.send_nowait(r, said)
+
+
+def _exchange_ruling(ctx: OpContext, i: int, arrived: dict[int, Arrival]) -> DecentError | None:
+    """Part ``i``'s verdict from its description and those its arrivals carry (MISMATCH for
+    one that carries none: that peer agrees apart)."""
+    p = ctx.parts[i]
+    assert p.agreement is not None
+    got = {ctx.rank: p.agreement}
+    for r, a in arrived.items():
+        if not a.agreement:  # another op under this name, or a peer that agrees apart
+            return ctx.mismatch(r, a, ctx.parts[i]) or DecentError(
+                pb.MISMATCH, f"{ctx.label}: rank {r} sent its tensor without its description "
+                "(it agrees apart: is transport.ring_threshold_bytes or workers_per_node the "
+                "same everywhere?)")
+        got[r] = _parse(ctx, r, np.frombuffer(a.agreement, np.uint8))
+    return _bounded(verdict(p.display, p.round, got))
+
+
+def refusal_parts(ctx: OpContext) -> list[pb.Part]:
+    """What a participant that cannot run an op agreeing in its exchange sends the others:
+    its descriptions (which say why), without data."""
+    wire = ctx.wire_parts(EXCHANGE_TAG, 1.0)
+    for w in wire:
+        w.nbytes = 0
+    return wire
+
+
+def refused_verdict(ctx: OpContext) -> DecentError | None:
+    """That participant's own verdict: what its first description that refuses says."""
+    p = next((p for p in ctx.parts if p.agreement and p.agreement.error.code != pb.OK),
+             ctx.parts[0])
+    assert p.agreement is not None
+    return _bounded(verdict(p.display, p.round, {ctx.rank: p.agreement}))
 
 
 AGREEMENT_SPEC = OpSpec(agree, lambda ctx: set(live_group(ctx)) - {ctx.rank},

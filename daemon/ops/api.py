@@ -39,8 +39,8 @@ from decentd.windows.groups import GroupSums
 from decentd.windows.locks import WindowLocks
 from decentd.windows.store import WindowStore
 
-__all__ = ["Arrival", "DecentError", "OpContext", "OpResult", "OpSpec", "Outgoing", "PartSpec",
-           "Progress", "Services", "gather_all", "part"]
+__all__ = ["Arrival", "DecentError", "Level", "OpContext", "OpResult", "OpSpec", "Outgoing",
+           "PartSpec", "Progress", "Services", "gather_all", "part"]
 
 @dataclass(frozen=True, kw_only=True)
 class Services:
@@ -112,6 +112,8 @@ class OpSpec:
     rows: Callable[[OpContext], dict[int, int] | None] = lambda _ctx: None
     #: counted in ``ops_completed`` (an agreement is part of its collective, not an op of its own)
     counted: bool = True
+    #: whether its participants agree in its own exchange (``Part.agreement``), not beside it
+    agrees_itself: Callable[[OpContext], bool] = lambda _ctx: False
 
 
 class OpContext:
@@ -176,6 +178,11 @@ class OpContext:
         return [p.raw for p in self.parts]
 
     @cached_property
+    def agrees_in_exchange(self) -> bool:
+        """Whether its participants agree in its own exchange (the spec decides, once)."""
+        return self.parts[0].agreement is not None and self.spec.agrees_itself(self)
+
+    @cached_property
     def keys(self) -> list[tuple[str, int]]:
         """The ``(name, round)`` of every tensor of the op."""
         return [(p.name, p.round) for p in self.parts]
@@ -225,6 +232,9 @@ class OpContext:
         """This op's tensors (or ``parts`` of them) as the parts of one message."""
         wire = [part(p.name, p.round, tag, self.op, p.dtype, p.shape, p.nbytes, weight)
                 for p in (self.parts if parts is None else parts)]
+        if self.agrees_in_exchange:
+            for w, p in zip(wire, self.parts if parts is None else parts, strict=True):
+                w.agreement = p.agreement.SerializeToString() if p.agreement else b""
         if self.on_topology or self.view_name:
             for w in wire:
                 w.topology = self.topology_name if self.on_topology else self.view_name
@@ -339,9 +349,9 @@ class OpContext:
             self.phases.receiving()
         return expected
 
-    async def arrivals(self, expected: Expected) -> list[Arrival]:
-        """The parts :meth:`expect_parts` began to receive, once all are here, checked (and
-        acknowledged when asked)."""
+    async def arrivals(self, expected: Expected, checked: bool = True) -> list[Arrival]:
+        """The parts :meth:`expect_parts` began to receive, once all are here, checked (unless
+        not ``checked``: the caller checks them) and acknowledged when asked."""
         if expected.lost is not None:
             raise expected.lost
         futs, src, want = expected.futs, expected.src, expected.parts
@@ -349,7 +359,7 @@ class OpContext:
         if self.phases is not None:
             self.phases.received()
         self.waiting.discard(src)
-        for p, arrival in zip(want, arrivals, strict=True):
+        for p, arrival in zip(want, arrivals, strict=True) if checked else ():
             problem = self.mismatch(src, arrival, p, expected.sized, expected.shape)
             if problem is not None:
                 raise problem
@@ -425,7 +435,8 @@ class OpContext:
         """Peer ``src`` failed this op and told us (an agreement's verdict, the same on every
         rank, word for word: it may come before the description it was drawn from)."""
         self.aborted_by, message = src, error.message
-        verdict = self.op == pb.AGREEMENT and error.code in VERDICT_CODES
+        verdict = (self.op == pb.AGREEMENT or self.agrees_in_exchange) and \
+            error.code in VERDICT_CODES
         if f"rank {src}" not in message and not verdict:
             message = f"rank {src} failed {self.label}: {message}"
         self.fail(DecentError(error.code or pb.ABORTED, message))
@@ -464,17 +475,6 @@ class OpContext:
             self.fail(err)
 
     # ------------------------------------------------------------------ lifecycle
-
-    def waiting_for(self) -> str:
-        """``rank(s) [2] to send, rank(s) [1] to take ours`` for stall and timeout messages."""
-        parts = []
-        if self.waiting:
-            parts.append(f"rank(s) {sorted(self.waiting)} to send their tensor (not submitted "
-                         "there yet? a rank behind, ops submitted in another order, or a worker "
-                         "waiting for room in a full arena)")
-        if self.unacked:
-            parts.append(f"rank(s) {sorted(self.unacked)} to match the tensor sent to them")
-        return "; ".join(parts) or "nothing remote (local work)"
 
     def release_views(self) -> None:
         """Drop this op's views of the worker's arena (so the arena can be unmapped)."""

@@ -21,16 +21,24 @@ from decent_wire.numerics import (
     to_accum,
 )
 from decent_wire.v1 import decent_pb2 as pb
+from decentd.ops.agreement import EXCHANGE_TAG, agrees_in_exchange, exchange_agreed
 from decentd.ops.api import DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
 from decentd.ops.faults import live_group
 
+#: the message tag of the direct allreduce (the ring's steps are 1 .. 2(n - 1))
+DIRECT_TAG = EXCHANGE_TAG
+
 
 async def _allreduce_direct(ctx: OpContext) -> int:
-    """Everyone sends its tensors to everyone; each rank sums all n in rank order, per tensor."""
+    """Everyone sends its tensors to everyone; each rank sums all n in rank order, per tensor
+    (among a few, the parts carry their descriptions: the ranks agree in this exchange)."""
     group = live_group(ctx)
     others = [r for r in group if r != ctx.rank]
-    got = await gather_all(*(ctx.recv_parts(r, 0) for r in others),
-                           *(ctx.send(r, 0) for r in others))
+    if ctx.agrees_in_exchange:
+        got = await exchange_agreed(ctx, others)
+    else:
+        got = await gather_all(*(ctx.recv_parts(r, DIRECT_TAG) for r in others),
+                               *(ctx.send(r, DIRECT_TAG) for r in others))
     total = 0
     for i, p in enumerate(ctx.parts):
         storage = dtypes.STORAGE[p.dtype]
@@ -173,6 +181,11 @@ async def allreduce(ctx: OpContext) -> OpResult:
     return OpResult(total, ctx.shape, live_group(ctx))
 
 
+def _agrees_itself(ctx: OpContext) -> bool:
+    """Whether an allreduce agrees in its own exchange: a direct one among a few."""
+    return agrees_in_exchange(ctx) and not _uses_ring(ctx)
+
+
 def _uses_ring(ctx: OpContext) -> bool:
     """A lone tensor at or above the ring threshold (fused requests are small tensors)."""
     if len(ctx.parts) != 1:
@@ -270,7 +283,7 @@ def _allreduce_tags(ctx: OpContext) -> set[int]:
     n = len(live_group(ctx))
     if n > 1 and _uses_ring(ctx):
         return set(range(1, 2 * n - 1))
-    return {0}
+    return {DIRECT_TAG}
 
 
 def _broadcast_peers(ctx: OpContext) -> set[int]:
@@ -292,7 +305,7 @@ COLLECTIVE_OPS: dict[int, OpSpec] = {
     pb.ALLREDUCE: OpSpec(
         allreduce, _allreduce_peers, _allreduce_tags,
         tag_hint="ring vs. direct exchange: is transport.ring_threshold_bytes the same "
-                 "everywhere?"),
+                 "everywhere?", agrees_itself=_agrees_itself),
     pb.BROADCAST: OpSpec(broadcast, _broadcast_peers, lambda ctx: {_root(ctx)},
                          tag_hint="different broadcast roots"),
     pb.BARRIER: OpSpec(barrier, _barrier_peers,

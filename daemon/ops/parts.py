@@ -143,6 +143,9 @@ class PartSpec:
     sink: Sink
     #: while a timeline records: when its client took the call, queued it and sent its request
     submitted: tuple[int, int, int] | None = field(default=None)
+    #: a collective's description of it, carried in the op's own exchange when the op agrees
+    #: in it (``OpContext.agrees_in_exchange``)
+    agreement: pb.Agreement | None = None
 
     @classmethod
     def over(cls, name: str, display: str, round_: int, dtype: int, shape: tuple[int, ...],
@@ -150,13 +153,13 @@ class PartSpec:
         """A tensor whose input is whole in ``x``/``raw`` and whose result goes to ``out``."""
         return cls(name, display, round_, dtype, shape, Input(x, raw), Sink(out))
 
-    def copy(self, name: str | None = None) -> PartSpec:
-        """A spec of the same tensor (under key ``name`` if given) with views of its own, so
-        that dropping them leaves this one's (the fill and the drain, the request's, are
-        shared)."""
+    def copy(self, name: str | None = None, agreement: pb.Agreement | None = None) -> PartSpec:
+        """A spec of the same tensor (under key ``name`` if given, described by
+        ``agreement``) with views of its own, so that dropping them leaves this one's (the
+        fill and the drain, the request's, are shared)."""
         return PartSpec(self.name if name is None else name, self.display, self.round,
                         self.dtype, self.shape, dataclasses.replace(self.input),
-                        dataclasses.replace(self.sink), self.submitted)
+                        dataclasses.replace(self.sink), self.submitted, agreement)
 
     def segment(self, name: str, lo: int, hi: int) -> PartSpec:
         """Elements ``lo:hi`` of this (whole, staged) tensor under key ``name`` (the wire part
