@@ -154,7 +154,7 @@ class Hierarchy:
             g.timer.cancel()
         req, _ = next(iter(g.members.values()))
         if req.op in NODE_AGREED:
-            self._agree(req, [g], self._descriptions(req, [g], err), None)
+            self._agree_on(req, [g], err)
             return
         ctx = self._context(req, [g])
         try:
@@ -179,8 +179,12 @@ class Hierarchy:
         if req.op not in NODE_AGREED:
             self._run_launch(req, ready, agreeing=False)
             return
-        refused = next((m.refused for g in ready for m, _ in g.members.values()
-                        if m.refused is not None), None)
+        self._agree_on(req, ready, next((m.refused for g in ready for m, _ in g.members.values()
+                                         if m.refused is not None), None))
+
+    def _agree_on(self, req: Request, ready: list[Gather], refused: DecentError | None) -> None:
+        """Run the gathers' collective, its daemons agreeing on it in its own exchange or
+        beside it (``refused``: why this node cannot run it; it only tells the others)."""
         descriptions = self._descriptions(req, ready, refused)
         ctx = self._context(req, ready, descriptions=descriptions) if self.per_node == 1 \
             else None

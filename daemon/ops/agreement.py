@@ -394,6 +394,8 @@ async def exchange_agreed(ctx: OpContext, others: list[int]) -> list[list[Arriva
             e.drop()
         _tell_apart(ctx, [r for r in others if r not in told])
         raise
+    finally:  # what a peer that agrees apart sends is dropped from now on
+        ctx.services.mailbox.close([(agreement(p.name), p.round) for p in ctx.parts])
     return list(by_rank.values())
 
 
