@@ -123,6 +123,25 @@ def test_ops_of_different_kinds_under_one_name_fail_as_a_mismatch(
         assert first in g.message and other in g.message, g
 
 
+def test_a_small_and_a_ring_allreduce_under_one_name_fail_alike(cluster: ClusterFactory) -> None:
+    """One rank's tensor is small (its allreduce agrees in its exchange), the other's is past
+    the ring threshold (agreed beside): every rank still fails with the one verdict."""
+    c = cluster(2)
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        delay(cl.rank)
+        try:
+            return cl.allreduce(torch.ones(6 if cl.rank == 0 else 200_000), name="ring.or.not",
+                                timeout=60)
+        except DecentError as err:
+            return err
+
+    got = c.run(work)
+    assert all(isinstance(g, DecentError) and g.code_name == "MISMATCH" for g in got), got
+    assert len({str(g) for g in got}) == 1, got
+    assert "rank 0 allreduce float32[6]; rank 1 allreduce float32[200000]" in str(got[0])
+
+
 @pytest.mark.parametrize(("n", "bad"), [(4, 1), (4, 0), (3, 1)])
 def test_an_invalid_root_on_one_rank_fails_every_rank(cluster: ClusterFactory, n: int,
                                                       bad: int) -> None:

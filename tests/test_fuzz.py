@@ -169,6 +169,32 @@ def test_an_allreduce_into_a_small_output_region_fails_every_rank_alike(
     _exact_pair(fuzz_cluster)
 
 
+def test_a_refused_allreduce_and_a_broadcast_under_its_name_fail_alike_at_once(
+        fuzz_cluster: Any) -> None:
+    """The daemon that cannot run its allreduce sends its descriptions where an agreement
+    takes them: the broadcast's daemon, which agrees beside its op, fails with the same
+    verdict at once, not at its timeout."""
+    w = fuzz_cluster.attach(0, "fz-refused")
+    peer = Client(NumpyCodec(), f"unix://{fuzz_cluster.sockets[1]}", 60, job="fz-refused")
+    try:
+        with w.data:
+            began = time.monotonic()
+            w.data.sendall(framing.encode(pb.SubmitRequest(
+                request_id=1, timeout_s=30, allreduce=pb.Allreduce(), tensors=[pb.TensorRef(
+                    name="y", meta=pb.TensorMeta(dtype=pb.FLOAT32, shape=[16]), offset=0,
+                    nbytes=64, out_offset=8192, out_capacity=8)])))
+            with pytest.raises(DecentError) as theirs:
+                peer.broadcast(np.ones(16, np.float32), root=1, name="y", timeout=30)
+            bodies, _ = fuzz.read_frames_until(w.data, 1, 30)
+        done = framing.decode(pb.Completion, bodies[0])
+        assert time.monotonic() - began < 20  # long before the 30 s timeout
+    finally:
+        peer.close()
+    assert done.error.code == pb.ARENA_ERROR == theirs.value.code, (done.error, theirs.value)
+    assert done.error.message == theirs.value.message, (done.error, theirs.value)
+    assert "rank 0 cannot run it: " in done.error.message
+
+
 def test_a_worker_that_sent_past_the_window_leaves_no_arena_behind(fuzz_cluster: Any) -> None:
     pid = fuzz_cluster.procs[0].pid
 

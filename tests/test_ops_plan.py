@@ -8,12 +8,13 @@ import pytest
 
 from decent_wire.topology import build_topology
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.keys import at_worker
+from decentd.keys import agreement, at_worker
 from decentd.mailbox.slots import Mailbox
 from decentd.membership.view import Membership, PeerState
 from decentd.net.buffers import BufferPool
 from decentd.net.links import Links
 from decentd.net.peer import is_loopback
+from decentd.ops.agreement import AGREE_TAG, description_parts
 from decentd.ops.api import Level, OpContext, PartSpec, Services
 from decentd.ops.collectives import COLLECTIVE_OPS
 from decentd.ops.neighbor import NEIGHBOR_OPS, PAIR_MIN_BYTES, neighbor_plan, pair_peer
@@ -111,7 +112,8 @@ def test_a_small_allreduce_among_a_few_daemons_agrees_in_its_own_exchange() -> N
     assert agrees == [False, True, True, False, False]
     assert not context("ring", 2, 0, nbytes=1 << 18, allreduce=said).agrees_in_exchange
     assert not context("ring", 2, 0, allreduce=None).agrees_in_exchange
-    (wire,) = context("ring", 3, 1, allreduce=said).wire_parts(0, 1.0)
-    assert pb.Agreement.FromString(wire.agreement) == said
-    (apart,) = context("ring", 4, 1, allreduce=said).wire_parts(0, 1.0)
-    assert apart.agreement == b""
+    # they go beside the data, as an agreement of its own sends them: payload-free
+    (told,) = description_parts(context("ring", 3, 1, allreduce=said))
+    assert (told.name, told.tag, told.op, told.nbytes) == (agreement(at_worker("t", 1)),
+                                                           AGREE_TAG, pb.AGREEMENT, 0)
+    assert pb.Agreement.FromString(told.agreement) == said

@@ -40,8 +40,8 @@ from decentd.ops.agreement import (
     NODE_AGREED,
     Agreements,
     description,
+    description_parts,
     outcome,
-    refusal_parts,
     refused_verdict,
 )
 from decentd.ops.api import Level, OpContext, OpResult, OpSpec, PartSpec, Services
@@ -191,6 +191,8 @@ class Hierarchy:
         if ctx is not None and ctx.agrees_in_exchange:
             self._run_agreeing(req, ready, ctx)
         elif refused is not None:  # it cannot run here: only the verdict
+            if ctx is not None:
+                ctx.release_views()
             self._agree(req, ready, descriptions, None)
         else:
             self._agree(req, ready, descriptions,
@@ -211,11 +213,14 @@ class Hierarchy:
         if all(p.agreement is None or p.agreement.error.code == pb.OK for p in ctx.parts):
             self._run_launch(req, ready, agreeing=False, ctx=ctx)
             return
-        said = refusal_parts(ctx)
+        said = description_parts(ctx)
         for peer in live_group(ctx):
             if peer != ctx.rank:
                 self.services.links.outbox.send_nowait(peer, said)
+        # what the peers send for it from now on is dropped (it never runs here)
+        self.services.mailbox.close([*ctx.keys, *((w.name, w.round) for w in said)])
         err = refused_verdict(ctx)
+        ctx.release_views()
         for g in ready:
             for member, _ in g.members.values():
                 self._resolve(member, err)

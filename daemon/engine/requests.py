@@ -18,11 +18,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from decent_wire.errors import DecentError
 from decent_wire.ops import BY_TYPE, OP_OF_FIELD, Result, op_types
+from decent_wire.protocol import op_label
 from decent_wire.topology import Topology, from_spec
 from decent_wire.v1 import decent_pb2 as pb
 from decentd.engine.hierarchy import Hierarchy
 from decentd.engine.node_gathers import Request
 from decentd.engine.placement import request_parts
+from decentd.errors import VERDICT_CODES
 from decentd.keys import OpKey, at_worker
 from decentd.logs import op_fields
 from decentd.net.late_rounds import peer_id
@@ -250,7 +252,7 @@ class Engine:
                 ctx.participants = set(range(ctx.size)) - {ctx.rank}
                 raise
             self._place_late_peers(ctx)
-            if ctx.failure is not None:  # aborted by a peer, or shut down, before it started
+            if ctx.failure is not None and not _rules_anyway(ctx):  # failed before it started
                 raise asyncio.CancelledError
             if ctx.op in SAME_SIZE_RESULT:  # fail (and tell the peers) before receiving
                 for p in ctx.parts:
@@ -267,8 +269,8 @@ class Engine:
         except asyncio.CancelledError:
             error = ctx.failure or DecentError(pb.SHUTTING_DOWN, f"{ctx.label} was cancelled")
         except DecentError as err:
-            if not err.message.startswith(ctx.label) and \
-                    not any(p.display in err.message for p in ctx.parts):
+            if not err.message.startswith(ctx.label) and ctx.display not in err.message \
+                    and not _names_a_part(ctx, err.message):
                 err = DecentError(err.code, f"{ctx.label}: {err.message}")
             error = err
         except Exception as exc:  # a bug: fail this request, keep the daemon
@@ -394,3 +396,17 @@ def waiting_for(ctx: OpContext) -> str:
     if ctx.unacked:
         said.append(f"rank(s) {sorted(ctx.unacked)} to match the tensor sent to them")
     return "; ".join(said) or "nothing remote (local work)"
+
+
+def _names_a_part(ctx: OpContext, message: str) -> bool:
+    """Whether ``message`` is about one of ``ctx``'s fused tensors (a verdict on it, drawn
+    alike on every rank, however each fused it)."""
+    return any(message.startswith(f"{op_label(ctx.op)} '{p.display}' ") for p in ctx.parts)
+
+
+def _rules_anyway(ctx: OpContext) -> bool:
+    """Whether an op that a peer failed before it started runs all the same: one that agrees
+    in its own exchange, failed for a disagreement, still draws the verdict (the same on every
+    rank) from the descriptions that come."""
+    return ctx.agrees_in_exchange and ctx.failure is not None and \
+        ctx.failure.code in VERDICT_CODES

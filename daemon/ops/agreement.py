@@ -19,10 +19,11 @@ its peers).
 The agreement is an op of its own (``pb.AGREEMENT``, keys from :func:`decentd.keys.agreement`),
 run by the engine like any other: timeouts, aborts, lost peers and the live view apply to it.
 A collective whose own exchange is all to all among a few (a small allreduce, each sending its
-tensors to every other) agrees in that exchange instead (:func:`exchange_agreed`): each part
-carries its sender's description, every participant draws the verdict from the same set before
-it looks at the data, and one sending nothing but its descriptions (:func:`refusal_parts`)
-cannot run it; one message per peer, no agreement op.
+tensors to every other) agrees in that exchange instead (:mod:`decentd.ops.collectives`): its
+messages carry its descriptions too, under the agreement's keys and payload-free
+(``Part.agreement``), so a peer that runs an agreement of its own takes them; every participant
+draws the verdict from the same set before it looks at the data, and one that cannot run it
+sends its descriptions alone (:func:`description_parts`). One message per peer, no agreement op.
 """
 
 from __future__ import annotations
@@ -199,8 +200,8 @@ async def agree(ctx: OpContext) -> OpResult:
         arrived = {r: await asyncio.gather(*fs) for r, fs in futs.items()}
     finally:
         _drop(futs)
-    return OpResult(0, (), group, verdict=_first([
-        _ruling(ctx, i, mine[i], {r: arrived[r][i] for r in others})
+    return OpResult(0, (), group, verdict=first_against([
+        ruling(ctx, i, mine[i], {r: arrived[r][i] for r in others})
         for i in range(len(ctx.parts))]))
 
 
@@ -210,7 +211,7 @@ def _refusal(ctx: OpContext, mine: list[pb.Agreement], refused: int) -> DecentEr
     return verdict(p.display, p.round, {ctx.rank: mine[refused]})
 
 
-def _first(rulings: Sequence[DecentError | None]) -> DecentError | None:
+def first_against(rulings: Sequence[DecentError | None]) -> DecentError | None:
     """The op's verdict: its first part's against, if any."""
     return next((r for r in rulings if r is not None), None)
 
@@ -235,7 +236,7 @@ async def _through_coordinator(ctx: OpContext, group: list[int], mine: list[pb.A
     rulings = [_parse_verdict(ctx, head, a.data) for a in arrivals]
     for a in arrivals:
         ctx.release(a)
-    return _first(rulings)
+    return first_against(rulings)
 
 
 async def _coordinate(ctx: OpContext, others: list[int], mine: list[pb.Agreement],
@@ -247,7 +248,7 @@ async def _coordinate(ctx: OpContext, others: list[int], mine: list[pb.Agreement
         rulings: list[DecentError | None] = \
             [_bounded(_refusal(ctx, mine, refused))] * len(ctx.parts)
         await _tell(ctx, others, range(len(ctx.parts)), rulings)
-        return _first(rulings)
+        return first_against(rulings)
     futs = _expect(ctx, others, AGREE_TAG)
     ready = [asyncio.gather(*(futs[r][i] for r in others)) for i in range(len(ctx.parts))]
     rulings = [None] * len(ctx.parts)
@@ -257,7 +258,7 @@ async def _coordinate(ctx: OpContext, others: list[int], mine: list[pb.Agreement
             await asyncio.wait([ready[i] for i in pending], return_when=asyncio.FIRST_COMPLETED)
             done = [i for i in sorted(pending) if ready[i].done()]
             for i in done:
-                rulings[i] = _bounded(_ruling(ctx, i, mine[i], dict(zip(
+                rulings[i] = _bounded(ruling(ctx, i, mine[i], dict(zip(
                     others, ready[i].result(), strict=True))))
             pending.difference_update(done)
             await _tell(ctx, others, done, rulings)
@@ -265,7 +266,7 @@ async def _coordinate(ctx: OpContext, others: list[int], mine: list[pb.Agreement
         _drop(futs)
         for g in ready:  # their failures are the op's (raised above), not for the loop's log
             g.add_done_callback(_retrieved)
-    return _first(rulings)
+    return first_against(rulings)
 
 
 def _expect(ctx: OpContext, ranks: Sequence[int], tag: int
@@ -299,8 +300,8 @@ def _retrieved(done: asyncio.Future[Any]) -> None:
         done.exception()
 
 
-def _ruling(ctx: OpContext, i: int, mine: pb.Agreement, arrived: dict[int, Arrival]
-            ) -> DecentError | None:
+def ruling(ctx: OpContext, i: int, mine: pb.Agreement, arrived: dict[int, Arrival]
+           ) -> DecentError | None:
     """Part ``i``'s verdict from this rank's description and the others' (their arrivals,
     released here)."""
     got = {ctx.rank: mine}
@@ -369,71 +370,14 @@ def agrees_in_exchange(ctx: OpContext) -> bool:
         return False
 
 
-async def exchange_agreed(ctx: OpContext, others: list[int]) -> list[list[Arrival]]:
-    """Send this op's tensors, each with its description, to every one of ``others`` and
-    receive theirs: each tensor's verdict, drawn from every description before the data is
-    looked at (the same everywhere), is raised if against; then the data is checked as
-    :meth:`OpContext.recv_parts` checks it. The arrivals, by peer in ``others``' order."""
-    expected = [ctx.expect_parts(r, EXCHANGE_TAG) for r in others]
-    told: set[int] = set()  # the peers whose descriptions came with their tensors
-    try:
-        got = await gather_all(*(ctx.arrivals(e, checked=False) for e in expected),
-                               *(ctx.send(r, EXCHANGE_TAG) for r in others))
-        by_rank = dict(zip(others, got[:len(others)], strict=True))
-        told = {r for r, arrivals in by_rank.items() if all(a.agreement for a in arrivals)}
-        ruled = _first([_exchange_ruling(ctx, i, {r: a[i] for r, a in by_rank.items()})
-                        for i in range(len(ctx.parts))])
-        if ruled is not None:
-            raise ruled
-        for e, arrivals in zip(expected, by_rank.values(), strict=True):
-            for p, a in zip(e.parts, arrivals, strict=True):
-                if (problem := ctx.mismatch(e.src, a, p)) is not None:
-                    raise problem
-    except BaseException:
-        for e in expected:
-            e.drop()
-        _tell_apart(ctx, [r for r in others if r not in told])
-        raise
-    finally:  # what a peer that agrees apart sends is dropped from now on
-        ctx.services.mailbox.close([(agreement(p.name), p.round) for p in ctx.parts])
-    return list(by_rank.values())
-
-
-def _tell_apart(ctx: OpContext, ranks: list[int]) -> None:
-    """Send ``ranks`` this op's descriptions as an agreement of its own would (best effort):
-    a peer that ran another op under this name, or agrees apart, then draws its verdict
-    instead of waiting for it until its timeout."""
+def description_parts(ctx: OpContext) -> list[pb.Part]:
+    """This op's descriptions as an agreement of its own sends them, payload-free (each in
+    its ``agreement`` field): to go in the op's own messages, or alone (it cannot run)."""
     said = [part(agreement(p.name), p.round, AGREE_TAG, pb.AGREEMENT, pb.UINT8, (0,), 0)
             for p in ctx.parts]
     for w, p in zip(said, ctx.parts, strict=True):
         w.agreement = p.agreement.SerializeToString() if p.agreement else b""
-    for r in ranks:
-        ctx.services.links.outbox.send_nowait(r, said)
-
-
-def _exchange_ruling(ctx: OpContext, i: int, arrived: dict[int, Arrival]) -> DecentError | None:
-    """Part ``i``'s verdict from its description and those its arrivals carry (MISMATCH for
-    one that carries none: that peer agrees apart)."""
-    p = ctx.parts[i]
-    assert p.agreement is not None
-    got = {ctx.rank: p.agreement}
-    for r, a in arrived.items():
-        if not a.agreement:  # another op under this name, or a peer that agrees apart
-            return ctx.mismatch(r, a, ctx.parts[i]) or DecentError(
-                pb.MISMATCH, f"{ctx.label}: rank {r} sent its tensor without its description "
-                "(it agrees apart: is transport.ring_threshold_bytes or workers_per_node the "
-                "same everywhere?)")
-        got[r] = _parse(ctx, r, np.frombuffer(a.agreement, np.uint8))
-    return _bounded(verdict(p.display, p.round, got))
-
-
-def refusal_parts(ctx: OpContext) -> list[pb.Part]:
-    """What a participant that cannot run an op agreeing in its exchange sends the others:
-    its descriptions (which say why), without data."""
-    wire = ctx.wire_parts(EXCHANGE_TAG, 1.0)
-    for w in wire:
-        w.nbytes = 0
-    return wire
+    return said
 
 
 def refused_verdict(ctx: OpContext) -> DecentError | None:

@@ -232,9 +232,6 @@ class OpContext:
         """This op's tensors (or ``parts`` of them) as the parts of one message."""
         wire = [part(p.name, p.round, tag, self.op, p.dtype, p.shape, p.nbytes, weight)
                 for p in (self.parts if parts is None else parts)]
-        if self.agrees_in_exchange:
-            for w, p in zip(wire, self.parts if parts is None else parts, strict=True):
-                w.agreement = p.agreement.SerializeToString() if p.agreement else b""
         if self.on_topology or self.view_name:
             for w in wire:
                 w.topology = self.topology_name if self.on_topology else self.view_name
@@ -242,17 +239,18 @@ class OpContext:
 
     async def send(self, dst: int, tag: int, weight: float = 1.0, ack: bool = False,
                    track: list[tuple[Outgoing, int]] | None = None,
-                   parts: list[PartSpec] | None = None,
-                   data: memoryview | None = None) -> None:
+                   parts: list[PartSpec] | None = None, data: memoryview | None = None,
+                   extra: list[pb.Part] | None = None) -> None:
         """Send this op's tensors (or ``parts`` of them; one message) to ``dst``; ``ack``: wait
         until they are matched.
 
         ``track`` receives the queued frame (and its header size), to follow its progress.
-        ``data`` replaces the payload of a one-tensor op (e.g. its compressed form).
+        ``data`` replaces the payload of a one-tensor op (e.g. its compressed form); ``extra``:
+        payload-free parts that go in the same message.
         """
         want = self.parts if parts is None else parts
         payload = self.payload if parts is None else [p.raw for p in parts]
-        wire = self.wire_parts(tag, weight, want)
+        wire = self.wire_parts(tag, weight, want) + (extra or [])
         gate = want[0].input.gate() if len(want) == 1 else None
         if data is not None:
             payload = [data]
@@ -435,8 +433,7 @@ class OpContext:
         """Peer ``src`` failed this op and told us (an agreement's verdict, the same on every
         rank, word for word: it may come before the description it was drawn from)."""
         self.aborted_by, message = src, error.message
-        verdict = (self.op == pb.AGREEMENT or self.agrees_in_exchange) and \
-            error.code in VERDICT_CODES
+        verdict = self.op == pb.AGREEMENT and error.code in VERDICT_CODES
         if f"rank {src}" not in message and not verdict:
             message = f"rank {src} failed {self.label}: {message}"
         self.fail(DecentError(error.code or pb.ABORTED, message))

@@ -7,6 +7,10 @@ identical values.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from typing import Any
+
 import numpy as np
 
 from decent_wire import dtypes
@@ -21,12 +25,33 @@ from decent_wire.numerics import (
     to_accum,
 )
 from decent_wire.v1 import decent_pb2 as pb
-from decentd.ops.agreement import EXCHANGE_TAG, agrees_in_exchange, exchange_agreed
-from decentd.ops.api import DecentError, OpContext, OpResult, OpSpec, PartSpec, gather_all
+from decentd.errors import VERDICT_CODES
+from decentd.keys import agreement
+from decentd.ops.agreement import (
+    AGREE_TAG,
+    EXCHANGE_TAG,
+    agrees_in_exchange,
+    description_parts,
+    first_against,
+    ruling,
+)
+from decentd.ops.api import (
+    Arrival,
+    DecentError,
+    OpContext,
+    OpResult,
+    OpSpec,
+    PartSpec,
+    gather_all,
+)
 from decentd.ops.faults import live_group
+from decentd.ops.parts import Expected
 
 #: the message tag of the direct allreduce (the ring's steps are 1 .. 2(n - 1))
 DIRECT_TAG = EXCHANGE_TAG
+#: seconds a direct allreduce that agrees in its exchange waits for the descriptions of a peer
+#: whose data disagreed first (a collective sends them with its data; a neighbor op sends none)
+DESCRIBED_WITHIN = 1.0
 
 
 async def _allreduce_direct(ctx: OpContext) -> int:
@@ -35,7 +60,7 @@ async def _allreduce_direct(ctx: OpContext) -> int:
     group = live_group(ctx)
     others = [r for r in group if r != ctx.rank]
     if ctx.agrees_in_exchange:
-        got = await exchange_agreed(ctx, others)
+        got = await _exchange_agreed(ctx, others)
     else:
         got = await gather_all(*(ctx.recv_parts(r, DIRECT_TAG) for r in others),
                                *(ctx.send(r, DIRECT_TAG) for r in others))
@@ -49,6 +74,98 @@ async def _allreduce_direct(ctx: OpContext) -> int:
             reduce_into(acc, to_accum(parts[r], p.dtype), ctx.args.reduce_op)
         total += _finish_allreduce(ctx, p, acc)
     return total
+
+
+async def _exchange_agreed(ctx: OpContext, others: list[int]) -> list[list[Arrival]]:
+    """Send this op's tensors to every one of ``others``, its descriptions in the same
+    message under the agreement's keys (as an agreement of its own would send them: a peer
+    that runs one takes them), and receive theirs. Each tensor's verdict is drawn from every
+    description before the data is looked at, and raised if against (the same everywhere, even
+    when a peer's data disagreed first); then the data, checked as
+    :meth:`OpContext.recv_parts` checks it, by peer in ``others``' order."""
+    keys = [(agreement(p.name), p.round) for p in ctx.parts]
+    mailbox = ctx.services.mailbox
+    for src, error in mailbox.open(keys, ctx):  # a peer's abort of them reaches this op
+        ctx.aborted(src, error)
+    said = asyncio.gather(*(mailbox.expect(r, name, round_, AGREE_TAG)
+                            for r in others for name, round_ in keys))
+    data: list[Expected] = []
+    sends: list[asyncio.Future[None]] = []
+    try:
+        data = [ctx.expect_parts(r, EXCHANGE_TAG) for r in others]
+        described = description_parts(ctx)
+        sends = [asyncio.ensure_future(ctx.send(r, EXCHANGE_TAG, extra=described))
+                 for r in others]
+        ruled = await _rule_first(ctx, said, others)
+        if ruled is not None:
+            raise ruled
+        if ctx.failure is not None:  # a peer failed it before it ran here, and not for this
+            raise ctx.failure
+        got = [await ctx.arrivals(e) for e in data]
+        await asyncio.gather(*sends)
+        return got
+    except BaseException:
+        for t in sends:
+            t.cancel()
+        # the sends end before the op reports (a peer's failure meanwhile must not replace it)
+        await _through_cancels(asyncio.gather(*sends, return_exceptions=True))
+        said.cancel()
+        said.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen
+        for e in data:
+            e.drop()
+        raise
+    finally:  # what a peer sends under them later is dropped
+        mailbox.close(keys)
+
+
+async def _rule_first(ctx: OpContext, said: asyncio.Future[list[Arrival]], others: list[int]
+                      ) -> DecentError | None:
+    """The verdict from every peer's descriptions (``said``: theirs, peer by peer, part by
+    part, from ``others``). The op failed for a disagreement before they came (a peer's data
+    disagreed with ours, or a peer failed it and told us): a collective's descriptions come
+    with its data, so they are waited for a while (:data:`DESCRIBED_WITHIN`), and their
+    verdict, the same on every rank, is raised instead (a neighbor op under the same name
+    sends none)."""
+    try:
+        arrived = await asyncio.shield(said)
+    except asyncio.CancelledError:
+        failure = ctx.failure
+        if failure is None or failure.code not in VERDICT_CODES:
+            raise
+        await _for_a_while(said)
+        if not said.done() or said.cancelled() or said.exception() is not None:
+            raise failure from None
+        raise _rule(ctx, said.result(), others) or failure from None
+    return _rule(ctx, arrived, others)
+
+
+async def _through_cancels(fut: asyncio.Future[Any]) -> None:
+    """Wait until ``fut`` is done, whatever cancels this task meanwhile."""
+    while not fut.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({fut})
+
+
+async def _for_a_while(said: asyncio.Future[list[Arrival]]) -> None:
+    """Wait :data:`DESCRIBED_WITHIN` at most for ``said``, through the cancellations that
+    more failures of the op bring meanwhile (the peer that disagreed tells us too)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DESCRIBED_WITHIN
+    while not said.done() and (left := deadline - loop.time()) > 0:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({said}, timeout=left)
+
+
+def _rule(ctx: OpContext, arrived: list[Arrival], others: list[int]) -> DecentError | None:
+    """The op's verdict from ``arrived`` (every peer's description of each part, peer by
+    peer) and its own."""
+    n = len(ctx.parts)
+    rulings = []
+    for i, p in enumerate(ctx.parts):
+        assert p.agreement is not None
+        theirs = dict(zip(others, arrived[i::n], strict=True))
+        rulings.append(ruling(ctx, i, p.agreement, theirs))
+    return first_against(rulings)
 
 
 def _finish_allreduce(ctx: OpContext, p: PartSpec, acc: np.ndarray,
