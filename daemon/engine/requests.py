@@ -25,7 +25,7 @@ from decentd.engine.hierarchy import Hierarchy
 from decentd.engine.node_gathers import Request
 from decentd.engine.placement import request_parts
 from decentd.errors import VERDICT_CODES
-from decentd.keys import OpKey, at_worker
+from decentd.keys import OpKey, agreement, at_worker
 from decentd.logs import op_fields
 from decentd.net.late_rounds import peer_id
 from decentd.ops.agreement import WORKER_AGREED, Agreements, description
@@ -302,7 +302,8 @@ class Engine:
 
     def _place_late_peers(self, ctx: OpContext) -> None:
         """The op's late peers (:mod:`decentd.net.late_rounds`) count this op's rounds as their 0,
-        unless an earlier op placed them."""
+        unless an earlier op placed them (and its agreement's, when it agrees in its own
+        exchange: an agreement of its own would place them as it ran)."""
         rounds = self.services.links.rounds
         if not rounds.any_late:
             return
@@ -311,7 +312,9 @@ class Engine:
             pid = peer_id(peer, ctx.name)
             if rounds.is_late(pid, ctx.name):
                 for p in ctx.parts:
-                    placed = rounds.establish(pid, p.name, p.round) or placed
+                    for name in (p.name, agreement(p.name)) if ctx.agrees_in_exchange else \
+                            (p.name,):
+                        placed = rounds.establish(pid, name, p.round) or placed
         if placed:
             self._replay_parked()
 
