@@ -273,11 +273,6 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "pb.Error()).SerializeToString()", "    raw = pb.Error().SerializeToString()",
      ["tests/test_agreement.py"], "the coordinator of a larger group tells the others to run a "
      "collective it found against (it alone fails)"),
-    ("daemon/ops/collectives.py", "        raise _rule(ctx, said.result(), others) or failure "
-     "from None", "        raise failure from None",
-     [AGREE + "a_small_and_a_ring_allreduce_under_one_name_fail_alike"],
-     "a small allreduce whose peer's data disagreed first fails with its own pairwise message, "
-     "not the verdict its peer draws"),
     ("daemon/ops/collectives.py", "        sends = [asyncio.ensure_future(ctx.send(r, EXCHANGE_TAG, "
      "extra=described))", "        sends = [asyncio.ensure_future(ctx.send(r, EXCHANGE_TAG))",
      [AGREE + "a_small_allreduce_among_a_few_agrees_in_its_own_exchange"],
