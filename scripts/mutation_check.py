@@ -273,8 +273,9 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "pb.Error()).SerializeToString()", "    raw = pb.Error().SerializeToString()",
      ["tests/test_agreement.py"], "the coordinator of a larger group tells the others to run a "
      "collective it found against (it alone fails)"),
-    ("daemon/ops/collectives.py", "        sends = [asyncio.ensure_future(ctx.send(r, EXCHANGE_TAG, "
-     "extra=described))", "        sends = [asyncio.ensure_future(ctx.send(r, EXCHANGE_TAG))",
+    ("daemon/ops/collectives.py",
+     "        sends = [asyncio.ensure_future(ctx.send(r, EXCHANGE_TAG, extra=described))",
+     "        sends = [asyncio.ensure_future(ctx.send(r, EXCHANGE_TAG))",
      [AGREE + "a_small_allreduce_among_a_few_agrees_in_its_own_exchange"],
      "a small allreduce among a few sends no descriptions (its peers wait for them)"),
     ("clients/core/surface/adjoints.py",
