@@ -18,7 +18,7 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -141,13 +141,13 @@ def test_a_broadcast_into_a_small_output_region_is_an_arena_error(fuzz_cluster: 
     assert fuzz.TRACEBACK not in fuzz_cluster.log(0)
 
 
-def test_an_allreduce_into_a_small_output_region_fails_every_rank_alike(
-        fuzz_cluster: Any) -> None:
-    """A direct allreduce among two daemons agrees in its own exchange: the daemon whose worker
-    gave too small an output region sends its description alone, and both ranks fail at once
-    with the same verdict (nobody waits for data that never comes)."""
-    w = fuzz_cluster.attach(0, "fz-allreduce")
-    peer = Client(NumpyCodec(), f"unix://{fuzz_cluster.sockets[1]}", 60, job="fz-allreduce")
+def _refused_beside(cluster: Any, job: str, theirs: Callable[[Client, str], Any]
+                    ) -> tuple[pb.Error, DecentError]:
+    """Daemon 0's worker submits an allreduce of ``x`` into an 8-byte output region (its
+    daemon cannot run it) while daemon 1's calls ``theirs(client, "x")``: both errors, checked
+    to come long before the 30 s timeout."""
+    w = cluster.attach(0, job)
+    peer = Client(NumpyCodec(), f"unix://{cluster.sockets[1]}", 60, job=job)
     try:
         with w.data:
             began = time.monotonic()
@@ -155,17 +155,26 @@ def test_an_allreduce_into_a_small_output_region_fails_every_rank_alike(
                 request_id=1, timeout_s=30, allreduce=pb.Allreduce(), tensors=[pb.TensorRef(
                     name="x", meta=pb.TensorMeta(dtype=pb.FLOAT32, shape=[16]), offset=0,
                     nbytes=64, out_offset=8192, out_capacity=8)])))
-            with pytest.raises(DecentError) as theirs:
-                peer.allreduce(np.ones(16, np.float32), name="x", timeout=30)
+            with pytest.raises(DecentError) as caught:
+                theirs(peer, "x")
             bodies, _ = fuzz.read_frames_until(w.data, 1, 30)
-        done = framing.decode(pb.Completion, bodies[0])
-        assert time.monotonic() - began < 20  # long before the 30 s timeout
+        assert time.monotonic() - began < 20  # nobody waited for data that never comes
     finally:
         peer.close()
-    assert done.error.code == pb.ARENA_ERROR == theirs.value.code, (done.error, theirs.value)
-    assert done.error.message == theirs.value.message, (done.error, theirs.value)
-    assert "rank 0 cannot run it: " in done.error.message
-    assert "does not fit the 8-byte output region" in done.error.message
+    return framing.decode(pb.Completion, bodies[0]).error, caught.value
+
+
+def test_an_allreduce_into_a_small_output_region_fails_every_rank_alike(
+        fuzz_cluster: Any) -> None:
+    """A direct allreduce among two daemons agrees in its own exchange: the daemon whose worker
+    gave too small an output region sends its description alone, and both ranks fail at once
+    with the same verdict."""
+    mine, theirs = _refused_beside(fuzz_cluster, "fz-allreduce", lambda cl, name: cl.allreduce(
+        np.ones(16, np.float32), name=name, timeout=30))
+    assert mine.code == pb.ARENA_ERROR == theirs.code, (mine, theirs)
+    assert mine.message == theirs.message, (mine, theirs)
+    assert "rank 0 cannot run it: " in mine.message
+    assert "does not fit the 8-byte output region" in mine.message
     _exact_pair(fuzz_cluster)
 
 
@@ -174,25 +183,11 @@ def test_a_refused_allreduce_and_a_broadcast_under_its_name_fail_alike_at_once(
     """The daemon that cannot run its allreduce sends its descriptions where an agreement
     takes them: the broadcast's daemon, which agrees beside its op, fails with the same
     verdict at once, not at its timeout."""
-    w = fuzz_cluster.attach(0, "fz-refused")
-    peer = Client(NumpyCodec(), f"unix://{fuzz_cluster.sockets[1]}", 60, job="fz-refused")
-    try:
-        with w.data:
-            began = time.monotonic()
-            w.data.sendall(framing.encode(pb.SubmitRequest(
-                request_id=1, timeout_s=30, allreduce=pb.Allreduce(), tensors=[pb.TensorRef(
-                    name="y", meta=pb.TensorMeta(dtype=pb.FLOAT32, shape=[16]), offset=0,
-                    nbytes=64, out_offset=8192, out_capacity=8)])))
-            with pytest.raises(DecentError) as theirs:
-                peer.broadcast(np.ones(16, np.float32), root=1, name="y", timeout=30)
-            bodies, _ = fuzz.read_frames_until(w.data, 1, 30)
-        done = framing.decode(pb.Completion, bodies[0])
-        assert time.monotonic() - began < 20  # long before the 30 s timeout
-    finally:
-        peer.close()
-    assert done.error.code == pb.ARENA_ERROR == theirs.value.code, (done.error, theirs.value)
-    assert done.error.message == theirs.value.message, (done.error, theirs.value)
-    assert "rank 0 cannot run it: " in done.error.message
+    mine, theirs = _refused_beside(fuzz_cluster, "fz-refused", lambda cl, name: cl.broadcast(
+        np.ones(16, np.float32), root=1, name=name, timeout=30))
+    assert mine.code == pb.ARENA_ERROR == theirs.code, (mine, theirs)
+    assert mine.message == theirs.message, (mine, theirs)
+    assert "rank 0 cannot run it: " in mine.message
 
 
 def test_a_worker_that_sent_past_the_window_leaves_no_arena_behind(fuzz_cluster: Any) -> None:
