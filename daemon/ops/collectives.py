@@ -99,8 +99,6 @@ async def _exchange_agreed(ctx: OpContext, others: list[int]) -> list[list[Arriv
         ruled = await _rule_first(ctx, said, others)
         if ruled is not None:
             raise ruled
-        if ctx.failure is not None:  # a peer failed it before it ran here, and not for this
-            raise ctx.failure
         got = [await ctx.arrivals(e) for e in data]
         await asyncio.gather(*sends)
         return got
@@ -122,21 +120,22 @@ async def _rule_first(ctx: OpContext, said: asyncio.Future[list[Arrival]], other
                       ) -> DecentError | None:
     """The verdict from every peer's descriptions (``said``: theirs, peer by peer, part by
     part, from ``others``). The op failed for a disagreement before they came (a peer's data
-    disagreed with ours, or a peer failed it and told us): a collective's descriptions come
-    with its data, so they are waited for a while (:data:`DESCRIBED_WITHIN`), and their
-    verdict, the same on every rank, is raised instead (a neighbor op under the same name
-    sends none)."""
-    try:
-        arrived = await asyncio.shield(said)
-    except asyncio.CancelledError:
-        failure = ctx.failure
-        if failure is None or failure.code not in VERDICT_CODES:
-            raise
-        await _for_a_while(said)
-        if not said.done() or said.cancelled() or said.exception() is not None:
-            raise failure from None
-        raise _rule(ctx, said.result(), others) or failure from None
-    return _rule(ctx, arrived, others)
+    disagreed with ours, or a peer failed it and told us, before or after it started here): a
+    collective's descriptions come with its data, so they are waited for a while
+    (:data:`DESCRIBED_WITHIN`), and their verdict, the same on every rank, is raised instead
+    (a neighbor op under the same name sends none)."""
+    if ctx.failure is None:
+        try:
+            return _rule(ctx, await asyncio.shield(said), others)
+        except asyncio.CancelledError:
+            if ctx.failure is None or ctx.failure.code not in VERDICT_CODES:
+                raise
+    failure = ctx.failure
+    assert failure is not None
+    await _for_a_while(said)
+    if not said.done() or said.cancelled() or said.exception() is not None:
+        raise failure
+    raise _rule(ctx, said.result(), others) or failure
 
 
 async def _through_cancels(fut: asyncio.Future[Any]) -> None:
