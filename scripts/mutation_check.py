@@ -274,8 +274,8 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      ["tests/test_agreement.py"], "the coordinator of a larger group tells the others to run a "
      "collective it found against (it alone fails)"),
     ("daemon/ops/collectives.py",
-     "        sends = [asyncio.ensure_future(ctx.send(r, EXCHANGE_TAG, extra=described))",
-     "        sends = [asyncio.ensure_future(ctx.send(r, EXCHANGE_TAG))",
+     "        sends = [asyncio.ensure_future(ctx.send(r, DIRECT_TAG, extra=described))",
+     "        sends = [asyncio.ensure_future(ctx.send(r, DIRECT_TAG))",
      [AGREE + "a_small_allreduce_among_a_few_agrees_in_its_own_exchange"],
      "a small allreduce among a few sends no descriptions (its peers wait for them)"),
     ("clients/core/surface/adjoints.py",

@@ -63,8 +63,6 @@ AGREE_TAG = 1 << 20
 VERDICT_TAG = AGREE_TAG + 1
 #: groups up to this size agree all to all (one hop); larger ones through a coordinator
 ALL_TO_ALL_UP_TO = 3
-#: the message tag of an exchange that agrees in itself (the direct allreduce's)
-EXCHANGE_TAG = 0
 #: the longest description a peer may send (a shape, arguments and a message)
 MAX_DESCRIPTION = 64 << 10
 #: the characters of a verdict's message a coordinator sends (4 bytes each at most in UTF-8)

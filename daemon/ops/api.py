@@ -347,9 +347,9 @@ class OpContext:
             self.phases.receiving()
         return expected
 
-    async def arrivals(self, expected: Expected, checked: bool = True) -> list[Arrival]:
-        """The parts :meth:`expect_parts` began to receive, once all are here, checked (unless
-        not ``checked``: the caller checks them) and acknowledged when asked."""
+    async def arrivals(self, expected: Expected) -> list[Arrival]:
+        """The parts :meth:`expect_parts` began to receive, once all are here, checked (and
+        acknowledged when asked)."""
         if expected.lost is not None:
             raise expected.lost
         futs, src, want = expected.futs, expected.src, expected.parts
@@ -357,7 +357,7 @@ class OpContext:
         if self.phases is not None:
             self.phases.received()
         self.waiting.discard(src)
-        for p, arrival in zip(want, arrivals, strict=True) if checked else ():
+        for p, arrival in zip(want, arrivals, strict=True):
             problem = self.mismatch(src, arrival, p, expected.sized, expected.shape)
             if problem is not None:
                 raise problem

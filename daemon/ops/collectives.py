@@ -29,7 +29,6 @@ from decentd.errors import VERDICT_CODES
 from decentd.keys import agreement
 from decentd.ops.agreement import (
     AGREE_TAG,
-    EXCHANGE_TAG,
     agrees_in_exchange,
     description_parts,
     first_against,
@@ -48,7 +47,7 @@ from decentd.ops.faults import live_group
 from decentd.ops.parts import Expected
 
 #: the message tag of the direct allreduce (the ring's steps are 1 .. 2(n - 1))
-DIRECT_TAG = EXCHANGE_TAG
+DIRECT_TAG = 0
 #: seconds a direct allreduce that agrees in its exchange waits for the descriptions of a peer
 #: whose data disagreed first (a collective sends them with its data; a neighbor op sends none)
 DESCRIBED_WITHIN = 1.0
@@ -92,9 +91,9 @@ async def _exchange_agreed(ctx: OpContext, others: list[int]) -> list[list[Arriv
     data: list[Expected] = []
     sends: list[asyncio.Future[None]] = []
     try:
-        data = [ctx.expect_parts(r, EXCHANGE_TAG) for r in others]
+        data = [ctx.expect_parts(r, DIRECT_TAG) for r in others]
         described = description_parts(ctx)
-        sends = [asyncio.ensure_future(ctx.send(r, EXCHANGE_TAG, extra=described))
+        sends = [asyncio.ensure_future(ctx.send(r, DIRECT_TAG, extra=described))
                  for r in others]
         ruled = await _rule_first(ctx, said, others)
         if ruled is not None:
@@ -132,27 +131,23 @@ async def _rule_first(ctx: OpContext, said: asyncio.Future[list[Arrival]], other
                 raise
     failure = ctx.failure
     assert failure is not None
-    await _for_a_while(said)
+    await _through_cancels(said, DESCRIBED_WITHIN)
     if not said.done() or said.cancelled() or said.exception() is not None:
         raise failure
     raise _rule(ctx, said.result(), others) or failure
 
 
-async def _through_cancels(fut: asyncio.Future[Any]) -> None:
-    """Wait until ``fut`` is done, whatever cancels this task meanwhile."""
-    while not fut.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait({fut})
-
-
-async def _for_a_while(said: asyncio.Future[list[Arrival]]) -> None:
-    """Wait :data:`DESCRIBED_WITHIN` at most for ``said``, through the cancellations that
-    more failures of the op bring meanwhile (the peer that disagreed tells us too)."""
+async def _through_cancels(fut: asyncio.Future[Any], within: float | None = None) -> None:
+    """Wait until ``fut`` is done (or ``within`` seconds have passed), whatever cancels this
+    task meanwhile (more failures of the op: the peer that disagreed tells us too)."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + DESCRIBED_WITHIN
-    while not said.done() and (left := deadline - loop.time()) > 0:
+    deadline = None if within is None else loop.time() + within
+    while not fut.done():
+        left = None if deadline is None else deadline - loop.time()
+        if left is not None and left <= 0:
+            return
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait({said}, timeout=left)
+            await asyncio.wait({fut}, timeout=left)
 
 
 def _rule(ctx: OpContext, arrived: list[Arrival], others: list[int]) -> DecentError | None:
