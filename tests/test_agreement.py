@@ -160,7 +160,7 @@ def test_an_invalid_root_on_one_rank_fails_every_rank(cluster: ClusterFactory, n
     got = c.run(work)
     assert all(isinstance(g, DecentError) for g in got), got
     assert {g.code_name for g in got} == {"INVALID_ARGUMENT"}
-    assert len({str(g) for g in got}) == 1
+    assert len({str(g) for g in got}) == 1, [str(g) for g in got]
     assert f"rank {bad} cannot run it: root 9 is not a rank" in str(got[0])
 
 

@@ -101,6 +101,14 @@ def test_an_agreement_takes_a_peers_verdict_as_it_is() -> None:
     other = context("ring", 4, 0)
     other.aborted(2, pb.Error(code=pb.INVALID_ARGUMENT, message=verdict))
     assert other.failure is not None and other.failure.message.startswith("rank 2 failed ")
+    # the op it agrees on, failed there (its message wrapped by a third rank): not a verdict
+    wrapped = f"rank 2 failed broadcast 't' round 0: {verdict}"
+    told = context("ring", 4, 0)
+    told.op = pb.AGREEMENT
+    told.aborted(1, pb.Error(code=pb.INVALID_ARGUMENT, message=wrapped), sibling=True)
+    assert told.failure is None
+    told.aborted(1, pb.Error(code=pb.TIMEOUT, message="timed out"), sibling=True)
+    assert told.failure is not None and told.failure.message.startswith("rank 1 failed ")
 
 
 def test_a_small_allreduce_among_a_few_daemons_agrees_in_its_own_exchange() -> None:

@@ -429,11 +429,14 @@ class OpContext:
 
     # ------------------------------------------------------------------ told by the mailbox
 
-    def aborted(self, src: int, error: pb.Error) -> None:
-        """Peer ``src`` failed this op and told us (an agreement's verdict, the same on every
-        rank, word for word: it may come before the description it was drawn from)."""
-        self.aborted_by, message = src, error.message
+    def aborted(self, src: int, error: pb.Error, sibling: bool = False) -> None:
+        """Peer ``src`` failed this op and told us (an agreement's verdict, word for word: it
+        may come before its descriptions; never from a ``sibling``, the op it agrees on, whose
+        messages differ by rank: the agreement draws, or is sent, the verdict itself)."""
         verdict = self.op == pb.AGREEMENT and error.code in VERDICT_CODES
+        if verdict and sibling:
+            return
+        self.aborted_by, message = src, error.message
         if f"rank {src}" not in message and not verdict:
             message = f"rank {src} failed {self.label}: {message}"
         self.fail(DecentError(error.code or pb.ABORTED, message))
