@@ -3,6 +3,8 @@ and where the daemons are (no sockets: the links are built, never connected)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -125,3 +127,24 @@ def test_a_small_allreduce_among_a_few_daemons_agrees_in_its_own_exchange() -> N
     assert (told.name, told.tag, told.op, told.nbytes) == (agreement(at_worker("t", 1)),
                                                            AGREE_TAG, pb.AGREEMENT, 0)
     assert pb.Agreement.FromString(told.agreement) == said
+
+
+def test_a_refusals_descriptions_wait_for_a_link_being_reopened() -> None:
+    """A daemon that cannot run a small allreduce sends its descriptions alone, without
+    waiting; while the link to a peer is being reopened they are held, as an abort is (else
+    that peer would wait for them until its timeout), and dropped once the peer is given up."""
+    said = pb.Agreement(op=pb.ALLREDUCE, dtype=pb.FLOAT32, shape=[4], text="allreduce")
+
+    async def body() -> None:
+        ctx = context("ring", 3, 0, allreduce=said)
+        links, parts = ctx.services.links, description_parts(ctx)
+        links.reopening(1)
+        links.outbox.send_nowait(1, parts)
+        links.outbox.send_abort(1, ctx.keys, pb.Error(code=pb.TIMEOUT, message="late"))
+        assert [h.kind for h in links.links[1].held] == [pb.DATA, pb.ABORT]
+        (held,) = links.links[1].held[0].parts
+        assert pb.Agreement.FromString(held.agreement) == said
+        links.given_up(1)
+        assert links.links[1].held == []
+
+    asyncio.run(body())

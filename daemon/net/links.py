@@ -232,8 +232,8 @@ class Links:
         return old
 
     def reopening(self, machine: int) -> None:
-        """The link to ``machine`` is being reopened: sends to it wait, ABORT and SKIP frames
-        are held."""
+        """The link to ``machine`` is being reopened: sends to it wait, payload-free frames
+        that must arrive are held (:data:`decentd.net.outbox.HELD_WHILE_REOPENING`)."""
         link = self.links[machine]
         if link.back is None:
             link.back = asyncio.get_running_loop().create_future()

@@ -49,6 +49,10 @@ class Peers(Protocol):
 RAN_WITHOUT_PARTS = 1024
 #: a cancelled op whose half-written message is still not out after this long says so in the log
 WRITE_GRACE = 5.0
+#: payload-free frames held while a link is reopened, sent once it is up: an op's failure, its
+#: skip, and parts without payload (a refusal's descriptions, a window unlock), whose peers
+#: would otherwise wait for them until their timeout
+HELD_WHILE_REOPENING = frozenset({pb.ABORT, pb.SKIP, pb.DATA})
 
 
 def _settle(fut: asyncio.Future[None], err: BaseException | None, rank: int, name: str) -> None:
@@ -219,12 +223,12 @@ class Outbox:
 
     def control(self, dst: int, header: pb.BulkHeader) -> None:
         """Send a payload-free frame to daemon ``dst`` (best effort: a dead peer is ignored;
-        an ABORT or SKIP waits while the link is reopened)."""
+        an ABORT, a SKIP or parts without payload wait while the link is reopened)."""
         link = self._peers.link(dst)
         if link is None:
             return
         if link.sender is None or not link.connected:
-            if link.back is not None and header.kind in (pb.ABORT, pb.SKIP):
+            if link.back is not None and header.kind in HELD_WHILE_REOPENING:
                 link.held.append(header)
             return
         link.sender.send([link.flow.stamp(header)])
@@ -269,7 +273,8 @@ class Outbox:
             self.control(link.rank, header)
 
     def send_nowait(self, dst: int, parts: list[pb.Part]) -> None:
-        """Send parts without payload to peer ``dst`` now, not waiting for the kernel."""
+        """Send parts without payload to peer ``dst`` now, not waiting for the kernel (nor
+        for a link being reopened: they go out once it is up)."""
         link = self._peers.link_of(dst, parts[0].name) if parts else None
         if link is not None:
             self._to_peer(dst, parts, pb.BulkHeader(kind=pb.DATA, payload_bytes=0,
