@@ -88,7 +88,7 @@ class Transport:
 class Listener:
     """An open op that ignores what it is told."""
 
-    def aborted(self, src: int, error: pb.Error, sibling: bool = False) -> None:
+    def aborted(self, src: int, error: pb.Error) -> None:
         pass
 
     def stray(self, key: Key, arrival: Arrival) -> None:

@@ -42,13 +42,11 @@ class Listener:
 
     def __init__(self) -> None:
         self.aborts: list[tuple[int, str]] = []
-        self.siblings: list[bool] = []
         self.strays: list[Key] = []
         self.foreign_ops: list[tuple[int, int]] = []
 
-    def aborted(self, src: int, error: pb.Error, sibling: bool = False) -> None:
+    def aborted(self, src: int, error: pb.Error) -> None:
         self.aborts.append((src, error.message))
-        self.siblings.append(sibling)
 
     def stray(self, key: Key, arrival: Arrival) -> None:
         self.strays.append(key)
@@ -157,7 +155,7 @@ def test_an_abort_before_the_op_opens_is_kept_for_it_and_drops_its_data() -> Non
         listener = Listener()
         assert [(src, e.message) for src, e in box.open([("x", 0)], listener)] == [(1, "bad")]
         box.aborted([wire(src=2)], pb.Error(code=pb.TIMEOUT, message="late"))
-        assert listener.aborts == [(2, "late")] and listener.siblings == [False]  # told at once
+        assert listener.aborts == [(2, "late")]  # open: told at once
     run(body())
 
 
@@ -411,7 +409,7 @@ def test_parts_and_aborts_under_another_key_of_the_same_name_reach_the_open_op()
         box.deliver(wire(node, round_=1), arrival(wire(node, round_=1)))  # another round
         assert len(listener.foreign_ops) == 2
         box.aborted([wire(agreement(node), src=3)], pb.Error(code=pb.MISMATCH, message="no"))
-        assert listener.aborts == [(3, "no")] and listener.siblings == [True]
+        assert listener.aborts == [(3, "no")]
         box.close([(mine, 0)])  # its name is forgotten with it
         later = Listener()
         box.open([(at_worker("j\x1fx", 1), 0)], later)

@@ -103,14 +103,15 @@ def test_an_agreement_takes_a_peers_verdict_as_it_is() -> None:
     other = context("ring", 4, 0)
     other.aborted(2, pb.Error(code=pb.INVALID_ARGUMENT, message=verdict))
     assert other.failure is not None and other.failure.message.startswith("rank 2 failed ")
-    # the op it agrees on, failed there (its message wrapped by a third rank): not a verdict
-    wrapped = f"rank 2 failed broadcast 't' round 0: {verdict}"
-    told = context("ring", 4, 0)
-    told.op = pb.AGREEMENT
-    told.aborted(1, pb.Error(code=pb.INVALID_ARGUMENT, message=wrapped), sibling=True)
-    assert told.failure is None
-    told.aborted(1, pb.Error(code=pb.TIMEOUT, message="timed out"), sibling=True)
-    assert told.failure is not None and told.failure.message.startswith("rank 1 failed ")
+    # the daemons' collective it decides relays it as it is too (a peer's agreement may take
+    # it from there): every rank that fails by it fails alike
+    said = pb.Agreement(op=pb.ALLREDUCE, dtype=pb.FLOAT32, shape=[4], text="allreduce")
+    relaying = context("ring", 4, 0, allreduce=said)
+    relaying.aborted(2, pb.Error(code=pb.MISMATCH, message=verdict))
+    assert relaying.failure is not None and relaying.failure.message == verdict
+    late = context("ring", 4, 0, allreduce=said)
+    late.aborted(2, pb.Error(code=pb.TIMEOUT, message="timed out"))
+    assert late.failure is not None and late.failure.message.startswith("rank 2 failed ")
 
 
 def test_a_small_allreduce_among_a_few_daemons_agrees_in_its_own_exchange() -> None:

@@ -47,9 +47,8 @@ class Outbox(Protocol):
 class OpListener(Protocol):
     """An open op, told what the mailbox learns about it."""
 
-    def aborted(self, src: int, error: pb.Error, sibling: bool = False) -> None:
-        """Peer ``src`` failed this op (``sibling``: another op of its name, at another key)
-        and said why."""
+    def aborted(self, src: int, error: pb.Error) -> None:
+        """Peer ``src`` failed this op and said why."""
 
     def stray(self, key: Key, arrival: Arrival) -> None:
         """A part of this op arrived that nothing waits for (yet)."""

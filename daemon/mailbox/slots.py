@@ -417,7 +417,7 @@ class Mailbox:
                 listener.aborted(src, error)
                 continue
             for other in self._siblings(key):  # the op of that name failed there
-                other.aborted(src, error, sibling=True)
+                other.aborted(src, error)
             self._early_aborts[key] = (src, error)
             while len(self._early_aborts) > EARLY_ABORT_MEMORY:
                 self._early_aborts.popitem(last=False)

@@ -20,6 +20,7 @@ import numpy as np
 
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
+from decent_wire.ops import Agreed, op_types
 from decent_wire.protocol import clash, op_label
 from decent_wire.topology import Step, Topology
 from decent_wire.v1 import decent_pb2 as pb
@@ -41,6 +42,10 @@ from decentd.windows.store import WindowStore
 
 __all__ = ["Arrival", "DecentError", "Level", "OpContext", "OpResult", "OpSpec", "Outgoing",
            "PartSpec", "Progress", "Services", "gather_all", "part"]
+
+#: collectives of the daemons that run beside their agreement, which decides how they end
+AGREED_AMONG_DAEMONS = op_types(agreed=Agreed.NODES)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Services:
@@ -242,12 +247,9 @@ class OpContext:
                    parts: list[PartSpec] | None = None, data: memoryview | None = None,
                    extra: list[pb.Part] | None = None) -> None:
         """Send this op's tensors (or ``parts`` of them; one message) to ``dst``; ``ack``: wait
-        until they are matched.
-
-        ``track`` receives the queued frame (and its header size), to follow its progress.
-        ``data`` replaces the payload of a one-tensor op (e.g. its compressed form); ``extra``:
-        payload-free parts that go in the same message.
-        """
+        until they are matched; ``track`` receives the queued frame (and its header size), to
+        follow its progress; ``data`` replaces the payload of a one-tensor op (e.g. its
+        compressed form); ``extra``: payload-free parts that go in the same message."""
         want = self.parts if parts is None else parts
         payload = self.payload if parts is None else [p.raw for p in parts]
         wire = self.wire_parts(tag, weight, want) + (extra or [])
@@ -429,14 +431,12 @@ class OpContext:
 
     # ------------------------------------------------------------------ told by the mailbox
 
-    def aborted(self, src: int, error: pb.Error, sibling: bool = False) -> None:
-        """Peer ``src`` failed this op and told us (an agreement's verdict, word for word: it
-        may come before its descriptions; never from a ``sibling``, the op it agrees on, whose
-        messages differ by rank: the agreement draws, or is sent, the verdict itself)."""
-        verdict = self.op == pb.AGREEMENT and error.code in VERDICT_CODES
-        if verdict and sibling:
-            return
+    def aborted(self, src: int, error: pb.Error) -> None:
+        """Peer ``src`` failed this op and told us; a verdict (an agreement's, or relayed by
+        a collective it decides) is kept word for word, the same on every rank."""
         self.aborted_by, message = src, error.message
+        verdict = error.code in VERDICT_CODES and (
+            self.op == pb.AGREEMENT or (self.level.node and self.op in AGREED_AMONG_DAEMONS))
         if f"rank {src}" not in message and not verdict:
             message = f"rank {src} failed {self.label}: {message}"
         self.fail(DecentError(error.code or pb.ABORTED, message))
@@ -452,11 +452,9 @@ class OpContext:
                                   f"submitted {op_label(op)} under the same name"))
 
     def stray(self, key: Key, arrival: Arrival) -> None:
-        """A part of this op arrived that nothing waits for: fail the op if it disagrees.
-
-        Without this, ranks that took different paths for the same op (another shape on the other
-        side of the ring threshold, another broadcast root) would each wait out the timeout.
-        """
+        """A part of this op arrived that nothing waits for: fail the op if it disagrees (else
+        ranks that took different paths for it, another shape across the ring threshold or
+        another broadcast root, would each wait out the timeout)."""
         if not self.running or self.failure is not None:
             return
         src, name, _, tag = key
