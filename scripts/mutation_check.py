@@ -278,6 +278,17 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "        sends = [asyncio.ensure_future(ctx.send(r, DIRECT_TAG))",
      [AGREE + "a_small_allreduce_among_a_few_agrees_in_its_own_exchange"],
      "a small allreduce among a few sends no descriptions (its peers wait for them)"),
+    ("daemon/ops/api.py",
+     "(self.level.node and self.op in AGREED_AMONG_DAEMONS)",
+     "False",
+     [PLAN_TESTS[0] + "::test_an_agreement_takes_a_peers_verdict_as_it_is"],
+     "a collective that its agreement decides relays a peer's verdict wrapped (ranks that take "
+     "it from there fail with another text)"),
+    ("daemon/net/outbox.py",
+     "HELD_WHILE_REOPENING = frozenset({pb.ABORT, pb.SKIP, pb.DATA})",
+     "HELD_WHILE_REOPENING = frozenset({pb.ABORT, pb.SKIP})",
+     [PLAN_TESTS[0] + "::test_a_refusals_descriptions_wait_for_a_link_being_reopened"],
+     "a refusal's descriptions are dropped while their link is reopened"),
     ("clients/core/surface/adjoints.py",
      "            \"src_weights\": {int(d): float(w) for d, w in "
      "dst_weights.items()},\n            \"dst_weights\": {int(j): float(w) for j, w in "
