@@ -90,7 +90,8 @@ def test_the_tags_a_pair_step_takes_follow_the_tensor_size() -> None:
 def test_an_agreement_takes_a_peers_verdict_as_it_is() -> None:
     """A peer's abort of an agreement may come before the description its verdict was drawn
     from: a verdict is the same on every rank, so it is taken word for word (every rank then
-    fails alike); any other abort names the peer that sent it."""
+    fails alike), by the agreement and by the daemons' collective it decides; any other abort
+    names the peer that sent it."""
     verdict = "broadcast 't' round 0: rank 1 cannot run it: root 9 is not a rank (0..3)"
     agreeing = context("ring", 4, 0)
     agreeing.op = pb.AGREEMENT
