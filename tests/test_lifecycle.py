@@ -405,6 +405,25 @@ def test_free_ports_never_hands_out_a_port_twice() -> None:
     assert len(set(first)) == 300 and not set(first) & set(second)
 
 
+def test_free_ports_of_two_processes_never_meet() -> None:
+    """Two processes that pick ports at once (pytest's workers, two decentruns) never hand out
+    the same one, though neither is bound yet: a quarter of the range drawn by one misses all
+    that the other holds (about 50 would meet by chance)."""
+    pick = ("import sys; from decentd.tools.launcher import free_ports; "
+            "print(' '.join(map(str, free_ports(int(sys.argv[1])))), flush=True); "
+            "sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", pick, "200"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        held = set(map(int, holder.stdout.readline().split()))
+        drawn = subprocess.run([sys.executable, "-c", pick, "3000"], stdin=subprocess.DEVNULL,
+                               capture_output=True, text=True, timeout=120, check=True)
+        assert len(held) == 200 and not held & set(map(int, drawn.stdout.split()))
+    finally:
+        holder.communicate(timeout=60)
+
+
 @pytest.mark.slow
 @pytest.mark.serial
 @pytest.mark.netns

@@ -21,7 +21,9 @@ K-th tears everything down, and its code is the exit code. Ctrl-C never restarts
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import fcntl
 import os
 import random
 import re
@@ -47,6 +49,11 @@ _SPLIT = re.compile(rb"([\r\n])")
 #: though neither is bound yet when the other checks
 _GIVEN: set[int] = set()
 _GIVEN_LOCK = threading.Lock()
+#: ... and the locks on the last ports it handed out, by which other processes picking ports
+#: here (pytest's workers, a second decentrun) skip them until their daemons have bound them
+_CLAIMED: collections.deque[int] = collections.deque()
+_CLAIMS_KEPT = 256
+_CLAIMS = Path(tempfile.gettempdir()) / "decent-ports"
 
 
 def free_ports(n: int) -> list[int]:
@@ -71,9 +78,34 @@ def free_ports(n: int) -> list[int]:
                     s.bind(("127.0.0.1", port))
                 except OSError:
                     continue
+            if not _claim(port):
+                continue
             _GIVEN.add(port)
         ports.append(port)
     return ports
+
+
+def _claim(port: int) -> bool:
+    """Lock ``port`` against the other processes that pick ports here, for as long as this
+    process holds one of its last :data:`_CLAIMS_KEPT` (a lock file per port under the temp
+    directory; the kernel drops the locks with the process). False: another one holds it.
+    Where the lock cannot be taken at all, the port is this process's (as before locks)."""
+    try:
+        if not _CLAIMS.is_dir():
+            _CLAIMS.mkdir(exist_ok=True)
+            os.chmod(_CLAIMS, 0o1777)  # every user's processes claim ports here
+        fd = os.open(_CLAIMS / str(port), os.O_RDONLY | os.O_CREAT, 0o444)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _CLAIMED.append(fd)
+    while len(_CLAIMED) > _CLAIMS_KEPT:
+        os.close(_CLAIMED.popleft())
+    return True
 
 
 class _Prefixer(threading.Thread):
