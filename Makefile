@@ -1,7 +1,7 @@
 # The two commands of the README: `make run` (set up, then the main job) and `make test`.
 VENV := .venv/bin
 
-.PHONY: setup run test test-fast lint ruff typecheck docs docs-serve bench convergence stragglers chaos mutation wan wan-link wan-stripes \
+.PHONY: setup run test test-fast lint ruff typecheck docs docs-serve bench convergence stragglers chaos mutation wan wan-digits wan-link wan-stripes \
 	imports fuzz clean soak
 
 setup:
@@ -77,10 +77,15 @@ soak: setup
 ## across sites: 8 namespaces whose every link is emulated with a true RTT (benchmarks/wan: a delay
 ## line over tun, built here), (a) 1 Gbit/s with 50 ms and (b) 100 Mbit/s with 100 ms; gloo's
 ## gradient allreduce (the baseline) against D-SGD, CHOCO int8, DiLoCo, decentralized DiLoCo and
-## streaming decentralized DiLoCo with int8: time to the baseline's loss, bytes, utilisation
-## (benchmarks/results/wan.*; ~20 min, root for the namespaces)
+## streaming decentralized DiLoCo with int8, all training the character-level transformer LM of
+## examples/train_charlm.py: time to the baseline's loss, bytes, utilisation
+## (benchmarks/results/wan.*; ~35 min, root for the namespaces)
 wan: setup
 	$(VENV)/python benchmarks/wan_train.py
+
+## the same with the digits MLP as the workload (benchmarks/results/wan_digits.*; ~20 min, root)
+wan-digits: setup
+	$(VENV)/python benchmarks/wan_train.py --workload digits
 
 ## the emulated WAN checked: ping RTT and one TCP flow's throughput against the window/RTT math at
 ## RTT 10, 50 and 100 ms and 100 Mbit/s and 1 Gbit/s (benchmarks/results/wan_link.*; root)

@@ -12,6 +12,8 @@ Modules:
   namespaces: ICMP ping on a raw socket, one TCP sender and receiver recording TCP_INFO.
 * :mod:`benchmarks.wan.training`: one rank of ``benchmarks/wan_train.py`` (training methods
   compared on these links).
+* :mod:`benchmarks.wan.workloads`: what that benchmark trains (the character-level transformer
+  LM of ``examples/train_charlm.py``, or the digits MLP) and each workload's shared recipe.
 
 ``benchmarks/wan_link.py`` validates the emulation (ping RTT, one TCP flow's throughput against
 ``min(rate, window / RTT)``, the line's CPU cost) and writes ``benchmarks/results/wan_link.*``.

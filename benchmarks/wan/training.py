@@ -3,10 +3,10 @@ from the same seed with the same inner optimizer, one method after the other, an
 writes what it measured to a JSON file of its own (the driver merges them; nothing crosses
 processes as a pickle).
 
-The workload: a 64-256-256-10 MLP (85 k parameters, 340 KB of float32) classifying the
-handwritten digits that ship with scikit-learn (offline everywhere); each rank trains on its own
-iid shard with batches of 32 and AdamW; every ``eval_every`` inner steps it evaluates its own
-model on the held-out split (not timed).
+The workload (``--workload``, :mod:`benchmarks.wan.workloads`): the character-level transformer
+LM of ``examples/train_charlm.py`` by default, or the digits MLP; each rank draws its own
+batches of 32 and steps AdamW; every ``eval_every`` inner steps it evaluates its own model on
+the held-out split (not timed).
 
 Per method this rank records: the held-out loss at each evaluation with the training time so far
 (evaluations excluded), the time spent in forward and backward (compute), the loop's wall time,
@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from benchmarks.wan.workloads import Workload, load
 
 #: the methods, in the order they run: how each one steps, and its options
 METHODS: dict[str, dict[str, Any]] = {
@@ -42,39 +43,6 @@ METHODS: dict[str, dict[str, Any]] = {
 OUTER = ("diloco", "diloco-neighbor", "streaming-diloco-int8")
 
 
-@dataclass
-class Shard:
-    """This rank's training shard and the shared held-out split (torch tensors)."""
-
-    x: Any
-    y: Any
-    x_val: Any
-    y_val: Any
-
-
-def load_shard(rank: int, size: int) -> Shard:
-    """Digits, scaled to [0, 1]; 20% held out (the same on every rank); the rest dealt to the
-    ranks in turn after one fixed shuffle."""
-    import numpy as np
-    import torch
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    order = np.random.default_rng(0).permutation(len(digits.target))
-    x = torch.tensor(digits.data[order] / 16.0, dtype=torch.float32)
-    y = torch.tensor(digits.target[order], dtype=torch.int64)
-    held = len(y) // 5
-    return Shard(x[held:][rank::size], y[held:][rank::size], x[:held], y[:held])
-
-
-def model() -> Any:
-    """The MLP every method trains (same initial weights everywhere: seeded before)."""
-    from torch import nn
-
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                         nn.Linear(256, 10))
-
-
 def flat_parameters(net: Any) -> Any:
     """The model's parameters as one float32 numpy vector (a copy)."""
     import torch
@@ -82,21 +50,20 @@ def flat_parameters(net: Any) -> Any:
     return torch.nn.utils.parameters_to_vector(net.parameters()).detach().numpy().copy()
 
 
-def averaged_losses(snapshots: list[Any]) -> list[float]:
+def averaged_losses(workload: str, snapshots: list[Any]) -> list[float]:
     """The held-out loss of the ranks' averaged model at each evaluation (``snapshots``: each
     rank's ``[evaluations, parameters]`` array)."""
     import numpy as np
     import torch
 
-    shard = load_shard(0, 1)
-    net = model()
+    data = load(workload, 0, 1)
+    net = data.model()
     mean = np.mean(np.stack(snapshots), axis=0)
     out = []
     with torch.no_grad():
         for row in mean:
             torch.nn.utils.vector_to_parameters(torch.from_numpy(row), net.parameters())
-            out.append(float(torch.nn.functional.cross_entropy(net(shard.x_val),
-                                                               shard.y_val)))
+            out.append(data.held_out_loss(net))
     return out
 
 
@@ -163,7 +130,7 @@ def make_step(name: str, net: Any, inner: Any, client: Any, a: Any) -> Callable[
     return opt.step
 
 
-def train(name: str, shard: Shard, client: Any, a: Any) -> dict[str, Any]:
+def train(name: str, data: Workload, client: Any, a: Any) -> dict[str, Any]:
     """Method ``name`` for ``a.steps`` inner steps (the DiLoCo family: ``a.long_steps``, to see
     when it reaches the baseline's loss): what this rank measured."""
     import numpy as np
@@ -171,11 +138,10 @@ def train(name: str, shard: Shard, client: Any, a: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     torch.manual_seed(a.seed)
-    net = model()
+    net = data.model()
     inner = timed_adamw(net.parameters(), a.lr)
     step = make_step(name, net, inner, client, a)
     batches = torch.Generator().manual_seed(a.seed * 1000 + client.rank)
-    loss_fn = torch.nn.functional.cross_entropy
     evals: list[list[float]] = []
     budget: dict[str, float] = {}
     snapshots: list[Any] = []  # the parameters at each evaluation (for the averaged model)
@@ -184,10 +150,10 @@ def train(name: str, shard: Shard, client: Any, a: Any) -> dict[str, Any]:
     sent, began = tx_bytes(), time.perf_counter()
     steps = a.long_steps if name in OUTER else a.steps
     for k in range(steps):
-        pick = torch.randint(0, len(shard.y), (a.batch,), generator=batches)
+        x, y = data.batch(batches, a.batch)
         t = time.perf_counter()
         inner.zero_grad()
-        loss_fn(net(shard.x[pick]), shard.y[pick]).backward()
+        data.loss(net, x, y).backward()
         compute += time.perf_counter() - t
         t = time.perf_counter()
         step()
@@ -195,9 +161,8 @@ def train(name: str, shard: Shard, client: Any, a: Any) -> dict[str, Any]:
         if (k + 1) % a.eval_every == 0:
             t = time.perf_counter()
             trained = t - began - excluded  # training time so far
-            with torch.no_grad():
-                val = float(loss_fn(net(shard.x_val), shard.y_val))
-                snapshots.append(flat_parameters(net))
+            val = data.held_out_loss(net)
+            snapshots.append(flat_parameters(net))
             excluded += time.perf_counter() - t
             evals.append([trained, k + 1, val])
         if k + 1 == a.steps:  # the budget every method is compared at
@@ -231,8 +196,8 @@ def rank_main(a: Any) -> int:
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=size)
     client = dt.init()
-    shard = load_shard(rank, size)
-    results = {name: train(name, shard, client, a) for name in a.methods}
+    data = load(a.workload, rank, size)
+    results = {name: train(name, data, client, a) for name in a.methods}
     Path(a.out).write_text(json.dumps({"rank": rank, "methods": results}))
     dist.destroy_process_group()
     dt.shutdown()
