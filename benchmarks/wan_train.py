@@ -25,7 +25,10 @@ beside it),
 the final loss after the same budget of inner steps (a target "within 2%" means at most 2% above
 the baseline's), the bytes each node sent (its interface's
 counter), compute utilisation (forward, backward and inner-optimizer time / the loop's wall
-time, evaluations excluded), time per step, and the speedups over the baseline. Writes
+time, evaluations excluded) beside the share of the loop spent in the wrapper's step outside the
+inner optimizer ("waiting": the algorithm's own work and its waits) and the share blocked on
+exchanges not yet finished (``client.blocked_seconds``; decent's methods), time per step, and
+the speedups over the baseline. Writes
 ``--json``, ``--md`` (the table) and ``--png`` (held-out loss against wall time and against
 bytes sent).
 """
@@ -174,6 +177,8 @@ def summarize(run: dict[str, Any], budget: int) -> dict[str, dict[str, Any]]:
                    "tx_bytes_per_node": statistics.fmean(p["budget"]["tx_bytes"] for p in per),
                    "utilisation": statistics.fmean(p["compute_s"] / p["wall_s"] for p in per),
                    "waiting": statistics.fmean(p["exchange_wait_s"] / p["wall_s"] for p in per),
+                   "blocked": None if m == BASELINE or "blocked_s" not in per[0] else
+                   statistics.fmean(p["blocked_s"] / p["wall_s"] for p in per),
                    "curve": c}
     base = rows.get(BASELINE)
     for row in rows.values():
@@ -212,15 +217,16 @@ def table(result: dict[str, Any]) -> str:
         lines += [f"### ({key}) {setting['rate']}, RTT {setting['rtt_ms']:g} ms "
                   f"(delay line CPU {setting['line_cpu_s']:.0f} s of {setting['elapsed_s']:.0f} s)",
                   "", "| method | time to target | final loss (own) | sent per node | "
-                  "utilisation (waiting) | step | speedup (target) | speedup (step) | "
+                  "utilisation (waiting; blocked) | step | speedup (target) | speedup (step) | "
                   "fewer bytes |", "|:--|--:|--:|--:|--:|--:|--:|--:|--:|"]
         for m, r in setting["summary"].items():
             ttt = f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] else \
                 f"not in {r['steps_run']} steps"
             sp = f"{r['speedup']:.1f}x" if r.get("speedup") else "-"
+            blocked = "-" if r.get("blocked") is None else f"{r['blocked']:.1%}"
             lines.append(f"| {m} | {ttt} | {r['final_loss']:.4f} ({r['final_own_loss']:.4f}) | "
                          f"{r['tx_bytes_per_node'] / 1e6:.2f} MB | {r['utilisation']:.0%} "
-                         f"({r['waiting']:.0%}) | "
+                         f"({r['waiting']:.0%}; {blocked}) | "
                          f"{r['step_s'] * 1e3:.0f} ms | {sp} | {r.get('step_speedup', 1):.1f}x | "
                          f"{r.get('fewer_bytes', 1):.0f}x |")
         for v in setting["targets"]:

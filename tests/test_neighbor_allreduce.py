@@ -1,6 +1,10 @@
-"""neighbor_allreduce through real daemons equals W @ x computed independently in numpy."""
+"""neighbor_allreduce through real daemons equals W @ x computed independently in numpy; an async
+handle returns at once, and the time spent blocked on one is counted."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -202,3 +206,38 @@ def test_non_contiguous_and_grad_tensors(cluster: ClusterFactory) -> None:
         assert out.requires_grad and out.shape == (4, 6)
         want = (w[i] @ np.stack(xs).reshape(4, -1)).reshape(4, 6)
         np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_blocked_seconds_count_waits_on_unfinished_ops_only(cluster: ClusterFactory) -> None:
+    """``client.blocked_seconds``: a wait on an op a peer has not joined yet counts (a timed-out
+    one too); a wait on an op already finished adds nothing."""
+    c = cluster(2, "ring")
+    timed_out = threading.Event()
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        x = torch.full((4,), float(cl.rank))
+        if cl.rank == 1:
+            assert timed_out.wait(60)  # rank 0 has been blocked on "late": join it now
+            cl.allreduce(x, name="late")
+            return cl.allreduce(x, name="finished")
+        h = cl.allreduce_async(x, name="late")
+        before = cl.blocked_seconds
+        with pytest.raises(TimeoutError):
+            h.wait(timeout=0.2)  # rank 1 has not submitted "late": this cannot finish
+        after_timeout = cl.blocked_seconds
+        timed_out.set()
+        late = h.wait(timeout=60)
+        after_late = cl.blocked_seconds
+        done = cl.allreduce_async(x, name="finished")
+        while not done.done():  # until the completion is in, then a wait blocks on nothing
+            time.sleep(0.01)
+        finished = done.wait()
+        return before, after_timeout, after_late, cl.blocked_seconds, late, finished
+
+    (before, after_timeout, after_late, end, late, finished), theirs = c.run(work)
+    assert before == 0.0
+    assert after_timeout - before >= 0.2 * 0.99  # the lock's timeout, on the same clock family
+    assert after_late >= after_timeout
+    assert end == after_late  # the finished op's wait added nothing
+    assert torch.equal(late, torch.full((4,), 0.5)) and torch.equal(finished, late)
+    assert torch.equal(theirs, late)

@@ -60,6 +60,8 @@ def test_the_wan_benchmark_runs_both_systems_across_a_100_ms_link(tmp_path: Path
     # its 50 ms one-way delay
     assert base["step_s"] > 0.05 and base["time_to_target_s"] <= base["wall_s"]
     assert diloco["fewer_bytes"] > 2
+    # blocked on decent's exchanges: a share of the loop for decent's method, none for gloo's
+    assert base["blocked"] is None and 0 <= diloco["blocked"] <= diloco["waiting"] + 1e-9
     assert {v["what"] for v in setting["targets"]} == {"speedup", "fewer_bytes",
                                                        "final_within", "utilisation"}
     assert (tmp_path / "wan.png").stat().st_size > 0

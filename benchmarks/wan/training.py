@@ -147,7 +147,7 @@ def train(name: str, data: Workload, client: Any, a: Any) -> dict[str, Any]:
     snapshots: list[Any] = []  # the parameters at each evaluation (for the averaged model)
     compute = excluded = stepping = 0.0
     dist.barrier()
-    sent, began = tx_bytes(), time.perf_counter()
+    sent, began, blocked = tx_bytes(), time.perf_counter(), client.blocked_seconds
     steps = a.long_steps if name in OUTER else a.steps
     for k in range(steps):
         x, y = data.batch(batches, a.batch)
@@ -178,6 +178,8 @@ def train(name: str, data: Workload, client: Any, a: Any) -> dict[str, Any]:
         print(f"method {name} done: {steps} steps in {wall:.1f} s", flush=True)
     return {"evals": evals, "steps": steps, "compute_s": compute, "wall_s": wall,
             "exchange_wait_s": waiting,
+            # blocked in decent's waits on exchanges not yet finished (gloo's waits: not counted)
+            "blocked_s": client.blocked_seconds - blocked,
             "tx_bytes": sent, "budget": budget,
             "parameters": sum(p.numel() for p in net.parameters())}
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -135,6 +136,9 @@ class Requests(Protocol):
     def abandon(self, p: Pending) -> None:
         """``p``'s handle is gone: free its slots when it finishes."""
 
+    def blocked(self, seconds: float) -> None:
+        """A caller was blocked ``seconds`` waiting for an op that had not finished."""
+
 
 class Handle(Generic[T]):
     """The future result of one asynchronous op."""
@@ -181,7 +185,14 @@ class Handle(Generic[T]):
         p = self.pending
         if p.state is State.QUEUED:
             self._requests.flush()
-        if not p.event.wait(timeout):
+        if p.event.is_set():
+            return p
+        began = time.perf_counter()
+        try:
+            finished = p.event.wait(timeout)
+        finally:
+            self._requests.blocked(time.perf_counter() - began)
+        if not finished:
             raise TimeoutError(f"{p.label}: not finished after {timeout}s (still running)")
         return p
 

@@ -80,6 +80,8 @@ class Submitter(Generic[T]):
         self.lost: DecentError | None = None
         #: the highest membership epoch a completion carried (a change: ranks came or went)
         self.view_epoch = 0
+        #: seconds callers spent blocked in ``wait()``/``join()`` on unfinished ops
+        self.blocked_seconds = 0.0
 
     # ------------------------------------------------------------------ submission
 
@@ -288,6 +290,11 @@ class Submitter(Generic[T]):
                 p.state = State.ABANDONED
             elif p.state is State.DONE:
                 self._free(p, State.RELEASED)
+
+    def blocked(self, seconds: float) -> None:
+        """Add ``seconds`` a caller was blocked on an unfinished op to :attr:`blocked_seconds`."""
+        with self._lock:
+            self.blocked_seconds += seconds
 
     def collect(self, p: Pending) -> None:
         """Read ``p``'s result out of the arena (once) and free its slots."""

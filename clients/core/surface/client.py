@@ -182,6 +182,13 @@ class Client(OpMethods[T]):
         """Send every request still waiting in a fusion bucket now."""
         self._submitter.flush()
 
+    @property
+    def blocked_seconds(self) -> float:
+        """Seconds this client's callers have spent blocked in ``wait()`` or ``join()`` on ops
+        that had not finished yet (a timed-out wait included): the communication that compute
+        did not hide. A wait on a finished op adds nothing."""
+        return self._submitter.blocked_seconds
+
     def fused(self) -> AbstractContextManager[None]:
         """A block whose requests fuse by size only (as Horovod's grouped ops): the cycle timer
         does not split them while it lasts, and what is left goes out when it ends."""
