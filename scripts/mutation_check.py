@@ -289,6 +289,14 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
      "HELD_WHILE_REOPENING = frozenset({pb.ABORT, pb.SKIP})",
      [PLAN_TESTS[0] + "::test_a_refusals_descriptions_wait_for_a_link_being_reopened"],
      "a refusal's descriptions are dropped while their link is reopened"),
+    ("clients/core/requests/handles.py",
+     "        if p.event.is_set():\n            return p\n", "",
+     ["tests/test_neighbor_allreduce.py::test_blocked_seconds_count_waits_on_unfinished_ops_"
+      "only"], "a wait on a finished op counts as blocked time"),
+    ("clients/core/requests/handles.py",
+     "            self._requests.blocked(time.perf_counter() - began)", "            pass",
+     ["tests/test_neighbor_allreduce.py::test_blocked_seconds_count_waits_on_unfinished_ops_"
+      "only"], "blocked time is never counted"),
     ("clients/core/surface/adjoints.py",
      "            \"src_weights\": {int(d): float(w) for d, w in "
      "dst_weights.items()},\n            \"dst_weights\": {int(j): float(w) for j, w in "
