@@ -177,7 +177,7 @@ def summarize(run: dict[str, Any], budget: int) -> dict[str, dict[str, Any]]:
                    "tx_bytes_per_node": statistics.fmean(p["budget"]["tx_bytes"] for p in per),
                    "utilisation": statistics.fmean(p["compute_s"] / p["wall_s"] for p in per),
                    "waiting": statistics.fmean(p["exchange_wait_s"] / p["wall_s"] for p in per),
-                   "blocked": None if m == BASELINE or "blocked_s" not in per[0] else
+                   "blocked": None if m == BASELINE else
                    statistics.fmean(p["blocked_s"] / p["wall_s"] for p in per),
                    "curve": c}
     base = rows.get(BASELINE)
