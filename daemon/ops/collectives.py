@@ -86,19 +86,24 @@ async def _exchange_agreed(ctx: OpContext, others: list[int]) -> list[list[Arriv
     mailbox = ctx.services.mailbox
     for src, error in mailbox.open(keys, ctx):  # a peer's abort of them reaches this op
         ctx.aborted(src, error)
-    said = asyncio.gather(*(mailbox.expect(r, name, round_, AGREE_TAG)
-                            for r in others for name, round_ in keys))
+    said = [mailbox.expect(r, name, round_, AGREE_TAG) for r in others for name, round_ in keys]
     data: list[Expected] = []
     sends: list[asyncio.Future[None]] = []
     try:
         data = [ctx.expect_parts(r, DIRECT_TAG) for r in others]
         described = description_parts(ctx)
-        sends = [asyncio.ensure_future(ctx.send(r, DIRECT_TAG, extra=described))
-                 for r in others]
+        sent: DecentError | None = None
+        if len(others) == 1:  # one peer: its send needs no task of its own (a loop pass less)
+            sent = await _send_unless_ruled(ctx, others[0], described)
+        else:
+            sends = [asyncio.ensure_future(ctx.send(r, DIRECT_TAG, extra=described))
+                     for r in others]
         ruled = await _rule_first(ctx, said, others)
         if ruled is not None:
             raise ruled
         got = [await ctx.arrivals(e) for e in data]
+        if sent is not None:
+            raise sent
         await asyncio.gather(*sends)
         return got
     except BaseException:
@@ -106,8 +111,9 @@ async def _exchange_agreed(ctx: OpContext, others: list[int]) -> list[list[Arriv
             t.cancel()
         # the sends end before the op reports (a peer's failure meanwhile must not replace it)
         await _through_cancels(asyncio.gather(*sends, return_exceptions=True))
-        said.cancel()
-        said.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen
+        for f in said:
+            f.cancel()
+            f.add_done_callback(_seen)
         for e in data:
             e.drop()
         raise
@@ -115,7 +121,28 @@ async def _exchange_agreed(ctx: OpContext, others: list[int]) -> list[list[Arriv
         mailbox.close(keys)
 
 
-async def _rule_first(ctx: OpContext, said: asyncio.Future[list[Arrival]], others: list[int]
+async def _send_unless_ruled(ctx: OpContext, peer: int, described: list[pb.Part]
+                             ) -> DecentError | None:
+    """Send this op's tensors and descriptions to ``peer``; how the send failed, if it did (the
+    caller raises it after the verdict, as it would a send task's). A disagreement that fails
+    the op meanwhile stops the send, and the verdict is drawn next (:func:`_rule_first`)."""
+    try:
+        await ctx.send(peer, DIRECT_TAG, extra=described)
+    except asyncio.CancelledError:
+        if ctx.failure is None or ctx.failure.code not in VERDICT_CODES:
+            raise
+    except DecentError as err:
+        return err
+    return None
+
+
+def _seen(fut: asyncio.Future[Any]) -> None:
+    """Mark ``fut``'s exception as retrieved (its op has failed already)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+async def _rule_first(ctx: OpContext, said: list[asyncio.Future[Arrival]], others: list[int]
                       ) -> DecentError | None:
     """The verdict from every peer's descriptions (``said``: theirs, peer by peer, part by
     part, from ``others``). The op failed for a disagreement before they came (a peer's data
@@ -123,18 +150,23 @@ async def _rule_first(ctx: OpContext, said: asyncio.Future[list[Arrival]], other
     collective's descriptions come with its data, so they are waited for a while
     (:data:`DESCRIBED_WITHIN`), and their verdict, the same on every rank, is raised instead
     (a neighbor op under the same name sends none)."""
+    if ctx.failure is None and all(f.done() and not f.cancelled() and f.exception() is None
+                                   for f in said):  # all here: no wait
+        return _rule(ctx, [f.result() for f in said], others)
+    together = asyncio.gather(*said)
+    together.add_done_callback(_seen)
     if ctx.failure is None:
         try:
-            return _rule(ctx, await asyncio.shield(said), others)
+            return _rule(ctx, await asyncio.shield(together), others)
         except asyncio.CancelledError:
             if ctx.failure is None or ctx.failure.code not in VERDICT_CODES:
                 raise
     failure = ctx.failure
     assert failure is not None
-    await _through_cancels(said, DESCRIBED_WITHIN)
-    if not said.done() or said.cancelled() or said.exception() is not None:
+    await _through_cancels(together, DESCRIBED_WITHIN)
+    if not together.done() or together.cancelled() or together.exception() is not None:
         raise failure
-    raise _rule(ctx, said.result(), others) or failure
+    raise _rule(ctx, together.result(), others) or failure
 
 
 async def _through_cancels(fut: asyncio.Future[Any], within: float | None = None) -> None:
