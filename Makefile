@@ -1,7 +1,7 @@
 # The two commands of the README: `make run` (set up, then the main job) and `make test`.
 VENV := .venv/bin
 
-.PHONY: setup run test test-fast lint ruff typecheck docs docs-serve bench convergence stragglers chaos mutation wan wan-digits wan-link wan-stripes \
+.PHONY: setup run test test-fast lint ruff typecheck docs docs-serve bench convergence stragglers chaos mutation wan wan-digits wan-lr wan-link wan-stripes \
 	imports fuzz clean soak
 
 setup:
@@ -86,6 +86,12 @@ wan: setup
 ## the same with the digits MLP as the workload (benchmarks/results/wan_digits.*; ~20 min, root)
 wan-digits: setup
 	$(VENV)/python benchmarks/wan_train.py --workload digits
+
+## the learning rate every method of `make wan` shares, chosen for the baseline: gloo's gradient
+## allreduce as arithmetic in one process, at 5 rates, loss after 200 steps
+## (benchmarks/results/wan_lr.*; ~4 min, no root, no network)
+wan-lr: setup
+	$(VENV)/python benchmarks/wan_lr.py
 
 ## the emulated WAN checked: ping RTT and one TCP flow's throughput against the window/RTT math at
 ## RTT 10, 50 and 100 ms and 100 Mbit/s and 1 Gbit/s (benchmarks/results/wan_link.*; root)

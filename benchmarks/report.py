@@ -1189,9 +1189,9 @@ def render_report(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
              "benchmarks/p2p_vs_gloo.py`), `netns_dsgd.json` (`python "
              "benchmarks/netns_dsgd.py`, as root), `netns_hier.json` (`python "
              "benchmarks/netns_hier.py`, as root), `security_cost.json` (`python "
-             "benchmarks/security_cost.py`), `wan_link.md`, `wan_stripes.md` and `wan.md` "
-             "(`make wan-link`, `make wan-stripes`, `make wan`) by `python "
-             "benchmarks/report.py`.", "",
+             "benchmarks/security_cost.py`), `wan_link.md`, `wan_stripes.md`, `wan.md` and "
+             "`wan_lr.md` (`make wan-link`, `make wan-stripes`, `make wan`, `make wan-lr`) by "
+             "`python benchmarks/report.py`.", "",
              "## Acceptance", "", *acceptance_lines(rows), ""]
     if p2p is None or "sizes" not in p2p:
         lines += ["## Loopback (2 daemons)", "",
@@ -1219,14 +1219,15 @@ def render_report(p2p: dict[str, Any] | None, netns: dict[str, Any] | None,
 
 def wan_lines(results: Path) -> list[str]:
     """The emulated WAN's check (``wan_link.md``, ``make wan-link``), one large transfer over
-    one flow and over a striped link (``wan_stripes.md``, ``make wan-stripes``) and the training
-    across it (``wan.md``, ``make wan``), as those benchmarks wrote them."""
+    one flow and over a striped link (``wan_stripes.md``, ``make wan-stripes``), the training
+    across it (``wan.md``, ``make wan``) and the sweep that chose its learning rate
+    (``wan_lr.md``, ``make wan-lr``), as those benchmarks wrote them."""
     lines = []
     for name, command in (("wan_link", "make wan-link"), ("wan_stripes", "make wan-stripes"),
-                          ("wan", "make wan")):
+                          ("wan", "make wan"), ("wan_lr", "make wan-lr")):
         path = results / f"{name}.md"
         lines += [path.read_text().strip() if path.exists() else
-                  f"`{name}.md` is missing: run `{command}` (as root).", "",
+                  f"`{name}.md` is missing: run `{command}`.", "",
                   f"![{name}]({name}.png)" if (results / f"{name}.png").exists() else "", ""]
     return lines
 
