@@ -282,6 +282,46 @@ def find_daemon_pid() -> int | None:
     return None
 
 
+#: ``--placement``: where this rank and its daemon run (None: the scheduler's choice); each
+#: value maps (rank, CPU count) to (this rank's CPU, its daemon's CPU)
+PLACEMENTS: dict[str, Callable[[int, int], tuple[int, int]] | None] = {
+    "none": None,
+    "node": lambda rank, ncpu: (rank % ncpu, rank % ncpu),  # a node per CPU, as machines
+    "split": lambda rank, ncpu: (0, 1 % ncpu),  # the ranks together, the daemons together
+}
+
+
+def pin_process(pid: int, cpus: set[int]) -> set[int]:
+    """Run every thread of ``pid`` on ``cpus`` (threads made later inherit it); the CPUs it
+    could use before."""
+    before = os.sched_getaffinity(pid)
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(task.name), cpus)
+    return before
+
+
+def place(placement: str, rank: int, daemon_pid: int | None) -> dict[str, Any]:
+    """Pin this rank and its daemon as ``placement`` says: what was pinned where, and how to
+    undo it for the daemon (which may outlive this run)."""
+    where = PLACEMENTS[placement]
+    if where is None:
+        return {}
+    mine, its = where(rank, os.cpu_count() or 1)
+    pinned: dict[str, Any] = {"rank": mine, "before": pin_process(os.getpid(), {mine})}
+    if daemon_pid is not None:
+        pinned |= {"daemon": its, "daemon_pid": daemon_pid,
+                   "daemon_before": pin_process(daemon_pid, {its})}
+    return pinned
+
+
+def unplace(pinned: dict[str, Any]) -> None:
+    """Give the daemon back the CPUs it had before :func:`place` (this rank ends anyway)."""
+    if "daemon_pid" in pinned:
+        with contextlib.suppress(OSError):
+            pin_process(pinned["daemon_pid"], pinned["daemon_before"])
+
+
 #: sizes whose timed calls also count their CPU (two /proc reads per call: nothing next to a
 #: millisecond call of a MiB or more, too much next to a 4 KiB one)
 CPU_COUNTED_FROM = 1 << 20
@@ -823,6 +863,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=0,
                    help="timed calls per size and op (default: adapted to size and --budget)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per size and op")
+    p.add_argument("--placement", choices=sorted(PLACEMENTS), default="none",
+                   help="pin each rank and its daemon (every thread) before measuring: node = a "
+                   "rank and its daemon on CPU rank mod CPUs (a node per CPU), split = the ranks "
+                   "on CPU 0 and the daemons on CPU 1, none = where the scheduler puts them "
+                   "(default). On a VM a wake-up across CPUs costs tens of microseconds, which "
+                   "small calls show")
     p.add_argument("--budget", type=float, default=4.0,
                    help="approximate seconds of timed calls per (size, op)")
     p.add_argument("--min-repeats", type=int, default=10, help="lower bound of the adapted R")
@@ -863,7 +909,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     rank = bench.rank
     status_start = bench.daemon_status()
-    sampler = RssSampler(status_start.get("pid") or find_daemon_pid())
+    daemon_pid = status_start.get("pid") or find_daemon_pid()
+    pinned = place(args.placement, rank, daemon_pid)
+    sampler = RssSampler(daemon_pid)
     sampler.start()
     if rank == 0:
         listed = ", ".join(map(report.human_bytes, sizes))
@@ -960,6 +1008,8 @@ def main(argv: list[str] | None = None) -> int:
             "uptime_end": uptime_text(),
             "loaded_at_start": load_start[0] > report.LOAD_WARNING,
             "runtime_s": runtime,
+            "placement": args.placement,
+            "pinned_cpus": {k: pinned[k] for k in ("rank", "daemon") if k in pinned},
         }
         data: dict[str, Any] = {"meta": meta, "ops": report.OPS, "resnet18_ops": report.RN_OPS,
                                 "sizes": results, "resnet18": resnet,
@@ -980,6 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
         if failed:
             print("an op FAILED or returned a wrong result (see the report)", flush=True)
     dist.barrier()
+    unplace(pinned)
     bench.close()
     return 1 if failed else 0
 

@@ -644,6 +644,10 @@ def environment_lines(meta: dict[str, Any]) -> list[str]:
         f"timing {meta.get('mode')}, budget {meta.get('budget')} s per op and size"
         + (", --quick" if meta.get("quick") else ""),
     ]
+    if meta.get("placement", "none") != "none":
+        cpus = meta.get("pinned_cpus", {})
+        lines.append(f"- placement `{meta['placement']}`: rank 0 on CPU {cpus.get('rank')}, "
+                     f"its daemon on CPU {cpus.get('daemon')} (every thread pinned)")
     if load0 > LOAD_WARNING:
         lines.append(f"- **note: load average {load0:.2f} > {LOAD_WARNING} at start: other "
                      "processes were using the CPUs; every ratio compares numbers taken "

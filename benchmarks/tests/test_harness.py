@@ -72,10 +72,11 @@ def test_straggler_benchmark_short_run(tmp_path: Path) -> None:
 
 
 def _quick_p2p(out: Path, sizes: str) -> None:
-    """Run the p2p benchmark's quick mode between 2 daemons, writing into ``out``."""
+    """Run the p2p benchmark's quick mode between 2 daemons, writing into ``out``; each rank
+    pinned with its daemon to a CPU of its own (``--placement node``)."""
     proc = subprocess.run(
         [*RUN, "-np", "2", "--", sys.executable, str(REPO / "benchmarks" / "p2p_vs_gloo.py"),
-         "--quick", "--sizes", sizes, "--out", str(out)],
+         "--quick", "--sizes", sizes, "--placement", "node", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -101,6 +102,9 @@ def test_p2p_benchmark_quick(quick_p2p_run: Path) -> None:
     assert "| 4 KiB |" in report and "| 1 MiB |" in report
     assert "| 5 | daemon memory at the end of the loopback run" in report
     assert (tmp_path / "p2p_vs_gloo.png").stat().st_size > 10_000
+    meta = json.loads((tmp_path / "p2p_vs_gloo.json").read_text())["meta"]
+    assert meta["placement"] == "node" and meta["pinned_cpus"] == {"rank": 0, "daemon": 0}
+    assert "- placement `node`: rank 0 on CPU 0, its daemon on CPU 0" in report
 
 
 @pytest.mark.slow
@@ -663,3 +667,25 @@ def test_a_cleanup_spares_the_live_runs_of_every_benchmark_sharing_its_prefix() 
             proc.kill()
             proc.wait()
     assert not owner_alive(f"dcnt{ours.pid}-0", "dcnt")  # its run ended
+
+
+def test_placement_pins_every_thread_of_a_process_and_gives_its_cpus_back() -> None:
+    sys.path.insert(0, str(REPO))
+    from benchmarks.p2p_vs_gloo import pin_process
+
+    # a child with a second thread, so that pinning must reach past the main one
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time; threading.Thread("
+                              "target=time.sleep, args=(30,)).start(); print(1, flush=True); "
+                              "time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "1"
+        threads = [int(t.name) for t in Path(f"/proc/{child.pid}/task").iterdir()]
+        assert len(threads) >= 2
+        before = pin_process(child.pid, {0})
+        assert before == os.sched_getaffinity(0)  # what the child inherited from this test
+        assert all(os.sched_getaffinity(tid) == {0} for tid in threads)
+        pin_process(child.pid, before)
+        assert all(os.sched_getaffinity(tid) == before for tid in threads)
+    finally:
+        child.kill()
+        child.wait()
