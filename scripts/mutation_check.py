@@ -51,6 +51,9 @@ COMBINED_HALF = (STREAMING + "a_neighbors_tensor_half_here_before_the_call_is_co
                  "whole")
 LOCKED = STREAMING + "an_in_place_request_is_locked_from_before_it_is_sent_until_it_is_copied_in"
 LONE_LOST = FAULTS + "a_lone_in_neighbor_killed_before_sending_is_reweighted_by_the_worker"
+LIFECYCLE = "tests/test_lifecycle.py::test_"
+CONCURRENCY = "tests/test_concurrency.py::test_"
+COMPLETIONS = "tests/test_completions.py::test_"
 
 #: (file, snippet, replacement, tests, what the change breaks)
 MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
@@ -450,6 +453,28 @@ MUTATIONS: list[tuple[str, str, str, list[str], str]] = [
     ("clients/core/requests/placement.py", "            if landing := spare is not None:\n",
      "            if landing := spare is not None and False:\n", [COMBINED],
      "the second slot is taken but never used"),
+    ("clients/core/requests/completions.py",
+     "            self._turns.notify_all()  # it may be sitting out a caller's read\n", "",
+     [LIFECYCLE + "a_killed_daemon_is_not_reported_as_shutting_down",
+      COMPLETIONS + "the_end_of_the_channel_is_reported_once_while_a_caller_reads"],
+     "a caller reading the channel when the daemon dies leaves the loss unreported"),
+    ("clients/core/requests/completions.py",
+     "                if self._followers or self._sitting:\n",
+     "                if self._followers:\n",
+     [COMPLETIONS + "the_background_thread_sits_out_a_callers_turn_and_takes_over_after_it"],
+     "the background thread is not woken when the reading caller is done"),
+    ("clients/core/requests/completions.py",
+     "                self._turns.wait(None if self._leader else LINGER)\n",
+     "                self._turns.wait()\n",
+     [COMPLETIONS + "the_background_thread_sits_out_a_callers_turn_and_takes_over_after_it",
+      CONCURRENCY + "an_op_nobody_waits_for_finishes_in_the_background"],
+     "an op nobody waits for is never delivered after a caller read the channel"),
+    ("clients/core/requests/completions.py",
+     "            lead = not self._leader and self._ended is None\n",
+     "            lead = self._ended is None\n",
+     [COMPLETIONS + "threads_waiting_together_each_get_theirs",
+      CONCURRENCY + "threads_waiting_at_once_each_get_their_own_result"],
+     "two callers read the channel at once"),
 ]
 
 

@@ -199,3 +199,45 @@ def test_a_requests_latch_lets_every_waiter_through_once_it_is_set() -> None:
     for t in threads:
         t.join(60)
     assert passed == [True, True, True] and latch.is_set() and latch.wait(0) is True
+
+
+def test_threads_waiting_at_once_each_get_their_own_result(cluster: ClusterFactory) -> None:
+    # one waiting thread reads the completions for all (the leader), the others wait on it or
+    # on the background reader (followers); every thread must get its own op's result
+    c = cluster(2, "ring")
+    k = 4
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        got: dict[int, float] = {}
+
+        def one(i: int) -> None:
+            x = torch.full((8,), float(i + 1) * (1 if cl.rank == 0 else 10))
+            got[i] = float(cl.neighbor_allreduce(x, name=f"threads{i}", timeout=60)[0])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(k)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        return got
+
+    for got in c.run(work):
+        assert got == {i: 5.5 * (i + 1) for i in range(k)}  # (x + 10 x) / 2
+
+
+def test_an_op_nobody_waits_for_finishes_in_the_background(cluster: ClusterFactory) -> None:
+    # after a waited op (its caller read the completions itself), the next op's completion
+    # still reaches its handle and its callbacks without anyone waiting for it
+    c = cluster(2, "ring")
+    fired = threading.Event()
+
+    def work(cl):  # type: ignore[no-untyped-def]
+        assert float(cl.neighbor_allreduce(torch.ones(4), name="waited")[0]) == 1.0
+        h = cl.neighbor_allreduce_async(torch.full((4,), float(cl.rank)), name="unwaited")
+        if cl.rank == 0:
+            h.on_done(fired.set)
+            assert fired.wait(60), "the op's completion never reached its handle"
+            assert h.done()
+        return float(h.wait(timeout=60)[0])
+
+    assert c.run(work) == [0.5, 0.5]

@@ -2,9 +2,9 @@
 
 Registration (gRPC) gives the worker its rank, its arena and the daemon's sockets. Requests go
 out and completions come back as frames on the data channel, a Unix stream socket with no reply
-per request; one background thread reads the completions and hands each to the client. Memory
-registration is one request per connection on the memory socket, with the file descriptor
-riding along.
+per request, read by a caller blocked on an op or else a background thread
+(:mod:`decent.core.requests.completions`). Memory registration is one request per connection
+on the memory socket, with the file descriptor riding along.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from decent.core.requests.completions import Awaitable, CompletionReader
 from decent_wire import framing
 from decent_wire.errors import DecentError
 from decent_wire.local import default_socket
@@ -29,8 +30,6 @@ from decent_wire.v1 import decent_pb2_grpc as pb_grpc
 #: how long a client waits for the daemon's Unix socket to appear before saying there is none
 SOCKET_WAIT = 30.0
 MEMORY_CALL_TIMEOUT = 30.0
-#: completions are small; a larger frame means a broken stream
-MAX_COMPLETION = 16 << 20
 
 
 def default_address() -> str:
@@ -116,10 +115,8 @@ class Connection:
         self.joining = reply.rejoining
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
-        self._reader: threading.Thread | None = None
-        self._attached = threading.Event()
+        self._completions: CompletionReader | None = None
         self._closing = False
-        self.lost: DecentError | None = None
 
     # ------------------------------------------------------------------ the data channel
 
@@ -139,40 +136,22 @@ class Connection:
             self.close(patience=0)
             raise DecentError(pb.PEER_UNAVAILABLE, f"cannot open the daemon's data channel at "
                                                    f"{reg.data_socket}: {exc}") from None
-        self._reader = threading.Thread(target=self._read, args=(on_completion, on_lost),
-                                        daemon=True, name=f"decent-completions-{reg.rank}")
-        self._reader.start()
-        if not self._attached.wait(self.connect_timeout) or self.lost is not None:
-            lost = self.lost
+        reader = self._completions = CompletionReader(
+            sock, on_completion, on_lost, self.address, lambda: self._closing,
+            f"decent-completions-{reg.rank}")
+        reader.start()
+        if not reader.attached.wait(self.connect_timeout) or reader.lost is not None:
+            lost = reader.lost
             self.close(patience=0)  # the daemon did not answer: no point waiting for it again
             raise lost or DecentError(pb.PEER_UNAVAILABLE, f"daemon at {self.address} did not "
                                                            "answer on its data channel")
 
-    def _read(self, on_completion: Callable[[pb.Completion], None],
-              on_lost: Callable[[DecentError], None]) -> None:
-        # no goodbye before the end: the daemon died (a daemon that stops says why, last)
-        code, reason = pb.PEER_UNAVAILABLE, (
-            f"lost the daemon at {self.address}: it closed the data channel without a goodbye "
-            "(killed or crashed; its log or its supervisor says why)")
-        reader = framing.FrameReader(MAX_COMPLETION)
-        assert self._sock is not None
-        try:
-            while chunk := self._sock.recv(1 << 16):
-                for body in reader.feed(chunk):
-                    completion = framing.decode(pb.Completion, body)
-                    if completion.request_id != 0:
-                        on_completion(completion)
-                    elif completion.error.code != pb.OK:  # the daemon's last word
-                        code, reason = completion.error.code, completion.error.message
-                    else:
-                        self._attached.set()
-        except (OSError, framing.FrameError) as exc:
-            code, reason = pb.PEER_UNAVAILABLE, f"lost the daemon at {self.address}: {exc}"
-        if self._closing:
-            code, reason = pb.SHUTTING_DOWN, "this client was closed"
-        self.lost = DecentError(code, reason)
-        self._attached.set()
-        on_lost(self.lost)
+    def await_event(self, event: Awaitable, timeout: float | None) -> bool:
+        """Block until ``event`` (a request's latch) is set, at most ``timeout`` s, reading the
+        completions on this thread if no other caller is; whether it is set."""
+        if self._completions is None:
+            return event.wait(timeout)
+        return self._completions.await_event(event, timeout)
 
     def send(self, req: pb.SubmitRequest) -> None:
         """Write one request to the data channel (no reply: its completion answers it)."""
@@ -263,12 +242,12 @@ class Connection:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_WR)
-            if self._reader is not None:
-                self._reader.join(timeout=patience)
-                if self._reader.is_alive():  # the daemon does not answer: stop reading anyway
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
-                    self._reader.join(timeout=5)
+            reader = self._completions
+            if reader is not None and not reader.join(patience):
+                # the daemon does not answer: stop reading anyway
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                reader.join(5)
             sock.close()
         self._channel.close()
 

@@ -136,6 +136,9 @@ class Requests(Protocol):
     def abandon(self, p: Pending) -> None:
         """``p``'s handle is gone: free its slots when it finishes."""
 
+    def await_done(self, p: Pending, timeout: float | None) -> bool:
+        """Block until ``p`` finished (at most ``timeout`` s); whether it did."""
+
     def blocked(self, seconds: float) -> None:
         """A caller was blocked ``seconds`` waiting for an op that had not finished."""
 
@@ -189,7 +192,7 @@ class Handle(Generic[T]):
             return p
         began = time.perf_counter()
         try:
-            finished = p.event.wait(timeout)
+            finished = self._requests.await_done(p, timeout)
         finally:
             self._requests.blocked(time.perf_counter() - began)
         if not finished:

@@ -30,7 +30,7 @@ from decent.core.memory.spill import SpillMemory
 from decent.core.requests.calls import OpCall
 from decent.core.requests.combine import combine_into, combining, whole_elements
 from decent.core.requests.fusion import Fusion
-from decent.core.requests.handles import FREED, Handle, Pending, State
+from decent.core.requests.handles import FREED, Handle, Latch, Pending, State
 from decent.core.requests.placement import Placer
 from decent_wire import dtypes
 from decent_wire.errors import DecentError
@@ -38,6 +38,9 @@ from decent_wire.ops import Result, result_nbytes
 from decent_wire.v1 import decent_pb2 as pb
 
 T = TypeVar("T")
+#: blocks until a request's latch is set or the timeout passed (the connection's
+#: ``await_event``, which reads the completions on the waiting thread); whether it is set
+AwaitEvent = Callable[[Latch, float | None], bool]
 
 @dataclass(frozen=True)
 class Queued:
@@ -57,9 +60,12 @@ class Submitter(Generic[T]):
 
     def __init__(self, codec: TensorCodec[T], arena: ClientArena, registrar: Registrar,
                  send: Callable[[pb.SubmitRequest], None], fusion_threshold: int,
-                 cycle_time: float, arena_wait: float = 60.0) -> None:
+                 cycle_time: float, arena_wait: float = 60.0,
+                 await_event: AwaitEvent | None = None) -> None:
         """``arena_wait`` (the daemon's default op timeout): how long, beyond its own
-        timeout, a request waits for room in a full arena before it fails (ARENA_ERROR)."""
+        timeout, a request waits for room in a full arena before it fails (ARENA_ERROR).
+        ``await_event``: how a caller waits for a request (the connection's, which reads the
+        completions on the waiting thread); None: on the request's latch."""
         self.codec = codec
         self.arena_wait = arena_wait
         self.arena = arena
@@ -69,6 +75,7 @@ class Submitter(Generic[T]):
         #: where each request's input and result go (the placement layer)
         self.placer = Placer(codec, arena, registrar, self.spill, self._reclaim)
         self._send_request = send
+        self._await_event = await_event
         # reentrant: a Handle finalizer (which takes it) may run during GC while it is held
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
@@ -290,6 +297,12 @@ class Submitter(Generic[T]):
                 p.state = State.ABANDONED
             elif p.state is State.DONE:
                 self._free(p, State.RELEASED)
+
+    def await_done(self, p: Pending, timeout: float | None) -> bool:
+        """Block until ``p`` finished (at most ``timeout`` s); whether it did."""
+        if self._await_event is None:
+            return p.event.wait(timeout)
+        return self._await_event(p.event, timeout)
 
     def blocked(self, seconds: float) -> None:
         """Add ``seconds`` a caller was blocked on an unfinished op to :attr:`blocked_seconds`."""

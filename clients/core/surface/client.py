@@ -96,7 +96,8 @@ class Client(OpMethods[T]):
         self._submitter = Submitter(
             codec, self.arena, self._registrar, self.connection.send,
             env_threshold if fusion_threshold is None else fusion_threshold,
-            env_cycle if cycle_time is None else cycle_time, reg.default_timeout)
+            env_cycle if cycle_time is None else cycle_time, reg.default_timeout,
+            self.connection.await_event)
         try:
             self.connection.start(self._submitter.finish, self._submitter.connection_lost)
         except BaseException:
